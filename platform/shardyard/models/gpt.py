@@ -1,0 +1,131 @@
+"""A small decoder-only GPT that reads in one sitting.
+
+Written for the parallel strategies to take apart:
+- blocks live in an `nn.ModuleDict` keyed "0".."n-1", so a pipeline stage can delete the blocks
+  it does not own and every remaining parameter keeps its fully-qualified name (checkpoints from
+  any strategy then share one set of keys);
+- `forward` skips any part set to None (embeddings on later stages, the head on earlier ones);
+- attention uses separate q/k/v/out projections and infers the head count from the projection
+  width, so tensor parallelism can shard heads column-wise without touching this code.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardyard.spec import GPTSpec
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, spec: GPTSpec) -> None:
+        super().__init__()
+        self.head_dim = spec.n_embd // spec.n_head
+        self.q_proj = nn.Linear(spec.n_embd, spec.n_embd)
+        # No key bias: it adds the same q.b to every score in a row, which softmax ignores, so
+        # its gradient is exactly zero and Adam would only amplify rounding noise into it.
+        self.k_proj = nn.Linear(spec.n_embd, spec.n_embd, bias=False)
+        self.v_proj = nn.Linear(spec.n_embd, spec.n_embd)
+        self.out_proj = nn.Linear(spec.n_embd, spec.n_embd)
+        self.dropout = spec.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds n_head / tp of them.
+        q, k, v = (
+            proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.out_proj(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, spec: GPTSpec) -> None:
+        super().__init__()
+        self.fc_in = nn.Linear(spec.n_embd, 4 * spec.n_embd)
+        self.fc_out = nn.Linear(4 * spec.n_embd, spec.n_embd)
+        self.dropout = nn.Dropout(spec.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.fc_out(F.gelu(self.fc_in(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, spec: GPTSpec) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(spec.n_embd)
+        self.attn = CausalSelfAttention(spec)
+        self.ln_2 = nn.LayerNorm(spec.n_embd)
+        self.mlp = FeedForward(spec)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, spec: GPTSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.tok_emb: nn.Embedding | None = nn.Embedding(spec.vocab_size, spec.n_embd)
+        self.pos_emb: nn.Embedding | None = nn.Embedding(spec.block_size, spec.n_embd)
+        self.drop = nn.Dropout(spec.dropout)
+        self.blocks = nn.ModuleDict({str(i): Block(spec) for i in range(spec.n_layer)})
+        self.ln_f: nn.LayerNorm | None = nn.LayerNorm(spec.n_embd)
+        self.lm_head: nn.Linear | None = nn.Linear(spec.n_embd, spec.vocab_size, bias=False)
+        if spec.tie_weights:
+            self.lm_head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        # GPT-2's scaled init of the residual projections keeps activations stable with depth.
+        for name, param in self.named_parameters():
+            if name.endswith(("out_proj.weight", "fc_out.weight")):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * spec.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, V); on a pipeline stage, hidden states in or out."""
+        if self.tok_emb is not None:
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = self.drop(self.tok_emb(x) + self.pos_emb(positions))
+        for block in self.blocks.values():
+            x = block(x)
+        if self.ln_f is not None:
+            x = self.ln_f(x)
+        if self.lm_head is not None:
+            x = self.lm_head(x)
+        return x
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Greedy (temperature 0) or sampled continuation of `idx`, cropped to the context."""
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.spec.block_size:])[:, -1, :]
+            if temperature <= 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                probs = F.softmax(logits / temperature, dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=generator)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy over every position of the micro-batch."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))

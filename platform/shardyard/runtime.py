@@ -1,0 +1,37 @@
+"""Device, process-group backend and precision, chosen from what the machine has."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+def select_device(local_rank: int = 0) -> torch.device:
+    """One CUDA device per worker when CUDA is visible, the CPU otherwise."""
+    if torch.cuda.is_available():
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast on GPU by default; CPU trains in fp32 (CPU bf16 matmuls are slow and lossy)."""
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+@contextlib.contextmanager
+def autocast(device: torch.device, dtype: torch.dtype | None) -> Iterator[None]:
+    if dtype is None:
+        yield
+    else:
+        with torch.autocast(device_type=device.type, dtype=dtype):
+            yield

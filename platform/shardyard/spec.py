@@ -1,0 +1,288 @@
+"""The job spec: one YAML file parsed into typed, validated config objects.
+
+Everything a run needs is decided here, before any Ray worker starts: unknown keys, wrong types
+and impossible combinations raise `SpecError` with a message naming the key and the valid choices.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class SpecError(ValueError):
+    """A job spec that cannot run. The message is meant for the user, not a traceback."""
+
+
+class _Section(BaseModel):
+    # extra="forbid" is what turns a misspelled key into an error instead of a silent default.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class GPTSpec(_Section):
+    name: Literal["gpt"] = "gpt"
+    n_layer: int = Field(4, ge=1)
+    n_head: int = Field(4, ge=1)
+    n_embd: int = Field(128, ge=1)
+    block_size: int = Field(64, ge=2, description="context length in tokens")
+    vocab_size: int = Field(256, ge=2, description="256 for the byte-level corpus")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    tie_weights: bool = True
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> GPTSpec:
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})"
+            )
+        return self
+
+
+class MLPSpec(_Section):
+    name: Literal["mlp"] = "mlp"
+    in_dim: int = Field(32, ge=1)
+    hidden_dim: int = Field(64, ge=1)
+    out_dim: int = Field(8, ge=1)
+    n_layer: int = Field(3, ge=1, description="number of hidden layers")
+
+
+ModelSpec = Annotated[Union[GPTSpec, MLPSpec], Field(discriminator="name")]
+
+
+class DataSpec(_Section):
+    name: Literal["corpus", "synthetic"] = "corpus"
+    path: str | None = Field(
+        None, description="text file or folder for `corpus`; default: the Python stdlib sources"
+    )
+    max_bytes: int = Field(4_000_000, ge=1024, description="cap on corpus size read into memory")
+    num_samples: int = Field(4096, ge=1, description="size of the `synthetic` dataset")
+
+
+class OptimSpec(_Section):
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    momentum: float = Field(0.0, ge=0, description="for sgd")
+    grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables clipping")
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["cosine", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
+
+
+class BatchSpec(_Section):
+    global_batch_size: int = Field(32, ge=1, description="samples per optimizer step, all ranks")
+    micro_batch_size: int = Field(8, ge=1, description="samples per forward pass on one rank")
+
+
+class ParallelismSpec(_Section):
+    strategy: Literal["ddp"] = "ddp"
+
+
+class ScalingSpec(_Section):
+    num_workers: int | None = Field(None, ge=1)
+    min_workers: int | None = Field(None, ge=1)
+    max_workers: int | None = Field(None, ge=1)
+    use_gpu: bool | Literal["auto"] = "auto"
+    resources_per_worker: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})
+    max_failures: int = Field(0, ge=-1, description="worker-group restarts allowed; -1: forever")
+
+    @model_validator(mode="after")
+    def _fixed_or_elastic(self) -> ScalingSpec:
+        elastic = self.min_workers is not None or self.max_workers is not None
+        if self.num_workers is not None and elastic:
+            raise ValueError(
+                "set either scaling.num_workers (fixed size) or scaling.min_workers and "
+                "scaling.max_workers (elastic), not both"
+            )
+        if elastic and (self.min_workers is None or self.max_workers is None):
+            raise ValueError("elastic scaling needs both scaling.min_workers and scaling.max_workers")
+        if elastic and self.min_workers > self.max_workers:
+            raise ValueError(
+                f"scaling.min_workers ({self.min_workers}) exceeds "
+                f"scaling.max_workers ({self.max_workers})"
+            )
+        if not elastic and self.num_workers is None:
+            self.num_workers = 2
+        return self
+
+    @property
+    def world_sizes(self) -> range:
+        """Every world size this run may train at."""
+        if self.num_workers is not None:
+            return range(self.num_workers, self.num_workers + 1)
+        return range(self.min_workers, self.max_workers + 1)
+
+
+class CheckpointSpec(_Section):
+    storage_path: str = Field(
+        "runs", description="where runs live; relative paths resolve against the current directory"
+    )
+    every_n_steps: int = Field(50, ge=1)
+    keep: int = Field(2, ge=1, description="newest checkpoints kept; older ones are deleted")
+
+
+class RunSpec(_Section):
+    name: str = Field("gpt_ddp", pattern=r"^[A-Za-z0-9_.-]+$")
+    steps: int = Field(200, ge=1)
+    seed: int = 0
+    log_every: int = Field(10, ge=1)
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="auto: bf16 autocast on GPU, fp32 on CPU"
+    )
+
+
+class JobSpec(_Section):
+    model: ModelSpec = Field(default_factory=GPTSpec)
+    data: DataSpec = Field(default_factory=DataSpec)
+    optim: OptimSpec = Field(default_factory=OptimSpec)
+    batch: BatchSpec = Field(default_factory=BatchSpec)
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
+    scaling: ScalingSpec = Field(default_factory=ScalingSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    run: RunSpec = Field(default_factory=RunSpec)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _model_defaults_to_gpt(cls, data: Any) -> Any:
+        # The model section is a tagged union on `name`; a spec that omits it means the GPT.
+        if isinstance(data, dict) and isinstance(data.get("model"), dict) and "name" not in data["model"]:
+            data = {**data, "model": {"name": "gpt", **data["model"]}}
+        return data
+
+    @model_validator(mode="after")
+    def _combinations(self) -> JobSpec:
+        if self.model.name == "mlp" and self.data.name != "synthetic":
+            raise ValueError("model.name 'mlp' trains on data.name 'synthetic' only")
+        if self.data.path is not None and self.data.name != "corpus":
+            raise ValueError("data.path applies to data.name 'corpus' only")
+        bad = [ws for ws in self.scaling.world_sizes if self.grad_accum_steps(ws) is None]
+        if bad:
+            per_step = ", ".join(
+                f"{self.batch.micro_batch_size} x {ws} = {self.batch.micro_batch_size * ws}"
+                for ws in bad
+            )
+            raise ValueError(
+                f"batch.global_batch_size ({self.batch.global_batch_size}) must be a multiple of "
+                f"batch.micro_batch_size x data-parallel world size; it is not for world size "
+                f"{', '.join(map(str, bad))} ({per_step})"
+            )
+        return self
+
+    def grad_accum_steps(self, world_size: int) -> int | None:
+        """Micro-steps per optimizer step that keep the global batch exact, or None if none do."""
+        per_pass = self.batch.micro_batch_size * world_size
+        if self.batch.global_batch_size % per_pass:
+            return None
+        return self.batch.global_batch_size // per_pass
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.checkpoint.storage_path) / self.run.name
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_spec(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
+    """Read a YAML job spec (or start from defaults), apply `key.path=value` overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise SpecError(f"job spec {str(path)!r} does not exist")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise SpecError(f"job spec {str(path)!r} is not valid YAML: {err}") from None
+        if not isinstance(raw, dict):
+            raise SpecError(f"job spec {str(path)!r} must be a mapping of sections, not {type(raw).__name__}")
+    for item in overrides:
+        apply_override(raw, item)
+    spec = parse_spec(raw)
+    # Absolute, so that Ray Train workers and the serving side agree on where runs live.
+    spec.checkpoint.storage_path = _absolute_storage(spec.checkpoint.storage_path)
+    return spec
+
+
+def parse_spec(raw: dict[str, Any]) -> JobSpec:
+    try:
+        return JobSpec.model_validate(raw)
+    except ValidationError as err:
+        raise SpecError(_explain(err)) from None
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply one `section.key=value` override; the value is parsed as YAML (3e-4, true, [1, 2])."""
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise SpecError(f"override {item!r} must look like section.key=value")
+    parts = key.strip().split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise SpecError(f"override {item!r}: {part!r} is a value, not a section")
+        node = child
+    try:
+        node[parts[-1]] = yaml.safe_load(text)
+    except yaml.YAMLError:
+        node[parts[-1]] = text
+
+
+def _absolute_storage(path: str) -> str:
+    if "://" in path:  # s3://, gs://, ... are handed to Ray Train's storage layer as they are
+        return path
+    return str(Path(path).expanduser().resolve())
+
+
+def _explain(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        where, cls = _walk(e["loc"])
+        if e["type"] == "extra_forbidden":
+            valid = ", ".join(sorted(cls.model_fields)) if cls else "?"
+            lines.append(f"unknown key {where!r}; valid keys here: {valid}")
+        elif e["type"] == "value_error":
+            lines.append(e["msg"].removeprefix("Value error, "))
+        else:
+            got = e.get("input")
+            shown = "" if isinstance(got, dict) or got is None else f" (got {got!r})"
+            lines.append(f"{where or 'spec'}: {e['msg']}{shown}")
+    return "invalid job spec:\n  - " + "\n  - ".join(lines)
+
+
+def _walk(loc: tuple) -> tuple[str, type[BaseModel] | None]:
+    """Turn pydantic's error location into a dotted key, and find the section class at its parent.
+
+    Discriminated unions put the tag in the location (`model.gpt.n_layr`); it is dropped here so
+    the message uses the key the user wrote (`model.n_layr`).
+    """
+    cls: Any = JobSpec
+    names: list[str] = []
+    parent: type[BaseModel] | None = None
+    pending_union = False
+    for part in loc:
+        if pending_union:
+            cls = next((m for m in _members(cls) if m.model_fields["name"].default == part), None)
+            pending_union = False
+            continue
+        names.append(str(part))
+        parent = cls if isinstance(cls, type) and issubclass(cls, BaseModel) else None
+        field = parent.model_fields.get(str(part)) if parent else None
+        cls = field.annotation if field else None
+        pending_union = len(_members(cls)) > 1
+    return ".".join(names), parent
+
+
+def _members(annotation: Any) -> list[type[BaseModel]]:
+    if typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        return [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+    return []

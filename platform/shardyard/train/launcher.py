@@ -1,0 +1,116 @@
+"""Driver side: turn a validated JobSpec into a Ray Train V2 TorchTrainer run and report on it."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+from shardyard.data.corpus import corpus_files
+from shardyard.spec import JobSpec, SpecError
+from shardyard.train.loop import train_worker
+from shardyard.train.metrics import MetricsLog, format_table, summarize
+
+log = logging.getLogger("shardyard")
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    checkpoint: str | None
+    summary: dict[str, Any]
+
+
+def connect_ray(spec: JobSpec, attach_to_running: bool = False) -> None:
+    """Attach to the cluster in RAY_ADDRESS (set inside `ray job submit` jobs), optionally to one
+    already running on this machine, or else start a local Ray instance for this run."""
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"])
+        return
+    if attach_to_running:
+        try:
+            ray.init(address="auto")
+            return
+        except ConnectionError:
+            pass
+    # A local instance gets at least enough logical CPUs for the largest worker group, so a
+    # 4-worker job still runs (oversubscribed, slower) on a 2-core laptop.
+    largest = spec.scaling.world_sizes[-1] * spec.scaling.resources_per_worker.get("CPU", 1.0)
+    ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(largest)))
+
+
+def preflight(spec: JobSpec) -> None:
+    """Checks that need this machine or the cluster, done before any worker starts."""
+    if spec.data.name == "corpus":
+        try:
+            corpus_files(spec.data.path)
+        except FileNotFoundError as err:
+            raise SpecError(str(err)) from None
+    if spec.data.name == "corpus" and getattr(spec.model, "vocab_size", 256) < 256:
+        raise SpecError("data.name 'corpus' is byte-level: model.vocab_size must be at least 256")
+
+
+def scaling_config(spec: JobSpec) -> ScalingConfig:
+    s = spec.scaling
+    use_gpu = ray.cluster_resources().get("GPU", 0) > 0 if s.use_gpu == "auto" else s.use_gpu
+    resources = dict(s.resources_per_worker)
+    if use_gpu:
+        resources.setdefault("GPU", 1.0)
+    num_workers = s.num_workers if s.num_workers is not None else (s.min_workers, s.max_workers)
+    _check_capacity(spec, resources)
+    return ScalingConfig(num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=resources)
+
+
+def _check_capacity(spec: JobSpec, per_worker: dict[str, float]) -> None:
+    """A fixed-size group that the cluster can never hold would wait forever: say so now.
+    (An autoscaling cluster may still grow, so this only warns.)"""
+    minimum = spec.scaling.world_sizes.start
+    total = ray.cluster_resources()
+    short = {k: (v * minimum, total.get(k, 0.0)) for k, v in per_worker.items()
+             if v * minimum > total.get(k, 0.0)}
+    if short:
+        detail = ", ".join(f"{k}: need {need:g}, cluster has {have:g}" for k, (need, have) in short.items())
+        log.warning("the cluster cannot yet hold %d workers (%s); waiting for it to scale up",
+                    minimum, detail)
+
+
+def launch(spec: JobSpec, attach_to_running: bool = False) -> RunResult:
+    preflight(spec)
+    connect_ray(spec, attach_to_running)
+    run_dir = spec.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    trainer = TorchTrainer(
+        train_worker,
+        train_loop_config={"spec": spec.model_dump(mode="json"), "progress_bar": sys.stdout.isatty()},
+        scaling_config=scaling_config(spec),
+        run_config=RunConfig(
+            # Same name + storage path as an earlier run: Ray Train restores its checkpoint list
+            # and the workers resume from the latest checkpoint.
+            name=spec.run.name,
+            storage_path=spec.checkpoint.storage_path,
+            checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep),
+            failure_config=FailureConfig(max_failures=spec.scaling.max_failures),
+            callbacks=[MetricsLog(str(run_dir))],
+            # Ray Train's per-report INFO lines would drown shardyard's own progress output.
+            logging_config=LoggingConfig(log_level="WARNING"),
+        ),
+    )
+    start = time.perf_counter()
+    result = trainer.fit()
+    summary = summarize(run_dir, time.perf_counter() - start)
+    checkpoint = result.checkpoint.path if result.checkpoint else None
+    summary["checkpoint"] = checkpoint
+    print(format_table(f"shardyard run '{spec.run.name}' ({spec.parallelism.strategy})", summary),
+          flush=True)
+    return RunResult(run_dir, checkpoint, summary)

@@ -1,0 +1,77 @@
+"""The per-worker training loop that Ray Train runs on every worker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray.train
+import torch
+import torch.distributed as dist
+
+from shardyard.data import build_dataset, GlobalSampleOrder, micro_batch_ids
+from shardyard.models import build_model
+from shardyard.parallel import build_engine
+from shardyard.runtime import select_device
+from shardyard.spec import GPTSpec, parse_spec
+from shardyard.train import checkpoint
+from shardyard.train.checkpoint import TrainState
+from shardyard.train.metrics import Progress, Throughput
+
+
+def train_worker(config: dict[str, Any]) -> None:
+    """Entry point of each Ray Train worker.
+
+    `config["spec"]` is the validated job spec as a dict; `config["progress_bar"]` says whether the
+    driver has a terminal to draw a bar on.
+    """
+    spec = parse_spec(config["spec"])
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    device = select_device(context.get_local_rank())
+
+    # Same seed on every rank: identical initial weights, as a single process would build them.
+    torch.manual_seed(spec.run.seed)
+    engine = build_engine(spec, build_model(spec.model), device)
+    dataset = build_dataset(spec)
+    order = GlobalSampleOrder(len(dataset), spec.run.seed)
+    accum_steps = spec.grad_accum_steps(world_size)
+    tokens_per_sample = spec.model.block_size if isinstance(spec.model, GPTSpec) else 1
+    global_batch = spec.batch.global_batch_size
+
+    state = checkpoint.restore_latest(engine) or TrainState()
+    state.world_size = world_size
+    progress = Progress(spec.run.steps, state.step, config["progress_bar"]) if rank == 0 else None
+    throughput = Throughput()
+    loss_sum, steps_since_report = torch.zeros((), device=device), 0
+
+    while state.step < spec.run.steps:
+        ids = micro_batch_ids(order, state.samples_seen, rank, world_size,
+                              spec.batch.micro_batch_size, accum_steps)
+        loss_sum += engine.train_step([dataset.batch(i) for i in ids])
+        state.step += 1
+        state.samples_seen += global_batch
+        steps_since_report += 1
+        throughput.add(global_batch, global_batch * tokens_per_sample)
+
+        last = state.step == spec.run.steps
+        save_now = last or state.step % spec.checkpoint.every_n_steps == 0
+        if not (save_now or state.step % spec.run.log_every == 0):
+            continue
+        # One small all-reduce per report, not per step: the logged loss is the global mean.
+        dist.all_reduce(loss_sum)
+        metrics = {
+            "step": state.step,
+            "loss": loss_sum.item() / (steps_since_report * world_size),
+            "lr": engine.optimizer.param_groups[0]["lr"],
+            "world_size": world_size,
+            "samples_seen": state.samples_seen,
+            "epoch": state.samples_seen / len(dataset),
+            **throughput.read(),
+        }
+        checkpoint.report(metrics, engine, state, spec, rank, with_checkpoint=save_now)
+        if progress:
+            progress.update(steps_since_report, metrics)
+        loss_sum.zero_()
+        steps_since_report = 0
+    if progress:
+        progress.close()

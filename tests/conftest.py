@@ -1,0 +1,78 @@
+"""Shared fixtures: one real Ray cluster per test session, started with `ray start --head`.
+
+The cluster is ours alone (free ports, its own process) and is stopped by signalling the
+`ray start --block` process, which takes down exactly the processes it started; `ray stop`
+would kill every Ray instance on the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# Ray 2.59+ clusters use token auth; clients (ray job submit, ray.init) must opt in to send it.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RayCluster:
+    gcs_address: str
+    dashboard_url: str
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory):
+    import ray
+
+    port, dashboard = free_port(), free_port()
+    log = tmp_path_factory.mktemp("ray") / "ray_start.log"
+    ray_bin = Path(sys.executable).with_name("ray")
+    proc = subprocess.Popen(
+        [str(ray_bin), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+         f"--port={port}", f"--dashboard-port={dashboard}", "--include-dashboard=true",
+         "--dashboard-host=127.0.0.1", "--num-cpus=4", "--disable-usage-stats"],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    cluster = RayCluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard}")
+    try:
+        _wait_for_dashboard(cluster.dashboard_url, proc, log)
+        ray.init(address=cluster.gcs_address, log_to_driver=True)
+        yield cluster
+    finally:
+        ray.shutdown()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _wait_for_dashboard(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 90) -> None:
+    import requests
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ray start exited early:\n{log.read_text()}")
+        try:
+            if requests.get(f"{url}/api/version", timeout=2).ok:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"Ray dashboard did not come up at {url}:\n{log.read_text()}")

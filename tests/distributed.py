@@ -1,0 +1,33 @@
+"""Run a function on N local processes joined in a gloo process group (no Ray: the parallel math
+is tested directly with torch.distributed, as PyTorch tests its own DDP and FSDP)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from conftest import free_port
+
+
+def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """Call `fn(rank, world_size, *args)` on every rank; return each rank's result, by rank.
+    `fn` must be importable (defined at module level) for the spawn start method."""
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_entry, args=(world_size, free_port(), out, fn, args), nprocs=world_size, join=True)
+        return [pickle.loads(Path(out, f"{r}.pkl").read_bytes()) for r in range(world_size)]
