@@ -47,6 +47,8 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory):
          f"--port={port}", f"--dashboard-port={dashboard}", "--include-dashboard=true",
          "--dashboard-host=127.0.0.1", "--num-cpus=4", "--disable-usage-stats"],
         stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+        # As for a user with the venv activated: jobs' `python` is this interpreter.
+        env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"},
     )
     cluster = RayCluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard}")
     try:
@@ -70,7 +72,8 @@ def _wait_for_dashboard(url: str, proc: subprocess.Popen, log: Path, timeout_s: 
         if proc.poll() is not None:
             raise RuntimeError(f"ray start exited early:\n{log.read_text()}")
         try:
-            if requests.get(f"{url}/api/version", timeout=2).ok:
+            # Any answer means the server is up (with token auth it is a 401 without the token).
+            if requests.get(f"{url}/api/version", timeout=2).status_code < 500:
                 return
         except requests.RequestException:
             pass

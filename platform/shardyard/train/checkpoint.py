@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,10 @@ from typing import Any
 import ray.train
 import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from shardyard.models import build_model
 from shardyard.parallel import Engine
 from shardyard.spec import JobSpec
 
@@ -91,3 +94,16 @@ def find_latest(run_dir: str | Path) -> Path | None:
 
 def read_spec(checkpoint_dir: str | Path) -> JobSpec:
     return JobSpec.model_validate(json.loads((Path(checkpoint_dir) / SPEC_FILE).read_text()))
+
+
+def load_model(checkpoint_dir: str | Path) -> nn.Module:
+    """Rebuild the trained model in one process from any checkpoint, whatever world size wrote it
+    (with no_dist, DCP reads every shard itself)."""
+    model = build_model(read_spec(checkpoint_dir).model)
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():
+        # DCP warns that it assumes a single-process load even when told so with no_dist.
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(state, checkpoint_id=str(checkpoint_dir), no_dist=True)
+    model.load_state_dict(state["model"])
+    return model

@@ -1,0 +1,127 @@
+"""Job spec validation: every kind of bad spec is refused before any Ray worker starts, with a
+message that names the key and the valid choices."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO
+from shardyard.cli import main
+from shardyard.spec import JobSpec, SpecError, load_spec
+
+DEFAULT_JOB = REPO / "jobs" / "configs" / "gpt_ddp.yaml"
+
+
+def write(tmp_path: Path, spec: dict) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_default_job_is_valid() -> None:
+    spec = load_spec(DEFAULT_JOB)
+    assert spec.parallelism.strategy == "ddp"
+    assert spec.scaling.num_workers == 2
+    assert spec.grad_accum_steps(2) == 2
+    assert Path(spec.checkpoint.storage_path).is_absolute()
+
+
+def test_overrides_parse_values_and_nest() -> None:
+    spec = load_spec(DEFAULT_JOB, ["optim.lr=3e-4", "scaling.num_workers=4", "run.name=other"])
+    assert spec.optim.lr == pytest.approx(3e-4)
+    assert spec.scaling.num_workers == 4
+    assert spec.run.name == "other"
+    assert spec.grad_accum_steps(4) == 1
+
+
+def test_missing_sections_take_defaults() -> None:
+    spec = load_spec(None, ["model.n_layer=2"])
+    assert isinstance(spec, JobSpec) and spec.model.name == "gpt" and spec.model.n_layer == 2
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["optim.lrr=1"], ["unknown key 'optim.lrr'", "lr", "warmup_steps"]),
+        (["model.n_layr=2"], ["unknown key 'model.n_layr'", "n_layer"]),
+        (["trainer.steps=2"], ["unknown key 'trainer'", "parallelism", "scaling"]),
+        (["parallelism.strategy=ddpp"], ["parallelism.strategy", "'ddp'"]),
+        (["model.name=bert"], ["model", "'gpt'", "'mlp'"]),
+        (["run.steps=ten"], ["run.steps", "integer", "'ten'"]),
+        (["run.steps=0"], ["run.steps", "greater than or equal to 1"]),
+        (["scaling.use_gpu=maybe"], ["scaling.use_gpu", "'auto'"]),
+        (["batch.global_batch_size=30"],
+         ["batch.global_batch_size (30)", "batch.micro_batch_size", "world size 2", "8 x 2 = 16"]),
+        (["scaling.num_workers=3"], ["world size 3", "8 x 3 = 24"]),
+        (["scaling.num_workers=null", "scaling.min_workers=2", "scaling.max_workers=4"],
+         ["world size 3", "8 x 3 = 24"]),
+        (["scaling.min_workers=2", "scaling.max_workers=4"], ["either scaling.num_workers"]),
+        (["scaling.num_workers=null", "scaling.min_workers=4", "scaling.max_workers=2"],
+         ["scaling.min_workers (4) exceeds scaling.max_workers (2)"]),
+        (["scaling.num_workers=null", "scaling.min_workers=2"], ["both scaling.min_workers"]),
+        (["model.n_head=3"], ["model.n_embd (128)", "model.n_head (3)"]),
+        (["model.name=mlp", "model.n_head=2"], ["unknown key 'model.n_head'", "hidden_dim"]),
+        (["checkpoint.every_n_steps=0"], ["checkpoint.every_n_steps"]),
+        (["run.name=../escape"], ["run.name", "pattern"]),
+        (["optim"], ["override 'optim' must look like section.key=value"]),
+    ],
+)
+def test_bad_specs_are_named(overrides: list[str], expected: list[str]) -> None:
+    with pytest.raises(SpecError) as err:
+        load_spec(DEFAULT_JOB, overrides)
+    for fragment in expected:
+        assert fragment in str(err.value), f"{fragment!r} not in:\n{err.value}"
+
+
+def test_mlp_needs_synthetic_data() -> None:
+    with pytest.raises(SpecError, match="'mlp' trains on data.name 'synthetic'"):
+        load_spec(None, ["model.name=mlp"])
+    assert load_spec(None, ["model.name=mlp", "data.name=synthetic"]).model.hidden_dim == 64
+
+
+def test_unreadable_files_are_named(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="does not exist"):
+        load_spec(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_spec(bad)
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(SpecError, match="must be a mapping"):
+        load_spec(bad)
+
+
+def test_cli_rejects_bad_spec_without_starting_ray(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import ray
+
+    path = write(tmp_path, {"batch": {"global_batch_size": 30}, "data": {"name": "synthetic"}})
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "batch.global_batch_size (30)" in err and "Traceback" not in err
+    assert not ray.is_initialized()
+
+
+def test_cli_rejects_missing_corpus_before_ray(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import ray
+
+    assert main(["train", str(DEFAULT_JOB), "--set", f"data.path={tmp_path / 'missing'}"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert not ray.is_initialized()
+
+
+@pytest.mark.timeout(60)
+def test_job_entrypoint_reports_bad_spec_cleanly(tmp_path: Path) -> None:
+    """The `ray job submit` entrypoint, as a user runs it: exit 2, one clear message, no traceback."""
+    proc = subprocess.run(
+        [sys.executable, "jobs/train.py", "--config", str(DEFAULT_JOB), "--set", "optim.lrr=1"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "unknown key 'optim.lrr'" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert "Started a local Ray instance" not in proc.stderr + proc.stdout
