@@ -96,32 +96,34 @@ def test_unreadable_files_are_named(tmp_path: Path) -> None:
         load_spec(bad)
 
 
-def test_cli_rejects_bad_spec_without_starting_ray(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    import ray
+SHARDYARD = str(Path(sys.executable).with_name("shardyard"))
 
+
+def run_entrypoint(command: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=90)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("entrypoint", [[SHARDYARD, "train"], [sys.executable, "jobs/train.py", "--config"]],
+                         ids=["shardyard-cli", "job-entrypoint"])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [(["optim.lrr=1"], "unknown key 'optim.lrr'"),
+     (["batch.global_batch_size=30"], "batch.global_batch_size (30)"),
+     (["data.path=/nonexistent/corpus"], "data.path '/nonexistent/corpus' does not exist")],
+)
+def test_entrypoints_refuse_bad_specs_before_ray(entrypoint: list[str], overrides: list[str],
+                                                 message: str) -> None:
+    """As a user runs them: exit 2, one clear message, no traceback, and Ray never started."""
+    proc = run_entrypoint([*entrypoint, str(DEFAULT_JOB), *[a for o in overrides for a in ("--set", o)]])
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output
+    assert message in proc.stderr
+    assert "Traceback" not in output
+    assert "Ray instance" not in output and "Connecting to existing Ray cluster" not in output
+
+
+def test_cli_main_returns_2_on_bad_spec(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     path = write(tmp_path, {"batch": {"global_batch_size": 30}, "data": {"name": "synthetic"}})
     assert main(["train", str(path)]) == 2
-    err = capsys.readouterr().err
-    assert "batch.global_batch_size (30)" in err and "Traceback" not in err
-    assert not ray.is_initialized()
-
-
-def test_cli_rejects_missing_corpus_before_ray(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    import ray
-
-    assert main(["train", str(DEFAULT_JOB), "--set", f"data.path={tmp_path / 'missing'}"]) == 2
-    assert "does not exist" in capsys.readouterr().err
-    assert not ray.is_initialized()
-
-
-@pytest.mark.timeout(60)
-def test_job_entrypoint_reports_bad_spec_cleanly(tmp_path: Path) -> None:
-    """The `ray job submit` entrypoint, as a user runs it: exit 2, one clear message, no traceback."""
-    proc = subprocess.run(
-        [sys.executable, "jobs/train.py", "--config", str(DEFAULT_JOB), "--set", "optim.lrr=1"],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
-    )
-    assert proc.returncode == 2
-    assert "unknown key 'optim.lrr'" in proc.stderr
-    assert "Traceback" not in proc.stderr + proc.stdout
-    assert "Started a local Ray instance" not in proc.stderr + proc.stdout
+    assert "batch.global_batch_size (30)" in capsys.readouterr().err

@@ -75,11 +75,8 @@ def restore_latest(engine: Engine) -> TrainState | None:
 
 
 def report(metrics: dict[str, Any], engine: Engine, state: TrainState, spec: JobSpec,
-           rank: int, with_checkpoint: bool) -> None:
-    """Report metrics, and a checkpoint when asked. Every rank must call this at the same steps."""
-    if not with_checkpoint:
-        ray.train.report(metrics)
-        return
+           rank: int) -> None:
+    """Save and hand a checkpoint to Ray Train. Collective: every rank calls it at the same steps."""
     with tempfile.TemporaryDirectory(prefix="shardyard-ckpt-") as tmp:
         save(engine, state, spec, Path(tmp), rank)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),

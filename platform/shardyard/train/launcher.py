@@ -18,7 +18,7 @@ from ray.train.torch import TorchTrainer
 from shardyard.data.corpus import corpus_files
 from shardyard.spec import JobSpec, SpecError
 from shardyard.train.loop import train_worker
-from shardyard.train.metrics import MetricsLog, format_table, summarize
+from shardyard.train.metrics import MetricsFile, format_table, summarize
 
 log = logging.getLogger("shardyard")
 
@@ -44,10 +44,13 @@ def connect_ray(spec: JobSpec, attach_to_running: bool = False) -> None:
             return
         except ConnectionError:
             pass
-    # A local instance gets at least enough logical CPUs for the largest worker group, so a
-    # 4-worker job still runs (oversubscribed, slower) on a 2-core laptop.
+    # address="local": a new instance even if an earlier cluster left its address behind.
+    # It gets at least enough logical CPUs for the largest worker group, so a 4-worker job still
+    # runs (oversubscribed, slower) on a 2-core laptop. No dashboard: on a small machine its
+    # processes cost ~10% of training throughput (benchmarks/ddp_overhead.py); for the dashboard,
+    # `ray start --head` and point RAY_ADDRESS at it.
     largest = spec.scaling.world_sizes[-1] * spec.scaling.resources_per_worker.get("CPU", 1.0)
-    ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(largest)))
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(largest)), include_dashboard=False)
 
 
 def preflight(spec: JobSpec) -> None:
@@ -88,8 +91,6 @@ def _check_capacity(spec: JobSpec, per_worker: dict[str, float]) -> None:
 def launch(spec: JobSpec, attach_to_running: bool = False) -> RunResult:
     preflight(spec)
     connect_ray(spec, attach_to_running)
-    run_dir = spec.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
     trainer = TorchTrainer(
         train_worker,
         train_loop_config={"spec": spec.model_dump(mode="json"), "progress_bar": sys.stdout.isatty()},
@@ -101,16 +102,16 @@ def launch(spec: JobSpec, attach_to_running: bool = False) -> RunResult:
             storage_path=spec.checkpoint.storage_path,
             checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep),
             failure_config=FailureConfig(max_failures=spec.scaling.max_failures),
-            callbacks=[MetricsLog(str(run_dir))],
             # Ray Train's per-report INFO lines would drown shardyard's own progress output.
             logging_config=LoggingConfig(log_level="WARNING"),
         ),
     )
     start = time.perf_counter()
     result = trainer.fit()
-    summary = summarize(run_dir, time.perf_counter() - start)
+    title = f"shardyard run '{spec.run.name}' ({spec.parallelism.strategy})"
+    summary = summarize(MetricsFile(spec.checkpoint.storage_path, spec.run.name), title,
+                        time.perf_counter() - start)
     checkpoint = result.checkpoint.path if result.checkpoint else None
     summary["checkpoint"] = checkpoint
-    print(format_table(f"shardyard run '{spec.run.name}' ({spec.parallelism.strategy})", summary),
-          flush=True)
-    return RunResult(run_dir, checkpoint, summary)
+    print(format_table(title, summary), flush=True)
+    return RunResult(spec.run_dir, checkpoint, summary)

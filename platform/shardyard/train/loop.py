@@ -15,7 +15,7 @@ from shardyard.runtime import select_device
 from shardyard.spec import GPTSpec, parse_spec
 from shardyard.train import checkpoint
 from shardyard.train.checkpoint import TrainState
-from shardyard.train.metrics import Progress, Throughput
+from shardyard.train.metrics import MetricsFile, MetricsLog, Progress, Throughput
 
 
 def train_worker(config: dict[str, Any]) -> None:
@@ -41,6 +41,7 @@ def train_worker(config: dict[str, Any]) -> None:
     state = checkpoint.restore_latest(engine) or TrainState()
     state.world_size = world_size
     progress = Progress(spec.run.steps, state.step, config["progress_bar"]) if rank == 0 else None
+    log = MetricsLog(MetricsFile(spec.checkpoint.storage_path, spec.run.name), state.step) if rank == 0 else None
     throughput = Throughput()
     loss_sum, steps_since_report = torch.zeros((), device=device), 0
 
@@ -68,10 +69,12 @@ def train_worker(config: dict[str, Any]) -> None:
             "epoch": state.samples_seen / len(dataset),
             **throughput.read(),
         }
-        checkpoint.report(metrics, engine, state, spec, rank, with_checkpoint=save_now)
-        if progress:
+        if save_now:
+            checkpoint.report(metrics, engine, state, spec, rank)
+        if rank == 0:
+            log.append(metrics)
             progress.update(steps_since_report, metrics)
         loss_sum.zero_()
         steps_since_report = 0
-    if progress:
+    if rank == 0:
         progress.close()

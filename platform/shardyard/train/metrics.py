@@ -1,14 +1,20 @@
-"""Throughput measurement, the progress bar, the metrics log and the end-of-run report."""
+"""Throughput, progress output, the metrics log and the end-of-run report.
+
+Metrics do not travel through `ray.train.report`: in Ray Train V2 each report waits for the
+controller, which drains a one-slot queue on its health-check poll (every 2 s), so reporting at
+every log interval would throttle training to that poll. Rank 0 prints progress and writes the
+metrics log itself; `ray.train.report` is called only with checkpoints (see checkpoint.py).
+"""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import time
-from pathlib import Path
 from typing import Any
 
-from ray.train import UserCallback
+import pyarrow.fs
 
 METRICS_FILE = "metrics.jsonl"
 LOSS_PLOT = "loss_curve.png"
@@ -65,35 +71,50 @@ class Progress:
             self._bar.close()
 
 
-class MetricsLog(UserCallback):
-    """Appends rank 0's reported metrics to `<run_dir>/metrics.jsonl` (runs on the controller)."""
+class MetricsFile:
+    """`<storage_path>/<run>/metrics.jsonl`, written by rank 0 and read by the driver.
 
-    def __init__(self, run_dir: str) -> None:
-        self.path = Path(run_dir) / METRICS_FILE
+    Written through pyarrow's filesystem layer, so the same code serves a local directory and
+    s3:// or gs:// storage (object stores cannot append, so the small file is rewritten whole).
+    """
 
-    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
-        if not metrics or not metrics[0]:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as f:
-            f.write(json.dumps({**metrics[0], "time": time.time()}) + "\n")
+    def __init__(self, storage_path: str, run_name: str) -> None:
+        self.fs, root = pyarrow.fs.FileSystem.from_uri(storage_path)
+        self.dir = f"{root}/{run_name}"
+        self.path = f"{self.dir}/{METRICS_FILE}"
+
+    def read(self) -> list[dict[str, Any]]:
+        if self.fs.get_file_info(self.path).type == pyarrow.fs.FileType.NotFound:
+            return []
+        with self.fs.open_input_stream(self.path) as f:
+            return [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]
+
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        self.fs.create_dir(self.dir, recursive=True)
+        with self.fs.open_output_stream(self.path) as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows).encode())
+
+    def write_bytes(self, name: str, data: bytes) -> str:
+        with self.fs.open_output_stream(f"{self.dir}/{name}") as f:
+            f.write(data)
+        return f"{self.dir}/{name}"
 
 
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The metrics log, one row per step: a step logged twice (recomputed after a restart) keeps
-    its latest value."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
-        return []
-    by_step = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            by_step[row["step"]] = row
-    return [by_step[s] for s in sorted(by_step)]
+class MetricsLog:
+    """Rank 0's log: one row per step. A restarted run drops the rows past the checkpoint it
+    resumed from, since it is about to recompute those steps."""
+
+    def __init__(self, file: MetricsFile, resume_step: int) -> None:
+        self.file = file
+        self.rows = [r for r in file.read() if r["step"] <= resume_step]
+
+    def append(self, row: dict[str, Any]) -> None:
+        self.rows.append({**row, "time": time.time()})
+        self.file.write(self.rows)
 
 
-def plot_loss(rows: list[dict[str, Any]], out: Path) -> Path:
+def plot_loss(rows: list[dict[str, Any]], title: str) -> bytes:
+    """The loss curve as PNG bytes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -103,22 +124,23 @@ def plot_loss(rows: list[dict[str, Any]], out: Path) -> Path:
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker=".")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.set_title(out.parent.name)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
     plt.close(fig)
-    return out
+    return buffer.getvalue()
 
 
-def summarize(run_dir: str | Path, wall_s: float) -> dict[str, Any]:
-    """Write the loss plot and return the numbers for the end-of-run table."""
-    rows = read_metrics(run_dir)
+def summarize(file: MetricsFile, title: str, wall_s: float) -> dict[str, Any]:
+    """Write the loss plot beside the metrics; return the numbers for the end-of-run table."""
+    rows = file.read()
     if not rows:
         return {"steps": 0, "wall_s": wall_s}
     # The first interval includes start-up and warm-up; leave it out of the steady-state rate.
     steady = rows[1:] or rows
-    summary = {
+    return {
         "steps": rows[-1]["step"],
         "final_loss": rows[-1]["loss"],
         "best_loss": min(r["loss"] for r in rows),
@@ -126,10 +148,9 @@ def summarize(run_dir: str | Path, wall_s: float) -> dict[str, Any]:
         "samples_per_s": sum(r["samples_per_s"] for r in steady) / len(steady),
         "world_size": rows[-1]["world_size"],
         "wall_s": wall_s,
-        "loss_plot": str(plot_loss(rows, Path(run_dir) / LOSS_PLOT)),
-        "metrics": str(Path(run_dir) / METRICS_FILE),
+        "loss_plot": file.write_bytes(LOSS_PLOT, plot_loss(rows, title)),
+        "metrics": file.path,
     }
-    return summary
 
 
 def format_table(title: str, summary: dict[str, Any]) -> str:
