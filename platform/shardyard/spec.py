@@ -80,8 +80,62 @@ class BatchSpec(_Section):
     micro_batch_size: int = Field(8, ge=1, description="samples per forward pass on one rank")
 
 
+Strategy = Literal["ddp", "fsdp", "zero1", "zero2", "zero3", "pipeline", "tensor"]
+ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
+
+
 class ParallelismSpec(_Section):
-    strategy: Literal["ddp"] = "ddp"
+    """How the world is split: a (pp, dp, tp) DeviceMesh with dp = world / (pp * tp).
+
+    `strategy` names the data-parallel flavour over dp and turns on the model-parallel parts:
+    ddp and zero1/2/3 are pure data parallel; fsdp shards over dp and composes with tp;
+    pipeline splits the model into `pp` stages (DDP over any remaining dp); tensor shards every
+    linear layer over all ranks (tp = world size).
+    """
+
+    strategy: Strategy = "ddp"
+    tp: int = Field(1, ge=1, description="tensor-parallel degree")
+    pp: int = Field(1, ge=1, description="pipeline stages (over ranks)")
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    stages_per_rank: int = Field(1, ge=1, description="model chunks per pipeline rank (interleaved)")
+    split_points: list[int] | None = Field(
+        None, description="block index where each stage after the first begins; default: balanced"
+    )
+    cpu_offload: bool = Field(False, description="fsdp: parameters and optimizer state on CPU; "
+                                                 "zero: optimizer state (and zero3 parameters) on CPU")
+    activation_checkpointing: bool = Field(False, description="fsdp: recompute blocks in backward")
+    mixed_precision: bool = Field(True, description="fsdp on GPU: bf16 compute, fp32 reduce")
+
+    @model_validator(mode="after")
+    def _strategy_parts(self) -> ParallelismSpec:
+        s = self.strategy
+        if s in ("ddp", *ZERO_STAGES) and (self.tp > 1 or self.pp > 1):
+            raise ValueError(f"parallelism.strategy '{s}' is pure data parallel: parallelism.tp and "
+                             f"parallelism.pp must be 1 (use 'fsdp' with tp, or 'pipeline' with pp)")
+        if s == "pipeline" and (self.pp < 2 or self.tp > 1):
+            raise ValueError("parallelism.strategy 'pipeline' needs parallelism.pp >= 2 and tp = 1")
+        if s == "tensor" and (self.tp < 2 or self.pp > 1):
+            raise ValueError("parallelism.strategy 'tensor' needs parallelism.tp >= 2 and pp = 1")
+        if s == "fsdp" and self.pp > 1:
+            raise ValueError("parallelism.strategy 'fsdp' composes with tp; pipeline stages with "
+                             "FSDP are not supported yet: use strategy 'pipeline' for dp x pp")
+        if self.pp == 1 and (self.schedule == "interleaved_1f1b" or self.stages_per_rank > 1
+                             or self.split_points):
+            raise ValueError("parallelism.schedule, stages_per_rank and split_points apply to "
+                             "pipeline parallelism (parallelism.pp >= 2) only")
+        if (self.schedule == "interleaved_1f1b") != (self.stages_per_rank > 1):
+            raise ValueError("parallelism.schedule 'interleaved_1f1b' goes with "
+                             "parallelism.stages_per_rank >= 2, and only it")
+        return self
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    def dp_size(self, world_size: int) -> int | None:
+        """Data-parallel degree at this world size, or None if pp * tp does not divide it."""
+        model_parallel = self.pp * self.tp
+        return None if world_size % model_parallel else world_size // model_parallel
 
 
 class ScalingSpec(_Section):
@@ -161,23 +215,54 @@ class JobSpec(_Section):
             raise ValueError("model.name 'mlp' trains on data.name 'synthetic' only")
         if self.data.path is not None and self.data.name != "corpus":
             raise ValueError("data.path applies to data.name 'corpus' only")
+        par = self.parallelism
+        if par.strategy == "tensor" and any(ws != par.tp for ws in self.scaling.world_sizes):
+            raise ValueError(f"parallelism.strategy 'tensor' shards over every rank: parallelism.tp "
+                             f"({par.tp}) must equal the world size (for dp x tp use 'fsdp' with tp)")
+        no_mesh = [ws for ws in self.scaling.world_sizes if par.dp_size(ws) is None]
+        if no_mesh:
+            raise ValueError(f"world size {', '.join(map(str, no_mesh))} is not a multiple of "
+                             f"parallelism.pp x parallelism.tp = {par.pp} x {par.tp}")
+        self._check_model_fits_mesh()
         bad = [ws for ws in self.scaling.world_sizes if self.grad_accum_steps(ws) is None]
         if bad:
-            per_step = ", ".join(
-                f"{self.batch.micro_batch_size} x {ws} = {self.batch.micro_batch_size * ws}"
-                for ws in bad
-            )
+            micro = self.batch.micro_batch_size
+            per_step = ", ".join(f"{micro} x {par.dp_size(ws)} = {micro * par.dp_size(ws)}"
+                                 for ws in bad)
             raise ValueError(
                 f"batch.global_batch_size ({self.batch.global_batch_size}) must be a multiple of "
-                f"batch.micro_batch_size x data-parallel world size; it is not for world size "
+                f"batch.micro_batch_size x data-parallel size; it is not for world size "
                 f"{', '.join(map(str, bad))} ({per_step})"
             )
         return self
 
+    def _check_model_fits_mesh(self) -> None:
+        par, model = self.parallelism, self.model
+        if (par.tp > 1 or par.pp > 1) and model.name != "gpt":
+            raise ValueError("tensor and pipeline parallelism split the GPT's blocks: model.name "
+                             "must be 'gpt'")
+        if par.tp > 1 and model.n_head % par.tp:
+            raise ValueError(f"model.n_head ({model.n_head}) must be divisible by "
+                             f"parallelism.tp ({par.tp}) to shard attention heads")
+        if par.pp > 1:
+            if model.tie_weights:
+                raise ValueError("pipeline stages cannot share the embedding with the output "
+                                 "head: set model.tie_weights=false")
+            if model.n_layer < par.num_stages:
+                raise ValueError(f"model.n_layer ({model.n_layer}) cannot be split into "
+                                 f"{par.num_stages} pipeline stages (pp x stages_per_rank)")
+            points = par.split_points
+            if points is not None and (len(points) != par.num_stages - 1 or points != sorted(set(points))
+                                       or points[0] < 1 or points[-1] >= model.n_layer):
+                raise ValueError(f"parallelism.split_points must be {par.num_stages - 1} increasing "
+                                 f"block indices between 1 and {model.n_layer - 1}, got {points}")
+
     def grad_accum_steps(self, world_size: int) -> int | None:
-        """Micro-steps per optimizer step that keep the global batch exact, or None if none do."""
-        per_pass = self.batch.micro_batch_size * world_size
-        if self.batch.global_batch_size % per_pass:
+        """Micro-batches per optimizer step on each data-parallel rank (the pipeline's
+        n_microbatches) that keep the global batch exact, or None if none do."""
+        dp = self.parallelism.dp_size(world_size)
+        per_pass = self.batch.micro_batch_size * (dp or 0)
+        if not per_pass or self.batch.global_batch_size % per_pass:
             return None
         return self.batch.global_batch_size // per_pass
 

@@ -1,47 +1,86 @@
-"""Parallel strategies, each behind the `Engine` interface, chosen by `parallelism.strategy`.
+"""Parallel strategies behind one `Engine` interface, chosen by the job spec's `parallelism`.
 
-A new strategy is one module that wraps the model and returns an Engine, plus one registry line.
+`build_engine` lays the (pp, dp, tp) mesh, then applies each part as one small function:
+pipeline stages (pipeline.py), tensor parallelism (tensor.py), then the data-parallel flavour:
+DDP (ddp.py), FSDP2 (fsdp.py) or DeepSpeed ZeRO (zero.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardyard.models import loss_fn_for
 from shardyard.parallel.ddp import DDPEngine, apply_ddp
 from shardyard.parallel.engine import Engine, MicroBatch
+from shardyard.parallel.fsdp import FSDPEngine, apply_activation_checkpointing, apply_fsdp
+from shardyard.parallel.mesh import build_mesh
+from shardyard.parallel.pipeline import PipelineEngine, build_schedule, build_stages
+from shardyard.parallel.tensor import apply_tensor_parallel
 from shardyard.runtime import autocast_dtype
-from shardyard.spec import JobSpec
+from shardyard.spec import ZERO_STAGES, JobSpec
 from shardyard.train.optim import build_optimizer, build_scheduler
 
-EngineBuilder = Callable[[JobSpec, nn.Module, torch.device], Engine]
 
-
-def _engine(cls: type[Engine], spec: JobSpec, model: nn.Module, device: torch.device) -> Engine:
-    optimizer = build_optimizer(model.parameters(), spec.optim)
-    return cls(model, optimizer, build_scheduler(optimizer, spec.optim, spec.run.steps),
-               loss_fn_for(spec.model), spec.optim.grad_clip, device,
-               autocast_dtype(spec.run.precision, device))
+def _optimizers(spec: JobSpec, parts: list[nn.Module]) -> tuple[list, list]:
+    optimizers = [build_optimizer(part.parameters(), spec.optim) for part in parts]
+    return optimizers, [build_scheduler(o, spec.optim, spec.run.steps) for o in optimizers]
 
 
 def single_process(spec: JobSpec, model: nn.Module, device: torch.device) -> Engine:
     """No parallelism: the reference every strategy is tested against."""
-    return _engine(Engine, spec, model.to(device), device)
-
-
-def ddp(spec: JobSpec, model: nn.Module, device: torch.device) -> Engine:
-    return _engine(DDPEngine, spec, apply_ddp(model.to(device), device), device)
-
-
-STRATEGIES: dict[str, EngineBuilder] = {"ddp": ddp}
+    optimizers, schedulers = _optimizers(spec, [model.to(device)])
+    return Engine([model], optimizers, schedulers, loss_fn_for(spec.model), spec.optim.grad_clip,
+                  device, autocast_dtype(spec.run.precision, device))
 
 
 def build_engine(spec: JobSpec, model: nn.Module, device: torch.device) -> Engine:
-    """Wrap `model` for the spec's strategy. Call inside an initialised process group."""
-    return STRATEGIES[spec.parallelism.strategy](spec, model, device)
+    """Wrap `model` for the spec's parallelism. Call inside an initialised process group, with
+    the same seed on every rank so every rank starts from the same weights."""
+    par, world = spec.parallelism, dist.get_world_size()
+    loss_fn, accum = loss_fn_for(spec.model), spec.grad_accum_steps(world)
+    amp = autocast_dtype(spec.run.precision, device)
+
+    if par.strategy in ZERO_STAGES:
+        from shardyard.parallel import zero  # imports DeepSpeed: only when asked for
+
+        optimizers, schedulers = _optimizers(spec, [model.to(device)])
+        ds = zero.initialize(model, optimizers[0], schedulers[0], spec, accum, device)
+        # DeepSpeed casts to bf16 itself on GPU, so no autocast on top.
+        return zero.ZeroEngine([ds], optimizers, schedulers, loss_fn, spec.optim.grad_clip, device,
+                               None, dp_rank=dist.get_rank(), dp_size=world)
+
+    mesh = build_mesh(par, world, device)
+    dp_mesh = mesh["dp"]
+    common = dict(loss_fn=loss_fn, grad_clip=spec.optim.grad_clip, device=device, amp_dtype=amp,
+                  dp_rank=dp_mesh.get_local_rank(), dp_size=dp_mesh.size())
+
+    if par.pp > 1:
+        parts, ids = build_stages(model, spec.model, par, mesh, device)
+        if dp_mesh.size() > 1:
+            parts = [apply_ddp(p, device, dp_mesh.get_group()) for p in parts]
+        schedule = build_schedule(parts, ids, par, mesh, device, accum, loss_fn)
+        optimizers, schedulers = _optimizers(spec, parts)
+        return PipelineEngine(parts, optimizers, schedulers, schedule=schedule, mesh=mesh,
+                              is_first=0 in ids, is_last=par.num_stages - 1 in ids, **common)
+
+    model.to(device)
+    if par.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"])
+    if par.strategy == "fsdp":
+        if par.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        model = apply_fsdp(model, dp_mesh, par, device)
+        if par.mixed_precision and device.type == "cuda":
+            common["amp_dtype"] = None  # FSDP's policy already computes in bf16
+        cls: type[Engine] = FSDPEngine
+    elif par.strategy == "ddp":
+        model, cls = apply_ddp(model, device, dp_mesh.get_group()), DDPEngine
+    else:  # tensor: every rank holds a slice of every block; nothing else to synchronise
+        cls = Engine
+    optimizers, schedulers = _optimizers(spec, [model])
+    return cls([model], optimizers, schedulers, **common)
 
 
-__all__ = ["Engine", "MicroBatch", "STRATEGIES", "build_engine", "single_process"]
+__all__ = ["Engine", "MicroBatch", "build_engine", "single_process"]

@@ -5,21 +5,22 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shardyard.parallel.engine import Engine
 
 
-def apply_ddp(model: nn.Module, device: torch.device) -> DistributedDataParallel:
-    """Wrap `model` (already on `device`); DDP broadcasts rank 0's parameters at construction."""
+def apply_ddp(model: nn.Module, device: torch.device,
+              group: dist.ProcessGroup | None = None) -> DistributedDataParallel:
+    """Wrap `model` (already on `device`) for data parallelism over `group` (default: all ranks).
+    DDP broadcasts the group's first rank's parameters at construction."""
     device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids)
+    return DistributedDataParallel(model, device_ids=device_ids, process_group=group)
 
 
 class DDPEngine(Engine):
-    model: DistributedDataParallel
-
     @property
     def module(self) -> nn.Module:
         return self.model.module

@@ -1,7 +1,8 @@
 """The one interface every parallel strategy implements: an optimizer step over micro-batches.
 
-The training loop knows only this class; each strategy module wraps the model its own way and
-overrides the hooks that differ (how accumulation skips communication, what `module` to export).
+The training loop knows only this class. A strategy wraps the model its own way and overrides
+the hooks that differ: how accumulation skips communication, how a step runs (a pipeline runs a
+schedule), and which ranks feed data and hold the loss.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ import contextlib
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardyard.models import LossFn
 from shardyard.runtime import autocast
@@ -19,33 +22,52 @@ MicroBatch = tuple[torch.Tensor, torch.Tensor]
 
 
 class Engine:
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler: torch.optim.lr_scheduler.LRScheduler, loss_fn: LossFn,
-                 grad_clip: float, device: torch.device, amp_dtype: torch.dtype | None) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
+    """Holds the model (one part, or several pipeline chunks), one optimizer and LR schedule per
+    part, and runs the training step."""
+
+    checkpoint_format = "dcp"  # torch.distributed.checkpoint; ZeRO uses DeepSpeed's own
+
+    def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                 schedulers: list[torch.optim.lr_scheduler.LRScheduler], loss_fn: LossFn,
+                 grad_clip: float, device: torch.device, amp_dtype: torch.dtype | None,
+                 dp_rank: int = 0, dp_size: int = 1) -> None:
+        self.parts = parts
+        self.optimizers = optimizers
+        self.schedulers = schedulers
         self.loss_fn = loss_fn
         self.grad_clip = grad_clip
         self.device = device
         self.amp_dtype = amp_dtype
+        self.dp_rank = dp_rank  # which slice of each global batch this rank reads
+        self.dp_size = dp_size
+        # Ranks whose returned loss is real (a pipeline's last stage); the loop averages over them.
+        self.loss_ranks = dist.get_world_size() if dist.is_initialized() else 1
+
+    @property
+    def model(self) -> nn.Module:
+        return self.parts[0]
 
     @property
     def module(self) -> nn.Module:
         """The user's model without any wrapper, for exporting and inspection."""
         return self.model
 
+    @property
+    def lr(self) -> float:
+        return self.optimizers[0].param_groups[0]["lr"]
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for part in self.parts for p in part.parameters()]
+
     def accumulating(self, is_last_micro_step: bool) -> contextlib.AbstractContextManager:
         """Context for one micro-step's forward and backward; strategies skip syncs in it."""
         return contextlib.nullcontext()
 
-    def train_step(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
-        """Forward/backward every micro-batch, then one optimizer step.
+    def forward_backward(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
+        """Accumulate the gradient of the mean loss over this rank's micro-batches.
 
-        Each micro-loss is divided by the number of micro-steps, so the accumulated gradient is
-        the gradient of the mean loss over this rank's samples; the strategy's reduction then
-        averages over ranks, giving the gradient of the mean over the global batch.
-        Returns this rank's mean loss (detached).
+        Each micro-loss is divided by the number of micro-steps; the strategy's reduction then
+        averages over data-parallel ranks: the gradient of the mean over the global batch.
         """
         steps = len(micro_batches)
         total = torch.zeros((), device=self.device)
@@ -56,9 +78,37 @@ class Engine:
                 loss = self.loss_fn(outputs, targets.to(self.device, non_blocking=True)) / steps
                 loss.backward()
             total += loss.detach()
+        return total
+
+    def train_step(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
+        """One optimizer step; returns this rank's mean loss (zero where it holds none)."""
+        loss = self.forward_backward(micro_batches)
         if self.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            self.clip_grad_norm(self.grad_clip)
+        for optimizer, scheduler in zip(self.optimizers, self.schedulers):
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def grad_norm_group(self) -> dist.ProcessGroup | None:
+        """Ranks whose gradients are disjoint pieces of one model (pipeline stages)."""
+        return None
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip by the global norm over the whole model, wherever its pieces live: sharded
+        (DTensor) gradients are reduced by their own mesh, pipeline stages by an all-reduce."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        squares = torch.zeros((), device=self.device)
+        for g in grads:
+            norm = g.norm(2)
+            squares += (norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
+        group = self.grad_norm_group()
+        if group is not None:
+            dist.all_reduce(squares, group=group)
+        total = squares.sqrt().item()
+        scale = min(1.0, max_norm / (total + 1e-6))  # a float: DTensor and Tensor grads alike
+        for g in grads:
+            g.mul_(scale)
         return total

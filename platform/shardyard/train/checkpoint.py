@@ -1,7 +1,9 @@
 """Checkpoints: what is saved, where it goes, and how a run finds and restores the latest one.
 
 Model and optimizer state go through `torch.distributed.checkpoint` (DCP): every rank writes its
-own shard, and loading reshards to whatever world size is running now. Beside the shards rank 0
+own shard, and loading reshards to whatever world size is running now. Keys are the full model's
+parameter names (optimizer state flattened under them), whatever the strategy: DDP, FSDP, tensor
+and pipeline checkpoints share one layout. ZeRO state goes through DeepSpeed's engine instead. Beside the shards rank 0
 writes the trainer state (step, data position, LR schedule) and the job spec, so one checkpoint
 directory is enough to resume training or to rebuild the model for serving.
 
@@ -23,7 +25,7 @@ import ray.train
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from shardyard.models import build_model
 from shardyard.parallel import Engine
@@ -41,27 +43,48 @@ class TrainState:
     world_size: int = 1    # world size that wrote the checkpoint
 
 
-def _sharded_state(engine: Engine) -> dict[str, Any]:
-    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
-    return {"model": model_sd, "optim": optim_sd}
+ZERO_DIR = "zero"
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _part_states(engine: Engine) -> list[tuple[dict, dict]]:
+    return [get_state_dict(part, opt, options=_FLAT) for part, opt in zip(engine.parts, engine.optimizers)]
 
 
 def save(engine: Engine, state: TrainState, spec: JobSpec, directory: Path, rank: int) -> None:
     """Collective: every rank must call it. Writes this rank's shard into `directory`."""
-    dcp.save(_sharded_state(engine), checkpoint_id=str(directory))
+    if engine.checkpoint_format == "deepspeed":
+        engine.ds.save_checkpoint(str(directory), tag=ZERO_DIR)
+    else:
+        merged: dict[str, Any] = {}
+        for model_sd, optim_sd in _part_states(engine):
+            merged.update({f"model.{k}": v for k, v in model_sd.items()})
+            merged.update({f"optim.{k}": v for k, v in optim_sd.items()})
+        dcp.save(merged, checkpoint_id=str(directory))
     if rank == 0:
-        torch.save({**asdict(state), "scheduler": engine.scheduler.state_dict()}, directory / STATE_FILE)
+        torch.save({**asdict(state), "scheduler": engine.schedulers[0].state_dict()}, directory / STATE_FILE)
         (directory / SPEC_FILE).write_text(spec.model_dump_json(indent=2))
 
 
 def load(engine: Engine, directory: Path) -> TrainState:
     """Collective: restore model, optimizer and schedule; returns where training stopped."""
-    sharded = _sharded_state(engine)
-    dcp.load(sharded, checkpoint_id=str(directory))
-    set_state_dict(engine.model, engine.optimizer,
-                   model_state_dict=sharded["model"], optim_state_dict=sharded["optim"])
+    if engine.checkpoint_format == "deepspeed":
+        engine.ds.load_checkpoint(str(directory), tag=ZERO_DIR)
+    else:
+        parts = _part_states(engine)
+        merged: dict[str, Any] = {}
+        for model_sd, optim_sd in parts:
+            merged.update({f"model.{k}": v for k, v in model_sd.items()})
+            merged.update({f"optim.{k}": v for k, v in optim_sd.items()})
+        dcp.load(merged, checkpoint_id=str(directory))
+        for (model_sd, optim_sd), part, opt in zip(parts, engine.parts, engine.optimizers):
+            set_state_dict(part, opt, options=_FLAT,
+                           model_state_dict={k: merged[f"model.{k}"] for k in model_sd},
+                           optim_state_dict={k: merged[f"optim.{k}"] for k in optim_sd})
     meta = torch.load(directory / STATE_FILE, weights_only=True)
-    engine.scheduler.load_state_dict(meta.pop("scheduler"))
+    scheduler_state = meta.pop("scheduler")
+    for scheduler in engine.schedulers:
+        scheduler.load_state_dict(scheduler_state)
     return TrainState(**meta)
 
 
@@ -96,11 +119,34 @@ def read_spec(checkpoint_dir: str | Path) -> JobSpec:
 def load_model(checkpoint_dir: str | Path) -> nn.Module:
     """Rebuild the trained model in one process from any checkpoint, whatever world size wrote it
     (with no_dist, DCP reads every shard itself)."""
+    checkpoint_dir = Path(checkpoint_dir)
     model = build_model(read_spec(checkpoint_dir).model)
-    state = {"model": model.state_dict()}
+    if (checkpoint_dir / ZERO_DIR).is_dir():
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=ZERO_DIR)
+        # DeepSpeed saves a tied weight once, under one of its names; any other gap is an error.
+        every = dict(model.named_parameters(remove_duplicate=False))
+        aliases = set(every) - set(dict(model.named_parameters()))
+        result = model.load_state_dict(state, strict=False)
+        if result.unexpected_keys or set(result.missing_keys) - aliases:
+            raise KeyError(f"ZeRO checkpoint {checkpoint_dir} does not match the model: missing "
+                           f"{sorted(set(result.missing_keys) - aliases)}, unexpected {result.unexpected_keys}")
+        return model
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}
     with warnings.catch_warnings():
         # DCP warns that it assumes a single-process load even when told so with no_dist.
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         dcp.load(state, checkpoint_id=str(checkpoint_dir), no_dist=True)
-    model.load_state_dict(state["model"])
+    model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
     return model
+
+
+def export_safetensors(checkpoint_dir: str | Path, out: str | Path) -> Path:
+    """One plain state_dict file from a checkpoint of any strategy, loadable in one process."""
+    from safetensors.torch import save_model
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_model(load_model(checkpoint_dir), str(out))  # save_model handles tied weights
+    return out

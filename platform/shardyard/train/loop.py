@@ -46,7 +46,7 @@ def train_worker(config: dict[str, Any]) -> None:
     loss_sum, steps_since_report = torch.zeros((), device=device), 0
 
     while state.step < spec.run.steps:
-        ids = micro_batch_ids(order, state.samples_seen, rank, world_size,
+        ids = micro_batch_ids(order, state.samples_seen, engine.dp_rank, engine.dp_size,
                               spec.batch.micro_batch_size, accum_steps)
         loss_sum += engine.train_step([dataset.batch(i) for i in ids])
         state.step += 1
@@ -62,8 +62,8 @@ def train_worker(config: dict[str, Any]) -> None:
         dist.all_reduce(loss_sum)
         metrics = {
             "step": state.step,
-            "loss": loss_sum.item() / (steps_since_report * world_size),
-            "lr": engine.optimizer.param_groups[0]["lr"],
+            "loss": loss_sum.item() / (steps_since_report * engine.loss_ranks),
+            "lr": engine.lr,
             "world_size": world_size,
             "samples_seen": state.samples_seen,
             "epoch": state.samples_seen / len(dataset),

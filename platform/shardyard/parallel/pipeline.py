@@ -1,0 +1,113 @@
+"""Pipeline parallelism: the GPT cut into stages of consecutive blocks, run by a
+`torch.distributed.pipelining` schedule (GPipe, 1F1B or interleaved 1F1B).
+
+Every rank builds the whole model from the same seed (so stages start from the weights a single
+process would have), then keeps only its stages' blocks. Parameter names stay those of the full
+model, so pipeline checkpoints share keys with every other strategy.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from shardyard.models import GPT
+from shardyard.parallel.engine import Engine, MicroBatch
+from shardyard.runtime import autocast
+from shardyard.spec import GPTSpec, ParallelismSpec
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+def _param_count(module: nn.Module | None) -> int:
+    return 0 if module is None else sum(p.numel() for p in module.parameters())
+
+
+def balanced_split(model: GPT, num_stages: int) -> list[int]:
+    """Block indices where stages 1..S-1 begin, minimising the largest stage's parameter count
+    (the first stage also holds the embeddings, the last the final norm and head)."""
+    blocks = [_param_count(b) for b in model.blocks.values()]
+    n = len(blocks)
+    first = _param_count(model.tok_emb) + _param_count(model.pos_emb)
+    last = _param_count(model.ln_f) + _param_count(model.lm_head)
+
+    def cost(start: int, end: int) -> int:
+        return sum(blocks[start:end]) + (first if start == 0 else 0) + (last if end == n else 0)
+
+    # best[s][e]: (max stage cost, split points) for blocks[:e] in s stages; tiny n, plain DP.
+    best: dict[tuple[int, int], tuple[int, list[int]]] = {(1, e): (cost(0, e), []) for e in range(1, n + 1)}
+    for s in range(2, num_stages + 1):
+        for e in range(s, n + 1):
+            best[(s, e)] = min(
+                ((max(best[(s - 1, b)][0], cost(b, e)), best[(s - 1, b)][1] + [b]) for b in range(s - 1, e)),
+                key=lambda c: c[0],
+            )
+    return best[(num_stages, n)][1]
+
+
+def stage_ids(pp_rank: int, spec: ParallelismSpec) -> list[int]:
+    """Stages this rank runs: one, or (interleaved) every pp-th stage starting at its rank."""
+    return [pp_rank + k * spec.pp for k in range(spec.stages_per_rank)]
+
+
+def carve_stage(model: GPT, start: int, end: int) -> GPT:
+    """A copy of `model` holding blocks [start, end) and, on the ends, embeddings or head."""
+    stage = copy.deepcopy(model)
+    n = len(model.blocks)
+    for name in [k for k in stage.blocks if not start <= int(k) < end]:
+        del stage.blocks[name]
+    if start > 0:
+        stage.tok_emb = stage.pos_emb = None
+    if end < n:
+        stage.ln_f = stage.lm_head = None
+    return stage
+
+
+class PipelineEngine(Engine):
+    """Runs a whole optimizer step as one schedule: the micro-batches are the schedule's
+    n_microbatches, and the schedule averages their gradients (scale_grads)."""
+
+    def __init__(self, *args, schedule, mesh: DeviceMesh, is_first: bool, is_last: bool, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.schedule = schedule
+        self.mesh = mesh
+        self.is_first, self.is_last = is_first, is_last
+        self.loss_ranks = mesh["dp"].size()  # one last stage per data-parallel replica
+
+    def grad_norm_group(self):
+        return self.mesh["pp"].get_group()
+
+    def forward_backward(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
+        inputs = torch.cat([x for x, _ in micro_batches]).to(self.device)
+        targets = torch.cat([y for _, y in micro_batches]).to(self.device)
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.is_first else ()
+        kwargs = {"target": targets, "losses": losses} if self.is_last else {}
+        with autocast(self.device, self.amp_dtype):
+            self.schedule.step(*args, **kwargs)
+        if not self.is_last:
+            return torch.zeros((), device=self.device)
+        return torch.stack([loss.detach() for loss in losses]).mean()
+
+
+def build_stages(model: GPT, spec: GPTSpec, par: ParallelismSpec, mesh: DeviceMesh,
+                 device: torch.device) -> tuple[list[GPT], list[int]]:
+    points = par.split_points or balanced_split(model, par.num_stages)
+    bounds = [0, *points, spec.n_layer]
+    ids = stage_ids(mesh["pp"].get_local_rank(), par)
+    return [carve_stage(model, bounds[i], bounds[i + 1]).to(device) for i in ids], ids
+
+
+def build_schedule(parts: list[nn.Module], ids: list[int], par: ParallelismSpec, mesh: DeviceMesh,
+                   device: torch.device, n_microbatches: int, loss_fn) -> object:
+    group = mesh["pp"].get_group()
+    stages = [PipelineStage(part, i, par.num_stages, device, group=group) for part, i in zip(parts, ids)]
+    cls = SCHEDULES[par.schedule]
+    if par.schedule == "interleaved_1f1b":
+        return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+    return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
