@@ -1,9 +1,14 @@
-"""`shardyard` command line: `shardyard train CONFIG.yaml [--set key=value ...]`."""
+"""`shardyard` command line.
+
+    shardyard train CONFIG.yaml [--set key=value ...]
+    shardyard export CHECKPOINT_OR_RUN_DIR OUT.safetensors
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from shardyard.spec import SpecError, load_spec
 
@@ -30,16 +35,34 @@ def run_train(config: str, overrides: list[str], attach_to_running: bool) -> int
     return 0
 
 
+def run_export(checkpoint: str, out: str) -> int:
+    """Write a checkpoint of any strategy (or a run directory's latest) as one safetensors file."""
+    from shardyard.train.checkpoint import export_safetensors, find_latest
+
+    path = Path(checkpoint)
+    if path.is_dir() and not (path / "trainer_state.pt").is_file():
+        path = find_latest(path) or path
+    if not (path / "trainer_state.pt").is_file():
+        print(f"shardyard: {checkpoint!r} is neither a checkpoint nor a run directory with one "
+              f"(`shardyard train` writes them)", file=sys.stderr)
+        return 2
+    print(export_safetensors(path, out))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardyard", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train a model from a job spec on Ray Train")
     add_spec_arguments(train, config_flag=False)
+    export = commands.add_parser("export", help="checkpoint -> one safetensors state_dict file")
+    export.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its latest)")
+    export.add_argument("out", help="output .safetensors path")
     args = parser.parse_args(argv)
-    if args.command == "train":
-        # Local Ray unless RAY_ADDRESS names a cluster.
-        return run_train(args.config, args.overrides, attach_to_running=False)
-    return 2
+    if args.command == "export":
+        return run_export(args.checkpoint, args.out)
+    # Local Ray unless RAY_ADDRESS names a cluster.
+    return run_train(args.config, args.overrides, attach_to_running=False)
 
 
 if __name__ == "__main__":
