@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,15 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from shardyard.localdist import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 # Ray 2.59+ clusters use token auth; clients (ray job submit, ray.init) must opt in to send it.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import run_distributed
+from shardyard.localdist import run_distributed
 from shardyard.data import GlobalSampleOrder, build_dataset, micro_batch_ids
 from shardyard.models import build_model
 from shardyard.parallel import build_engine, single_process

@@ -22,9 +22,24 @@ os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else
 import deepspeed  # noqa: E402
 
 
-def zero_config(spec: JobSpec, accum_steps: int, device: torch.device) -> dict:
+# DeepSpeed's defaults, sized for billion-parameter models on GPUs.
+DEFAULT_BUCKET = 500_000_000
+DEFAULT_PERSISTENCE = 100_000
+
+
+def zero_config(spec: JobSpec, accum_steps: int, device: torch.device, num_params: int,
+                largest_param: int) -> dict:
     stage = ZERO_STAGES[spec.parallelism.strategy]
-    zero: dict = {"stage": stage}
+    zero: dict = {
+        "stage": stage,
+        # Communication buckets are allocated whole: never larger than the model itself.
+        "reduce_bucket_size": min(DEFAULT_BUCKET, num_params),
+        "allgather_bucket_size": min(DEFAULT_BUCKET, num_params),
+        "stage3_prefetch_bucket_size": min(DEFAULT_BUCKET, num_params),
+        # Stage 3 keeps tensors below this size whole on every rank; with the default a small
+        # model's tensors would all stay whole and nothing would be sharded.
+        "stage3_param_persistence_threshold": min(DEFAULT_PERSISTENCE, largest_param // 4),
+    }
     if spec.parallelism.cpu_offload:
         zero["offload_optimizer"] = {"device": "cpu"}
         if stage == 3:
@@ -68,6 +83,8 @@ class ZeroEngine(Engine):
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, spec: JobSpec,
                accum_steps: int, device: torch.device) -> "deepspeed.DeepSpeedEngine":
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    sizes = [p.numel() for p in model.parameters()]
+    config = zero_config(spec, accum_steps, device, sum(sizes), max(sizes))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=zero_config(spec, accum_steps, device))
+                                           config=config)
     return engine

@@ -1,10 +1,13 @@
-"""Run a function on N local processes joined in a gloo process group (no Ray: the parallel math
-is tested directly with torch.distributed, as PyTorch tests its own DDP and FSDP)."""
+"""Run a function on N local processes joined in a gloo process group, without Ray.
+
+For tests and benchmarks of the parallel math, where Ray adds nothing but start-up time.
+"""
 
 from __future__ import annotations
 
 import os
 import pickle
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -12,7 +15,11 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import free_port
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
