@@ -62,6 +62,8 @@ CASES = {
     "pipeline-interleaved": ({"strategy": "pipeline", "pp": 2, "schedule": "interleaved_1f1b",
                               "stages_per_rank": 2}, 2, 2),
     "dp-x-pipeline": ({"strategy": "pipeline", "pp": 2}, 4, 2),
+    "fsdp-x-pipeline": ({"strategy": "fsdp", "pp": 2}, 4, 2),
+    "pipeline-x-tensor": ({"strategy": "fsdp", "pp": 2, "tp": 2}, 4, 4),
 }
 
 

@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -26,6 +27,9 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, ar
     # What torchrun (and Ray Train) set for each worker; DeepSpeed reads them.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    # One share of the cores per rank, as torchrun and Ray Train give: oversubscribed intra-op
+    # threads would make every rank slower than the same work done by fewer processes.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)

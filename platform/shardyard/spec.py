@@ -88,9 +88,9 @@ class ParallelismSpec(_Section):
     """How the world is split: a (pp, dp, tp) DeviceMesh with dp = world / (pp * tp).
 
     `strategy` names the data-parallel flavour over dp and turns on the model-parallel parts:
-    ddp and zero1/2/3 are pure data parallel; fsdp shards over dp and composes with tp;
-    pipeline splits the model into `pp` stages (DDP over any remaining dp); tensor shards every
-    linear layer over all ranks (tp = world size).
+    ddp and zero1/2/3 are pure data parallel; fsdp shards over dp and composes with tp and pp
+    (all three at once when the world size allows); pipeline splits the model into `pp` stages
+    (DDP over any remaining dp); tensor shards every linear layer over all ranks (tp = world size).
     """
 
     strategy: Strategy = "ddp"
@@ -116,9 +116,6 @@ class ParallelismSpec(_Section):
             raise ValueError("parallelism.strategy 'pipeline' needs parallelism.pp >= 2 and tp = 1")
         if s == "tensor" and (self.tp < 2 or self.pp > 1):
             raise ValueError("parallelism.strategy 'tensor' needs parallelism.tp >= 2 and pp = 1")
-        if s == "fsdp" and self.pp > 1:
-            raise ValueError("parallelism.strategy 'fsdp' composes with tp; pipeline stages with "
-                             "FSDP are not supported yet: use strategy 'pipeline' for dp x pp")
         if self.pp == 1 and (self.schedule == "interleaved_1f1b" or self.stages_per_rank > 1
                              or self.split_points):
             raise ValueError("parallelism.schedule, stages_per_rank and split_points apply to "
@@ -224,6 +221,13 @@ class JobSpec(_Section):
             raise ValueError(f"world size {', '.join(map(str, no_mesh))} is not a multiple of "
                              f"parallelism.pp x parallelism.tp = {par.pp} x {par.tp}")
         self._check_model_fits_mesh()
+        if par.pp > 1 and par.schedule != "gpipe":
+            few = [ws for ws in self.scaling.world_sizes if (self.grad_accum_steps(ws) or par.pp) < par.pp]
+            if few:
+                raise ValueError(
+                    f"parallelism.schedule '{par.schedule}' needs at least parallelism.pp ({par.pp}) "
+                    f"micro-batches per step; batch.global_batch_size / (batch.micro_batch_size x "
+                    f"data-parallel size) is {self.grad_accum_steps(few[0])} at world size {few[0]}")
         bad = [ws for ws in self.scaling.world_sizes if self.grad_accum_steps(ws) is None]
         if bad:
             micro = self.batch.micro_batch_size

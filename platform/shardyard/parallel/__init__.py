@@ -58,29 +58,34 @@ def build_engine(spec: JobSpec, model: nn.Module, device: torch.device) -> Engin
 
     if par.pp > 1:
         parts, ids = build_stages(model, spec.model, par, mesh, device)
-        if dp_mesh.size() > 1:
-            parts = [apply_ddp(p, device, dp_mesh.get_group()) for p in parts]
+        parts = [_data_parallel(_tensor_parallel(part, par, mesh), par, dp_mesh, device) for part in parts]
         schedule = build_schedule(parts, ids, par, mesh, device, accum, loss_fn)
         optimizers, schedulers = _optimizers(spec, parts)
         return PipelineEngine(parts, optimizers, schedulers, schedule=schedule, mesh=mesh,
                               is_first=0 in ids, is_last=par.num_stages - 1 in ids, **common)
 
-    model.to(device)
-    if par.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"])
+    model = _data_parallel(_tensor_parallel(model.to(device), par, mesh), par, dp_mesh, device)
+    if par.strategy == "fsdp" and par.mixed_precision and device.type == "cuda":
+        common["amp_dtype"] = None  # FSDP's policy already computes in bf16
+    # tensor: every rank holds a slice of every block; nothing else to synchronise.
+    cls = {"fsdp": FSDPEngine, "ddp": DDPEngine}.get(par.strategy, Engine)
+    optimizers, schedulers = _optimizers(spec, [model])
+    return cls([model], optimizers, schedulers, **common)
+
+
+def _tensor_parallel(model: nn.Module, par, mesh) -> nn.Module:
+    return apply_tensor_parallel(model, mesh["tp"]) if par.tp > 1 else model
+
+
+def _data_parallel(model: nn.Module, par, dp_mesh, device: torch.device) -> nn.Module:
+    """The data-parallel wrapper over the dp mesh dimension: FSDP2 shards, DDP replicates."""
     if par.strategy == "fsdp":
         if par.activation_checkpointing:
             apply_activation_checkpointing(model)
-        model = apply_fsdp(model, dp_mesh, par, device)
-        if par.mixed_precision and device.type == "cuda":
-            common["amp_dtype"] = None  # FSDP's policy already computes in bf16
-        cls: type[Engine] = FSDPEngine
-    elif par.strategy == "ddp":
-        model, cls = apply_ddp(model, device, dp_mesh.get_group()), DDPEngine
-    else:  # tensor: every rank holds a slice of every block; nothing else to synchronise
-        cls = Engine
-    optimizers, schedulers = _optimizers(spec, [model])
-    return cls([model], optimizers, schedulers, **common)
+        return apply_fsdp(model, dp_mesh, par, device)
+    if dp_mesh.size() > 1 or par.strategy == "ddp":
+        return apply_ddp(model, device, dp_mesh.get_group())
+    return model
 
 
 __all__ = ["Engine", "MicroBatch", "build_engine", "single_process"]

@@ -77,7 +77,8 @@ class PipelineEngine(Engine):
         self.schedule = schedule
         self.mesh = mesh
         self.is_first, self.is_last = is_first, is_last
-        self.loss_ranks = mesh["dp"].size()  # one last stage per data-parallel replica
+        # Every rank of the last stage (its dp replicas, and tp ranks holding the same loss).
+        self.loss_ranks = mesh["dp"].size() * mesh["tp"].size()
 
     def grad_norm_group(self):
         return self.mesh["pp"].get_group()

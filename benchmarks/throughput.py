@@ -1,0 +1,79 @@
+"""Throughput of every strategy on the same model, data, global batch and world size, as a table
+with DDP as 1.00x. Runs on plain torch.distributed (gloo) ranks, so the numbers are the
+strategies' own cost, not Ray's start-up.
+
+    python benchmarks/throughput.py [--world 2] [--steps 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import common  # noqa: F401  (puts the package on sys.path)
+import torch
+
+from common import print_table, write_json
+from shardyard.data import GlobalSampleOrder, build_dataset, micro_batch_ids
+from shardyard.localdist import run_distributed
+from shardyard.models import build_model
+from shardyard.parallel import build_engine
+from shardyard.spec import load_spec
+from ddp_overhead import CONFIG
+
+STRATEGIES = {
+    "ddp": {"parallelism.strategy": "ddp"},
+    "fsdp": {"parallelism.strategy": "fsdp"},
+    "zero1": {"parallelism.strategy": "zero1"},
+    "zero2": {"parallelism.strategy": "zero2"},
+    "zero3": {"parallelism.strategy": "zero3"},
+    "pipeline 1f1b": {"parallelism.strategy": "pipeline", "parallelism.pp": "WORLD",
+                      "model.tie_weights": "false"},
+    "tensor": {"parallelism.strategy": "tensor", "parallelism.tp": "WORLD"},
+}
+
+
+def time_steps(rank: int, world: int, overrides: list[str], steps: int) -> list[float]:
+    spec = load_spec(CONFIG, overrides)
+    torch.manual_seed(0)
+    engine = build_engine(spec, build_model(spec.model), torch.device("cpu"))
+    dataset = build_dataset(spec)
+    order = GlobalSampleOrder(len(dataset), 0)
+    accum = spec.grad_accum_steps(world)
+    times = []
+    for step in range(steps):
+        ids = micro_batch_ids(order, step * spec.batch.global_batch_size, engine.dp_rank,
+                              engine.dp_size, spec.batch.micro_batch_size, accum)
+        batch = [dataset.batch(i) for i in ids]
+        start = time.perf_counter()
+        engine.train_step(batch)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=12)
+    args = parser.parse_args()
+    rows = []
+    for name, settings in STRATEGIES.items():
+        overrides = [f"{k}={str(args.world) if v == 'WORLD' else v}" for k, v in settings.items()]
+        overrides += [f"scaling.num_workers={args.world}", "data.max_bytes=400000"]
+        times = run_distributed(time_steps, args.world, overrides, args.steps)
+        # Median over ranks' slowest step-by-step time, after the first few (warm-up) steps.
+        step_time = statistics.median(max(ts) for ts in zip(*(t[3:] for t in times)))
+        global_batch = load_spec(CONFIG, overrides).batch.global_batch_size
+        rows.append({"strategy": name, "samples/s": global_batch / step_time,
+                     "step ms": 1000 * step_time})
+        print(rows[-1], flush=True)
+    base = rows[0]["samples/s"]
+    for row in rows:
+        row["vs DDP"] = row["samples/s"] / base
+    print_table(f"Throughput, default GPT, {args.world} ranks (gloo, CPU), DDP = 1.00x", rows)
+    write_json("throughput", {"world": args.world, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
