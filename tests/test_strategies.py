@@ -16,6 +16,7 @@ relative on losses. Resume is compared at 1e-6: same ranks, same ops, only the c
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,8 @@ CASES = {
     "zero1": ({"strategy": "zero1"}, 2, 4),
     "zero2": ({"strategy": "zero2"}, 2, 2),
     "zero3": ({"strategy": "zero3"}, 2, 4),
+    "zero2-offload": ({"strategy": "zero2", "cpu_offload": True}, 2, 4),
+    "zero3-offload": ({"strategy": "zero3", "cpu_offload": True}, 2, 2),
     "pipeline-gpipe": ({"strategy": "pipeline", "pp": 2, "schedule": "gpipe"}, 2, 4),
     "pipeline-1f1b": ({"strategy": "pipeline", "pp": 2, "schedule": "1f1b"}, 2, 2),
     "pipeline-interleaved": ({"strategy": "pipeline", "pp": 2, "schedule": "interleaved_1f1b",
@@ -104,19 +107,22 @@ def rank_fn(rank: int, world: int, raw: dict, out: str) -> list[float]:
     return losses
 
 
+@functools.cache
+def oracle_run(tie_weights: bool, global_batch: int = 16) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """STEPS steps in one process on the whole global batch: per-step losses, final parameters."""
+    raw = job({"strategy": "ddp"}, 1, global_batch)
+    raw["batch"] = {"global_batch_size": global_batch, "micro_batch_size": global_batch}
+    spec = parse_spec(raw)
+    spec.model.tie_weights = tie_weights
+    torch.manual_seed(spec.run.seed)
+    engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
+    losses = steps(engine, spec, 0, STEPS)
+    return losses, {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+
+
 @pytest.fixture(scope="module")
 def oracle() -> dict:
-    """Single-process runs, keyed by micro-batch size (the global batch is the same)."""
-    results = {}
-    for micro in (16,):
-        spec = parse_spec(job({"strategy": "ddp"}, 1, micro))
-        for tie in (True, False):
-            spec.model.tie_weights = tie
-            torch.manual_seed(spec.run.seed)
-            engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
-            losses = steps(engine, spec, 0, STEPS)
-            results[tie] = (losses, {k: v.detach().clone() for k, v in engine.model.state_dict().items()})
-    return results
+    return {tie: oracle_run(tie) for tie in (True, False)}
 
 
 @pytest.mark.timeout(240)

@@ -70,3 +70,19 @@ def test_run_writes_checkpoints_metrics_and_plot(ray_cluster, tmp_path: Path) ->
     initial = build_model(spec.model).state_dict()
     trained = load_model(result.checkpoint).state_dict()
     assert any(not torch.equal(initial[k], trained[k]) for k in initial)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("parallelism", [
+    ["parallelism.strategy=fsdp"],
+    ["parallelism.strategy=zero2"],
+    ["parallelism.strategy=pipeline", "parallelism.pp=2", "model.tie_weights=false"],
+], ids=["fsdp", "zero2", "pipeline"])
+def test_sharded_strategies_train_on_ray_workers(ray_cluster, tmp_path: Path, parallelism: list[str]) -> None:
+    """The launcher drives each strategy on Ray Train workers, and its checkpoint loads."""
+    name = parallelism[0].split("=")[1]
+    spec = load_spec(None, tiny_job(tmp_path, name, steps=4) + parallelism)
+    result = launch(spec)
+    assert result.summary["steps"] == 4 and result.summary["world_size"] == 2
+    model = load_model(result.checkpoint)
+    assert model(torch.randint(0, 256, (1, 16))).shape == (1, 16, 256)

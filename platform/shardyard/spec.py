@@ -142,6 +142,8 @@ class ScalingSpec(_Section):
     use_gpu: bool | Literal["auto"] = "auto"
     resources_per_worker: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})
     max_failures: int = Field(0, ge=-1, description="worker-group restarts allowed; -1: forever")
+    resize_check_interval_s: float = Field(
+        10.0, gt=0, description="elastic: how often Ray Train looks for room to grow the group")
 
     @model_validator(mode="after")
     def _fixed_or_elastic(self) -> ScalingSpec:
@@ -186,6 +188,9 @@ class RunSpec(_Section):
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="auto: bf16 autocast on GPU, fp32 on CPU"
     )
+    sample_ledger: bool = Field(
+        False, description="record every step's sample ids per rank under <run>/ledger (audits)"
+    )
 
 
 class JobSpec(_Section):
@@ -213,6 +218,9 @@ class JobSpec(_Section):
         if self.data.path is not None and self.data.name != "corpus":
             raise ValueError("data.path applies to data.name 'corpus' only")
         par = self.parallelism
+        if par.strategy in ZERO_STAGES and len(self.scaling.world_sizes) > 1:
+            raise ValueError(f"parallelism.strategy '{par.strategy}' needs a fixed scaling.num_workers: "
+                             f"its checkpoints cannot be resharded to another world size yet")
         if par.strategy == "tensor" and any(ws != par.tp for ws in self.scaling.world_sizes):
             raise ValueError(f"parallelism.strategy 'tensor' shards over every rank: parallelism.tp "
                              f"({par.tp}) must equal the world size (for dp x tp use 'fsdp' with tp)")

@@ -54,7 +54,8 @@ def build_engine(spec: JobSpec, model: nn.Module, device: torch.device) -> Engin
     mesh = build_mesh(par, world, device)
     dp_mesh = mesh["dp"]
     common = dict(loss_fn=loss_fn, grad_clip=spec.optim.grad_clip, device=device, amp_dtype=amp,
-                  dp_rank=dp_mesh.get_local_rank(), dp_size=dp_mesh.size())
+                  dp_rank=dp_mesh.get_local_rank(), dp_size=dp_mesh.size(),
+                  data_owner=mesh["pp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0)
 
     if par.pp > 1:
         parts, ids = build_stages(model, spec.model, par, mesh, device)

@@ -30,7 +30,7 @@ class Engine:
     def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
                  schedulers: list[torch.optim.lr_scheduler.LRScheduler], loss_fn: LossFn,
                  grad_clip: float, device: torch.device, amp_dtype: torch.dtype | None,
-                 dp_rank: int = 0, dp_size: int = 1) -> None:
+                 dp_rank: int = 0, dp_size: int = 1, data_owner: bool = True) -> None:
         self.parts = parts
         self.optimizers = optimizers
         self.schedulers = schedulers
@@ -40,6 +40,8 @@ class Engine:
         self.amp_dtype = amp_dtype
         self.dp_rank = dp_rank  # which slice of each global batch this rank reads
         self.dp_size = dp_size
+        # One rank per data-parallel replica speaks for its samples (tp and pp ranks share them).
+        self.data_owner = data_owner
         # Ranks whose returned loss is real (a pipeline's last stage); the loop averages over them.
         self.loss_ranks = dist.get_world_size() if dist.is_initialized() else 1
 

@@ -36,7 +36,9 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, spec: ParallelismSpec,
     if spec.mixed_precision and device.type == "cuda":
         # bf16 compute and all-gathers, fp32 gradient reduction for accuracy.
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if spec.cpu_offload:
+    if spec.cpu_offload and device.type == "cuda":
+        # Parameters, gradients and optimizer state in host memory between uses. On a CPU-only
+        # device they already live there (and FSDP's policy requires an accelerator).
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for block in block_container(model).values():
         fully_shard(block, **kwargs)

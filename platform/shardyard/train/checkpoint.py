@@ -51,16 +51,21 @@ def _part_states(engine: Engine) -> list[tuple[dict, dict]]:
     return [get_state_dict(part, opt, options=_FLAT) for part, opt in zip(engine.parts, engine.optimizers)]
 
 
+def _merged(parts: list[tuple[dict, dict]]) -> dict[str, Any]:
+    """One flat dict over every model part: `model.<param>` and `optim.<flattened state key>`."""
+    merged: dict[str, Any] = {}
+    for model_sd, optim_sd in parts:
+        merged.update({f"model.{k}": v for k, v in model_sd.items()})
+        merged.update({f"optim.{k}": v for k, v in optim_sd.items()})
+    return merged
+
+
 def save(engine: Engine, state: TrainState, spec: JobSpec, directory: Path, rank: int) -> None:
     """Collective: every rank must call it. Writes this rank's shard into `directory`."""
     if engine.checkpoint_format == "deepspeed":
         engine.ds.save_checkpoint(str(directory), tag=ZERO_DIR)
     else:
-        merged: dict[str, Any] = {}
-        for model_sd, optim_sd in _part_states(engine):
-            merged.update({f"model.{k}": v for k, v in model_sd.items()})
-            merged.update({f"optim.{k}": v for k, v in optim_sd.items()})
-        dcp.save(merged, checkpoint_id=str(directory))
+        dcp.save(_merged(_part_states(engine)), checkpoint_id=str(directory))
     if rank == 0:
         torch.save({**asdict(state), "scheduler": engine.schedulers[0].state_dict()}, directory / STATE_FILE)
         (directory / SPEC_FILE).write_text(spec.model_dump_json(indent=2))
@@ -68,20 +73,22 @@ def save(engine: Engine, state: TrainState, spec: JobSpec, directory: Path, rank
 
 def load(engine: Engine, directory: Path) -> TrainState:
     """Collective: restore model, optimizer and schedule; returns where training stopped."""
+    meta = torch.load(directory / STATE_FILE, weights_only=True)
     if engine.checkpoint_format == "deepspeed":
+        if meta["world_size"] != engine.dp_size:
+            raise RuntimeError(
+                f"ZeRO checkpoint {directory} was written by {meta['world_size']} ranks and cannot "
+                f"be loaded by {engine.dp_size}: resizing needs DeepSpeed's universal checkpoint "
+                f"conversion, which shardyard does not do yet")
         engine.ds.load_checkpoint(str(directory), tag=ZERO_DIR)
     else:
         parts = _part_states(engine)
-        merged: dict[str, Any] = {}
-        for model_sd, optim_sd in parts:
-            merged.update({f"model.{k}": v for k, v in model_sd.items()})
-            merged.update({f"optim.{k}": v for k, v in optim_sd.items()})
+        merged = _merged(parts)
         dcp.load(merged, checkpoint_id=str(directory))
         for (model_sd, optim_sd), part, opt in zip(parts, engine.parts, engine.optimizers):
             set_state_dict(part, opt, options=_FLAT,
                            model_state_dict={k: merged[f"model.{k}"] for k in model_sd},
                            optim_state_dict={k: merged[f"optim.{k}"] for k in optim_sd})
-    meta = torch.load(directory / STATE_FILE, weights_only=True)
     scheduler_state = meta.pop("scheduler")
     for scheduler in engine.schedulers:
         scheduler.load_state_dict(scheduler_state)

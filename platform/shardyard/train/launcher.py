@@ -18,7 +18,7 @@ from ray.train.torch import TorchTrainer
 from shardyard.data.corpus import corpus_files
 from shardyard.spec import JobSpec, SpecError
 from shardyard.train.loop import train_worker
-from shardyard.train.metrics import MetricsFile, format_table, summarize
+from shardyard.train.metrics import FailureLog, MetricsFile, format_table, summarize
 
 log = logging.getLogger("shardyard")
 
@@ -72,7 +72,8 @@ def scaling_config(spec: JobSpec) -> ScalingConfig:
         resources.setdefault("GPU", 1.0)
     num_workers = s.num_workers if s.num_workers is not None else (s.min_workers, s.max_workers)
     _check_capacity(spec, resources)
-    return ScalingConfig(num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=resources)
+    return ScalingConfig(num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=resources,
+                         elastic_resize_monitor_interval_s=s.resize_check_interval_s)
 
 
 def _check_capacity(spec: JobSpec, per_worker: dict[str, float]) -> None:
@@ -102,6 +103,7 @@ def launch(spec: JobSpec, attach_to_running: bool = False) -> RunResult:
             storage_path=spec.checkpoint.storage_path,
             checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep),
             failure_config=FailureConfig(max_failures=spec.scaling.max_failures),
+            callbacks=[FailureLog(spec.checkpoint.storage_path, spec.run.name)],
             # Ray Train's per-report INFO lines would drown shardyard's own progress output.
             logging_config=LoggingConfig(log_level="WARNING"),
         ),

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import ray.train
 import torch
 import torch.distributed as dist
 
-from shardyard.data import build_dataset, GlobalSampleOrder, micro_batch_ids
+from shardyard.data import GlobalSampleOrder, build_dataset, micro_batch_ids
+from shardyard.data.ledger import SampleLedger
 from shardyard.models import build_model
 from shardyard.parallel import build_engine
 from shardyard.runtime import select_device
 from shardyard.spec import GPTSpec, parse_spec
 from shardyard.train import checkpoint
 from shardyard.train.checkpoint import TrainState
-from shardyard.train.metrics import MetricsFile, MetricsLog, Progress, Throughput
+from shardyard.train.metrics import MetricsFile, MetricsLog, Progress, Throughput, log_event
 
 
 def train_worker(config: dict[str, Any]) -> None:
@@ -38,8 +40,20 @@ def train_worker(config: dict[str, Any]) -> None:
     tokens_per_sample = spec.model.block_size if isinstance(spec.model, GPTSpec) else 1
     global_batch = spec.batch.global_batch_size
 
-    state = checkpoint.restore_latest(engine) or TrainState()
+    restore_start = time.perf_counter()
+    restored = checkpoint.restore_latest(engine)
+    state = restored or TrainState()
+    if rank == 0:  # every worker group start: fresh, resumed, or restarted after a failure
+        log_event(spec.checkpoint.storage_path, spec.run.name, "start", restored_step=state.step,
+                  old_world_size=restored.world_size if restored else None, world_size=world_size,
+                  restore_s=time.perf_counter() - restore_start)
     state.world_size = world_size
+    ledger = None
+    if spec.run.sample_ledger:
+        attempt = [time.time()]  # one id for this worker group (collective): rank 0's start time
+        dist.broadcast_object_list(attempt, src=0)
+        if engine.data_owner:
+            ledger = SampleLedger(spec.run_dir, rank, attempt[0])
     progress = Progress(spec.run.steps, state.step, config["progress_bar"]) if rank == 0 else None
     log = MetricsLog(MetricsFile(spec.checkpoint.storage_path, spec.run.name), state.step) if rank == 0 else None
     throughput = Throughput()
@@ -50,6 +64,8 @@ def train_worker(config: dict[str, Any]) -> None:
                               spec.batch.micro_batch_size, accum_steps)
         loss_sum += engine.train_step([dataset.batch(i) for i in ids])
         state.step += 1
+        if ledger:
+            ledger.record(state.step, world_size, ids)
         state.samples_seen += global_batch
         steps_since_report += 1
         throughput.add(global_batch, global_batch * tokens_per_sample)

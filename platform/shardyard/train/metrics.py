@@ -15,8 +15,10 @@ import time
 from typing import Any
 
 import pyarrow.fs
+from ray.train import UserCallback
 
 METRICS_FILE = "metrics.jsonl"
+EVENTS_FILE = "events.jsonl"
 LOSS_PLOT = "loss_curve.png"
 
 
@@ -72,16 +74,17 @@ class Progress:
 
 
 class MetricsFile:
-    """`<storage_path>/<run>/metrics.jsonl`, written by rank 0 and read by the driver.
+    """A JSON-lines file of a run (`metrics.jsonl` by default), written by rank 0 or the
+    controller and read by the driver.
 
     Written through pyarrow's filesystem layer, so the same code serves a local directory and
     s3:// or gs:// storage (object stores cannot append, so the small file is rewritten whole).
     """
 
-    def __init__(self, storage_path: str, run_name: str) -> None:
+    def __init__(self, storage_path: str, run_name: str, name: str = METRICS_FILE) -> None:
         self.fs, root = pyarrow.fs.FileSystem.from_uri(storage_path)
         self.dir = f"{root}/{run_name}"
-        self.path = f"{self.dir}/{METRICS_FILE}"
+        self.path = f"{self.dir}/{name}"
 
     def read(self) -> list[dict[str, Any]]:
         if self.fs.get_file_info(self.path).type == pyarrow.fs.FileType.NotFound:
@@ -111,6 +114,23 @@ class MetricsLog:
     def append(self, row: dict[str, Any]) -> None:
         self.rows.append({**row, "time": time.time()})
         self.file.write(self.rows)
+
+
+def log_event(storage_path: str, run_name: str, event: str, **fields: Any) -> None:
+    """Append one event (failure, restore, resize) to the run's event log."""
+    file = MetricsFile(storage_path, run_name, EVENTS_FILE)
+    file.write([*file.read(), {"event": event, "time": time.time(), **fields}])
+
+
+class FailureLog(UserCallback):
+    """Runs on the Ray Train controller: records each worker failure before the group restarts."""
+
+    def __init__(self, storage_path: str, run_name: str) -> None:
+        self.storage_path, self.run_name = storage_path, run_name
+
+    def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+        errors = {r: f"{type(e).__name__}: {e}"[:300] for r, e in sorted(worker_exceptions.items())}
+        log_event(self.storage_path, self.run_name, "failure", ranks=sorted(errors), errors=errors)
 
 
 def plot_loss(rows: list[dict[str, Any]], title: str) -> bytes:

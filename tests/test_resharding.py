@@ -1,0 +1,63 @@
+"""A checkpoint written at one world size resumes at another: the state is resharded
+(torch.distributed.checkpoint), gradient accumulation is recomputed so the global batch stays
+the same, and each rank picks up its new shard of the remaining samples.
+
+Oracle: the whole run must equal STEPS uninterrupted single-process steps. A repeated or skipped
+sample, a wrong accumulation count or a bad reshard would each move the parameters off it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardyard.localdist import run_distributed
+from shardyard.models import build_model
+from shardyard.parallel import build_engine
+from shardyard.spec import parse_spec
+from shardyard.train import checkpoint
+from shardyard.train.checkpoint import TrainState
+from test_strategies import PARAM_TOL, RESUME_AT, STEPS, job, oracle_run, steps
+
+
+def before(rank: int, world: int, raw: dict, out: str) -> None:
+    spec = parse_spec(raw)
+    torch.manual_seed(spec.run.seed)
+    engine = build_engine(spec, build_model(spec.model), torch.device("cpu"))
+    steps(engine, spec, 0, RESUME_AT)
+    state = TrainState(RESUME_AT, RESUME_AT * spec.batch.global_batch_size, world)
+    checkpoint.save(engine, state, spec, Path(out, "mid"), rank)
+
+
+def after(rank: int, world: int, raw: dict, out: str) -> tuple[int, list[float]]:
+    spec = parse_spec(raw)
+    torch.manual_seed(spec.run.seed + 1)  # fresh weights: everything must come from the checkpoint
+    engine = build_engine(spec, build_model(spec.model), torch.device("cpu"))
+    state = checkpoint.load(engine, Path(out, "mid"))
+    losses = steps(engine, spec, state.step, STEPS)
+    checkpoint.save(engine, TrainState(STEPS, STEPS * spec.batch.global_batch_size, world), spec,
+                    Path(out, "final"), rank)
+    return state.world_size, losses
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy, old_world, new_world", [
+    ("ddp", 4, 2), ("ddp", 2, 3), ("fsdp", 2, 4), ("fsdp", 4, 1),
+])
+def test_resume_at_another_world_size_matches_uninterrupted_run(strategy: str, old_world: int,
+                                                                new_world: int, tmp_path: Path) -> None:
+    # Global batch 24, micro-batch 2: accumulation 3, 6, 4 or 12 steps, whatever the world size.
+    old = job({"strategy": strategy}, old_world, 2) | {"batch": {"global_batch_size": 24, "micro_batch_size": 2}}
+    new = job({"strategy": strategy}, new_world, 2) | {"batch": {"global_batch_size": 24, "micro_batch_size": 2}}
+    run_distributed(before, old_world, old, str(tmp_path))
+    restored_from, losses = run_distributed(after, new_world, new, str(tmp_path))[0]
+    assert restored_from == old_world
+
+    spec = parse_spec(new)
+    oracle_losses, oracle_params = oracle_run(spec.model.tie_weights, 24)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(oracle_losses[RESUME_AT:]), rtol=1e-5, atol=0)
+    final = checkpoint.load_model(tmp_path / "final").state_dict()
+    for name, value in oracle_params.items():
+        torch.testing.assert_close(final[name], value, rtol=0, atol=PARAM_TOL, msg=name)
