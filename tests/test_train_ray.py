@@ -59,6 +59,11 @@ def test_run_writes_checkpoints_metrics_and_plot(ray_cluster, tmp_path: Path) ->
     assert sorted(p.name for p in run_dir.glob("checkpoint_step_*")) == [
         "checkpoint_step_00000006", "checkpoint_step_00000007"]
     assert find_latest(run_dir).name == "checkpoint_step_00000007"
+    # A crash mid-write leaves a directory Ray Train never registered: it is never chosen.
+    partial = run_dir / "checkpoint_step_00000099"
+    partial.mkdir()
+    (partial / "trainer_state.pt").write_bytes(b"rank 0 finished, rank 1 never uploaded")
+    assert find_latest(run_dir).name == "checkpoint_step_00000007"
     assert (run_dir / LOSS_PLOT).stat().st_size > 0
     assert logged_steps(run_dir) == list(range(1, 8))
     assert result.summary["world_size"] == 2 and result.summary["tokens_per_s"] > 0

@@ -10,6 +10,7 @@ that produced the final model.
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ class SampleLedger:
         self.attempt = attempt
 
     def record(self, step: int, world_size: int, ids: list[torch.Tensor]) -> None:
-        entry = {"attempt": self.attempt, "step": step, "world_size": world_size,
+        entry = {"attempt": self.attempt, "step": step, "world_size": world_size, "time": time.time(),
                  "ids": torch.cat(ids).tolist()}
         with self.path.open("a") as f:
             f.write(json.dumps(entry) + "\n")

@@ -113,9 +113,24 @@ def report(metrics: dict[str, Any], engine: Engine, state: TrainState, spec: Job
                          checkpoint_dir_name=f"{DIR_PREFIX}{state.step:08d}")
 
 
+SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's list of registered checkpoints
+
+
 def find_latest(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint directory of a run, for readers outside Ray Train."""
-    complete = [p for p in Path(run_dir).glob(f"{DIR_PREFIX}*") if (p / STATE_FILE).is_file()]
+    """The newest complete checkpoint of a run, for readers outside Ray Train.
+
+    Complete means registered by Ray Train, which happens only after every rank has reported
+    its shard: a directory left half-written by a crash is never chosen. Directories copied
+    without Ray's snapshot fall back to those holding the trainer state.
+    """
+    run_dir = Path(run_dir)
+    snapshot = run_dir / SNAPSHOT_FILE
+    if snapshot.is_file():
+        names = [r["checkpoint_dir_name"] for r in json.loads(snapshot.read_text())["checkpoint_results"]]
+        candidates = [run_dir / name for name in names]
+    else:
+        candidates = list(run_dir.glob(f"{DIR_PREFIX}*"))
+    complete = [p for p in candidates if (p / STATE_FILE).is_file()]
     return max(complete, key=lambda p: p.name, default=None)
 
 
