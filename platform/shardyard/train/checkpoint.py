@@ -80,7 +80,9 @@ def load(engine: Engine, directory: Path) -> TrainState:
                 f"ZeRO checkpoint {directory} was written by {meta['world_size']} ranks and cannot "
                 f"be loaded by {engine.dp_size}: resizing needs DeepSpeed's universal checkpoint "
                 f"conversion, which shardyard does not do yet")
-        engine.ds.load_checkpoint(str(directory), tag=ZERO_DIR)
+        loaded_from, _ = engine.ds.load_checkpoint(str(directory), tag=ZERO_DIR)
+        if loaded_from is None:  # DeepSpeed warns and carries on when it finds nothing
+            raise FileNotFoundError(f"no ZeRO checkpoint under {directory / ZERO_DIR}")
     else:
         parts = _part_states(engine)
         merged = _merged(parts)
