@@ -117,7 +117,7 @@ class MetricsLog:
 
 
 def log_event(storage_path: str, run_name: str, event: str, **fields: Any) -> None:
-    """Append one event (failure, restore, resize) to the run's event log."""
+    """Append one event (`start` of a worker group, `failure`) to the run's event log."""
     file = MetricsFile(storage_path, run_name, EVENTS_FILE)
     file.write([*file.read(), {"event": event, "time": time.time(), **fields}])
 
