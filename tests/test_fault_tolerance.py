@@ -1,6 +1,7 @@
-"""A worker process killed from outside mid-run: Ray Train restarts the worker group, the loop
-resumes from the last complete checkpoint, and the run ends exactly where an uninterrupted run
-ends, with every sample of each epoch used exactly once (sample ledger)."""
+"""Failures at a fixed world size: a worker process killed from outside mid-run, and a crash
+while a checkpoint is being written. Ray Train restarts the worker group, the loop resumes from
+the last complete checkpoint, and the run ends exactly where an uninterrupted run ends, with every
+sample of each epoch used exactly once (sample ledger)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from shardyard.train.metrics import EVENTS_FILE
 
 SHARDYARD = str(Path(sys.executable).with_name("shardyard"))
 CONFIG = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "gpt_ddp.yaml"
-NUM_SAMPLES, GLOBAL_BATCH, STEPS = 256, 16, 800  # 16 steps per epoch; 50 epochs
+NUM_SAMPLES, GLOBAL_BATCH, STEPS = 256, 16, 400  # 16 steps per epoch; 25 epochs
 
 
 def job(storage: Path, name: str) -> list[str]:
@@ -57,15 +58,40 @@ def train_workers() -> list[psutil.Process]:
             if any("RayTrainWorker" in part for part in (p.info["cmdline"] or []))]
 
 
-@pytest.mark.timeout(420)
-def test_killed_worker_restarts_and_loses_nothing(ray_cluster, tmp_path: Path) -> None:
-    run_dir = tmp_path / "killed"
+def start_run(ray_cluster, run_dir: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     command = [SHARDYARD, "train", str(CONFIG)]
-    for item in job(tmp_path, "killed"):
+    for item in job(run_dir.parent, run_dir.name):
         command += ["--set", item]
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster.gcs_address}
-    proc = subprocess.Popen(command, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.gcs_address, **(extra_env or {})}
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The same job run straight through: what every interrupted run must end with."""
+    straight = launch(load_spec(CONFIG, job(tmp_path_factory.mktemp("straight"), "straight")))
+    return load_model(straight.checkpoint).state_dict()
+
+
+def assert_same_model(run_dir: Path, expected: dict[str, torch.Tensor]) -> None:
+    # Same world size, same data order, deterministic math: the same model as never failing.
+    got = load_model(find_latest(run_dir)).state_dict()
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6, msg=name)
+
+
+def assert_exact_data(run_dir: Path) -> None:
+    """The trajectory that produced the final model: every step once, every sample once per epoch."""
+    report = audit(run_dir, NUM_SAMPLES)
+    assert report.attempts >= 2 and report.steps == STEPS
+    assert report.complete_epochs == STEPS * GLOBAL_BATCH // NUM_SAMPLES
+    assert report.exact, report
+
+
+@pytest.mark.timeout(420)
+def test_killed_worker_restarts_and_loses_nothing(ray_cluster, uninterrupted, tmp_path: Path) -> None:
+    run_dir = tmp_path / "killed"
+    proc = start_run(ray_cluster, run_dir)
     # Once Ray Train has registered a checkpoint (its controller takes reports on a 2 s poll, so
     # a checkpoint written just before a failure may not count yet), kill one worker process
     # with SIGKILL: no warning, no cleanup.
@@ -78,21 +104,35 @@ def test_killed_worker_restarts_and_loses_nothing(ray_cluster, tmp_path: Path) -
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output[-4000:]
 
-    # The trajectory that produced the final model: every step once, every sample once per epoch.
-    report = audit(run_dir, NUM_SAMPLES)
-    assert report.attempts >= 2 and report.steps == STEPS
-    assert report.complete_epochs == STEPS * GLOBAL_BATCH // NUM_SAMPLES
-    assert report.exact, report
-
+    assert_exact_data(run_dir)
     events = [json.loads(line) for line in (run_dir / EVENTS_FILE).read_text().splitlines()]
     assert [e["event"] for e in events][:3] == ["start", "failure", "start"]
     restart = events[2]
     assert restart["restored_step"] > 0 and restart["restored_step"] % 50 == 0
     assert restart["old_world_size"] == restart["world_size"] == 2
+    assert_same_model(run_dir, uninterrupted)
 
-    # Same world size, same data order, deterministic math: the same model as never failing.
-    straight = launch(load_spec(CONFIG, job(tmp_path, "straight")))
-    expected = load_model(straight.checkpoint).state_dict()
-    got = load_model(find_latest(run_dir)).state_dict()
-    for name, value in expected.items():
-        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6, msg=name)
+
+@pytest.mark.timeout(420)
+def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(ray_cluster, uninterrupted,
+                                                                  tmp_path: Path) -> None:
+    """Rank 1 dies after saving its shard of step 300 and before uploading it, while rank 0
+    uploads its own: the partial checkpoint must be ignored and an earlier complete one restored."""
+    run_dir = tmp_path / "crashed"
+    proc = start_run(ray_cluster, run_dir, {"SHARDYARD_INJECT_CRASH": "checkpoint:300"})
+    output, _ = proc.communicate(timeout=360)
+    assert proc.returncode == 0, output[-4000:]
+
+    events = [json.loads(line) for line in (run_dir / EVENTS_FILE).read_text().splitlines()]
+    assert [e["event"] for e in events] == ["start", "injected_crash", "failure", "start"], events
+    crash, restart = events[1], events[3]
+    assert crash["step"] == 300 and crash["latest_complete"] is not None
+    # Ray Train registers a checkpoint on its controller's 2 s poll: the restart uses the newest
+    # registered by then, at least the one complete when the crash happened, never the partial.
+    complete_at_crash = int(crash["latest_complete"].rsplit("_", 1)[1])
+    assert complete_at_crash <= restart["restored_step"] < 300, events
+    assert_exact_data(run_dir)
+    assert_same_model(run_dir, uninterrupted)
+    # Pruning counts complete checkpoints only: the newest `checkpoint.keep` (2) are left.
+    assert sorted(p.name for p in run_dir.glob("checkpoint_step_*")) == [
+        "checkpoint_step_00000350", "checkpoint_step_00000400"]

@@ -1,5 +1,5 @@
 """A checkpoint written at one world size resumes at another: the state is resharded
-(torch.distributed.checkpoint), gradient accumulation is recomputed so the global batch stays
+(torch.distributed.checkpoint; DeepSpeed's universal checkpoint for ZeRO), gradient accumulation is recomputed so the global batch stays
 the same, and each rank picks up its new shard of the remaining samples.
 
 Oracle: the whole run must equal STEPS uninterrupted single-process steps. A repeated or skipped
@@ -23,7 +23,7 @@ from test_strategies import PARAM_TOL, RESUME_AT, STEPS, job, oracle_run, steps
 
 
 def before(rank: int, world: int, raw: dict, out: str) -> None:
-    spec = parse_spec(raw)
+    spec = parse_spec(raw).at_world_size(world)
     torch.manual_seed(spec.run.seed)
     engine = build_engine(spec, build_model(spec.model), torch.device("cpu"))
     steps(engine, spec, 0, RESUME_AT)
@@ -32,7 +32,7 @@ def before(rank: int, world: int, raw: dict, out: str) -> None:
 
 
 def after(rank: int, world: int, raw: dict, out: str) -> tuple[int, list[float]]:
-    spec = parse_spec(raw)
+    spec = parse_spec(raw).at_world_size(world)
     torch.manual_seed(spec.run.seed + 1)  # fresh weights: everything must come from the checkpoint
     engine = build_engine(spec, build_model(spec.model), torch.device("cpu"))
     state = checkpoint.load(engine, Path(out, "mid"))
@@ -43,19 +43,23 @@ def after(rank: int, world: int, raw: dict, out: str) -> tuple[int, list[float]]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy, old_world, new_world", [
-    ("ddp", 4, 2), ("ddp", 2, 3), ("fsdp", 2, 4), ("fsdp", 4, 1),
-])
-def test_resume_at_another_world_size_matches_uninterrupted_run(strategy: str, old_world: int,
+@pytest.mark.parametrize("parallelism, old_world, new_world", [
+    ({"strategy": "ddp"}, 4, 2), ({"strategy": "ddp"}, 2, 3),
+    ({"strategy": "fsdp"}, 2, 4), ({"strategy": "fsdp"}, 4, 1),
+    ({"strategy": "zero2"}, 3, 2), ({"strategy": "zero3"}, 2, 4),  # zero1 shares zero2's code path
+    ({"strategy": "pipeline", "pp": 2}, 4, 3),  # 2 stages x 2 replicas re-planned as 3 replicas
+], ids=lambda v: v["strategy"] if isinstance(v, dict) else str(v))
+def test_resume_at_another_world_size_matches_uninterrupted_run(parallelism: dict, old_world: int,
                                                                 new_world: int, tmp_path: Path) -> None:
-    # Global batch 24, micro-batch 2: accumulation 3, 6, 4 or 12 steps, whatever the world size.
-    old = job({"strategy": strategy}, old_world, 2) | {"batch": {"global_batch_size": 24, "micro_batch_size": 2}}
-    new = job({"strategy": strategy}, new_world, 2) | {"batch": {"global_batch_size": 24, "micro_batch_size": 2}}
-    run_distributed(before, old_world, old, str(tmp_path))
-    restored_from, losses = run_distributed(after, new_world, new, str(tmp_path))[0]
+    # Global batch 24, micro-batch 2: accumulation 3, 4, 6 or 12 steps, whatever the world size.
+    # One elastic spec for both runs, as a resized Ray Train run would have.
+    raw = job(parallelism, old_world, 2) | {"batch": {"global_batch_size": 24, "micro_batch_size": 2}}
+    raw["scaling"] = {"min_workers": min(old_world, new_world), "max_workers": max(old_world, new_world)}
+    run_distributed(before, old_world, raw, str(tmp_path))
+    restored_from, losses = run_distributed(after, new_world, raw, str(tmp_path))[0]
     assert restored_from == old_world
 
-    spec = parse_spec(new)
+    spec = parse_spec(raw)
     oracle_losses, oracle_params = oracle_run(spec.model.tie_weights, 24)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(oracle_losses[RESUME_AT:]), rtol=1e-5, atol=0)
     final = checkpoint.load_model(tmp_path / "final").state_dict()

@@ -90,9 +90,12 @@ def test_missing_sections_take_defaults() -> None:
         (["parallelism.strategy=fsdp", "parallelism.tp=2", "model.n_head=3", "model.n_embd=96"],
          ["model.n_head (3) must be divisible by parallelism.tp (2)"]),
         (["parallelism.strategy=zero2", "parallelism.tp=2"], ["'zero2' is pure data parallel"]),
-        (["parallelism.strategy=zero2", "scaling.num_workers=null", "scaling.min_workers=2",
-          "scaling.max_workers=4", "batch.micro_batch_size=2", "batch.global_batch_size=24"],
-         ["'zero2' needs a fixed scaling.num_workers"]),
+        (["scaling.num_workers=null", "scaling.min_workers=2", "scaling.max_workers=5",
+          "batch.micro_batch_size=2", "batch.global_batch_size=24"],
+         ["not for world size 5 (2 x 5 = 10)", "batch.allow_global_batch_change=true"]),
+        (["parallelism.strategy=fsdp", "parallelism.tp=2", "scaling.num_workers=null",
+          "scaling.min_workers=2", "scaling.max_workers=3"],
+         ["world size 3 is not a multiple of parallelism.tp (2)"]),
         (["parallelism.strategy=zero4"], ["parallelism.strategy", "'zero3'", "'fsdp'"]),
         (["parallelism.strategy=fsdp", "parallelism.tp=2", "scaling.num_workers=4",
           "batch.global_batch_size=24", "batch.micro_batch_size=16"],
@@ -104,6 +107,33 @@ def test_bad_specs_are_named(overrides: list[str], expected: list[str]) -> None:
         load_spec(DEFAULT_JOB, overrides)
     for fragment in expected:
         assert fragment in str(err.value), f"{fragment!r} not in:\n{err.value}"
+
+
+ELASTIC = ["scaling.num_workers=null", "scaling.min_workers=2", "scaling.max_workers=4"]
+
+
+def test_elastic_pipeline_is_replanned_when_world_size_does_not_fit() -> None:
+    spec = load_spec(DEFAULT_JOB, [*ELASTIC, "parallelism.strategy=pipeline", "parallelism.pp=2",
+                                   "model.tie_weights=false", "batch.micro_batch_size=4",
+                                   "batch.global_batch_size=48"])
+    # 4 and 2 keep two stages (fewer data-parallel replicas); 3 cannot, and runs without a pipeline.
+    assert spec.at_world_size(4) is spec and spec.at_world_size(2) is spec
+    three = spec.at_world_size(3).parallelism
+    assert (three.strategy, three.pp, three.dp_size(3)) == ("ddp", 1, 3)
+    fsdp_pp = load_spec(DEFAULT_JOB, [*ELASTIC, "scaling.max_workers=6", "parallelism.strategy=fsdp",
+                                      "parallelism.pp=3", "model.tie_weights=false",
+                                      "batch.micro_batch_size=2", "batch.global_batch_size=120"])
+    assert (fsdp_pp.at_world_size(4).parallelism.pp, fsdp_pp.at_world_size(4).parallelism.strategy) == (2, "fsdp")
+
+
+def test_global_batch_change_only_when_allowed() -> None:
+    overrides = [*ELASTIC, "batch.micro_batch_size=4", "batch.global_batch_size=32"]
+    with pytest.raises(SpecError, match="not for world size 3"):
+        load_spec(DEFAULT_JOB, overrides)
+    spec = load_spec(DEFAULT_JOB, [*overrides, "batch.allow_global_batch_change=true"])
+    assert spec.at_world_size(4).batch.global_batch_size == 32
+    assert spec.at_world_size(3).batch.global_batch_size == 36  # nearest multiple of 4 x 3
+    assert spec.at_world_size(3).grad_accum_steps(3) == 3
 
 
 def test_mlp_needs_synthetic_data() -> None:

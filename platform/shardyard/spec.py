@@ -78,6 +78,10 @@ class OptimSpec(_Section):
 class BatchSpec(_Section):
     global_batch_size: int = Field(32, ge=1, description="samples per optimizer step, all ranks")
     micro_batch_size: int = Field(8, ge=1, description="samples per forward pass on one rank")
+    allow_global_batch_change: bool = Field(
+        False, description="at a world size that cannot keep global_batch_size exactly, train with "
+                           "the nearest multiple of micro_batch_size x data-parallel size instead of "
+                           "refusing the spec")
 
 
 Strategy = Literal["ddp", "fsdp", "zero1", "zero2", "zero3", "pipeline", "tensor"]
@@ -144,6 +148,11 @@ class ScalingSpec(_Section):
     max_failures: int = Field(0, ge=-1, description="worker-group restarts allowed; -1: forever")
     resize_check_interval_s: float = Field(
         10.0, gt=0, description="elastic: how often Ray Train looks for room to grow the group")
+    health_check_interval_s: float = Field(
+        2.0, gt=0, description="how often Ray Train polls workers (failure detection delay)")
+    worker_start_timeout_s: float = Field(
+        60.0, gt=0, description="how long a worker group may take to start before Ray Train "
+                                "gives up on it and retries, elastic: at the size resources allow")
 
     @model_validator(mode="after")
     def _fixed_or_elastic(self) -> ScalingSpec:
@@ -218,35 +227,59 @@ class JobSpec(_Section):
         if self.data.path is not None and self.data.name != "corpus":
             raise ValueError("data.path applies to data.name 'corpus' only")
         par = self.parallelism
-        if par.strategy in ZERO_STAGES and len(self.scaling.world_sizes) > 1:
-            raise ValueError(f"parallelism.strategy '{par.strategy}' needs a fixed scaling.num_workers: "
-                             f"its checkpoints cannot be resharded to another world size yet")
         if par.strategy == "tensor" and any(ws != par.tp for ws in self.scaling.world_sizes):
             raise ValueError(f"parallelism.strategy 'tensor' shards over every rank: parallelism.tp "
                              f"({par.tp}) must equal the world size (for dp x tp use 'fsdp' with tp)")
-        no_mesh = [ws for ws in self.scaling.world_sizes if par.dp_size(ws) is None]
-        if no_mesh:
-            raise ValueError(f"world size {', '.join(map(str, no_mesh))} is not a multiple of "
-                             f"parallelism.pp x parallelism.tp = {par.pp} x {par.tp}")
+        fixed = self.scaling.num_workers
+        if fixed is not None and par.dp_size(fixed) is None:  # a fixed size is meant: no re-plan
+            raise ValueError(f"world size {fixed} is not a multiple of parallelism.pp x "
+                             f"parallelism.tp = {par.pp} x {par.tp}")
         self._check_model_fits_mesh()
-        if par.pp > 1 and par.schedule != "gpipe":
-            few = [ws for ws in self.scaling.world_sizes if (self.grad_accum_steps(ws) or par.pp) < par.pp]
-            if few:
-                raise ValueError(
-                    f"parallelism.schedule '{par.schedule}' needs at least parallelism.pp ({par.pp}) "
-                    f"micro-batches per step; batch.global_batch_size / (batch.micro_batch_size x "
-                    f"data-parallel size) is {self.grad_accum_steps(few[0])} at world size {few[0]}")
-        bad = [ws for ws in self.scaling.world_sizes if self.grad_accum_steps(ws) is None]
-        if bad:
-            micro = self.batch.micro_batch_size
-            per_step = ", ".join(f"{micro} x {par.dp_size(ws)} = {micro * par.dp_size(ws)}"
-                                 for ws in bad)
+        for ws in self.scaling.world_sizes:
+            self.at_world_size(ws)  # raises, naming the key, if nothing can run at this size
+        return self
+
+    def at_world_size(self, world_size: int) -> JobSpec:
+        """The spec as it runs at `world_size`: the mesh re-planned if it no longer fits and the
+        global batch changed if the spec allows it. `self` when nothing needs to change."""
+        par = self._mesh_at(world_size)
+        spec = self if par == self.parallelism else self.model_copy(update={"parallelism": par})
+        accum = spec.grad_accum_steps(world_size)
+        per_pass = self.batch.micro_batch_size * par.dp_size(world_size)
+        if accum is None and self.batch.allow_global_batch_change:
+            accum = max(1, round(self.batch.global_batch_size / per_pass))
+            batch = self.batch.model_copy(update={"global_batch_size": accum * per_pass})
+            spec = spec.model_copy(update={"batch": batch})
+        if accum is None:
             raise ValueError(
                 f"batch.global_batch_size ({self.batch.global_batch_size}) must be a multiple of "
-                f"batch.micro_batch_size x data-parallel size; it is not for world size "
-                f"{', '.join(map(str, bad))} ({per_step})"
-            )
-        return self
+                f"batch.micro_batch_size x data-parallel size; it is not for world size {world_size} "
+                f"({self.batch.micro_batch_size} x {par.dp_size(world_size)} = {per_pass}); set "
+                f"batch.allow_global_batch_change=true to train with the nearest multiple instead")
+        if par.pp > 1 and par.schedule != "gpipe" and accum < par.pp:
+            raise ValueError(
+                f"parallelism.schedule '{par.schedule}' needs at least parallelism.pp ({par.pp}) "
+                f"micro-batches per step; batch.global_batch_size / (batch.micro_batch_size x "
+                f"data-parallel size) is {accum} at world size {world_size}")
+        return spec
+
+    def _mesh_at(self, world_size: int) -> ParallelismSpec:
+        """Keep the configured mesh while the world size is a multiple of pp x tp (only the
+        data-parallel degree changes); otherwise use the most pipeline stages that divide it.
+        Checkpoint keys are the full model's parameter names, so any re-plan can load them."""
+        par = self.parallelism
+        if par.dp_size(world_size) is not None:
+            return par
+        for pp in range(par.pp - 1, 0, -1):
+            if world_size % (pp * par.tp) or self.model.n_layer < pp * par.stages_per_rank:
+                continue
+            fields = par.model_dump() | {"pp": pp, "split_points": None}
+            if pp == 1:  # no pipeline left: plain data parallel over the same ranks
+                fields |= {"schedule": "1f1b", "stages_per_rank": 1,
+                           "strategy": "ddp" if par.strategy == "pipeline" else par.strategy}
+            return ParallelismSpec(**fields)
+        raise ValueError(f"world size {world_size} is not a multiple of parallelism.tp ({par.tp}): "
+                         f"no mesh fits it")
 
     def _check_model_fits_mesh(self) -> None:
         par, model = self.parallelism, self.model

@@ -3,7 +3,8 @@
 Model and optimizer state go through `torch.distributed.checkpoint` (DCP): every rank writes its
 own shard, and loading reshards to whatever world size is running now. Keys are the full model's
 parameter names (optimizer state flattened under them), whatever the strategy: DDP, FSDP, tensor
-and pipeline checkpoints share one layout. ZeRO state goes through DeepSpeed's engine instead. Beside the shards rank 0
+and pipeline checkpoints share one layout. ZeRO state goes through DeepSpeed's engine instead
+(zero.py), resharded through DeepSpeed's universal checkpoint format. Beside the shards rank 0
 writes the trainer state (step, data position, LR schedule) and the job spec, so one checkpoint
 directory is enough to resume training or to rebuild the model for serving.
 
@@ -15,6 +16,8 @@ them into one checkpoint directory under `<storage_path>/<run.name>/`, keeps the
 from __future__ import annotations
 
 import json
+import os
+import signal
 import tempfile
 import warnings
 from dataclasses import asdict, dataclass
@@ -63,7 +66,7 @@ def _merged(parts: list[tuple[dict, dict]]) -> dict[str, Any]:
 def save(engine: Engine, state: TrainState, spec: JobSpec, directory: Path, rank: int) -> None:
     """Collective: every rank must call it. Writes this rank's shard into `directory`."""
     if engine.checkpoint_format == "deepspeed":
-        engine.ds.save_checkpoint(str(directory), tag=ZERO_DIR)
+        engine.save_checkpoint(directory, ZERO_DIR)
     else:
         dcp.save(_merged(_part_states(engine)), checkpoint_id=str(directory))
     if rank == 0:
@@ -75,14 +78,7 @@ def load(engine: Engine, directory: Path) -> TrainState:
     """Collective: restore model, optimizer and schedule; returns where training stopped."""
     meta = torch.load(directory / STATE_FILE, weights_only=True)
     if engine.checkpoint_format == "deepspeed":
-        if meta["world_size"] != engine.dp_size:
-            raise RuntimeError(
-                f"ZeRO checkpoint {directory} was written by {meta['world_size']} ranks and cannot "
-                f"be loaded by {engine.dp_size}: resizing needs DeepSpeed's universal checkpoint "
-                f"conversion, which shardyard does not do yet")
-        loaded_from, _ = engine.ds.load_checkpoint(str(directory), tag=ZERO_DIR)
-        if loaded_from is None:  # DeepSpeed warns and carries on when it finds nothing
-            raise FileNotFoundError(f"no ZeRO checkpoint under {directory / ZERO_DIR}")
+        engine.load_checkpoint(directory, ZERO_DIR, resharded=meta["world_size"] != engine.dp_size)
     else:
         parts = _part_states(engine)
         merged = _merged(parts)
@@ -107,10 +103,16 @@ def restore_latest(engine: Engine) -> TrainState | None:
 
 
 def report(metrics: dict[str, Any], engine: Engine, state: TrainState, spec: JobSpec,
-           rank: int) -> None:
-    """Save and hand a checkpoint to Ray Train. Collective: every rank calls it at the same steps."""
+           rank: int, crash_before_upload: bool = False) -> None:
+    """Save and hand a checkpoint to Ray Train. Collective: every rank calls it at the same steps.
+
+    Ray Train copies each rank's directory into the checkpoint directory in storage and registers
+    the checkpoint only once every rank has reported, so a crash in between leaves a partial
+    directory that is never restored from (`crash_before_upload` is that crash, injected)."""
     with tempfile.TemporaryDirectory(prefix="shardyard-ckpt-") as tmp:
         save(engine, state, spec, Path(tmp), rank)
+        if crash_before_upload:
+            os.kill(os.getpid(), signal.SIGKILL)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
                          checkpoint_dir_name=f"{DIR_PREFIX}{state.step:08d}")
 

@@ -89,12 +89,39 @@ def _check_capacity(spec: JobSpec, per_worker: dict[str, float]) -> None:
                     minimum, detail)
 
 
+def tune_ray_train(spec: JobSpec) -> None:
+    """Failure detection and restart timing that Ray Train reads from the driver's environment
+    (and passes on to its controller). After a node is lost, a restart may first be tried at the
+    old size on stale resource data; the start timeout bounds how long that doomed try waits."""
+    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(spec.scaling.health_check_interval_s)
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(spec.scaling.worker_start_timeout_s)
+
+
+CRASH_ENV = "SHARDYARD_INJECT_CRASH"
+
+
+def injected_crash_step() -> int | None:
+    """Fault injection for recovery drills: `SHARDYARD_INJECT_CRASH=checkpoint:STEP` makes the
+    last rank die (SIGKILL) once, while the checkpoint of STEP is being written: after its shard
+    is saved, before it reaches storage, while the other ranks upload theirs."""
+    value = os.environ.get(CRASH_ENV)
+    if not value:
+        return None
+    where, _, step = value.partition(":")
+    if where != "checkpoint" or not step.isdigit():
+        raise SpecError(f"{CRASH_ENV}={value!r}: expected checkpoint:STEP, e.g. checkpoint:100")
+    return int(step)
+
+
 def launch(spec: JobSpec, attach_to_running: bool = False) -> RunResult:
     preflight(spec)
+    crash_step = injected_crash_step()
     connect_ray(spec, attach_to_running)
+    tune_ray_train(spec)
     trainer = TorchTrainer(
         train_worker,
-        train_loop_config={"spec": spec.model_dump(mode="json"), "progress_bar": sys.stdout.isatty()},
+        train_loop_config={"spec": spec.model_dump(mode="json"), "progress_bar": sys.stdout.isatty(),
+                           "crash_at_checkpoint": crash_step},
         scaling_config=scaling_config(spec),
         run_config=RunConfig(
             # Same name + storage path as an earlier run: Ray Train restores its checkpoint list

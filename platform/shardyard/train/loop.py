@@ -14,22 +14,26 @@ from shardyard.data.ledger import SampleLedger
 from shardyard.models import build_model
 from shardyard.parallel import build_engine
 from shardyard.runtime import select_device
-from shardyard.spec import GPTSpec, parse_spec
+from shardyard.spec import GPTSpec, JobSpec, parse_spec
 from shardyard.train import checkpoint
 from shardyard.train.checkpoint import TrainState
-from shardyard.train.metrics import MetricsFile, MetricsLog, Progress, Throughput, log_event
+from shardyard.train.metrics import EVENTS_FILE, MetricsFile, MetricsLog, Progress, Throughput, log_event
 
 
 def train_worker(config: dict[str, Any]) -> None:
     """Entry point of each Ray Train worker.
 
     `config["spec"]` is the validated job spec as a dict; `config["progress_bar"]` says whether the
-    driver has a terminal to draw a bar on.
+    driver has a terminal to draw a bar on; `config["crash_at_checkpoint"]` is an injected fault
+    (see launcher.injected_crash_step).
     """
-    spec = parse_spec(config["spec"])
+    written = parse_spec(config["spec"])
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     device = select_device(context.get_local_rank())
+    # The spec as it runs at this world size (validated for every size before the run started):
+    # the pipeline mesh may be re-planned and, if the spec allows it, the global batch changed.
+    spec = written.at_world_size(world_size)
 
     # Same seed on every rank: identical initial weights, as a single process would build them.
     torch.manual_seed(spec.run.seed)
@@ -44,9 +48,15 @@ def train_worker(config: dict[str, Any]) -> None:
     restored = checkpoint.restore_latest(engine)
     state = restored or TrainState()
     if rank == 0:  # every worker group start: fresh, resumed, or restarted after a failure
+        par = spec.parallelism
         log_event(spec.checkpoint.storage_path, spec.run.name, "start", restored_step=state.step,
                   old_world_size=restored.world_size if restored else None, world_size=world_size,
-                  restore_s=time.perf_counter() - restore_start)
+                  restore_s=time.perf_counter() - restore_start, global_batch=global_batch,
+                  mesh={"pp": par.pp, "dp": par.dp_size(world_size), "tp": par.tp})
+        if global_batch != written.batch.global_batch_size:
+            print(f"shardyard: world size {world_size} cannot keep batch.global_batch_size "
+                  f"{written.batch.global_batch_size}; training with {global_batch} "
+                  f"(batch.allow_global_batch_change)", flush=True)
     state.world_size = world_size
     ledger = None
     if spec.run.sample_ledger:
@@ -81,12 +91,19 @@ def train_worker(config: dict[str, Any]) -> None:
             "loss": loss_sum.item() / (steps_since_report * engine.loss_ranks),
             "lr": engine.lr,
             "world_size": world_size,
+            "global_batch": global_batch,
             "samples_seen": state.samples_seen,
             "epoch": state.samples_seen / len(dataset),
             **throughput.read(),
         }
         if save_now:
-            checkpoint.report(metrics, engine, state, spec, rank)
+            crash = (state.step == config.get("crash_at_checkpoint") and rank == world_size - 1
+                     and not _crash_injected(spec, state.step))
+            if crash:
+                latest = checkpoint.find_latest(spec.run_dir)  # what a restart may use (local storage)
+                log_event(spec.checkpoint.storage_path, spec.run.name, "injected_crash", step=state.step,
+                          rank=rank, latest_complete=latest.name if latest else None)
+            checkpoint.report(metrics, engine, state, written, rank, crash_before_upload=crash)
         if rank == 0:
             log.append(metrics)
             progress.update(steps_since_report, metrics)
@@ -94,3 +111,9 @@ def train_worker(config: dict[str, Any]) -> None:
         steps_since_report = 0
     if rank == 0:
         progress.close()
+
+
+def _crash_injected(spec: JobSpec, step: int) -> bool:
+    """An injected crash happens once: the restarted run must get past that step."""
+    events = MetricsFile(spec.checkpoint.storage_path, spec.run.name, EVENTS_FILE).read()
+    return any(e["event"] == "injected_crash" and e["step"] == step for e in events)
