@@ -1,5 +1,6 @@
 """End to end, as a user runs it: `ray start --head` (the session cluster), then
-`ray job submit --working-dir . -- python jobs/train.py --config ...`, then `ray job status`."""
+`ray job submit --working-dir . -- python jobs/train.py --config ...`, then `ray job status`;
+and a job stopped mid-run (`ray job stop`) and submitted again resumes where it stopped."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
+from shardyard.train.checkpoint import find_latest
 
 RAY = str(Path(sys.executable).with_name("ray"))
 
@@ -25,26 +27,33 @@ def ray_job(cluster, *args: str, timeout: float = 120) -> subprocess.CompletedPr
     )
 
 
+def submit(cluster, overrides: list[str]) -> str:
+    answer = ray_job(cluster, "submit", "--no-wait", "--working-dir", ".", "--",
+                     "python", "jobs/train.py", "--config", "jobs/configs/gpt_ddp.yaml",
+                     *[arg for o in overrides for arg in ("--set", o)])
+    assert answer.returncode == 0, answer.stderr + answer.stdout
+    return re.search(r"raysubmit_\w+", answer.stdout + answer.stderr).group(0)
+
+
+def wait_until_done(cluster, job_id: str, timeout_s: float = 360) -> tuple[str, str]:
+    """(status line, logs) once the job has succeeded, failed or been stopped."""
+    deadline = time.monotonic() + timeout_s
+    status = ""
+    while time.monotonic() < deadline:
+        answer = ray_job(cluster, "status", job_id)
+        status = answer.stdout + answer.stderr  # the CLI prints the status line on stderr
+        if re.search(r"succeeded|failed|stopped", status, re.IGNORECASE):
+            break
+        time.sleep(2)
+    return status, ray_job(cluster, "logs", job_id).stdout
+
+
 @pytest.mark.timeout(420)
 def test_ray_job_submit_trains_and_writes_outputs(ray_cluster, tmp_path: Path) -> None:
     overrides = ["model.n_layer=2", "model.n_embd=64", "run.steps=12", "run.log_every=4",
                  "checkpoint.every_n_steps=6", f"checkpoint.storage_path={tmp_path}",
                  "run.name=submitted"]
-    submit = ray_job(ray_cluster, "submit", "--no-wait", "--working-dir", ".", "--",
-                     "python", "jobs/train.py", "--config", "jobs/configs/gpt_ddp.yaml",
-                     *[arg for o in overrides for arg in ("--set", o)])
-    assert submit.returncode == 0, submit.stderr + submit.stdout
-    job_id = re.search(r"raysubmit_\w+", submit.stdout + submit.stderr).group(0)
-
-    deadline = time.monotonic() + 360
-    status = ""
-    while time.monotonic() < deadline:
-        answer = ray_job(ray_cluster, "status", job_id)
-        status = answer.stdout + answer.stderr  # the CLI prints the status line on stderr
-        if re.search(r"succeeded|failed|stopped", status, re.IGNORECASE):
-            break
-        time.sleep(3)
-    logs = ray_job(ray_cluster, "logs", job_id).stdout
+    status, logs = wait_until_done(ray_cluster, submit(ray_cluster, overrides))
     assert re.search(r"succeeded", status, re.IGNORECASE), f"{status}\n{logs[-3000:]}"
 
     assert "step 12/12" in logs and "shardyard run 'submitted'" in logs
@@ -53,3 +62,29 @@ def test_ray_job_submit_trains_and_writes_outputs(ray_cluster, tmp_path: Path) -
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [4, 6, 8, 12]
     assert (run_dir / "loss_curve.png").is_file()
+
+
+@pytest.mark.timeout(480)
+def test_stopped_job_submitted_again_resumes(ray_cluster, tmp_path: Path) -> None:
+    overrides = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
+                 "data.name=synthetic", "run.steps=600", "run.log_every=50",
+                 "checkpoint.every_n_steps=50", f"checkpoint.storage_path={tmp_path}", "run.name=again"]
+    run_dir = tmp_path / "again"
+    first = submit(ray_cluster, overrides)
+    deadline = time.monotonic() + 240
+    while find_latest(run_dir) is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert find_latest(run_dir) is not None, ray_job(ray_cluster, "logs", first).stdout[-3000:]
+    stop = ray_job(ray_cluster, "stop", first)
+    assert stop.returncode == 0, stop.stderr + stop.stdout
+    status, _ = wait_until_done(ray_cluster, first, 120)
+    assert re.search(r"stopped", status, re.IGNORECASE), status
+    stopped_at = int(find_latest(run_dir).name.rsplit("_", 1)[1])
+    assert stopped_at < 600, "the first job finished before it could be stopped"
+
+    status, logs = wait_until_done(ray_cluster, submit(ray_cluster, overrides))
+    assert re.search(r"succeeded", status, re.IGNORECASE), f"{status}\n{logs[-3000:]}"
+    starts = [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
+              if e["event"] == "start"]
+    assert len(starts) == 2 and starts[1]["restored_step"] >= stopped_at > 0, starts
+    assert "step 600/600" in logs
