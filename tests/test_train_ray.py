@@ -34,11 +34,15 @@ def logged_steps(run_dir: Path) -> list[int]:
 
 
 @pytest.mark.timeout(400)
-def test_stopped_run_resumes_at_next_step_with_identical_parameters(ray_cluster, tmp_path: Path) -> None:
-    straight = launch(load_spec(None, tiny_job(tmp_path, "straight", steps=6)))
-    first = launch(load_spec(None, tiny_job(tmp_path, "resumed", steps=3)))
+@pytest.mark.parametrize("extra", [[], ["checkpoint.async_write=true", "parallelism.strategy=fsdp"]],
+                         ids=["ddp", "fsdp-async-checkpoints"])
+def test_stopped_run_resumes_at_next_step_with_identical_parameters(ray_cluster, tmp_path: Path,
+                                                                     extra: list[str]) -> None:
+    # Asynchronous checkpoints are copied to memory before training goes on: same result.
+    straight = launch(load_spec(None, tiny_job(tmp_path, "straight", steps=6) + extra))
+    first = launch(load_spec(None, tiny_job(tmp_path, "resumed", steps=3) + extra))
     assert first.summary["steps"] == 3
-    second = launch(load_spec(None, tiny_job(tmp_path, "resumed", steps=6)))
+    second = launch(load_spec(None, tiny_job(tmp_path, "resumed", steps=6) + extra))
 
     # The second launch picked up at step 4: every step logged exactly once across both launches.
     assert logged_steps(second.run_dir) == [1, 2, 3, 4, 5, 6]

@@ -187,6 +187,8 @@ class CheckpointSpec(_Section):
     )
     every_n_steps: int = Field(50, ge=1)
     keep: int = Field(2, ge=1, description="newest checkpoints kept; older ones are deleted")
+    async_write: bool = Field(
+        False, description="write and upload checkpoints in the background while training goes on")
 
 
 class RunSpec(_Section):

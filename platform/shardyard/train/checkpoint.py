@@ -20,13 +20,16 @@ import os
 import signal
 import tempfile
 import warnings
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import ray.train
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from ray.train import CheckpointUploadMode
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -69,6 +72,10 @@ def save(engine: Engine, state: TrainState, spec: JobSpec, directory: Path, rank
         engine.save_checkpoint(directory, ZERO_DIR)
     else:
         dcp.save(_merged(_part_states(engine)), checkpoint_id=str(directory))
+    _save_trainer_state(engine, state, spec, directory, rank)
+
+
+def _save_trainer_state(engine: Engine, state: TrainState, spec: JobSpec, directory: Path, rank: int) -> None:
     if rank == 0:
         torch.save({**asdict(state), "scheduler": engine.schedulers[0].state_dict()}, directory / STATE_FILE)
         (directory / SPEC_FILE).write_text(spec.model_dump_json(indent=2))
@@ -102,19 +109,61 @@ def restore_latest(engine: Engine) -> TrainState | None:
         return load(engine, Path(directory))
 
 
-def report(metrics: dict[str, Any], engine: Engine, state: TrainState, spec: JobSpec,
-           rank: int, crash_before_upload: bool = False) -> None:
-    """Save and hand a checkpoint to Ray Train. Collective: every rank calls it at the same steps.
+class CheckpointWriter:
+    """Saves checkpoints and hands them to Ray Train. Collective: every rank calls `report` at the
+    same steps.
 
     Ray Train copies each rank's directory into the checkpoint directory in storage and registers
     the checkpoint only once every rank has reported, so a crash in between leaves a partial
-    directory that is never restored from (`crash_before_upload` is that crash, injected)."""
-    with tempfile.TemporaryDirectory(prefix="shardyard-ckpt-") as tmp:
-        save(engine, state, spec, Path(tmp), rank)
-        if crash_before_upload:
-            os.kill(os.getpid(), signal.SIGKILL)
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
-                         checkpoint_dir_name=f"{DIR_PREFIX}{state.step:08d}")
+    directory that is never restored from.
+
+    With `asynchronous`, training goes on while the checkpoint is written: DCP copies the state
+    to CPU memory and serialises it in a background thread (over a process group of its own, so
+    its collectives never interleave with training's), and Ray Train uploads it in a background
+    thread of its own once that is done (CheckpointUploadMode.ASYNC). DeepSpeed writes ZeRO
+    state synchronously, so there only the upload is asynchronous. One DCP write at a time.
+    """
+
+    def __init__(self, asynchronous: bool) -> None:
+        self.asynchronous = asynchronous
+        self._group: dist.ProcessGroup | None = None
+        self._writing: Future | None = None
+
+    def report(self, metrics: dict[str, Any], engine: Engine, state: TrainState, spec: JobSpec,
+               rank: int, crash_before_upload: bool = False) -> None:
+        """`crash_before_upload` injects a crash: this rank dies after saving its shard, before
+        Ray Train has it, while the others upload theirs."""
+        name = f"{DIR_PREFIX}{state.step:08d}"
+        if not self.asynchronous:
+            with tempfile.TemporaryDirectory(prefix="shardyard-ckpt-") as tmp:
+                save(engine, state, spec, Path(tmp), rank)
+                if crash_before_upload:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
+                                 checkpoint_dir_name=name)
+            return
+        directory = Path(tempfile.mkdtemp(prefix="shardyard-ckpt-"))  # Ray deletes it after upload
+        if engine.checkpoint_format == "deepspeed":
+            save(engine, state, spec, directory, rank)
+            writing = None
+        else:
+            if self._writing is not None:
+                self._writing.result()
+            if self._group is None:
+                self._group = dist.new_group(backend="gloo")
+            writing = self._writing = dcp.async_save(_merged(_part_states(engine)),
+                                                     checkpoint_id=str(directory), process_group=self._group)
+            _save_trainer_state(engine, state, spec, directory, rank)
+        storage = ray.train.get_context().get_storage()
+
+        def upload_when_written(checkpoint: ray.train.Checkpoint, dir_name: str) -> ray.train.Checkpoint:
+            if writing is not None:
+                writing.result()
+            return storage.persist_current_checkpoint(checkpoint, dir_name)
+
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
+                         checkpoint_dir_name=name, checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+                         checkpoint_upload_fn=upload_when_written)
 
 
 SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's list of registered checkpoints

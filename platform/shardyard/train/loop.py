@@ -67,6 +67,7 @@ def train_worker(config: dict[str, Any]) -> None:
     progress = Progress(spec.run.steps, state.step, config["progress_bar"]) if rank == 0 else None
     log = MetricsLog(MetricsFile(spec.checkpoint.storage_path, spec.run.name), state.step) if rank == 0 else None
     throughput = Throughput()
+    writer = checkpoint.CheckpointWriter(spec.checkpoint.async_write)
     loss_sum, steps_since_report = torch.zeros((), device=device), 0
 
     while state.step < spec.run.steps:
@@ -103,7 +104,7 @@ def train_worker(config: dict[str, Any]) -> None:
                 latest = checkpoint.find_latest(spec.run_dir)  # what a restart may use (local storage)
                 log_event(spec.checkpoint.storage_path, spec.run.name, "injected_crash", step=state.step,
                           rank=rank, latest_complete=latest.name if latest else None)
-            checkpoint.report(metrics, engine, state, written, rank, crash_before_upload=crash)
+            writer.report(metrics, engine, state, written, rank, crash_before_upload=crash)
         if rank == 0:
             log.append(metrics)
             progress.update(steps_since_report, metrics)
