@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
 
 
 def print_table(title: str, rows: list[dict[str, Any]]) -> None:
-    columns = list(rows[0])
+    columns = list(dict.fromkeys(key for row in rows for key in row))  # every row's keys, in order
     cells = [[_fmt(r.get(c)) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     print(f"\n{title}")

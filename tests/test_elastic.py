@@ -1,4 +1,5 @@
-"""Elastic training on a real multi-node Ray cluster: worker nodes join and die mid-run.
+"""Elastic training on a real multi-node Ray cluster: worker nodes join and die mid-run; and the
+hot path, where the surviving replicas train on through a failure.
 
 Extra nodes join the session's cluster with `ray start --address` and carry a custom resource
 that only these jobs ask for (one unit per worker), so the number of live nodes decides the world
@@ -112,9 +113,10 @@ def job(storage: Path, name: str, strategy: str, steps: int) -> list[str]:
             f"checkpoint.storage_path={storage}", f"run.name={name}"]
 
 
-def start_run(ray_cluster, tmp_path: Path, strategy: str, steps: int) -> subprocess.Popen:
+def start_run(ray_cluster, tmp_path: Path, strategy: str, steps: int,
+              extra: tuple[str, ...] = ()) -> subprocess.Popen:
     command = [SHARDYARD, "train", str(CONFIG)]
-    for item in job(tmp_path, strategy, strategy, steps):
+    for item in [*job(tmp_path, strategy, strategy, steps), *extra]:
         command += ["--set", item]
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.gcs_address}
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -132,7 +134,10 @@ def check_run(run_dir: Path, world_sizes: list[int], total_steps: int) -> None:
     assert report.steps == total_steps and report.exact, report
     assert sorted(set(report.world_sizes)) == sorted(set(world_sizes))
     assert report.complete_epochs == total_steps * GLOBAL_BATCH // NUM_SAMPLES
+    assert_matches_single_process(run_dir, total_steps)
 
+
+def assert_matches_single_process(run_dir: Path, total_steps: int) -> None:
     spec = load_spec(CONFIG, job(run_dir.parent, "oracle", "ddp", total_steps) + [
         "scaling.min_workers=null", "scaling.max_workers=null", "scaling.num_workers=1",
         f"batch.micro_batch_size={GLOBAL_BATCH}"])
@@ -149,14 +154,14 @@ def check_run(run_dir: Path, world_sizes: list[int], total_steps: int) -> None:
 
 @pytest.mark.timeout(480)
 def test_run_grows_when_a_node_joins_and_shrinks_when_one_dies(ray_cluster, tmp_path: Path) -> None:
-    first = WorkerNode(ray_cluster.gcs_address, 2, tmp_path / "node_a.log")
+    first = WorkerNode(ray_cluster.gcs_address, 3, tmp_path / "node_a.log")
     second = None
     proc = start_run(ray_cluster, tmp_path, "ddp", 400)
     run_dir = tmp_path / "ddp"
     try:
-        # min 2, max 4 on a cluster with room for 2: starts small ...
+        # min 2, max 4 on a cluster with room for 3: starts at 3 ...
         wait_for(lambda: checkpoints_registered(run_dir) > 0 or proc.poll() is not None, 180, "no checkpoint")
-        second = WorkerNode(ray_cluster.gcs_address, 2, tmp_path / "node_b.log")
+        second = WorkerNode(ray_cluster.gcs_address, 1, tmp_path / "node_b.log")
         # ... grows to 4 when a node joins (Ray Train's resize monitor, every 2 s here) ...
         wait_for(lambda: any(e.get("world_size") == 4 for e in events(run_dir)) or proc.poll() is not None,
                  120, "the run did not grow")
@@ -164,7 +169,7 @@ def test_run_grows_when_a_node_joins_and_shrinks_when_one_dies(ray_cluster, tmp_
         wait_for(lambda: checkpoints_registered(run_dir) > grown_at or proc.poll() is not None, 120,
                  "no checkpoint at 4 workers")
         assert proc.poll() is None, "the run ended before a node could be killed"
-        # ... and finishes on 2 when that node dies.
+        # ... and finishes on 3 when that node and its worker die.
         second.kill()
         output, _ = proc.communicate(timeout=240)
         assert proc.returncode == 0, output[-4000:]
@@ -176,7 +181,9 @@ def test_run_grows_when_a_node_joins_and_shrinks_when_one_dies(ray_cluster, tmp_
                 node.stop()
     failures = [e for e in events(run_dir) if e["event"] == "failure"]
     assert failures, events(run_dir)
-    check_run(run_dir, [2, 4, 2], 400)
+    check_run(run_dir, [3, 4, 3], 400)
+    restart = [e for e in events(run_dir) if e["event"] == "start"][-1]
+    assert restart["downtime_s"] > 0  # failure -> this group's start, logged with the restart
 
 
 @pytest.mark.timeout(480)
@@ -200,3 +207,40 @@ def test_sharded_run_loses_a_worker_and_reshards(strategy: str, ray_cluster, tmp
         big.stop()
         small.stop()
     check_run(run_dir, [4, 3], 150)
+
+
+@pytest.mark.timeout(360)
+def test_hot_recovery_survivors_train_on_and_the_replacement_heals_from_a_peer(
+        ray_cluster, tmp_path: Path) -> None:
+    """scaling.recovery=hot (TorchFT): kill one of 3 DDP replicas. No worker-group restart: the
+    two survivors go on, splitting the global batch between them, and Ray Train's replacement
+    copies its state from a live peer. Data stays exact; the model equals one process's."""
+    hot = ("scaling.min_workers=null", "scaling.max_workers=null", "scaling.num_workers=3",
+           "scaling.recovery=hot", "scaling.resources_per_worker={CPU: 1}")
+    started = time.time()
+    proc = start_run(ray_cluster, tmp_path, "ddp", 300, hot)
+    run_dir = tmp_path / "ddp"
+    try:
+        wait_for(lambda: find_latest(run_dir) is not None or proc.poll() is not None, 180, "no checkpoint")
+        # This run's workers only: an earlier test's may still be exiting.
+        victims = [p for p in psutil.process_iter(["cmdline", "create_time"])
+                   if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])
+                   and p.info["create_time"] >= started]
+        assert proc.poll() is None and victims, "the run ended before a replica could be killed"
+        killed_at = time.time()
+        victims[-1].send_signal(signal.SIGKILL)
+        output, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, output[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+    history = events(run_dir)
+    assert any(e["event"] == "failure" for e in history), history
+    # The replacement caught up from a live replica, steps ahead of any checkpoint it could read.
+    heals = [e for e in history if e["event"] == "healed" and e["time"] > killed_at]
+    assert any(e["to_step"] > e["from_step"] for e in heals), history
+    report = audit(run_dir, NUM_SAMPLES)
+    assert report.steps == 300 and report.exact, report
+    assert 2 in report.world_sizes and report.world_sizes[-1] == 3  # survivors alone, then healed
+    assert_matches_single_process(run_dir, 300)

@@ -150,6 +150,10 @@ class ScalingSpec(_Section):
         10.0, gt=0, description="elastic: how often Ray Train looks for room to grow the group")
     health_check_interval_s: float = Field(
         2.0, gt=0, description="how often Ray Train polls workers (failure detection delay)")
+    recovery: Literal["restart", "hot"] = Field(
+        "restart", description="restart: a failure restarts the worker group from the last "
+                               "checkpoint; hot (ddp): survivors keep training and a replacement "
+                               "heals from a live peer (TorchFT)")
     worker_start_timeout_s: float = Field(
         60.0, gt=0, description="how long a worker group may take to start before Ray Train "
                                 "gives up on it and retries, elastic: at the size resources allow")
@@ -179,6 +183,11 @@ class ScalingSpec(_Section):
         if self.num_workers is not None:
             return range(self.num_workers, self.num_workers + 1)
         return range(self.min_workers, self.max_workers + 1)
+
+    @property
+    def step_sizes(self) -> range:
+        """Every number of ranks a step may run on: under hot recovery, any number of survivors."""
+        return range(1, self.world_sizes.stop) if self.recovery == "hot" else self.world_sizes
 
 
 class CheckpointSpec(_Section):
@@ -237,9 +246,24 @@ class JobSpec(_Section):
             raise ValueError(f"world size {fixed} is not a multiple of parallelism.pp x "
                              f"parallelism.tp = {par.pp} x {par.tp}")
         self._check_model_fits_mesh()
-        for ws in self.scaling.world_sizes:
+        self._check_hot_recovery()
+        for ws in self.scaling.step_sizes:
             self.at_world_size(ws)  # raises, naming the key, if nothing can run at this size
         return self
+
+    def _check_hot_recovery(self) -> None:
+        if self.scaling.recovery != "hot":
+            return
+        if self.parallelism.strategy != "ddp":
+            raise ValueError("scaling.recovery 'hot' keeps whole-model replicas training: it needs "
+                             f"parallelism.strategy 'ddp', not '{self.parallelism.strategy}' (Ray Train "
+                             f"replaces failed replicas one worker at a time)")
+        if self.scaling.num_workers is None:
+            raise ValueError("scaling.recovery 'hot' needs a fixed scaling.num_workers: survivors "
+                             "train on while Ray Train replaces the failed workers")
+        if "://" in self.checkpoint.storage_path:
+            raise ValueError("scaling.recovery 'hot' writes checkpoints straight to a local or "
+                             "shared filesystem: checkpoint.storage_path cannot be a URI")
 
     def at_world_size(self, world_size: int) -> JobSpec:
         """The spec as it runs at `world_size`: the mesh re-planned if it no longer fits and the

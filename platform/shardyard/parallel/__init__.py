@@ -2,7 +2,8 @@
 
 `build_engine` lays the (pp, dp, tp) mesh, then applies each part as one small function:
 pipeline stages (pipeline.py), tensor parallelism (tensor.py), then the data-parallel flavour:
-DDP (ddp.py), FSDP2 (fsdp.py) or DeepSpeed ZeRO (zero.py).
+DDP (ddp.py), FSDP2 (fsdp.py) or DeepSpeed ZeRO (zero.py). Hot recovery replaces DDP with
+replicas that survive each other's failures (fault_tolerant_ddp.py).
 """
 
 from __future__ import annotations
@@ -35,12 +36,20 @@ def single_process(spec: JobSpec, model: nn.Module, device: torch.device) -> Eng
                   device, autocast_dtype(spec.run.precision, device))
 
 
-def build_engine(spec: JobSpec, model: nn.Module, device: torch.device) -> Engine:
+def build_engine(spec: JobSpec, model: nn.Module, device: torch.device, replica_id: str = "") -> Engine:
     """Wrap `model` for the spec's parallelism. Call inside an initialised process group, with
-    the same seed on every rank so every rank starts from the same weights."""
+    the same seed on every rank so every rank starts from the same weights. `replica_id` names
+    this worker to its peers under hot recovery."""
     par, world = spec.parallelism, dist.get_world_size()
     loss_fn, accum = loss_fn_for(spec.model), spec.grad_accum_steps(world)
     amp = autocast_dtype(spec.run.precision, device)
+
+    if spec.scaling.recovery == "hot":
+        from shardyard.parallel.fault_tolerant_ddp import FaultTolerantDDPEngine  # imports torchft
+
+        optimizers, schedulers = _optimizers(spec, [model.to(device)])
+        return FaultTolerantDDPEngine(model, optimizers[0], schedulers[0], loss_fn, spec.optim.grad_clip,
+                                      device, amp, replica_id=replica_id)
 
     if par.strategy in ZERO_STAGES:
         from shardyard.parallel import zero  # imports DeepSpeed: only when asked for

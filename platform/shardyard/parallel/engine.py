@@ -26,6 +26,10 @@ class Engine:
     part, and runs the training step."""
 
     checkpoint_format = "dcp"  # torch.distributed.checkpoint; ZeRO uses DeepSpeed's own
+    # True where every worker holds the whole state and runs alone in its process group
+    # (hot-recovery replicas): one worker writes checkpoints for all.
+    replicated_state = False
+    healed_from: int | None = None  # set by begin_step when this replica copied a peer's state
 
     def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
                  schedulers: list[torch.optim.lr_scheduler.LRScheduler], loss_fn: LossFn,
@@ -60,6 +64,12 @@ class Engine:
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters()]
+
+    def begin_step(self, state: object) -> None:
+        """Called before each step's data is chosen (replicas agree on a quorum here)."""
+
+    def close(self) -> None:
+        """Release what the engine holds beyond the process group."""
 
     def accumulating(self, is_last_micro_step: bool) -> contextlib.AbstractContextManager:
         """Context for one micro-step's forward and backward; strategies skip syncs in it."""

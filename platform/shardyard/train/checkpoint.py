@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import tempfile
 import warnings
@@ -100,8 +101,12 @@ def load(engine: Engine, directory: Path) -> TrainState:
     return TrainState(**meta)
 
 
-def restore_latest(engine: Engine) -> TrainState | None:
-    """Resume from the checkpoint Ray Train hands this worker group, if any."""
+def restore_latest(engine: Engine, run_dir: Path) -> TrainState | None:
+    """Resume from the checkpoint Ray Train hands this worker group, if any (replicated-state
+    engines write and find their checkpoints themselves, see CheckpointWriter)."""
+    if engine.replicated_state:
+        latest = find_latest(run_dir)
+        return load(engine, latest) if latest else None
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return None
@@ -122,6 +127,11 @@ class CheckpointWriter:
     its collectives never interleave with training's), and Ray Train uploads it in a background
     thread of its own once that is done (CheckpointUploadMode.ASYNC). DeepSpeed writes ZeRO
     state synchronously, so there only the upload is asynchronous. One DCP write at a time.
+
+    Replicated-state engines (hot recovery) do not report: `ray.train.report` is a barrier over
+    every worker, which survivors cannot wait on while a replica is being replaced. Rank 0 writes
+    the whole state into a hidden directory of the run and renames it into place (atomic on a
+    filesystem), then prunes to `checkpoint.keep`.
     """
 
     def __init__(self, asynchronous: bool) -> None:
@@ -134,6 +144,10 @@ class CheckpointWriter:
         """`crash_before_upload` injects a crash: this rank dies after saving its shard, before
         Ray Train has it, while the others upload theirs."""
         name = f"{DIR_PREFIX}{state.step:08d}"
+        if engine.replicated_state:
+            if rank == 0:
+                _write_in_place(engine, state, spec, name)
+            return
         if not self.asynchronous:
             with tempfile.TemporaryDirectory(prefix="shardyard-ckpt-") as tmp:
                 save(engine, state, spec, Path(tmp), rank)
@@ -164,6 +178,18 @@ class CheckpointWriter:
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
                          checkpoint_dir_name=name, checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
                          checkpoint_upload_fn=upload_when_written)
+
+
+def _write_in_place(engine: Engine, state: TrainState, spec: JobSpec, name: str) -> None:
+    run_dir = Path(spec.run_dir)
+    partial, final = run_dir / f".{name}.partial", run_dir / name
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    save(engine, state, spec, partial, rank=0)
+    shutil.rmtree(final, ignore_errors=True)  # the same step written again after a restart
+    partial.rename(final)
+    for old in sorted(run_dir.glob(f"{DIR_PREFIX}*"))[:-spec.checkpoint.keep]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's list of registered checkpoints

@@ -13,10 +13,11 @@ from typing import Any
 
 import ray
 from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
+from ray.train.torch import TorchConfig, TorchTrainer
 
 from shardyard.data.corpus import corpus_files
 from shardyard.spec import JobSpec, SpecError
+from shardyard.train.checkpoint import find_latest
 from shardyard.train.loop import train_worker
 from shardyard.train.metrics import FailureLog, MetricsFile, format_table, summarize
 
@@ -30,17 +31,21 @@ class RunResult:
     summary: dict[str, Any]
 
 
+# torchft's Lighthouse (hot recovery) logs every quorum at INFO, several lines per step.
+QUIET = {"env_vars": {"RUST_LOG": os.environ.get("RUST_LOG", "warn")}}
+
+
 def connect_ray(spec: JobSpec, attach_to_running: bool = False) -> None:
     """Attach to the cluster in RAY_ADDRESS (set inside `ray job submit` jobs), optionally to one
     already running on this machine, or else start a local Ray instance for this run."""
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"])
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=QUIET)
         return
     if attach_to_running:
         try:
-            ray.init(address="auto")
+            ray.init(address="auto", runtime_env=QUIET)
             return
         except ConnectionError:
             pass
@@ -50,7 +55,8 @@ def connect_ray(spec: JobSpec, attach_to_running: bool = False) -> None:
     # processes cost ~10% of training throughput (benchmarks/ddp_overhead.py); for the dashboard,
     # `ray start --head` and point RAY_ADDRESS at it.
     largest = spec.scaling.world_sizes[-1] * spec.scaling.resources_per_worker.get("CPU", 1.0)
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(largest)), include_dashboard=False)
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(largest)), include_dashboard=False,
+             runtime_env=QUIET)
 
 
 def preflight(spec: JobSpec) -> None:
@@ -97,6 +103,17 @@ def tune_ray_train(spec: JobSpec) -> None:
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(spec.scaling.worker_start_timeout_s)
 
 
+def torch_config(spec: JobSpec) -> TorchConfig | None:
+    """Ray Train's default (nccl on GPUs, gloo otherwise), except under hot recovery: there every
+    worker is a replica in a process group of its own, coordinated by torchft's Lighthouse, which
+    Ray Train runs (one quorum member is enough to go on)."""
+    if spec.scaling.recovery != "hot":
+        return None
+    from ray.train.v2.torch.torchft_config import TorchftConfig
+
+    return TorchftConfig(lighthouse_kwargs={"min_replicas": 1})
+
+
 CRASH_ENV = "SHARDYARD_INJECT_CRASH"
 
 
@@ -120,6 +137,7 @@ def launch(spec: JobSpec, attach_to_running: bool = False) -> RunResult:
     tune_ray_train(spec)
     trainer = TorchTrainer(
         train_worker,
+        torch_config=torch_config(spec),
         train_loop_config={"spec": spec.model_dump(mode="json"), "progress_bar": sys.stdout.isatty(),
                            "crash_at_checkpoint": crash_step},
         scaling_config=scaling_config(spec),
@@ -140,7 +158,9 @@ def launch(spec: JobSpec, attach_to_running: bool = False) -> RunResult:
     title = f"shardyard run '{spec.run.name}' ({spec.parallelism.strategy})"
     summary = summarize(MetricsFile(spec.checkpoint.storage_path, spec.run.name), title,
                         time.perf_counter() - start)
-    checkpoint = result.checkpoint.path if result.checkpoint else None
+    # Hot-recovery runs write checkpoints themselves, outside Ray Train's list.
+    latest = find_latest(spec.run_dir) if result.checkpoint is None else None
+    checkpoint = result.checkpoint.path if result.checkpoint else (str(latest) if latest else None)
     summary["checkpoint"] = checkpoint
     print(format_table(title, summary), flush=True)
     return RunResult(spec.run_dir, checkpoint, summary)

@@ -37,22 +37,22 @@ def train_worker(config: dict[str, Any]) -> None:
 
     # Same seed on every rank: identical initial weights, as a single process would build them.
     torch.manual_seed(spec.run.seed)
-    engine = build_engine(spec, build_model(spec.model), device)
+    engine = build_engine(spec, build_model(spec.model), device, replica_id=f"{spec.run.name}_{rank}")
     dataset = build_dataset(spec)
     order = GlobalSampleOrder(len(dataset), spec.run.seed)
-    accum_steps = spec.grad_accum_steps(world_size)
     tokens_per_sample = spec.model.block_size if isinstance(spec.model, GPTSpec) else 1
     global_batch = spec.batch.global_batch_size
 
     restore_start = time.perf_counter()
-    restored = checkpoint.restore_latest(engine)
+    restored = checkpoint.restore_latest(engine, spec.run_dir)
     state = restored or TrainState()
     if rank == 0:  # every worker group start: fresh, resumed, or restarted after a failure
         par = spec.parallelism
         log_event(spec.checkpoint.storage_path, spec.run.name, "start", restored_step=state.step,
                   old_world_size=restored.world_size if restored else None, world_size=world_size,
                   restore_s=time.perf_counter() - restore_start, global_batch=global_batch,
-                  mesh={"pp": par.pp, "dp": par.dp_size(world_size), "tp": par.tp})
+                  mesh={"pp": par.pp, "dp": par.dp_size(world_size), "tp": par.tp},
+                  downtime_s=_since_failure(spec))
         if global_batch != written.batch.global_batch_size:
             print(f"shardyard: world size {world_size} cannot keep batch.global_batch_size "
                   f"{written.batch.global_batch_size}; training with {global_batch} "
@@ -62,6 +62,9 @@ def train_worker(config: dict[str, Any]) -> None:
     if spec.run.sample_ledger:
         attempt = [time.time()]  # one id for this worker group (collective): rank 0's start time
         dist.broadcast_object_list(attempt, src=0)
+        if engine.replicated_state:
+            # Replicas are not one group and replacements join a running step sequence: one id.
+            attempt = [0.0]
         if engine.data_owner:
             ledger = SampleLedger(spec.run_dir, rank, attempt[0])
     progress = Progress(spec.run.steps, state.step, config["progress_bar"]) if rank == 0 else None
@@ -71,12 +74,22 @@ def train_worker(config: dict[str, Any]) -> None:
     loss_sum, steps_since_report = torch.zeros((), device=device), 0
 
     while state.step < spec.run.steps:
+        engine.begin_step(state)
+        if engine.healed_from is not None:
+            log_event(spec.checkpoint.storage_path, spec.run.name, "healed", rank=rank,
+                      from_step=engine.healed_from, to_step=state.step)
+        # The data-parallel size may change from step to step (hot recovery): the global batch not.
+        accum_steps = global_batch // (spec.batch.micro_batch_size * engine.dp_size)
         ids = micro_batch_ids(order, state.samples_seen, engine.dp_rank, engine.dp_size,
                               spec.batch.micro_batch_size, accum_steps)
-        loss_sum += engine.train_step([dataset.batch(i) for i in ids])
+        loss = engine.train_step([dataset.batch(i) for i in ids])
+        if loss is None:  # a replica was lost mid-step: nobody applied it; run it again
+            continue
+        loss_sum += loss
         state.step += 1
         if ledger:
-            ledger.record(state.step, world_size, ids)
+            # Ranks that trained this step: the quorum's replicas under hot recovery.
+            ledger.record(state.step, engine.dp_size if engine.replicated_state else world_size, ids)
         state.samples_seen += global_batch
         steps_since_report += 1
         throughput.add(global_batch, global_batch * tokens_per_sample)
@@ -110,6 +123,7 @@ def train_worker(config: dict[str, Any]) -> None:
             progress.update(steps_since_report, metrics)
         loss_sum.zero_()
         steps_since_report = 0
+    engine.close()
     if rank == 0:
         progress.close()
 
@@ -118,3 +132,11 @@ def _crash_injected(spec: JobSpec, step: int) -> bool:
     """An injected crash happens once: the restarted run must get past that step."""
     events = MetricsFile(spec.checkpoint.storage_path, spec.run.name, EVENTS_FILE).read()
     return any(e["event"] == "injected_crash" and e["step"] == step for e in events)
+
+
+def _since_failure(spec: JobSpec) -> float | None:
+    """Seconds from the failure that caused this worker-group start to now (None if none did)."""
+    events = MetricsFile(spec.checkpoint.storage_path, spec.run.name, EVENTS_FILE).read()
+    last_start = max((i for i, e in enumerate(events) if e["event"] == "start"), default=-1)
+    failures = [e for e in events[last_start + 1:] if e["event"] == "failure"]
+    return time.time() - failures[0]["time"] if failures else None
