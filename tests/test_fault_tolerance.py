@@ -25,7 +25,7 @@ from shardyard.train.metrics import EVENTS_FILE
 
 SHARDYARD = str(Path(sys.executable).with_name("shardyard"))
 CONFIG = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "gpt_ddp.yaml"
-NUM_SAMPLES, GLOBAL_BATCH, STEPS = 256, 16, 400  # 16 steps per epoch; 25 epochs
+NUM_SAMPLES, GLOBAL_BATCH, STEPS = 256, 16, 256  # 16 steps per epoch; 16 epochs
 
 
 def job(storage: Path, name: str) -> list[str]:
@@ -116,23 +116,23 @@ def test_killed_worker_restarts_and_loses_nothing(ray_cluster, uninterrupted, tm
 @pytest.mark.timeout(420)
 def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(ray_cluster, uninterrupted,
                                                                   tmp_path: Path) -> None:
-    """Rank 1 dies after saving its shard of step 300 and before uploading it, while rank 0
+    """Rank 1 dies after saving its shard of step 200 and before uploading it, while rank 0
     uploads its own: the partial checkpoint must be ignored and an earlier complete one restored."""
     run_dir = tmp_path / "crashed"
-    proc = start_run(ray_cluster, run_dir, {"SHARDYARD_INJECT_CRASH": "checkpoint:300"})
+    proc = start_run(ray_cluster, run_dir, {"SHARDYARD_INJECT_CRASH": "checkpoint:200"})
     output, _ = proc.communicate(timeout=360)
     assert proc.returncode == 0, output[-4000:]
 
     events = [json.loads(line) for line in (run_dir / EVENTS_FILE).read_text().splitlines()]
     assert [e["event"] for e in events] == ["start", "injected_crash", "failure", "start"], events
     crash, restart = events[1], events[3]
-    assert crash["step"] == 300 and crash["latest_complete"] is not None
+    assert crash["step"] == 200 and crash["latest_complete"] is not None
     # Ray Train registers a checkpoint on its controller's 2 s poll: the restart uses the newest
     # registered by then, at least the one complete when the crash happened, never the partial.
     complete_at_crash = int(crash["latest_complete"].rsplit("_", 1)[1])
-    assert complete_at_crash <= restart["restored_step"] < 300, events
+    assert complete_at_crash <= restart["restored_step"] < 200, events
     assert_exact_data(run_dir)
     assert_same_model(run_dir, uninterrupted)
     # Pruning counts complete checkpoints only: the newest `checkpoint.keep` (2) are left.
     assert sorted(p.name for p in run_dir.glob("checkpoint_step_*")) == [
-        "checkpoint_step_00000350", "checkpoint_step_00000400"]
+        "checkpoint_step_00000250", "checkpoint_step_00000256"]

@@ -67,7 +67,7 @@ def test_ray_job_submit_trains_and_writes_outputs(ray_cluster, tmp_path: Path) -
 @pytest.mark.timeout(480)
 def test_stopped_job_submitted_again_resumes(ray_cluster, tmp_path: Path) -> None:
     overrides = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
-                 "data.name=synthetic", "run.steps=600", "run.log_every=50",
+                 "data.name=synthetic", "run.steps=400", "run.log_every=50",
                  "checkpoint.every_n_steps=50", f"checkpoint.storage_path={tmp_path}", "run.name=again"]
     run_dir = tmp_path / "again"
     first = submit(ray_cluster, overrides)
@@ -80,11 +80,11 @@ def test_stopped_job_submitted_again_resumes(ray_cluster, tmp_path: Path) -> Non
     status, _ = wait_until_done(ray_cluster, first, 120)
     assert re.search(r"stopped", status, re.IGNORECASE), status
     stopped_at = int(find_latest(run_dir).name.rsplit("_", 1)[1])
-    assert stopped_at < 600, "the first job finished before it could be stopped"
+    assert stopped_at < 400, "the first job finished before it could be stopped"
 
     status, logs = wait_until_done(ray_cluster, submit(ray_cluster, overrides))
     assert re.search(r"succeeded", status, re.IGNORECASE), f"{status}\n{logs[-3000:]}"
     starts = [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
               if e["event"] == "start"]
     assert len(starts) == 2 and starts[1]["restored_step"] >= stopped_at > 0, starts
-    assert "step 600/600" in logs
+    assert "step 400/400" in logs

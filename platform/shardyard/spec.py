@@ -370,7 +370,7 @@ def parse_spec(raw: dict[str, Any]) -> JobSpec:
     try:
         return JobSpec.model_validate(raw)
     except ValidationError as err:
-        raise SpecError(_explain(err)) from None
+        raise SpecError(explain_errors(err, JobSpec, "invalid job spec")) from None
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:
@@ -397,10 +397,11 @@ def _absolute_storage(path: str) -> str:
     return str(Path(path).expanduser().resolve())
 
 
-def _explain(err: ValidationError) -> str:
+def explain_errors(err: ValidationError, root: type[BaseModel], title: str) -> str:
+    """One line per error, naming the dotted key (and the valid keys where one is unknown)."""
     lines = []
     for e in err.errors():
-        where, cls = _walk(e["loc"])
+        where, cls = _walk(e["loc"], root)
         if e["type"] == "extra_forbidden":
             valid = ", ".join(sorted(cls.model_fields)) if cls else "?"
             lines.append(f"unknown key {where!r}; valid keys here: {valid}")
@@ -410,16 +411,16 @@ def _explain(err: ValidationError) -> str:
             got = e.get("input")
             shown = "" if isinstance(got, dict) or got is None else f" (got {got!r})"
             lines.append(f"{where or 'spec'}: {e['msg']}{shown}")
-    return "invalid job spec:\n  - " + "\n  - ".join(lines)
+    return f"{title}:\n  - " + "\n  - ".join(lines)
 
 
-def _walk(loc: tuple) -> tuple[str, type[BaseModel] | None]:
+def _walk(loc: tuple, root: type[BaseModel]) -> tuple[str, type[BaseModel] | None]:
     """Turn pydantic's error location into a dotted key, and find the section class at its parent.
 
     Discriminated unions put the tag in the location (`model.gpt.n_layr`); it is dropped here so
     the message uses the key the user wrote (`model.n_layr`).
     """
-    cls: Any = JobSpec
+    cls: Any = root
     names: list[str] = []
     parent: type[BaseModel] | None = None
     pending_union = False

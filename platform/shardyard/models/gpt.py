@@ -32,7 +32,7 @@ class CausalSelfAttention(nn.Module):
         self.out_proj = nn.Linear(spec.n_embd, spec.n_embd)
         self.dropout = spec.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds n_head / tp of them.
         q, k, v = (
@@ -40,7 +40,7 @@ class CausalSelfAttention(nn.Module):
             for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=self.dropout if self.training else 0.0
         )
         return self.out_proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -66,8 +66,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(spec.n_embd)
         self.mlp = FeedForward(spec)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -98,32 +98,36 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, V); on a pipeline stage, hidden states in or out."""
+    def forward(self, x: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, V); on a pipeline stage, hidden states in or out.
+
+        `pad` (B,) counts the left-padding tokens of each row of a batch of ragged prompts: those
+        positions are masked out and each row's positions start at its first real token, so a
+        row's outputs equal those of the same prompt run alone.
+        """
+        mask = None if pad is None else padding_mask(pad, x.shape[1])
         if self.tok_emb is not None:
             positions = torch.arange(x.shape[1], device=x.device)
+            if pad is not None:
+                positions = (positions - pad[:, None]).clamp(min=0)
             x = self.drop(self.tok_emb(x) + self.pos_emb(positions))
         for block in self.blocks.values():
-            x = block(x)
+            x = block(x, mask)
         if self.ln_f is not None:
             x = self.ln_f(x)
         if self.lm_head is not None:
             x = self.lm_head(x)
         return x
 
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
-        """Greedy (temperature 0) or sampled continuation of `idx`, cropped to the context."""
-        for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.spec.block_size:])[:, -1, :]
-            if temperature <= 0:
-                nxt = logits.argmax(dim=-1, keepdim=True)
-            else:
-                probs = F.softmax(logits / temperature, dim=-1)
-                nxt = torch.multinomial(probs, 1, generator=generator)
-            idx = torch.cat([idx, nxt], dim=1)
-        return idx
+
+def padding_mask(pad: torch.Tensor, seq: int) -> torch.Tensor:
+    """(B, 1, T, T) boolean attention mask: causal, and blind to each row's left padding. A padding
+    position attends to itself only (its output is never read), so no softmax row is empty."""
+    index = torch.arange(seq, device=pad.device)
+    causal = index[None, :] <= index[:, None]
+    real_key = index[None, None, :] >= pad[:, None, None]
+    own = torch.eye(seq, dtype=torch.bool, device=pad.device)
+    return ((causal & real_key) | own)[:, None]
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""Serving trained models with Ray Serve: sharded models, batching, the HTTP app."""

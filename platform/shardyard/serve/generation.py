@@ -1,0 +1,76 @@
+"""Text generation over any forward function, for a batch of ragged prompts at once.
+
+Prompts of different lengths are left-padded into one batch and the padding masked out (see
+GPT.forward's `pad`), so each row's tokens equal those of its prompt generated alone. Each row
+samples with its own temperature and its own seeded generator, in the same order as alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+Forward = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]  # (tokens, pad) -> logits
+
+
+@dataclass(frozen=True)
+class Completion:
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    seed: int | None = None
+
+
+def encode(text: str) -> list[int]:
+    """The byte-level vocabulary the corpus is trained on: one token per UTF-8 byte."""
+    return list(text.encode("utf-8"))
+
+
+def decode(tokens: Sequence[int]) -> str:
+    return bytes(tokens).decode("utf-8", errors="replace")
+
+
+def left_pad(prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) token ids, right-aligned, and (B,) the padding count of each row."""
+    width = max(len(p) for p in prompts)
+    tokens = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        tokens[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+    return tokens, torch.tensor([width - len(p) for p in prompts])
+
+
+def generate(forward: Forward, requests: Sequence[Completion], block_size: int,
+             abandoned: Callable[[int], bool] = lambda row: False) -> list[list[int]]:
+    """New tokens for every request: `max_tokens` each, greedy at temperature 0, else sampled.
+
+    A row leaves the batch once it has its tokens, or once `abandoned(row)` says nobody waits for
+    it any more (timed out, disconnected): the others go on without paying for it.
+    """
+    tokens, pad = left_pad([r.prompt for r in requests])
+    generators = [torch.Generator().manual_seed(r.seed) if r.seed is not None else None for r in requests]
+    out: list[list[int]] = [[] for _ in requests]
+    rows = [i for i, r in enumerate(requests) if r.max_tokens > 0]
+    while rows:
+        overflow = max(0, tokens.shape[1] - block_size)  # crop to the context window
+        logits = forward(tokens[:, overflow:], (pad - overflow).clamp(min=0))[:, -1, :].float()
+        chosen = [_pick(logits[k], requests[row].temperature, generators[row]) for k, row in enumerate(rows)]
+        for row, token in zip(rows, chosen):
+            out[row].append(token)
+        tokens = torch.cat([tokens, torch.tensor(chosen).unsqueeze(1)], dim=1)
+        keep = [k for k, row in enumerate(rows)
+                if len(out[row]) < requests[row].max_tokens and not abandoned(row)]
+        if len(keep) < len(rows):
+            tokens, pad, rows = tokens[keep], pad[keep], [rows[k] for k in keep]
+            width = int(pad.min()) if len(keep) else 0  # drop columns that are padding in every row
+            tokens, pad = tokens[:, width:], pad - width
+    return out
+
+
+def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = F.softmax(logits / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))

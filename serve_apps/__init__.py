@@ -1,0 +1,1 @@
+"""Ray Serve applications: `serve_apps.gpt:app` and its config file, config.yaml."""

@@ -1,0 +1,29 @@
+"""Serve a shardyard checkpoint over HTTP (GPT completions, or MLP predictions).
+
+    serve run serve_apps.gpt:app                                  # the default job's latest checkpoint
+    serve run serve_apps.gpt:app checkpoint=runs/my_run num_shards=2
+    serve deploy serve_apps/config.yaml                           # on a running cluster
+
+`app` is a Serve application builder: the `key=value` arguments (or `args:` in a Serve config
+file) are shardyard.serve.config.ServeConfig fields, validated before anything starts.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from ray import serve
+
+try:
+    from shardyard.serve.app import build_app
+    from shardyard.spec import SpecError
+except ImportError:
+    sys.exit("shardyard is not installed in this Python: run `pip install -e .` in the checkout")
+
+
+def app(args: dict[str, Any]) -> serve.Application:
+    try:
+        return build_app(args)
+    except SpecError as err:  # a message, not a traceback: no checkpoint yet, a misspelled key
+        sys.exit(f"shardyard: {err}")

@@ -1,0 +1,192 @@
+"""Serving: sharded models equal the unsharded one, batching equals unbatched decoding, and the
+HTTP app (a real Ray Serve deployment on the session cluster) answers every bad input with its
+status code, batches concurrent requests, and survives a shard killed under load."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from shardyard.localdist import free_port, run_distributed
+from shardyard.models import build_model
+from shardyard.parallel import build_engine
+from shardyard.serve.generation import Completion, decode, encode, generate
+from shardyard.spec import parse_spec
+from shardyard.train import checkpoint
+from shardyard.train.checkpoint import TrainState
+from test_strategies import job, steps
+
+STRATEGIES = ("ddp", "fsdp", "zero2")
+
+
+def train_and_save(rank: int, world: int, out: str) -> None:
+    """Each strategy in turn, in one pair of processes (a launch costs seconds here)."""
+    for strategy in STRATEGIES:
+        spec = parse_spec(job({"strategy": strategy}, 2, 4))
+        torch.manual_seed(spec.run.seed)
+        engine = build_engine(spec, build_model(spec.model), torch.device("cpu"))
+        steps(engine, spec, 0, 2)
+        state = TrainState(2, 2 * spec.batch.global_batch_size, world)
+        checkpoint.save(engine, state, spec, Path(out, strategy, "checkpoint_step_00000002"), rank)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A 4-block GPT trained 2 steps on 2 ranks by each strategy, as training writes it."""
+    out = tmp_path_factory.mktemp("checkpoints")
+    run_distributed(train_and_save, 2, str(out))
+    return {strategy: out / strategy / "checkpoint_step_00000002" for strategy in STRATEGIES}
+
+
+def ragged_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    from shardyard.serve.generation import left_pad
+
+    return left_pad([encode("def f(x):"), encode("import"), encode("return x + 1 #")])  # <= 16 tokens
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy, num_shards", [("ddp", 1), ("ddp", 2), ("ddp", 4), ("fsdp", 2), ("zero2", 2)])
+def test_sharded_outputs_equal_unsharded(ray_cluster, checkpoints, strategy: str, num_shards: int) -> None:
+    from shardyard.serve.shards import ShardedGPT
+
+    tokens, pad = ragged_batch()
+    expected = checkpoint.load_model(checkpoints[strategy]).eval()(tokens, pad)
+    sharded = ShardedGPT(str(checkpoints[strategy]), num_shards)
+    try:
+        described = [s.describe.remote() for s in sharded.shards]
+        import ray
+
+        parts = ray.get(described)
+        assert [p["blocks"] for p in parts] == sharded.ranges and len(parts) == num_shards
+        full = sum(p.numel() for p in checkpoint.load_model(checkpoints[strategy]).parameters())
+        assert all(p["parameters"] < full for p in parts) or num_shards == 1  # each holds only its part
+        torch.testing.assert_close(sharded.forward(tokens, pad), expected, rtol=0, atol=1e-5)
+    finally:
+        sharded.close()
+
+
+def test_batched_generation_equals_one_request_at_a_time(checkpoints) -> None:
+    model = checkpoint.load_model(checkpoints["ddp"]).eval()
+    forward = torch.no_grad()(model)
+    requests_ = [Completion(encode("def f(x):"), 12), Completion(encode("import"), 20, 0.8, seed=3),
+                 Completion(encode("x" * 30), 8, 1.2, seed=7)]  # 30 + 8 tokens: beyond the 16-token window
+    together = generate(forward, requests_, model.spec.block_size)
+    alone = [generate(forward, [r], model.spec.block_size)[0] for r in requests_]
+    assert together == alone
+    assert [len(t) for t in together] == [12, 20, 8]
+
+
+# ----------------------------------------------------------------------------- HTTP
+
+TOKEN = "s3cret"
+HEADERS = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, checkpoints):
+    """The app on a free port: 2 pipeline shards, small limits so every limit can be reached."""
+    from ray import serve
+
+    from shardyard.serve.app import build_app
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = build_app({"checkpoint": str(checkpoints["ddp"]), "num_shards": 2, "max_batch_size": 8,
+                     "batch_wait_timeout_s": 0.05, "max_queued_requests": 16, "request_timeout_s": 2.0,
+                     "max_body_bytes": 2048, "max_tokens_limit": 2048, "bearer_token": TOKEN})
+    serve.run(app, name="test_app", route_prefix="/t")
+    yield f"http://127.0.0.1:{port}/t"
+    serve.shutdown()  # the next module runs `serve run`, which starts Serve its own way
+
+
+def complete(url: str, **body) -> requests.Response:
+    return requests.post(f"{url}/v1/completions", json=body, headers=HEADERS, timeout=60)
+
+
+def batch_sizes(url: str) -> tuple[float, float]:
+    """(batches of exactly one request, all batches) from the Prometheus histogram."""
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    ones = float(re.search(r'^shardyard_batch_size_bucket\{le="1.0"\} (\S+)', text, re.M).group(1))
+    total = float(re.search(r"^shardyard_batch_size_count (\S+)", text, re.M).group(1))
+    return ones, total
+
+
+@pytest.mark.timeout(240)
+def test_concurrent_requests_are_batched_and_each_gets_its_answer(server, checkpoints) -> None:
+    model = checkpoint.load_model(checkpoints["ddp"]).eval()
+    prompts = [f"line {i}: " + "x" * (i % 5) for i in range(16)]
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda p: complete(server, prompt=p, max_tokens=6), prompts))
+    for prompt, answer in zip(prompts, answers):
+        assert answer.status_code == 200, answer.text
+        alone = generate(torch.no_grad()(model), [Completion(encode(prompt), 6)], model.spec.block_size)[0]
+        assert answer.json()["text"] == decode(alone)
+    ones, total = batch_sizes(server)
+    assert total > ones, "no batch held more than one request"
+
+
+@pytest.mark.timeout(240)
+def test_every_bad_input_gets_its_status_and_the_server_keeps_serving(server) -> None:
+    url = f"{server}/v1/completions"
+    bad_json = requests.post(url, data="{not json", headers={**HEADERS, "Content-Type": "application/json"})
+    assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]
+    assert requests.post(url, json={"prompt": "hi"}).status_code == 401
+    too_big = requests.post(url, data=json.dumps({"prompt": "x" * 5000}), headers=HEADERS)
+    assert too_big.status_code == 413 and "limit is 2048" in too_big.json()["error"]
+    for body, field in [({"prompt": "hi", "max_tokens": 0}, "max_tokens"), ({"prompt": ""}, "prompt"),
+                        ({"prompt": "hi", "temperature": "hot"}, "temperature"),
+                        ({"prompt": "hi", "max_tokenz": 3}, "max_tokenz"), ({}, "prompt"),
+                        ({"prompt": "hi", "max_tokens": 5000}, "max_tokens")]:
+        answer = complete(server, **body)
+        assert answer.status_code == 422 and field in answer.json()["error"], (body, answer.text)
+    wrong = requests.post(f"{server}/v1/predict", json={"inputs": [[1.0]]}, headers=HEADERS)
+    assert wrong.status_code == 404 and "/v1/completions" in wrong.json()["error"]
+    # 2048 tokens through 2 shards take far longer than the 2 s request timeout.
+    slow = complete(server, prompt="a", max_tokens=2048)
+    assert slow.status_code == 408 and "2.0 s" in slow.json()["error"]
+    # Overload: beyond the ongoing and queued limits Serve answers 503 with Retry-After at once.
+    with ThreadPoolExecutor(64) as pool:
+        flood = list(pool.map(lambda _: complete(server, prompt="b", max_tokens=2048), range(64)))
+    rejected = [r for r in flood if r.status_code == 503]
+    assert rejected and all("Retry-After" in r.headers for r in rejected)
+    assert {r.status_code for r in flood} <= {408, 503}
+    assert complete(server, prompt="still there?", max_tokens=3).status_code == 200
+    assert requests.get(f"{server}/healthz").json()["status"] == "ok"
+
+
+@pytest.mark.timeout(300)
+def test_killed_shard_under_load_is_rebuilt_and_later_requests_succeed(server) -> None:
+    from ray.util.state import list_actors
+
+    shard = next(a for a in list_actors(filters=[("class_name", "=", "ModelShard"), ("state", "=", "ALIVE")]))
+    with ThreadPoolExecutor(8) as pool:
+        during = [pool.submit(complete, server, prompt=f"load {i}", max_tokens=20) for i in range(24)]
+        time.sleep(0.3)
+        os.kill(shard["pid"], signal.SIGKILL)
+        codes = [f.result().status_code for f in during]  # every request answered, none hangs
+    assert set(codes) <= {200, 408, 500, 503}, codes
+    deadline = time.monotonic() + 60
+    while complete(server, prompt="after", max_tokens=4).status_code != 200:
+        assert time.monotonic() < deadline, "requests never succeeded again"
+        time.sleep(1)
+    text = requests.get(f"{server}/metrics", timeout=10).text
+    assert float(re.search(r"^shardyard_shard_group_rebuilds_total (\S+)", text, re.M).group(1)) >= 1
+
+
+def test_serve_without_a_checkpoint_says_which_command_writes_one(tmp_path: Path) -> None:
+    from shardyard.serve.config import parse_config
+    from shardyard.spec import SpecError
+
+    with pytest.raises(SpecError, match="shardyard train jobs/configs/gpt_ddp.yaml"):
+        parse_config({"checkpoint": str(tmp_path / "nothing")})
+    with pytest.raises(SpecError, match="unknown key 'num_shard'"):
+        parse_config({"num_shard": 2})
