@@ -17,7 +17,7 @@ from shardyard.runtime import select_device
 from shardyard.spec import GPTSpec, JobSpec, parse_spec
 from shardyard.train import checkpoint
 from shardyard.train.checkpoint import TrainState
-from shardyard.train.metrics import EVENTS_FILE, MetricsFile, MetricsLog, Progress, Throughput, log_event
+from shardyard.train.metrics import MetricsFile, MetricsLog, Progress, Throughput, log_event, read_events
 
 
 def train_worker(config: dict[str, Any]) -> None:
@@ -130,13 +130,13 @@ def train_worker(config: dict[str, Any]) -> None:
 
 def _crash_injected(spec: JobSpec, step: int) -> bool:
     """An injected crash happens once: the restarted run must get past that step."""
-    events = MetricsFile(spec.checkpoint.storage_path, spec.run.name, EVENTS_FILE).read()
+    events = read_events(spec.checkpoint.storage_path, spec.run.name)
     return any(e["event"] == "injected_crash" and e["step"] == step for e in events)
 
 
 def _since_failure(spec: JobSpec) -> float | None:
     """Seconds from the failure that caused this worker-group start to now (None if none did)."""
-    events = MetricsFile(spec.checkpoint.storage_path, spec.run.name, EVENTS_FILE).read()
+    events = read_events(spec.checkpoint.storage_path, spec.run.name)
     last_start = max((i for i, e in enumerate(events) if e["event"] == "start"), default=-1)
     failures = [e for e in events[last_start + 1:] if e["event"] == "failure"]
     return time.time() - failures[0]["time"] if failures else None

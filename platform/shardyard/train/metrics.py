@@ -116,8 +116,13 @@ class MetricsLog:
         self.file.write(self.rows)
 
 
+def read_events(storage_path: str, run_name: str) -> list[dict[str, Any]]:
+    return MetricsFile(storage_path, run_name, EVENTS_FILE).read()
+
+
 def log_event(storage_path: str, run_name: str, event: str, **fields: Any) -> None:
-    """Append one event (`start` of a worker group, `failure`) to the run's event log."""
+    """Append one event (`start` of a worker group, `failure`, `healed`, `injected_crash`) to the
+    run's event log."""
     file = MetricsFile(storage_path, run_name, EVENTS_FILE)
     file.write([*file.read(), {"event": event, "time": time.time(), **fields}])
 
