@@ -367,10 +367,18 @@ def load_spec(path: str | Path | None = None, overrides: list[str] | tuple[str, 
 
 
 def parse_spec(raw: dict[str, Any]) -> JobSpec:
+    return validate(JobSpec, raw, "invalid job spec")
+
+
+Model = typing.TypeVar("Model", bound=BaseModel)
+
+
+def validate(cls: type[Model], raw: dict[str, Any], title: str) -> Model:
+    """`cls` from `raw`, or a SpecError whose message names each bad key (see explain_errors)."""
     try:
-        return JobSpec.model_validate(raw)
+        return cls.model_validate(raw)
     except ValidationError as err:
-        raise SpecError(explain_errors(err, JobSpec, "invalid job spec")) from None
+        raise SpecError(explain_errors(err, cls, title)) from None
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:

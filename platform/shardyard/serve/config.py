@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shardyard.spec import SpecError, explain_errors
+from shardyard.spec import validate
 from shardyard.train.checkpoint import STATE_FILE, find_latest
 
 DEFAULT_CHECKPOINT = "runs/gpt_ddp"  # where README's default training job writes
@@ -64,7 +64,4 @@ def resolve_checkpoint(path: str) -> Path:
 
 
 def parse_config(args: dict[str, Any]) -> ServeConfig:
-    try:
-        return ServeConfig.model_validate(args)
-    except ValidationError as err:
-        raise SpecError(explain_errors(err, ServeConfig, "invalid serve config")) from None
+    return validate(ServeConfig, args, "invalid serve config")
