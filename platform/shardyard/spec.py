@@ -84,7 +84,7 @@ class BatchSpec(_Section):
                            "refusing the spec")
 
 
-Strategy = Literal["ddp", "fsdp", "zero1", "zero2", "zero3", "pipeline", "tensor"]
+Strategy = Literal["ddp", "fsdp", "zero1", "zero2", "zero3", "pipeline", "tensor", "local_sgd"]
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 
 
@@ -92,7 +92,7 @@ class ParallelismSpec(_Section):
     """How the world is split: a (pp, dp, tp) DeviceMesh with dp = world / (pp * tp).
 
     `strategy` names the data-parallel flavour over dp and turns on the model-parallel parts:
-    ddp and zero1/2/3 are pure data parallel; fsdp shards over dp and composes with tp and pp
+    ddp, local_sgd and zero1/2/3 are pure data parallel; fsdp shards over dp and composes with tp and pp
     (all three at once when the world size allows); pipeline splits the model into `pp` stages
     (DDP over any remaining dp); tensor shards every linear layer over all ranks (tp = world size).
     """
@@ -109,11 +109,13 @@ class ParallelismSpec(_Section):
                                                  "zero: optimizer state (and zero3 parameters) on CPU")
     activation_checkpointing: bool = Field(False, description="fsdp: recompute blocks in backward")
     mixed_precision: bool = Field(True, description="fsdp on GPU: bf16 compute, fp32 reduce")
+    sync_every: int = Field(1, ge=1, description="local_sgd: local optimizer steps between parameter "
+                                                 "averages (H; 1 with optim sgd is synchronous DDP)")
 
     @model_validator(mode="after")
     def _strategy_parts(self) -> ParallelismSpec:
         s = self.strategy
-        if s in ("ddp", *ZERO_STAGES) and (self.tp > 1 or self.pp > 1):
+        if s in ("ddp", "local_sgd", *ZERO_STAGES) and (self.tp > 1 or self.pp > 1):
             raise ValueError(f"parallelism.strategy '{s}' is pure data parallel: parallelism.tp and "
                              f"parallelism.pp must be 1 (use 'fsdp' with tp, or 'pipeline' with pp)")
         if s == "pipeline" and (self.pp < 2 or self.tp > 1):
@@ -124,6 +126,8 @@ class ParallelismSpec(_Section):
                              or self.split_points):
             raise ValueError("parallelism.schedule, stages_per_rank and split_points apply to "
                              "pipeline parallelism (parallelism.pp >= 2) only")
+        if self.sync_every > 1 and s != "local_sgd":
+            raise ValueError(f"parallelism.sync_every applies to strategy 'local_sgd' only, not '{s}'")
         if (self.schedule == "interleaved_1f1b") != (self.stages_per_rank > 1):
             raise ValueError("parallelism.schedule 'interleaved_1f1b' goes with "
                              "parallelism.stages_per_rank >= 2, and only it")
@@ -245,6 +249,10 @@ class JobSpec(_Section):
         if fixed is not None and par.dp_size(fixed) is None:  # a fixed size is meant: no re-plan
             raise ValueError(f"world size {fixed} is not a multiple of parallelism.pp x "
                              f"parallelism.tp = {par.pp} x {par.tp}")
+        if par.strategy == "local_sgd" and self.checkpoint.every_n_steps % par.sync_every:
+            raise ValueError(f"checkpoint.every_n_steps ({self.checkpoint.every_n_steps}) must be a multiple "
+                             f"of parallelism.sync_every ({par.sync_every}): a checkpoint holds averaged "
+                             f"parameters, which ranks share only right after an average")
         self._check_model_fits_mesh()
         self._check_hot_recovery()
         for ws in self.scaling.step_sizes:

@@ -2,8 +2,9 @@
 
 `build_engine` lays the (pp, dp, tp) mesh, then applies each part as one small function:
 pipeline stages (pipeline.py), tensor parallelism (tensor.py), then the data-parallel flavour:
-DDP (ddp.py), FSDP2 (fsdp.py) or DeepSpeed ZeRO (zero.py). Hot recovery replaces DDP with
-replicas that survive each other's failures (fault_tolerant_ddp.py).
+DDP (ddp.py), FSDP2 (fsdp.py), DeepSpeed ZeRO (zero.py) or periodic parameter averaging
+(local_sgd.py). Hot recovery replaces DDP with replicas that survive each other's failures
+(fault_tolerant_ddp.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from shardyard.models import loss_fn_for
 from shardyard.parallel.ddp import DDPEngine, apply_ddp
 from shardyard.parallel.engine import Engine, MicroBatch
 from shardyard.parallel.fsdp import FSDPEngine, apply_activation_checkpointing, apply_fsdp
+from shardyard.parallel.local_sgd import LocalSGDEngine
 from shardyard.parallel.mesh import build_mesh
 from shardyard.parallel.pipeline import PipelineEngine, build_schedule, build_stages
 from shardyard.parallel.tensor import apply_tensor_parallel
@@ -50,6 +52,11 @@ def build_engine(spec: JobSpec, model: nn.Module, device: torch.device, replica_
         optimizers, schedulers = _optimizers(spec, [model.to(device)])
         return FaultTolerantDDPEngine(model, optimizers[0], schedulers[0], loss_fn, spec.optim.grad_clip,
                                       device, amp, replica_id=replica_id)
+
+    if par.strategy == "local_sgd":
+        optimizers, schedulers = _optimizers(spec, [model.to(device)])
+        return LocalSGDEngine(model, optimizers[0], schedulers[0], loss_fn, spec.optim.grad_clip, device, amp,
+                              sync_every=par.sync_every)
 
     if par.strategy in ZERO_STAGES:
         from shardyard.parallel import zero  # imports DeepSpeed: only when asked for
