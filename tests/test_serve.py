@@ -19,7 +19,8 @@ import torch
 from shardyard.localdist import free_port, run_distributed
 from shardyard.models import build_model
 from shardyard.parallel import build_engine
-from shardyard.serve.generation import Completion, decode, encode, generate
+from shardyard.serve.batching import AdaptiveBatchSize, calibrate
+from shardyard.serve.generation import Completion, decode, decode_steps, encode, generate
 from shardyard.spec import parse_spec
 from shardyard.train import checkpoint
 from shardyard.train.checkpoint import TrainState
@@ -54,35 +55,65 @@ def ragged_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy, num_shards", [("ddp", 1), ("ddp", 2), ("ddp", 4), ("fsdp", 2), ("zero2", 2)])
-def test_sharded_outputs_equal_unsharded(ray_cluster, checkpoints, strategy: str, num_shards: int) -> None:
+@pytest.mark.parametrize("sharding, strategy, num_shards", [
+    ("pipeline", "ddp", 1), ("pipeline", "ddp", 2), ("pipeline", "ddp", 4), ("pipeline", "fsdp", 2),
+    ("pipeline", "zero2", 2), ("tensor", "ddp", 1), ("tensor", "ddp", 2), ("tensor", "ddp", 4),
+    ("tensor", "fsdp", 2), ("tensor", "zero2", 4)])
+def test_sharded_outputs_equal_unsharded(ray_cluster, checkpoints, sharding: str, strategy: str,
+                                         num_shards: int) -> None:
+    import ray
+
     from shardyard.serve.shards import ShardedGPT
 
     tokens, pad = ragged_batch()
-    expected = checkpoint.load_model(checkpoints[strategy]).eval()(tokens, pad)
-    sharded = ShardedGPT(str(checkpoints[strategy]), num_shards)
+    whole = checkpoint.load_model(checkpoints[strategy]).eval()
+    expected = whole(tokens, pad)
+    sharded = ShardedGPT(str(checkpoints[strategy]), num_shards, sharding=sharding)
     try:
-        described = [s.describe.remote() for s in sharded.shards]
-        import ray
-
-        parts = ray.get(described)
-        assert [p["blocks"] for p in parts] == sharded.ranges and len(parts) == num_shards
-        full = sum(p.numel() for p in checkpoint.load_model(checkpoints[strategy]).parameters())
+        parts = ray.get([s.describe.remote() for s in sharded.shards])
+        assert len(parts) == num_shards
+        if sharding == "pipeline":
+            assert [p["blocks"] for p in parts] == sharded.ranges
+        full = sum(p.numel() for p in whole.parameters())
         assert all(p["parameters"] < full for p in parts) or num_shards == 1  # each holds only its part
         torch.testing.assert_close(sharded.forward(tokens, pad), expected, rtol=0, atol=1e-5)
     finally:
         sharded.close()
 
 
-def test_batched_generation_equals_one_request_at_a_time(checkpoints) -> None:
+def test_batched_generation_equals_one_request_at_a_time_and_resumes_exactly(checkpoints) -> None:
     model = checkpoint.load_model(checkpoints["ddp"]).eval()
     forward = torch.no_grad()(model)
-    requests_ = [Completion(encode("def f(x):"), 12), Completion(encode("import"), 20, 0.8, seed=3),
-                 Completion(encode("x" * 30), 8, 1.2, seed=7)]  # 30 + 8 tokens: beyond the 16-token window
-    together = generate(forward, requests_, model.spec.block_size)
-    alone = [generate(forward, [r], model.spec.block_size)[0] for r in requests_]
+
+    def fresh() -> list[Completion]:
+        return [Completion(encode("def f(x):"), 12), Completion(encode("import"), 20, 0.8, seed=3),
+                Completion(encode("x" * 30), 8, 1.2, seed=7)]  # 30 + 8 tokens: beyond the 16-token window
+
+    together = generate(forward, fresh(), model.spec.block_size)
+    alone = [generate(forward, [r], model.spec.block_size)[0] for r in fresh()]
     assert together == alone
     assert [len(t) for t in together] == [12, 20, 8]
+    # Decoding cut off after 5 tokens (a lost shard) and started again ends where it would have.
+    cut = fresh()
+    steps = decode_steps(forward, cut, model.spec.block_size)
+    for _ in range(5):
+        next(steps)
+    steps.close()
+    assert [len(r.tokens) for r in cut] == [5, 5, 5]
+    assert generate(forward, cut, model.spec.block_size) == together
+
+
+def test_adaptive_batching_picks_the_fastest_size_within_the_target_and_backs_off(checkpoints) -> None:
+    model = checkpoint.load_model(checkpoints["ddp"]).eval()
+    measured = calibrate(torch.no_grad()(model), model.spec.block_size, 8)
+    assert set(measured.step_s) == {1, 2, 4, 8}
+    assert measured.best_size(step_target_s=60.0) == max(measured.step_s, key=measured.tokens_per_s)
+    assert measured.best_size(step_target_s=0.0) == 1  # nothing meets it: one request at a time
+    aimd = AdaptiveBatchSize(start=4, limit=8, step_target_s=0.1)
+    assert aimd.observe(4, 0.05) and aimd.size == 5      # a full batch with headroom: one more
+    assert not aimd.observe(2, 0.05) and aimd.size == 5  # not full: no sign a larger one would fill
+    assert aimd.observe(5, 0.2) and aimd.size == 2       # over the target: halve
+    assert aimd.observe(1, 0.5) and aimd.size == 1 and not aimd.observe(1, 0.5)
 
 
 # ----------------------------------------------------------------------------- HTTP
@@ -100,7 +131,7 @@ def server(ray_cluster, checkpoints):
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = build_app({"checkpoint": str(checkpoints["ddp"]), "num_shards": 2, "max_batch_size": 8,
+    app = build_app({"checkpoint": str(checkpoints["ddp"]), "num_shards": 2, "batching": "fixed", "max_batch_size": 8,
                      "batch_wait_timeout_s": 0.05, "max_queued_requests": 16, "request_timeout_s": 2.0,
                      "max_body_bytes": 2048, "max_tokens_limit": 2048, "bearer_token": TOKEN})
     serve.run(app, name="test_app", route_prefix="/t")
@@ -132,6 +163,19 @@ def test_concurrent_requests_are_batched_and_each_gets_its_answer(server, checkp
         assert answer.json()["text"] == decode(alone)
     ones, total = batch_sizes(server)
     assert total > ones, "no batch held more than one request"
+
+
+@pytest.mark.timeout(120)
+def test_a_streamed_completion_sends_a_token_per_event_and_equals_the_whole_answer(server) -> None:
+    whole = complete(server, prompt="stream me", max_tokens=8).json()
+    body = {"prompt": "stream me", "max_tokens": 8, "stream": True}
+    with requests.post(f"{server}/v1/completions", json=body, headers=HEADERS, stream=True, timeout=60) as answer:
+        assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line.removeprefix("data: ")) for line in answer.iter_lines(decode_unicode=True)
+                  if line.startswith("data: ")]
+    assert len([e for e in events if "token" in e]) == 8
+    assert events[-1]["done"] and events[-1]["tokens"] == 8
+    assert "".join(e["text"] for e in events) == whole["text"]
 
 
 @pytest.mark.timeout(240)
@@ -167,7 +211,7 @@ def test_every_bad_input_gets_its_status_and_the_server_keeps_serving(server) ->
 def test_killed_shard_under_load_is_rebuilt_and_later_requests_succeed(server) -> None:
     from ray.util.state import list_actors
 
-    shard = next(a for a in list_actors(filters=[("class_name", "=", "ModelShard"), ("state", "=", "ALIVE")]))
+    shard = next(a for a in list_actors(filters=[("class_name", "=", "PipelineShard"), ("state", "=", "ALIVE")]))
     with ThreadPoolExecutor(8) as pool:
         during = [pool.submit(complete, server, prompt=f"load {i}", max_tokens=20) for i in range(24)]
         time.sleep(0.3)
@@ -182,9 +226,15 @@ def test_killed_shard_under_load_is_rebuilt_and_later_requests_succeed(server) -
     assert float(re.search(r"^shardyard_shard_group_rebuilds_total (\S+)", text, re.M).group(1)) >= 1
 
 
-def test_serve_without_a_checkpoint_says_which_command_writes_one(tmp_path: Path) -> None:
+def test_serve_config_mistakes_are_named_before_anything_starts(tmp_path: Path, checkpoints) -> None:
     from shardyard.serve.config import parse_config
     from shardyard.spec import SpecError
+
+    trained = str(checkpoints["ddp"])
+    with pytest.raises(SpecError, match=r"n_head \(4\) divisible by num_shards \(3\)"):
+        parse_config({"checkpoint": trained, "sharding": "tensor", "num_shards": 3})
+    with pytest.raises(SpecError, match="cannot split 4 blocks into 5 pipeline shards"):
+        parse_config({"checkpoint": trained, "num_shards": 5})
 
     with pytest.raises(SpecError, match="shardyard train jobs/configs/gpt_ddp.yaml"):
         parse_config({"checkpoint": str(tmp_path / "nothing")})

@@ -4,6 +4,7 @@ imports `serve_apps.gpt:app`; a real HTTP client against it."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -61,6 +62,9 @@ def test_serve_run_with_a_config_file_answers_http(ray_cluster, tmp_path: Path) 
             time.sleep(2)
         assert answer.json()["tokens"] == 5
         assert requests.get(f"http://127.0.0.1:{port}/healthz", timeout=10).json()["status"] == "ok"
+        # The config file asks for adaptive batching: a batch size was measured and put in force.
+        metrics = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        assert float(re.search(r"^shardyard_max_batch_size (\S+)", metrics, re.M).group(1)) >= 1
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)

@@ -1,12 +1,16 @@
 """The HTTP app: a Ray Serve deployment (FastAPI ingress) over a model trained by shardyard.
 
-    POST /v1/completions  {"prompt": str, "max_tokens": int, "temperature": float, "seed": int}
+    POST /v1/completions  {"prompt": str, "max_tokens": int, "temperature": float, "seed": int,
+                           "stream": bool}  (stream: server-sent events, one per token)
     POST /v1/predict      {"inputs": [[float, ...], ...]}        (MLP checkpoints)
     GET  /healthz         200 while every shard answers
     GET  /metrics         Prometheus text: latency, queue time, batch size, rejections, tokens
 
 Concurrent completions are grouped by `@serve.batch` and decoded together (ragged prompts
-left-padded and masked, so each answer equals the unbatched one). Every mistake a client can make
+left-padded and masked, so each answer equals the unbatched one); the batch handler yields a token
+per request after every forward pass, which is what streaming sends. Batch size and wait are fixed
+or adaptive (serve/batching.py). A shard lost under a batch gets the shard group rebuilt and the
+batch resumed where it stopped. Every mistake a client can make
 gets a 4xx with a reason: malformed JSON 400, bad or missing credentials 401, body too large 413,
 invalid fields 422 (naming the field), too slow 408; a full queue is answered 503 with
 Retry-After by Serve itself (`max_queued_requests`).
@@ -14,23 +18,26 @@ Retry-After by Serve itself (`max_queued_requests`).
 
 
 import asyncio
+import codecs
+import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import ray
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.config import BackpressureConfig
 
+from shardyard.serve.batching import AdaptiveBatchSize, calibrate
 from shardyard.serve.config import ServeConfig, parse_config
-from shardyard.serve.generation import Completion, decode, encode, generate
-from shardyard.serve.shards import ShardedGPT
+from shardyard.serve.generation import Completion, decode, decode_steps, encode
+from shardyard.serve.shards import SHARD_LOST, ShardedGPT
 from shardyard.spec import GPTSpec
 from shardyard.train.checkpoint import load_model, read_spec
 
@@ -43,6 +50,7 @@ class CompletionRequest(BaseModel):
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=5.0)
     seed: int | None = None
+    stream: bool = False
 
 
 class PredictRequest(BaseModel):
@@ -66,6 +74,11 @@ class ClientError(Exception):
 
 def _error(status: int, reason: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"error": reason, **extra}, status_code=status)
+
+
+def _event(payload: dict[str, Any]) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(payload)}\n\n"
 
 
 @api.exception_handler(RequestValidationError)
@@ -100,6 +113,8 @@ class Metrics:
         self.tokens = Counter("shardyard_generated_tokens_total", "tokens generated", registry=self.registry)
         self.rebuilds = Counter("shardyard_shard_group_rebuilds_total", "shard groups rebuilt",
                                 registry=self.registry)
+        self.max_batch_size = Gauge("shardyard_max_batch_size", "the batch size limit now in force",
+                                    registry=self.registry)
 
 
 REJECT_REASONS = {400: "malformed_json", 401: "unauthorized", 404: "wrong_model", 408: "timeout",
@@ -129,6 +144,7 @@ def _check_request(request: Request, cfg: ServeConfig, body: bytes) -> Response 
     return None
 
 
+# Everything ModelServer uses must be defined above it: Serve pickles the class when it is decorated.
 @serve.deployment
 @serve.ingress(api)
 class ModelServer:
@@ -138,15 +154,59 @@ class ModelServer:
         self.metrics = Metrics()
         model_spec = read_spec(self.config.checkpoint).model
         self.kind = model_spec.name
+        self.adaptive: AdaptiveBatchSize | None = None
         if isinstance(model_spec, GPTSpec):
             self.block_size = model_spec.block_size
-            self.model = ShardedGPT(self.config.checkpoint, self.config.num_shards, self.config.use_gpu,
-                                    self.config.multi_node)
+            self._start_model()
         else:  # the MLP: small, served whole by the replica
             self.mlp = load_model(self.config.checkpoint).eval()
             self.in_dim = model_spec.in_dim
-        self._complete.set_max_batch_size(self.config.max_batch_size)
-        self._complete.set_batch_wait_timeout_s(self.config.batch_wait_timeout_s)
+
+    def _shards(self, use_gpu: bool) -> ShardedGPT:
+        cfg = self.config
+        return ShardedGPT(cfg.checkpoint, cfg.num_shards, use_gpu, cfg.multi_node, cfg.sharding)
+
+    def _start_model(self) -> None:
+        """Start the shard group, and set the batch size and wait: from the config, or measured
+        on each candidate device (adaptive), keeping the device that decodes fastest in time."""
+        cfg = self.config
+        if cfg.batching != "adaptive":
+            self.model = self._shards(cfg.use_gpu)
+            if cfg.batching == "none":
+                self._set_batching(1, 0.0)
+            else:
+                self._set_batching(cfg.max_batch_size, cfg.batch_wait_timeout_s)
+            return
+        target = cfg.token_latency_target_ms / 1000
+        # A GPU is not always faster: a small model's steps can be all transfer overhead.
+        devices = [True, False] if cfg.use_gpu and cfg.device == "auto" else [cfg.use_gpu]
+        calibrations, model = {}, None
+        for use_gpu in devices:
+            if model is not None:
+                model.close()
+            model = self._shards(use_gpu)
+            calibrations[use_gpu] = calibrate(model.forward, self.block_size, cfg.max_batch_size)
+
+        def best_rate(use_gpu: bool) -> float:
+            c = calibrations[use_gpu]
+            return c.tokens_per_s(c.best_size(target))
+
+        chosen = max(calibrations, key=best_rate)
+        if chosen != devices[-1]:
+            model.close()
+            model = self._shards(chosen)
+        self.model, calibration = model, calibrations[chosen]
+        size = calibration.best_size(target)
+        self.adaptive = AdaptiveBatchSize(size, cfg.max_batch_size, target)
+        self._set_batching(size, calibration.wait_timeout_s(size))
+        print(f"shardyard: adaptive batching on {'cuda' if chosen else 'cpu'}: step seconds by batch size "
+              f"{ {b: round(t, 4) for b, t in calibration.step_s.items()} }; max_batch_size {size}, "
+              f"wait {calibration.wait_timeout_s(size):.4f} s", flush=True)
+
+    def _set_batching(self, max_batch_size: int, wait_timeout_s: float) -> None:
+        self._decode.set_max_batch_size(max_batch_size)
+        self._decode.set_batch_wait_timeout_s(wait_timeout_s)
+        self.metrics.max_batch_size.set(max_batch_size)
 
     # ------------------------------------------------------------------ routes
 
@@ -159,17 +219,49 @@ class ModelServer:
                                    f"{cfg.max_prompt_chars}", "prompt")
         if body.max_tokens > cfg.max_tokens_limit:
             raise ClientError(422, f"max_tokens may be at most {cfg.max_tokens_limit}", "max_tokens")
-        request = Completion(encode(body.prompt), body.max_tokens, body.temperature, body.seed)
-        ticket = Ticket(request, time.perf_counter())
+        ticket = Ticket(Completion(encode(body.prompt), body.max_tokens, body.temperature, body.seed),
+                        time.perf_counter())
+        if body.stream:
+            return StreamingResponse(self._events(ticket), media_type="text/event-stream")
+
+        async def drain() -> None:
+            async for _ in self._decode(ticket):
+                pass
+
         try:
-            tokens = await asyncio.wait_for(self._complete(ticket), cfg.request_timeout_s)
+            await asyncio.wait_for(drain(), cfg.request_timeout_s)
         except asyncio.TimeoutError:
             ticket.abandoned = True  # its batch stops computing it
             raise ClientError(408, f"not answered within {cfg.request_timeout_s} s") from None
         except asyncio.CancelledError:  # the client went away: Serve cancels its request
             ticket.abandoned = True
             raise
+        except SHARD_LOST:
+            raise ClientError(503, "the model's shards were lost twice under this request; retry") from None
+        tokens = ticket.request.tokens
         return {"text": decode(tokens), "tokens": len(tokens)}
+
+    async def _events(self, ticket: Ticket) -> AsyncIterator[str]:
+        """Server-sent events: {"token", "text"} per token, then {"done", "tokens"}, or {"error",
+        "status"} if the request times out. Bytes are decoded incrementally: a character split
+        over several tokens appears with its last one."""
+        text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        deadline = ticket.arrived + self.config.request_timeout_s
+        tokens = self._decode(ticket)
+        try:
+            while True:
+                try:
+                    token = await asyncio.wait_for(anext(tokens), deadline - time.perf_counter())
+                except StopAsyncIteration:
+                    break
+                yield _event({"token": token, "text": text.decode(bytes([token]))})
+            yield _event({"done": True, "tokens": len(ticket.request.tokens), "text": text.decode(b"", final=True)})
+        except asyncio.TimeoutError:
+            yield _event({"error": f"not answered within {self.config.request_timeout_s} s", "status": 408})
+        except SHARD_LOST:
+            yield _event({"error": "the model's shards were lost twice under this request; retry", "status": 503})
+        finally:  # finished, timed out or disconnected: either way its batch stops computing it
+            ticket.abandoned = True
 
     @api.post("/v1/predict")
     async def predict(self, body: PredictRequest) -> dict[str, Any]:
@@ -201,27 +293,34 @@ class ModelServer:
     # ------------------------------------------------------------------ batching
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01)
-    async def _complete(self, tickets: list[Ticket]) -> list[list[int]]:
+    async def _decode(self, tickets: list[Ticket]) -> AsyncIterator[list[Any]]:
+        """Decode a batch together. After every forward pass, yield for each ticket its new token,
+        or StopIteration once it has all of them or nobody waits for it any more."""
         started = time.perf_counter()
         live = [t for t in tickets if not t.abandoned]  # gone before their batch ran: dropped
         for ticket in live:
             self.metrics.queue.observe(started - ticket.arrived)
         self.metrics.batch_size.observe(len(live))
-        requests = [t.request for t in live]
-
-        def run() -> list[list[int]]:
-            return generate(self.model.forward, requests, self.block_size, lambda row: live[row].abandoned)
-
-        try:
-            tokens = await asyncio.to_thread(run) if live else []
-        except ray.exceptions.RayActorError:  # a shard died under this batch: rebuild, run it again
-            await asyncio.to_thread(self._rebuild)
-            tokens = await asyncio.to_thread(run)
-        answers = dict(zip(map(id, live), tokens))
-        tokens = [answers.get(id(t), []) for t in tickets]
-        self.metrics.compute.observe(time.perf_counter() - started)
-        self.metrics.tokens.inc(sum(len(t) for t in tokens))
-        return tokens
+        requests = [t.request for t in tickets]
+        steps = 0
+        for attempt in range(2):  # a shard lost mid-batch: rebuild the group and resume, once
+            decoding = decode_steps(self.model.forward, requests, self.block_size, lambda row: tickets[row].abandoned)
+            try:
+                while (rows := await asyncio.to_thread(next, decoding, None)) is not None:
+                    steps += 1
+                    self.metrics.tokens.inc(len(rows))
+                    got = set(rows)
+                    yield [requests[i].tokens[-1] if i in got else StopIteration for i in range(len(tickets))]
+                break
+            except SHARD_LOST:
+                if attempt:
+                    raise
+                await asyncio.to_thread(self._rebuild)
+        elapsed = time.perf_counter() - started
+        self.metrics.compute.observe(elapsed)
+        if self.adaptive and steps and self.adaptive.observe(len(live), elapsed / steps):
+            self._decode.set_max_batch_size(self.adaptive.size)
+            self.metrics.max_batch_size.set(self.adaptive.size)
 
     def _rebuild(self) -> None:
         self.model.rebuild()
@@ -238,14 +337,19 @@ def build_app(args: dict[str, Any]) -> "serve.Application":
     cfg = parse_config(args)
     shard = {"GPU": 1.0, "CPU": 1.0} if cfg.use_gpu else {"CPU": 1.0}
     gpt = read_spec(cfg.checkpoint).model.name == "gpt"
+    ongoing = max(2 * cfg.max_batch_size, 8)  # a replica waits on its batch: admit more than one holds
     options: dict[str, Any] = dict(
-        num_replicas=cfg.num_replicas,
-        # Each replica waits on its batch: let more requests in than one batch holds.
-        max_ongoing_requests=max(2 * cfg.max_batch_size, 8),
+        max_ongoing_requests=ongoing,
         max_queued_requests=cfg.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=1),
+        graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
         ray_actor_options={"num_cpus": 0.5},
     )
+    if cfg.max_replicas is None:
+        options["num_replicas"] = cfg.num_replicas
+    else:  # scale on requests in flight: a replica is busy at one full batch
+        options["autoscaling_config"] = {"min_replicas": cfg.num_replicas, "max_replicas": cfg.max_replicas,
+                                         "target_ongoing_requests": cfg.max_batch_size}
     if gpt:  # the replica's own bundle, then one per shard: Serve reserves them together
         options["placement_group_bundles"] = [{"CPU": 0.5}] + [shard] * cfg.num_shards
         options["placement_group_strategy"] = "PACK" if cfg.multi_node else "STRICT_PACK"

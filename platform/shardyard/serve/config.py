@@ -8,8 +8,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shardyard.spec import validate
-from shardyard.train.checkpoint import STATE_FILE, find_latest
+from shardyard.serve.shards import sharding_problem
+from shardyard.spec import GPTSpec, validate
+from shardyard.train.checkpoint import STATE_FILE, find_latest, read_spec
 
 DEFAULT_CHECKPOINT = "runs/gpt_ddp"  # where README's default training job writes
 
@@ -19,12 +20,22 @@ class ServeConfig(BaseModel):
 
     checkpoint: str = Field(DEFAULT_CHECKPOINT, description="a checkpoint, or a run directory (its latest)")
     num_shards: int = Field(1, ge=1, description="shard actors the model is split across")
-    sharding: Literal["pipeline"] = Field("pipeline", description="contiguous blocks per shard")
+    sharding: Literal["pipeline", "tensor"] = Field(
+        "pipeline", description="pipeline: contiguous blocks per shard; tensor: a slice of every linear")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     multi_node: bool = Field(False, description="PACK shards across nodes instead of STRICT_PACK on one")
-    max_batch_size: int = Field(16, ge=1)
-    batch_wait_timeout_s: float = Field(0.01, ge=0)
-    num_replicas: int = Field(1, ge=1)
+    batching: Literal["none", "fixed", "adaptive"] = Field(
+        "adaptive", description="none: one request per batch; fixed: max_batch_size and "
+        "batch_wait_timeout_s as given; adaptive: measured at start, adjusted while serving")
+    max_batch_size: int = Field(16, ge=1, description="the batch size (fixed) or its upper bound (adaptive)")
+    batch_wait_timeout_s: float = Field(0.01, ge=0, description="fixed batching: longest wait to fill a batch")
+    token_latency_target_ms: float = Field(
+        100.0, gt=0, description="adaptive batching: the longest one decoding step (a token for "
+        "every request in the batch) may take")
+    num_replicas: int = Field(1, ge=1, description="replicas, or the autoscaling lower bound with max_replicas")
+    max_replicas: int | None = Field(None, ge=1, description="autoscale between num_replicas and this")
+    graceful_shutdown_timeout_s: float = Field(
+        30.0, ge=0, description="a replica being stopped finishes its in-flight requests for up to this long")
     max_queued_requests: int = Field(64, ge=1, description="beyond this, 503 with Retry-After")
     request_timeout_s: float = Field(30.0, gt=0, description="beyond this, 408")
     max_body_bytes: int = Field(16_384, ge=256, description="larger bodies get 413")
@@ -33,8 +44,14 @@ class ServeConfig(BaseModel):
     bearer_token: str | None = Field(None, description="when set, requests need Authorization: Bearer <token>")
 
     @model_validator(mode="after")
-    def _resolve_checkpoint(self) -> ServeConfig:
+    def _check(self) -> ServeConfig:
+        if self.max_replicas is not None and self.max_replicas < self.num_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) is below num_replicas ({self.num_replicas})")
         self.checkpoint = str(resolve_checkpoint(self.checkpoint))
+        model = read_spec(self.checkpoint).model
+        problem = sharding_problem(model, self.num_shards, self.sharding) if isinstance(model, GPTSpec) else None
+        if problem:
+            raise ValueError(problem)
         return self
 
     @property

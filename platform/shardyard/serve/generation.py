@@ -7,8 +7,8 @@ samples with its own temperature and its own seeded generator, in the same order
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -16,12 +16,24 @@ import torch.nn.functional as F
 Forward = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]  # (tokens, pad) -> logits
 
 
-@dataclass(frozen=True)
+@dataclass
 class Completion:
+    """One request's decoding state. `tokens` grows as they are generated; decoding that stops
+    (a lost shard) resumes from prompt + tokens with the same random generator, so a retried
+    request still gets the tokens it would have got."""
     prompt: list[int]
     max_tokens: int
     temperature: float = 0.0
     seed: int | None = None
+    tokens: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.generator = torch.Generator().manual_seed(self.seed) if self.seed is not None else None
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) >= self.max_tokens
 
 
 def encode(text: str) -> list[int]:
@@ -42,31 +54,39 @@ def left_pad(prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tens
     return tokens, torch.tensor([width - len(p) for p in prompts])
 
 
-def generate(forward: Forward, requests: Sequence[Completion], block_size: int,
-             abandoned: Callable[[int], bool] = lambda row: False) -> list[list[int]]:
-    """New tokens for every request: `max_tokens` each, greedy at temperature 0, else sampled.
+def decode_steps(forward: Forward, requests: Sequence[Completion], block_size: int,
+                 abandoned: Callable[[int], bool] = lambda row: False) -> Iterator[list[int]]:
+    """Decode every unfinished request together, one token per forward pass; after each pass,
+    yield the rows (indices into `requests`) that got a token, appended to their `tokens`.
 
     A row leaves the batch once it has its tokens, or once `abandoned(row)` says nobody waits for
     it any more (timed out, disconnected): the others go on without paying for it.
     """
-    tokens, pad = left_pad([r.prompt for r in requests])
-    generators = [torch.Generator().manual_seed(r.seed) if r.seed is not None else None for r in requests]
-    out: list[list[int]] = [[] for _ in requests]
-    rows = [i for i, r in enumerate(requests) if r.max_tokens > 0]
+    rows = [i for i, r in enumerate(requests) if not r.done and not abandoned(i)]
+    if not rows:
+        return
+    tokens, pad = left_pad([requests[i].prompt + requests[i].tokens for i in rows])
     while rows:
         overflow = max(0, tokens.shape[1] - block_size)  # crop to the context window
         logits = forward(tokens[:, overflow:], (pad - overflow).clamp(min=0))[:, -1, :].float()
-        chosen = [_pick(logits[k], requests[row].temperature, generators[row]) for k, row in enumerate(rows)]
+        chosen = [_pick(logits[k], requests[row].temperature, requests[row].generator)
+                  for k, row in enumerate(rows)]
         for row, token in zip(rows, chosen):
-            out[row].append(token)
+            requests[row].tokens.append(token)
+        yield rows
         tokens = torch.cat([tokens, torch.tensor(chosen).unsqueeze(1)], dim=1)
-        keep = [k for k, row in enumerate(rows)
-                if len(out[row]) < requests[row].max_tokens and not abandoned(row)]
+        keep = [k for k, row in enumerate(rows) if not requests[row].done and not abandoned(row)]
         if len(keep) < len(rows):
             tokens, pad, rows = tokens[keep], pad[keep], [rows[k] for k in keep]
             width = int(pad.min()) if len(keep) else 0  # drop columns that are padding in every row
             tokens, pad = tokens[:, width:], pad - width
-    return out
+
+
+def generate(forward: Forward, requests: Sequence[Completion], block_size: int) -> list[list[int]]:
+    """Every request's new tokens: `max_tokens` each, greedy at temperature 0, else sampled."""
+    for _ in decode_steps(forward, requests, block_size):
+        pass
+    return [r.tokens for r in requests]
 
 
 def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:

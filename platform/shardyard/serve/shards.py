@@ -3,30 +3,52 @@ device) per shard, each shard holding only its part of the weights.
 
 Pipeline mode: shard i holds a contiguous run of blocks (the first also the embeddings, the last
 the final norm and head, split balanced by parameters as in training), and a forward pass hands
-the hidden states from shard to shard as Ray object references: Ray moves each activation
-straight from one shard's process to the next, never through the caller.
+the hidden states from shard to shard. By default the chain is a Ray compiled graph: each hop is
+a shared-memory (or, across nodes, a network) channel written by one shard and read by the next,
+set up once, instead of a task submitted and an object stored per hop per call
+(benchmarks/serve_load.py measures both). `compiled=False` submits tasks that pass Ray object
+references, still straight from shard to shard, never through the caller.
+
+Tensor mode: every shard holds every block, but only its 1/N of each attention and MLP linear
+(the training tensor-parallel plan, parallel/tensor.py, over a process group of the shard actors);
+all shards run each forward pass together and combine partial results with an all-reduce per
+attention and per MLP, over torch.distributed rather than through Ray.
 
 Any training checkpoint loads here, whatever strategy wrote it (checkpoint.load_model).
 """
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
 
 import ray
 import torch
+import torch.distributed as dist
+from ray.dag import InputNode
+from torch.distributed.device_mesh import init_device_mesh
 from ray.util.placement_group import PlacementGroup, get_current_placement_group, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from shardyard.models.gpt import GPT
 from shardyard.parallel.pipeline import balanced_split, carve_stage
+from shardyard.parallel.tensor import apply_tensor_parallel
 from shardyard.runtime import select_device
 from shardyard.spec import GPTSpec
 from shardyard.train.checkpoint import load_model, read_spec
 
 
+Sharding = Literal["pipeline", "tensor"]
+# A collective waiting on a dead peer gives up after this (gloo's default is 30 minutes).
+COLLECTIVE_TIMEOUT = timedelta(seconds=30)
+# What a forward pass raises when a shard has died: a task on a dead actor, a closed channel.
+SHARD_LOST = (ray.exceptions.RayActorError, ray.exceptions.RayChannelError)
+
+
 @ray.remote
-class ModelShard:
+class PipelineShard:
     """Blocks [start, end) of the GPT in `checkpoint_dir`, on this actor's device."""
 
     def __init__(self, checkpoint_dir: str, start: int, end: int, use_gpu: bool) -> None:
@@ -44,6 +66,43 @@ class ModelShard:
     def describe(self) -> dict:
         return {"blocks": self.blocks, "device": str(self.device),
                 "parameters": sum(p.numel() for p in self.stage.parameters())}
+
+
+@ray.remote
+class TensorShard:
+    """Rank `rank` of `num_shards`: its slice of every block's linears, the small rest whole."""
+
+    def __init__(self, checkpoint_dir: str, rank: int, num_shards: int, use_gpu: bool) -> None:
+        self.checkpoint_dir, self.rank, self.num_shards = checkpoint_dir, rank, num_shards
+        self.device = select_device(0) if use_gpu else torch.device("cpu")
+        self.model: GPT | None = None
+
+    def rendezvous_address(self) -> str:
+        """Where the other shards find this one (rank 0) to form their process group."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+    def join(self, address: str) -> None:
+        """Form the shards' process group (every shard at once), then keep only this rank's slices:
+        parallelize_module replaces each full weight by its shard, and the full one is freed."""
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=address, rank=self.rank, world_size=self.num_shards,
+                                timeout=COLLECTIVE_TIMEOUT)
+        mesh = init_device_mesh(self.device.type, (self.num_shards,))
+        full = load_model(self.checkpoint_dir).to(self.device).eval()
+        self.model = apply_tensor_parallel(full, mesh)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor | None:
+        out = self.model(x.to(self.device), None if pad is None else pad.to(self.device))
+        return out.cpu() if self.rank == 0 else None  # the same logits on every rank: send one
+
+    def describe(self) -> dict:
+        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                    for p in self.model.parameters())
+        return {"rank": self.rank, "device": str(self.device), "parameters": local}
 
 
 @dataclass
@@ -65,18 +124,30 @@ def place_shards(num_shards: int, use_gpu: bool, multi_node: bool = False) -> Sh
     return ShardPlacement(group, 0, owned=True)
 
 
+def sharding_problem(spec: GPTSpec, num_shards: int, sharding: Sharding) -> str | None:
+    """Why this model cannot be split this way, or None if it can."""
+    if sharding == "pipeline" and num_shards > spec.n_layer:
+        return f"cannot split {spec.n_layer} blocks into {num_shards} pipeline shards"
+    if sharding == "tensor" and spec.n_head % num_shards:
+        return f"tensor sharding needs n_head ({spec.n_head}) divisible by num_shards ({num_shards})"
+    return None
+
+
 class ShardedGPT:
-    """The caller's handle on a group of pipeline shards; rebuilds the group when a shard dies."""
+    """The caller's handle on a group of shards; rebuilds the group when a shard dies."""
 
     def __init__(self, checkpoint_dir: str, num_shards: int, use_gpu: bool = False,
-                 multi_node: bool = False) -> None:
+                 multi_node: bool = False, sharding: Sharding = "pipeline", compiled: bool = True) -> None:
         self.checkpoint_dir, self.num_shards, self.use_gpu = checkpoint_dir, num_shards, use_gpu
-        self.multi_node = multi_node
+        self.multi_node, self.sharding = multi_node, sharding
+        self.compiled = compiled and sharding == "pipeline"  # tensor shards talk over torch.distributed
+        self.graph = None
         spec = read_spec(checkpoint_dir).model
         if not isinstance(spec, GPTSpec):
             raise ValueError(f"{checkpoint_dir} holds a '{spec.name}' model; sharded serving is for the GPT")
-        if num_shards > spec.n_layer:
-            raise ValueError(f"cannot split {spec.n_layer} blocks into {num_shards} shards")
+        problem = sharding_problem(spec, num_shards, sharding)
+        if problem:
+            raise ValueError(problem)
         self.block_size = spec.block_size
         with torch.device("meta"):  # the model's shape only, no weights: to plan the split
             skeleton = GPT(spec)
@@ -89,13 +160,26 @@ class ShardedGPT:
 
     def _start_shards(self) -> None:
         p = self.placement
-        self.shards = [
-            ModelShard.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-                p.group, placement_group_bundle_index=p.first_bundle + i)).remote(
-                self.checkpoint_dir, start, end, self.use_gpu)
-            for i, (start, end) in enumerate(self.ranges)
-        ]
+
+        def in_bundle(i: int) -> dict:
+            return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+                p.group, placement_group_bundle_index=p.first_bundle + i)}
+
+        if self.sharding == "pipeline":
+            self.shards = [PipelineShard.options(**in_bundle(i)).remote(self.checkpoint_dir, start, end, self.use_gpu)
+                           for i, (start, end) in enumerate(self.ranges)]
+        else:
+            self.shards = [TensorShard.options(**in_bundle(i)).remote(
+                self.checkpoint_dir, i, self.num_shards, self.use_gpu) for i in range(self.num_shards)]
+            address = ray.get(self.shards[0].rendezvous_address.remote())
+            ray.get([s.join.remote(address) for s in self.shards])
         ray.get([s.describe.remote() for s in self.shards])  # loaded and ready
+        if self.compiled:
+            with InputNode() as given:  # given[0]: tokens, given[1]: padding counts
+                node = given[0]
+                for shard in self.shards:
+                    node = shard.forward.bind(node, given[1])
+            self.graph = node.experimental_compile()
 
     def healthy(self, timeout_s: float = 5.0) -> bool:
         try:
@@ -107,21 +191,37 @@ class ShardedGPT:
     def rebuild(self) -> None:
         """Replace every shard (a dead one's part must be reloaded; the rest restart with it so
         no half-old group serves)."""
-        for shard in self.shards:
-            ray.kill(shard, no_restart=True)
+        self._stop_shards()
         self.rebuilds += 1
         self._start_shards()
 
-    def forward(self, tokens: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of the whole model: each shard's output goes to the next as a Ray reference."""
-        ref = tokens
-        for shard in self.shards:
-            ref = shard.forward.remote(ref, pad)
-        return ray.get(ref)
-
-    def close(self) -> None:
+    def _stop_shards(self) -> None:
+        if self.graph is not None:
+            self.graph.teardown()
+            self.graph = None
         for shard in self.shards:
             ray.kill(shard, no_restart=True)
+
+    def forward(self, tokens: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the whole model. Pipeline: each shard's output goes to the next as a Ray
+        reference. Tensor: every shard gets the same input and rank 0 returns the logits."""
+        if self.graph is not None:
+            return ray.get(self.graph.execute(tokens, pad))
+        if self.sharding == "pipeline":
+            ref = tokens
+            for shard in self.shards:
+                ref = shard.forward.remote(ref, pad)
+            return ray.get(ref)
+        tokens_ref, pad_ref = ray.put(tokens), ray.put(pad)
+        refs = [shard.forward.remote(tokens_ref, pad_ref) for shard in self.shards]
+        pending = refs
+        while pending:  # a dead shard raises at once, not after its peers' collective times out
+            done, pending = ray.wait(pending, num_returns=1)
+            ray.get(done)
+        return ray.get(refs[0])
+
+    def close(self) -> None:
+        self._stop_shards()
         if self.placement.owned:
             ray.util.remove_placement_group(self.placement.group)
 

@@ -1,0 +1,80 @@
+"""How many requests one decoding batch may hold, and how long a batch waits to fill.
+
+`fixed` takes both from the config. `adaptive` measures, at start-up, how long one decode step
+takes at each batch size, picks the size with the most tokens per second whose step time stays
+within the per-token latency target, and then keeps adjusting it while serving (additive increase,
+multiplicative decrease) as observed step times drift: a busier machine gets smaller batches, an
+idle headroom larger ones. The same measurement, taken on each candidate device, picks the device.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from shardyard.serve.generation import Forward
+
+# Prompts of this many tokens stand for typical traffic while calibrating.
+CALIBRATION_PROMPT = 32
+CALIBRATION_REPEATS = 3
+
+
+def candidate_sizes(limit: int) -> list[int]:
+    sizes = [1]
+    while sizes[-1] * 2 <= limit:
+        sizes.append(sizes[-1] * 2)
+    return sizes if sizes[-1] == limit else [*sizes, limit]
+
+
+@dataclass
+class Calibration:
+    step_s: dict[int, float]  # batch size -> median seconds of one decode step
+
+    def tokens_per_s(self, size: int) -> float:
+        return size / self.step_s[size]
+
+    def best_size(self, step_target_s: float) -> int:
+        """The batch size with the most tokens/s whose step meets the target (1 if none does)."""
+        fitting = [b for b, s in self.step_s.items() if s <= step_target_s] or [1]
+        return max(fitting, key=self.tokens_per_s)
+
+    def wait_timeout_s(self, size: int) -> float:
+        """Waiting longer for company than one single-request step takes costs the waiting
+        request more than sharing a batch saves it."""
+        return self.step_s[1] if size > 1 else 0.0
+
+
+def calibrate(forward: Forward, block_size: int, limit: int) -> Calibration:
+    """Median time of one forward pass over a batch of typical prompts, for each candidate size."""
+    width = min(CALIBRATION_PROMPT, block_size)
+    step_s = {}
+    for size in candidate_sizes(limit):
+        tokens = torch.randint(0, 256, (size, width))
+        pad = torch.zeros(size, dtype=torch.long)
+        forward(tokens, pad)  # warm-up: first calls allocate
+        times = []
+        for _ in range(CALIBRATION_REPEATS):
+            start = time.perf_counter()
+            forward(tokens, pad)
+            times.append(time.perf_counter() - start)
+        step_s[size] = statistics.median(times)
+    return Calibration(step_s)
+
+
+class AdaptiveBatchSize:
+    """Additive increase, multiplicative decrease of the maximum batch size on observed steps."""
+
+    def __init__(self, start: int, limit: int, step_target_s: float) -> None:
+        self.size, self.limit, self.step_target_s = start, limit, step_target_s
+
+    def observe(self, batch_size: int, step_s: float) -> bool:
+        """Feed one batch's mean step time; True if the maximum batch size changed."""
+        before = self.size
+        if step_s > self.step_target_s:
+            self.size = max(1, self.size // 2)
+        elif batch_size >= self.size and step_s < 0.8 * self.step_target_s:
+            self.size = min(self.limit, self.size + 1)  # full batches with headroom: try one more
+        return self.size != before
