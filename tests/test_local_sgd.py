@@ -33,9 +33,19 @@ def params_after_each_step(rank: int, world: int, raw: dict, count: int) -> list
     return snapshots
 
 
+def both_periods(rank: int, world: int) -> dict[int, list[dict[str, torch.Tensor]]]:
+    return {h: params_after_each_step(rank, world, local_sgd_job(h), 4) for h in (1, 4)}
+
+
+@pytest.fixture(scope="module")
+def trained() -> list[dict[int, list[dict[str, torch.Tensor]]]]:
+    """Per rank, per H: the parameters after each of 4 steps (one launch for both H)."""
+    return run_distributed(both_periods, 2)
+
+
 @pytest.mark.timeout(120)
-def test_local_sgd_with_h1_equals_single_process_sgd() -> None:
-    ranks = run_distributed(params_after_each_step, 2, local_sgd_job(1), 4)
+def test_local_sgd_with_h1_equals_single_process_sgd(trained) -> None:
+    ranks = [r[1] for r in trained]
     raw = local_sgd_job(1)
     raw["parallelism"] = {"strategy": "ddp"}
     raw["batch"] = {"global_batch_size": 16, "micro_batch_size": 16}
@@ -50,8 +60,8 @@ def test_local_sgd_with_h1_equals_single_process_sgd() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_local_sgd_copies_drift_between_averages_and_agree_after_one() -> None:
-    first, second = run_distributed(params_after_each_step, 2, local_sgd_job(4), 4)
+def test_local_sgd_copies_drift_between_averages_and_agree_after_one(trained) -> None:
+    first, second = (r[4] for r in trained)
     weight = "blocks.0.mlp.fc_in.weight"
     assert not torch.equal(first[2][weight], second[2][weight])  # step 3: local steps only
     for name in first[3]:  # step 4: averaged
