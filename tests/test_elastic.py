@@ -223,7 +223,7 @@ def test_hot_recovery_survivors_train_on_and_the_replacement_heals_from_a_peer(
         ray_cluster, tmp_path: Path) -> None:
     """scaling.recovery=hot (TorchFT): kill one of 3 DDP replicas. No worker-group restart: the
     two survivors go on, splitting the global batch between them, and Ray Train's replacement
-    copies its state from a live peer."""
+    copies its state from a live peer. Data stays exact; the model equals one process's."""
     hot = ("scaling.min_workers=null", "scaling.max_workers=null", "scaling.num_workers=3",
            "scaling.recovery=hot", "scaling.resources_per_worker={CPU: 1}")
     started = time.time()
@@ -248,8 +248,11 @@ def test_hot_recovery_survivors_train_on_and_the_replacement_heals_from_a_peer(
     heals = [e for e in history if e["event"] == "healed" and e["time"] > killed_at]
     assert any(e["to_step"] > e["from_step"] for e in heals), history
     report = audit(run_dir, NUM_SAMPLES)
-    assert report.steps == 300, report
+    # Exact: every step the replicas applied holds every rank's share of it, including shares of
+    # replicas that could not commit that step themselves and healed from one that did.
+    assert report.steps == 300 and report.exact, report
     assert 2 in report.world_sizes and report.world_sizes[-1] == 3  # survivors alone, then healed
-    # Not asserted: exact data. torchft decides commits per replica group, so a step one replica
-    # committed can be redone by another under a new quorum; one CI run showed repeated and
-    # skipped samples (README, Failures). Most runs are exact; the restart path always is.
+    # The logged loss is rank 0's mean over the steps it applied itself: one that fell behind
+    # (rank 0 writes checkpoints while the others go on) and healed skipped a few of the window's
+    # steps, so the loss is compared loosely; the parameters are not.
+    assert_matches_single_process(run_dir, 300, loss_rtol=1e-2)

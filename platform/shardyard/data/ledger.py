@@ -1,10 +1,16 @@
 """A sample ledger: which sample ids each rank trained on at each step, across restarts.
 
-Turned on by `run.sample_ledger` (local or shared-filesystem storage). Each rank appends one line
-per step to `<run_dir>/ledger/rank<R>.jsonl`, tagged with the worker group's attempt (its start
-time, the same on every rank). Steps after the last checkpoint are recomputed after a failure, so
-the audit keeps, for every step, the entries of the latest attempt that ran it: the trajectory
-that produced the final model.
+Turned on by `run.sample_ledger` (local or shared-filesystem storage). Each rank appends to
+`<run_dir>/ledger/rank<R>.jsonl` two kinds of line per step: the ids it is about to train on
+(before its gradients leave it), then a commit line once the step is applied. Both carry a round:
+the worker group's attempt (its start time, the same on every rank) and, under hot recovery, the
+TorchFT quorum the step ran in.
+
+Why two lines: a step counts once any replica applied it, and then it holds the gradients of every
+rank of its round, including one that died or failed before it could commit (an all-reduce that
+completed anywhere summed every input). The audit keeps, for each step, the ids of the latest
+round that committed it: the trajectory that produced the final model. A step committed by two
+rounds of the same attempt means replicas diverged; the audit counts those.
 """
 
 from __future__ import annotations
@@ -24,11 +30,17 @@ class SampleLedger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.attempt = attempt
 
-    def record(self, step: int, world_size: int, ids: list[torch.Tensor]) -> None:
-        entry = {"attempt": self.attempt, "step": step, "world_size": world_size, "time": time.time(),
-                 "ids": torch.cat(ids).tolist()}
+    def training(self, step: int, world_size: int, ids: list[torch.Tensor], quorum: int | None) -> None:
+        """Before the step: the ids this rank contributes to `step` (numbered from 1)."""
+        self._append({"step": step, "world_size": world_size, "ids": torch.cat(ids).tolist()}, quorum)
+
+    def committed(self, step: int, quorum: int | None) -> None:
+        self._append({"step": step, "commit": True}, quorum)
+
+    def _append(self, entry: dict, quorum: int | None) -> None:
+        # A line is written whole before the process can go on, so it survives a SIGKILL after it.
         with self.path.open("a") as f:
-            f.write(json.dumps(entry) + "\n")
+            f.write(json.dumps({"attempt": self.attempt, "quorum": quorum, "time": time.time(), **entry}) + "\n")
 
 
 @dataclass
@@ -39,19 +51,24 @@ class LedgerAudit:
     complete_epochs: int
     duplicates: int             # samples seen more than once within one complete epoch
     missing: int                # samples of a complete epoch never seen
+    diverged_steps: int         # steps that two rounds of one attempt both committed
 
     @property
     def exact(self) -> bool:
-        return self.duplicates == 0 and self.missing == 0
+        return self.duplicates == 0 and self.missing == 0 and self.diverged_steps == 0
 
 
 def audit(run_dir: str | Path, num_samples: int) -> LedgerAudit:
     entries = [json.loads(line) for f in sorted((Path(run_dir) / "ledger").glob("rank*.jsonl"))
                for line in f.read_text().splitlines() if line.strip()]
-    latest = {}
+    rounds: dict[int, set[tuple[float, int]]] = {}  # step -> the rounds that committed it
     for e in entries:
-        latest[e["step"]] = max(latest.get(e["step"], e["attempt"]), e["attempt"])
-    final = sorted((e for e in entries if e["attempt"] == latest[e["step"]]), key=lambda e: e["step"])
+        if e.get("commit"):
+            rounds.setdefault(e["step"], set()).add((e["attempt"], -1 if e["quorum"] is None else e["quorum"]))
+    chosen = {step: max(keys) for step, keys in rounds.items()}
+    diverged = sum(len([k for k in keys if k[0] == chosen[step][0]]) - 1 for step, keys in rounds.items())
+    final = sorted((e for e in entries if "ids" in e and chosen.get(e["step"]) ==
+                    (e["attempt"], -1 if e["quorum"] is None else e["quorum"])), key=lambda e: e["step"])
     seen = [i for e in final for i in e["ids"]]
     epochs = len(seen) // num_samples
     duplicates = missing = 0
@@ -61,4 +78,4 @@ def audit(run_dir: str | Path, num_samples: int) -> LedgerAudit:
         missing += num_samples - len(counts)
     by_step = {e["step"]: e["world_size"] for e in final}
     return LedgerAudit(len(by_step), [by_step[s] for s in sorted(by_step)],
-                       len({e["attempt"] for e in entries}), epochs, duplicates, missing)
+                       len({e["attempt"] for e in entries}), epochs, duplicates, missing, diverged)

@@ -30,6 +30,7 @@ class Engine:
     # (hot-recovery replicas): one worker writes checkpoints for all.
     replicated_state = False
     healed_from: int | None = None  # set by begin_step when this replica copied a peer's state
+    quorum_id: int | None = None    # hot recovery: the TorchFT quorum this step runs in
 
     def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
                  schedulers: list[torch.optim.lr_scheduler.LRScheduler], loss_fn: LossFn,

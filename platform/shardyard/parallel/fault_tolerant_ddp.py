@@ -5,9 +5,11 @@ group of its own and runs torchft's Lighthouse). Every step begins with a quorum
 alive now agree on who takes part, and one that is behind (a replacement Ray Train has just
 started) heals by copying model, optimizer, schedule and trainer state from a live peer instead
 of reading storage. Gradients are averaged over the quorum through torchft's fault-tolerant
-all-reduce. A step during which a replica dies commits nowhere and is run again by the
-survivors, who split the same global batch among themselves: the global batch and the sample
-order stay exact, only the accumulation per replica changes.
+all-reduce. A step during which a replica dies is applied by the replicas whose all-reduce
+completed (it then summed every replica's gradients) and run again by the others only if no
+replica applied it: those that fell behind heal from one that did at the next quorum. The
+survivors split the same global batch among themselves: the global batch and the sample order
+stay exact, only the accumulation per replica changes.
 """
 
 from __future__ import annotations
@@ -72,10 +74,13 @@ class FaultTolerantDDPEngine(Engine):
         self.manager.start_quorum()
         self.dp_rank = self.manager.participating_rank()
         self.dp_size = self.manager.num_participants()
+        # torchft 0.2 has no public accessor; the sample ledger needs it to tell a step committed
+        # by this quorum from the same step run again by a later one.
+        self.quorum_id = self.manager._quorum_id
 
     def train_step(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor | None:
-        """One step over this replica's share; None if the quorum lost a member before the step
-        committed (no replica applies it, and the loop runs the step again)."""
+        """One step over this replica's share; None if this replica cannot apply it (a quorum
+        member was lost): the loop then runs the step again, or heals from a replica that did."""
         loss = self.forward_backward(micro_batches)
         grads = [p.grad for p in self.model.parameters()]
         # One all-reduce for every gradient and the loss, averaged over the quorum.

@@ -82,14 +82,17 @@ def train_worker(config: dict[str, Any]) -> None:
         accum_steps = global_batch // (spec.batch.micro_batch_size * engine.dp_size)
         ids = micro_batch_ids(order, state.samples_seen, engine.dp_rank, engine.dp_size,
                               spec.batch.micro_batch_size, accum_steps)
+        if ledger:
+            # Ranks that train this step: the quorum's replicas under hot recovery.
+            ledger.training(state.step + 1, engine.dp_size if engine.replicated_state else world_size, ids,
+                            engine.quorum_id)
         loss = engine.train_step([dataset.batch(i) for i in ids])
-        if loss is None:  # a replica was lost mid-step: nobody applied it; run it again
+        if loss is None:  # a replica was lost mid-step and this one cannot apply it: run it again
             continue
         loss_sum += loss
         state.step += 1
         if ledger:
-            # Ranks that trained this step: the quorum's replicas under hot recovery.
-            ledger.record(state.step, engine.dp_size if engine.replicated_state else world_size, ids)
+            ledger.committed(state.step, engine.quorum_id)
         state.samples_seen += global_batch
         steps_since_report += 1
         throughput.add(global_batch, global_batch * tokens_per_sample)
