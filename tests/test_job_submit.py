@@ -48,24 +48,8 @@ def wait_until_done(cluster, job_id: str, timeout_s: float = 360) -> tuple[str, 
     return status, ray_job(cluster, "logs", job_id).stdout
 
 
-@pytest.mark.timeout(420)
-def test_ray_job_submit_trains_and_writes_outputs(ray_cluster, tmp_path: Path) -> None:
-    overrides = ["model.n_layer=2", "model.n_embd=64", "run.steps=12", "run.log_every=4",
-                 "checkpoint.every_n_steps=6", f"checkpoint.storage_path={tmp_path}",
-                 "run.name=submitted"]
-    status, logs = wait_until_done(ray_cluster, submit(ray_cluster, overrides))
-    assert re.search(r"succeeded", status, re.IGNORECASE), f"{status}\n{logs[-3000:]}"
-
-    assert "step 12/12" in logs and "shardyard run 'submitted'" in logs
-    run_dir = tmp_path / "submitted"
-    assert (run_dir / "checkpoint_step_00000012" / "trainer_state.pt").is_file()
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [4, 6, 8, 12]
-    assert (run_dir / "loss_curve.png").is_file()
-
-
 @pytest.mark.timeout(480)
-def test_stopped_job_submitted_again_resumes(ray_cluster, tmp_path: Path) -> None:
+def test_submitted_job_stopped_and_submitted_again_resumes_and_writes_outputs(ray_cluster, tmp_path: Path) -> None:
     overrides = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
                  "data.name=synthetic", "run.steps=400", "run.log_every=50",
                  "checkpoint.every_n_steps=50", f"checkpoint.storage_path={tmp_path}", "run.name=again"]
@@ -87,4 +71,8 @@ def test_stopped_job_submitted_again_resumes(ray_cluster, tmp_path: Path) -> Non
     starts = [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
               if e["event"] == "start"]
     assert len(starts) == 2 and starts[1]["restored_step"] >= stopped_at > 0, starts
-    assert "step 400/400" in logs
+    assert "step 400/400" in logs and "shardyard run 'again'" in logs
+    assert (run_dir / "checkpoint_step_00000400" / "trainer_state.pt").is_file()
+    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(50, 401, 50)), logged  # each step once, across both jobs
+    assert (run_dir / "loss_curve.png").is_file()
