@@ -2,6 +2,7 @@
 
     shardyard train CONFIG.yaml [--set key=value ...]
     shardyard export CHECKPOINT_OR_RUN_DIR OUT.safetensors
+    shardyard plan CONFIG.yaml [--gpus N --gpu-memory 80GB --nodes M] [--set key=value ...]
 """
 
 from __future__ import annotations
@@ -50,6 +51,36 @@ def run_export(checkpoint: str, out: str) -> int:
     return 0
 
 
+def run_plan(args: argparse.Namespace) -> int:
+    """Print every plan's memory and communication, and the recommended one with its reason."""
+    import os
+
+    import psutil
+
+    from shardyard.planner import Cluster, parse_bytes, recommend, table
+
+    try:
+        spec = load_spec(args.config, args.overrides)
+        if args.gpus:
+            memory = parse_bytes(args.gpu_memory)
+            cluster = Cluster(args.gpus, memory, args.nodes, gpu=True, cpu_cores=os.cpu_count() or 1)
+        else:  # this machine's CPUs: the spec's largest world size shares its memory
+            workers = spec.scaling.max_workers or spec.scaling.num_workers or 1
+            memory = psutil.virtual_memory().total / workers
+            cluster = Cluster(workers, memory, args.nodes, gpu=False, cpu_cores=os.cpu_count() or 1)
+    except (SpecError, ValueError) as err:
+        print(f"shardyard: {err}", file=sys.stderr)
+        return 2
+    chosen, plans, reason = recommend(spec, cluster)
+    kind = "GPU" if cluster.gpu else "CPU worker"
+    print(f"{cluster.devices} {kind}s on {cluster.nodes} node(s), {memory / 2**30:.1f} GiB each; "
+          f"model {spec.model.name}, global batch {spec.batch.global_batch_size}, micro-batch "
+          f"{spec.batch.micro_batch_size}\n")
+    print(table(plans, chosen, 0.9 * memory))
+    print(f"\nrecommended: {reason}")
+    return 0 if chosen else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardyard", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -58,7 +89,16 @@ def main(argv: list[str] | None = None) -> int:
     export = commands.add_parser("export", help="checkpoint -> one safetensors state_dict file")
     export.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its latest)")
     export.add_argument("out", help="output .safetensors path")
+    plan = commands.add_parser("plan", help="per-device memory and communication of each parallelism; "
+                                             "the recommended one")
+    add_spec_arguments(plan, config_flag=False)
+    plan.add_argument("--gpus", type=int, default=0, help="GPUs in the cluster (default: plan for this "
+                                                           "machine's CPUs at the spec's world size)")
+    plan.add_argument("--gpu-memory", default="80GB", help="memory per GPU, e.g. 80GB, 24GiB")
+    plan.add_argument("--nodes", type=int, default=1)
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        return run_plan(args)
     if args.command == "export":
         return run_export(args.checkpoint, args.out)
     # Local Ray unless RAY_ADDRESS names a cluster.

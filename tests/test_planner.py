@@ -1,0 +1,79 @@
+"""The planner: its memory estimates against measurements (benchmarks/memory.py's walk of live
+tensors for the state, autograd's saved tensors for activations), and its choices."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+from shardyard.localdist import run_distributed
+from shardyard.models import build_model
+from shardyard.models.gpt import lm_loss
+from shardyard.planner import Cluster, ModelShape, estimate, recommend
+from shardyard.spec import load_spec, parse_spec
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import memory as memory_benchmark  # noqa: E402
+
+TOLERANCE = 0.15
+GiB = 2**30
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3", "fsdp"])
+def test_state_estimate_is_within_15_percent_of_measured(strategy: str) -> None:
+    # One launch per strategy: the measurement walks every live tensor of its processes.
+    raw = memory_benchmark.job(strategy, 2)
+    measured = run_distributed(memory_benchmark.measure, 2, raw)[0]
+    spec = parse_spec(raw)
+    planned = estimate(spec, ModelShape.of(spec), strategy, dp=2).state
+    actual = measured["params"] + measured["grads"] + measured["optim"]
+    assert abs(planned / actual - 1) <= TOLERANCE, (planned, actual)
+
+
+def saved_activation_bytes(spec) -> int:
+    """Bytes autograd keeps for backward over one micro-batch (parameters excluded)."""
+    model = build_model(spec.model)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    tokens = torch.randint(0, spec.model.vocab_size, (spec.batch.micro_batch_size, spec.model.block_size))
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        lm_loss(model(tokens), tokens)  # as training runs it: the loss's softmax is saved too
+    return sum(n for ptr, n in saved.items() if ptr not in params)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("overrides", [[], ["model.n_layer=2", "model.n_embd=64", "model.block_size=128"]])
+def test_activation_estimate_is_within_15_percent_of_what_autograd_saves(overrides: list[str]) -> None:
+    spec = load_spec(REPO / "jobs" / "configs" / "gpt_ddp.yaml", overrides)
+    planned = estimate(spec, ModelShape.of(spec), "ddp", dp=1).activations
+    actual = saved_activation_bytes(spec)
+    assert abs(planned / actual - 1) <= TOLERANCE, (planned, actual)
+
+
+def big_gpt(n_layer: int, n_embd: int) -> object:
+    return parse_spec({"model": {"n_layer": n_layer, "n_head": 32, "n_embd": n_embd, "block_size": 2048,
+                                 "vocab_size": 32000},
+                       "batch": {"global_batch_size": 64, "micro_batch_size": 1}, "scaling": {"num_workers": 8}})
+
+
+def test_the_planner_shards_only_when_needed_and_prefers_cpu_for_tiny_models() -> None:
+    gpus = Cluster(devices=8, device_memory=80 * GiB, nodes=1)
+    small, _, why = recommend(big_gpt(12, 768), gpus)           # ~0.1B parameters: DDP fits
+    assert small.plan == "ddp" and "fits on every device" in why
+    large, _, why = recommend(big_gpt(40, 5120), gpus)          # ~13B: 16 bytes each is 200 GiB
+    assert large.plan in ("zero1", "zero2", "fsdp", "zero3") and "ddp" in why
+    huge, plans, _ = recommend(big_gpt(96, 12288), gpus)        # ~175B: sharding 8 ways is not enough
+    assert huge is None or huge.tp > 1 or huge.pp > 1
+    assert all(p.total > 0.9 * 80 * GiB for p in plans if p.tp == 1 and p.pp == 1)
+    mlp = parse_spec({"model": {"name": "mlp"}, "data": {"name": "synthetic"}, "scaling": {"num_workers": 2}})
+    tiny, _, why = recommend(mlp, Cluster(devices=2, device_memory=80 * GiB))
+    assert tiny is not None and "on CPU" in why
