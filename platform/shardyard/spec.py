@@ -84,7 +84,8 @@ class BatchSpec(_Section):
                            "refusing the spec")
 
 
-Strategy = Literal["ddp", "fsdp", "zero1", "zero2", "zero3", "pipeline", "tensor", "local_sgd"]
+Strategy = Literal["ddp", "fsdp", "zero1", "zero2", "zero3", "pipeline", "tensor", "local_sgd",
+                   "parameter_server"]
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 
 
@@ -92,7 +93,7 @@ class ParallelismSpec(_Section):
     """How the world is split: a (pp, dp, tp) DeviceMesh with dp = world / (pp * tp).
 
     `strategy` names the data-parallel flavour over dp and turns on the model-parallel parts:
-    ddp, local_sgd and zero1/2/3 are pure data parallel; fsdp shards over dp and composes with tp and pp
+    ddp, local_sgd, parameter_server and zero1/2/3 are pure data parallel; fsdp shards over dp and composes with tp and pp
     (all three at once when the world size allows); pipeline splits the model into `pp` stages
     (DDP over any remaining dp); tensor shards every linear layer over all ranks (tp = world size).
     """
@@ -111,11 +112,16 @@ class ParallelismSpec(_Section):
     mixed_precision: bool = Field(True, description="fsdp on GPU: bf16 compute, fp32 reduce")
     sync_every: int = Field(1, ge=1, description="local_sgd: local optimizer steps between parameter "
                                                  "averages (H; 1 with optim sgd is synchronous DDP)")
+    num_servers: int = Field(1, ge=1, description="parameter_server: server actors the parameters are "
+                                                  "partitioned across (by tensor, balanced by size)")
+    max_staleness: int | None = Field(
+        None, ge=0, description="parameter_server: a worker more than this many pushes ahead of the "
+                                "slowest waits (bounded staleness); null: never waits (fully asynchronous)")
 
     @model_validator(mode="after")
     def _strategy_parts(self) -> ParallelismSpec:
         s = self.strategy
-        if s in ("ddp", "local_sgd", *ZERO_STAGES) and (self.tp > 1 or self.pp > 1):
+        if s in ("ddp", "local_sgd", "parameter_server", *ZERO_STAGES) and (self.tp > 1 or self.pp > 1):
             raise ValueError(f"parallelism.strategy '{s}' is pure data parallel: parallelism.tp and "
                              f"parallelism.pp must be 1 (use 'fsdp' with tp, or 'pipeline' with pp)")
         if s == "pipeline" and (self.pp < 2 or self.tp > 1):
@@ -128,6 +134,9 @@ class ParallelismSpec(_Section):
                              "pipeline parallelism (parallelism.pp >= 2) only")
         if self.sync_every > 1 and s != "local_sgd":
             raise ValueError(f"parallelism.sync_every applies to strategy 'local_sgd' only, not '{s}'")
+        if (self.num_servers > 1 or self.max_staleness is not None) and s != "parameter_server":
+            raise ValueError(f"parallelism.num_servers and max_staleness apply to strategy "
+                             f"'parameter_server' only, not '{s}'")
         if (self.schedule == "interleaved_1f1b") != (self.stages_per_rank > 1):
             raise ValueError("parallelism.schedule 'interleaved_1f1b' goes with "
                              "parallelism.stages_per_rank >= 2, and only it")
@@ -253,11 +262,22 @@ class JobSpec(_Section):
             raise ValueError(f"checkpoint.every_n_steps ({self.checkpoint.every_n_steps}) must be a multiple "
                              f"of parallelism.sync_every ({par.sync_every}): a checkpoint holds averaged "
                              f"parameters, which ranks share only right after an average")
+        if par.strategy == "parameter_server":
+            self._check_parameter_server()
         self._check_model_fits_mesh()
         self._check_hot_recovery()
         for ws in self.scaling.step_sizes:
             self.at_world_size(ws)  # raises, naming the key, if nothing can run at this size
         return self
+
+    def _check_parameter_server(self) -> None:
+        workers = self.scaling.num_workers
+        if workers is None:
+            raise ValueError("parallelism.strategy 'parameter_server' needs a fixed scaling.num_workers: "
+                             "workers that die are replaced while the others train on")
+        if self.scaling.recovery != "restart" or self.run.sample_ledger or self.checkpoint.async_write:
+            raise ValueError("parallelism.strategy 'parameter_server' runs its own actors: scaling.recovery "
+                             "'hot', run.sample_ledger and checkpoint.async_write are for Ray Train strategies")
 
     def _check_hot_recovery(self) -> None:
         if self.scaling.recovery != "hot":

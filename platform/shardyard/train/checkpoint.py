@@ -21,6 +21,7 @@ import shutil
 import signal
 import tempfile
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -146,7 +147,7 @@ class CheckpointWriter:
         name = f"{DIR_PREFIX}{state.step:08d}"
         if engine.replicated_state:
             if rank == 0:
-                _write_in_place(engine, state, spec, name)
+                write_in_place(engine, state, spec, name)
             return
         if not self.asynchronous:
             with tempfile.TemporaryDirectory(prefix="shardyard-ckpt-") as tmp:
@@ -180,16 +181,22 @@ class CheckpointWriter:
                          checkpoint_upload_fn=upload_when_written)
 
 
-def _write_in_place(engine: Engine, state: TrainState, spec: JobSpec, name: str) -> None:
+def write_in_place(engine: Engine, state: TrainState, spec: JobSpec, name: str,
+                   also: Callable[[Path], None] | None = None) -> Path:
+    """One process writes the whole checkpoint (and whatever `also` adds to the directory) into a
+    hidden directory of the run, renames it into place (atomic on a filesystem), then prunes."""
     run_dir = Path(spec.run_dir)
     partial, final = run_dir / f".{name}.partial", run_dir / name
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     save(engine, state, spec, partial, rank=0)
+    if also is not None:
+        also(partial)
     shutil.rmtree(final, ignore_errors=True)  # the same step written again after a restart
     partial.rename(final)
     for old in sorted(run_dir.glob(f"{DIR_PREFIX}*"))[:-spec.checkpoint.keep]:
         shutil.rmtree(old, ignore_errors=True)
+    return final
 
 
 SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's list of registered checkpoints

@@ -134,6 +134,10 @@ def launch(spec: JobSpec, attach_to_running: bool = False) -> RunResult:
     preflight(spec)
     crash_step = injected_crash_step()
     connect_ray(spec, attach_to_running)
+    if spec.parallelism.strategy == "parameter_server":  # its own actors, not a Ray Train group
+        from shardyard.parallel.parameter_server import run
+
+        return run(spec)
     tune_ray_train(spec)
     trainer = TorchTrainer(
         train_worker,

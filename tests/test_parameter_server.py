@@ -1,0 +1,123 @@
+"""Parameter servers on the session's Ray cluster: one worker with staleness 0 is single-process
+SGD exactly; four asynchronous or bounded-staleness workers reach synchronous training's loss and
+never exceed the staleness bound; a killed worker is replaced and a killed server restored."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardyard.models import build_model
+from shardyard.parallel import single_process
+from shardyard.spec import parse_spec
+from shardyard.train.checkpoint import load_model
+from shardyard.train.metrics import METRICS_FILE, read_events
+from test_strategies import steps
+
+LOSS_TOLERANCE = 0.05  # relative, on the mean loss of the last 10 steps
+SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9, "grad_clip": 0.0, "warmup_steps": 1, "schedule": "constant"}
+
+
+def ps_job(storage: Path, name: str, workers: int, servers: int, staleness: int | None, total: int) -> dict:
+    return {
+        "model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16},
+        "data": {"name": "synthetic", "num_samples": 512},
+        "optim": SGD,
+        "batch": {"global_batch_size": 16, "micro_batch_size": 4},
+        "parallelism": {"strategy": "parameter_server", "num_servers": servers, "max_staleness": staleness},
+        "scaling": {"num_workers": workers, "max_failures": 2},
+        "checkpoint": {"storage_path": str(storage), "every_n_steps": 5},
+        "run": {"name": name, "steps": total, "log_every": 5},
+    }
+
+
+def synchronous(raw: dict, total: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The same model, data and global batch in one process: per-step losses, final parameters."""
+    raw = {**raw, "parallelism": {"strategy": "ddp"}, "scaling": {"num_workers": 1},
+           "batch": {"global_batch_size": 16, "micro_batch_size": 16}}
+    spec = parse_spec(raw)
+    torch.manual_seed(spec.run.seed)
+    engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
+    losses = steps(engine, spec, 0, total)
+    return losses, engine.model.state_dict()
+
+
+def logged(run_dir: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
+
+
+@pytest.mark.timeout(240)
+def test_one_worker_with_staleness_0_is_single_process_sgd(ray_cluster, tmp_path: Path) -> None:
+    from shardyard.train.launcher import launch
+
+    raw = ps_job(tmp_path, "one", workers=1, servers=2, staleness=0, total=10)
+    result = launch(parse_spec(raw))
+    _, expected = synchronous(raw, 10)
+    got = load_model(result.checkpoint).state_dict()
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6, msg=name)
+    assert all(r["staleness_max"] in (0, None) for r in logged(result.run_dir))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("staleness", [None, 1], ids=["async", "bounded"])
+def test_four_workers_reach_synchronous_loss_within_the_staleness_bound(
+        ray_cluster, tmp_path: Path, staleness: int | None) -> None:
+    from shardyard.train.launcher import launch
+
+    total, workers = 40, 4
+    raw = ps_job(tmp_path, "four", workers=workers, servers=2, staleness=staleness, total=total)
+    result = launch(parse_spec(raw))
+    rows = logged(result.run_dir)
+    sync_losses, _ = synchronous(raw, total)
+    # Loss over the last 10 steps (the same samples in both), against synchronous training's.
+    ours = sum(r["loss"] for r in rows[-2:]) / 2
+    theirs = sum(sync_losses[-10:]) / 10
+    print(f"async loss {ours:.4f} sync {theirs:.4f} rows {[round(r['loss'], 3) for r in rows]} "
+          f"staleness max {[r['staleness_max'] for r in rows]}")
+    assert ours <= theirs * (1 + LOSS_TOLERANCE), (ours, theirs)
+    observed = [r["staleness_max"] for r in rows if r["staleness_max"] is not None]
+    if staleness is not None:
+        assert all(r["largest_clock_gap"] <= staleness for r in rows)
+        assert max(observed) <= (workers - 1) * (2 * staleness + 1)
+    assert max(observed) > 0  # really asynchronous
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_worker_is_replaced_and_a_killed_server_restores_from_its_snapshot(
+        ray_cluster, tmp_path: Path) -> None:
+    from ray.util.state import list_actors
+
+    from shardyard.train.checkpoint import find_latest
+    from shardyard.train.launcher import launch
+
+    spec = parse_spec(ps_job(tmp_path, "kill", workers=2, servers=2, staleness=None, total=60))
+    outcome: dict = {}
+    runner = threading.Thread(target=lambda: outcome.update(result=launch(spec)))
+    runner.start()
+    run_dir = tmp_path / "kill"
+    deadline = time.monotonic() + 120
+    while find_latest(run_dir) is None:  # a snapshot to restore from
+        assert runner.is_alive() and time.monotonic() < deadline, "no checkpoint written"
+        time.sleep(0.2)
+
+    def alive(cls: str) -> list[dict]:
+        return list_actors(filters=[("class_name", "=", cls), ("state", "=", "ALIVE")])
+
+    os.kill(alive("PSWorker")[0]["pid"], signal.SIGKILL)
+    os.kill(alive("ParameterServer")[0]["pid"], signal.SIGKILL)
+    runner.join(240)
+    assert not runner.is_alive() and outcome["result"].summary["steps"] == 60, outcome
+    history = read_events(str(tmp_path), "kill")
+    kinds = [e["event"] for e in history]
+    assert "failure" in kinds and "worker_joined" in kinds, history
+    restored = [e for e in history if e["event"] == "server_restored"]
+    assert restored and restored[0]["restored_from"].startswith("checkpoint_step_"), history
