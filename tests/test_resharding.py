@@ -44,9 +44,10 @@ def after(rank: int, world: int, raw: dict, out: str) -> tuple[int, list[float]]
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("parallelism, old_world, new_world", [
-    ({"strategy": "ddp"}, 4, 2), ({"strategy": "ddp"}, 2, 3),
+    # DDP growing and ZeRO-2 shrinking are resumed on Ray Train workers in test_elastic.py.
+    ({"strategy": "ddp"}, 4, 2),
     ({"strategy": "fsdp"}, 2, 4), ({"strategy": "fsdp"}, 4, 1),
-    ({"strategy": "zero2"}, 3, 2), ({"strategy": "zero3"}, 2, 4),  # zero1 shares zero2's code path
+    ({"strategy": "zero3"}, 2, 4),  # zero1 and zero2 share the universal-checkpoint path
     ({"strategy": "pipeline", "pp": 2}, 4, 3),  # 2 stages x 2 replicas re-planned as 3 replicas
     ({"strategy": "fsdp", "tp": 2}, 4, 2),  # dp 2 x tp 2 -> tp 2 alone: DTensor shards resharded
 ], ids=lambda v: "-".join(f"{k}{x}" if k != "strategy" else x for k, x in v.items()) if isinstance(v, dict) else str(v))

@@ -34,30 +34,13 @@ def logged_steps(run_dir: Path) -> list[int]:
 
 
 @pytest.mark.timeout(400)
-def test_stopped_run_resumes_at_next_step_with_identical_parameters(ray_cluster, tmp_path: Path) -> None:
+def test_run_writes_outputs_and_a_stopped_run_resumes_at_the_next_step_identically(
+        ray_cluster, tmp_path: Path) -> None:
     # FSDP with asynchronous checkpoints (copied to memory before training goes on); synchronous
     # DDP checkpoints are resumed bitwise in test_fault_tolerance.py.
     extra = ["checkpoint.async_write=true", "parallelism.strategy=fsdp"]
-    straight = launch(load_spec(None, tiny_job(tmp_path, "straight", steps=6) + extra))
-    first = launch(load_spec(None, tiny_job(tmp_path, "resumed", steps=3) + extra))
-    assert first.summary["steps"] == 3
-    second = launch(load_spec(None, tiny_job(tmp_path, "resumed", steps=6) + extra))
-
-    # The second launch picked up at step 4: every step logged exactly once across both launches.
-    assert logged_steps(second.run_dir) == [1, 2, 3, 4, 5, 6]
-    final = torch.load(Path(second.checkpoint) / "trainer_state.pt", weights_only=True)
-    assert TrainState(final["step"], final["samples_seen"], final["world_size"]) == TrainState(6, 96, 2)
-
-    expected = load_model(straight.checkpoint).state_dict()
-    got = load_model(second.checkpoint).state_dict()
-    for name, tensor in expected.items():
-        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
-
-
-@pytest.mark.timeout(300)
-def test_run_writes_checkpoints_metrics_and_plot(ray_cluster, tmp_path: Path) -> None:
-    result = launch(load_spec(None, tiny_job(tmp_path, "outputs", steps=7)))
-    run_dir = result.run_dir
+    straight = launch(load_spec(None, tiny_job(tmp_path, "straight", steps=7) + extra))
+    run_dir = straight.run_dir
     # Checkpoints at steps 3, 6 and the last step 7; keep=2 prunes the oldest.
     assert sorted(p.name for p in run_dir.glob("checkpoint_step_*")) == [
         "checkpoint_step_00000006", "checkpoint_step_00000007"]
@@ -69,15 +52,26 @@ def test_run_writes_checkpoints_metrics_and_plot(ray_cluster, tmp_path: Path) ->
     assert find_latest(run_dir).name == "checkpoint_step_00000007"
     assert (run_dir / LOSS_PLOT).stat().st_size > 0
     assert logged_steps(run_dir) == list(range(1, 8))
-    assert result.summary["world_size"] == 2 and result.summary["tokens_per_s"] > 0
+    assert straight.summary["world_size"] == 2 and straight.summary["tokens_per_s"] > 0
     # Trained weights differ from the initial ones: the checkpoint holds real training state.
-    spec = load_spec(None, tiny_job(tmp_path, "outputs", steps=7))
+    spec = load_spec(None, tiny_job(tmp_path, "straight", steps=7))
     torch.manual_seed(spec.run.seed)
     from shardyard.models import build_model
 
     initial = build_model(spec.model).state_dict()
-    trained = load_model(result.checkpoint).state_dict()
-    assert any(not torch.equal(initial[k], trained[k]) for k in initial)
+    expected = load_model(straight.checkpoint).state_dict()
+    assert any(not torch.equal(initial[k], expected[k]) for k in initial)
+
+    first = launch(load_spec(None, tiny_job(tmp_path, "resumed", steps=3) + extra))
+    assert first.summary["steps"] == 3
+    second = launch(load_spec(None, tiny_job(tmp_path, "resumed", steps=7) + extra))
+    # The second launch picked up at step 4: every step logged exactly once across both launches.
+    assert logged_steps(second.run_dir) == list(range(1, 8))
+    final = torch.load(Path(second.checkpoint) / "trainer_state.pt", weights_only=True)
+    assert TrainState(final["step"], final["samples_seen"], final["world_size"]) == TrainState(7, 112, 2)
+    got = load_model(second.checkpoint).state_dict()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.timeout(300)
