@@ -240,3 +240,23 @@ def test_serve_config_mistakes_are_named_before_anything_starts(tmp_path: Path, 
         parse_config({"checkpoint": str(tmp_path / "nothing")})
     with pytest.raises(SpecError, match="unknown key 'num_shard'"):
         parse_config({"num_shard": 2})
+
+
+@pytest.mark.timeout(180)
+def test_stopping_the_app_drains_requests_in_flight(server) -> None:
+    """Runs last in this module: it deletes the app. Serve stops the replica gracefully, and the
+    requests it is decoding still get their answers."""
+    from ray import serve
+
+    def timed(i: int) -> tuple[int, float]:
+        answer = complete(server, prompt=f"drain {i}", max_tokens=120)
+        return answer.status_code, time.monotonic()
+
+    with ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(timed, i) for i in range(4)]
+        time.sleep(0.3)  # decoding by now
+        stop_requested = time.monotonic()
+        serve.delete("test_app")
+        answers = [f.result() for f in running]
+    assert [code for code, _ in answers] == [200] * 4, answers
+    assert any(done > stop_requested for _, done in answers), "every request finished before the stop"
