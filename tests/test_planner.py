@@ -23,9 +23,9 @@ GiB = 2**30
 
 
 @pytest.mark.timeout(240)
-# DDP's state is the plain 16 bytes a parameter (benchmarks/memory.py: within 1%); these three
-# are where the planner models what FSDP and DeepSpeed allocate.
-@pytest.mark.parametrize("strategy", ["zero2", "zero3", "fsdp"])
+# DDP's and FSDP's state is the plain 16 bytes a parameter, over N for FSDP (benchmarks/memory.py:
+# within 1.1%); these two are where the planner models what DeepSpeed allocates beyond it.
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
 def test_state_estimate_is_within_15_percent_of_measured(strategy: str) -> None:
     # One launch per strategy: the measurement walks every live tensor of its processes.
     raw = memory_benchmark.job(strategy, 2)

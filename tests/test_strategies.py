@@ -1,7 +1,8 @@
 """Every parallel strategy, and each combination that fits in 4 CPU processes, against the oracle:
 the same model, data and global batch trained in one process.
 
-Per case, on real torch.distributed (gloo) ranks: train STEPS steps, saving a checkpoint after
+Per case, on real torch.distributed (gloo) ranks (all cases of one world size share one launch):
+train STEPS steps, saving a checkpoint after
 RESUME_AT; then a fresh engine (different random init) loads that checkpoint and trains on.
 Checked in the main process:
 - final parameters and the per-step loss curve equal the single-process run (tolerance below);
@@ -17,6 +18,7 @@ relative on losses. Resume is compared at 1e-6: same ranks, same ops, only the c
 from __future__ import annotations
 
 import functools
+import traceback
 from pathlib import Path
 
 import pytest
@@ -125,12 +127,40 @@ def oracle() -> dict:
     return {tie: oracle_run(tie) for tie in (True, False)}
 
 
-@pytest.mark.timeout(240)
+def every_case(rank: int, world: int, out: str) -> dict[str, list[float] | str]:
+    """Every case of this world size in turn, in one set of processes (a launch costs seconds
+    here). A case that raises is reported by name; the others still run."""
+    results: dict[str, list[float] | str] = {}
+    for case, (parallelism, case_world, micro) in CASES.items():
+        if case_world != world:
+            continue
+        Path(out, case).mkdir(exist_ok=True)
+        try:
+            results[case] = rank_fn(rank, world, job(parallelism, world, micro), str(Path(out, case)))
+        except Exception:  # noqa: BLE001 - reported by the case's own test
+            results[case] = traceback.format_exc()
+        dist.barrier()
+    return results
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[float] | str]]:
+    """(the directory with one subdirectory per case, rank 0's losses or traceback per case)."""
+    out = tmp_path_factory.mktemp("strategies")
+    results: dict[str, list[float] | str] = {}
+    for world in sorted({world for _, world, _ in CASES.values()}):
+        results |= run_distributed(every_case, world, str(out))[0]
+    return out, results
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", list(CASES))
-def test_strategy_matches_single_process_and_resumes(case: str, oracle: dict, tmp_path: Path) -> None:
+def test_strategy_matches_single_process_and_resumes(case: str, oracle: dict, trained) -> None:
     parallelism, world, micro = CASES[case]
     raw = job(parallelism, world, micro)
-    losses = run_distributed(rank_fn, world, raw, str(tmp_path))[0]
+    out, results = trained
+    losses, tmp_path = results[case], out / case
+    assert not isinstance(losses, str), f"{case} raised on rank 0:\n{losses}"
     tie = raw["model"]["tie_weights"]
     oracle_losses, oracle_params = oracle[tie]
 
