@@ -215,7 +215,10 @@ def test_sharded_run_loses_a_worker_and_reshards(strategy: str, ray_cluster, tmp
         assert_succeeds(proc, 300)
     finally:
         clean_up(proc, big, small)
-    check_run(run_dir, [4, 3], 75)
+    # Ray Train may size the first group on resource data that predates the small node and
+    # start at 3, then grow to 4 before the kill: either way the run ends resharded from 4 to 3.
+    first = next(e["world_size"] for e in events(run_dir) if e["event"] == "start")
+    check_run(run_dir, [4, 3] if first == 4 else [3, 4, 3], 75)
 
 
 @pytest.mark.timeout(360)
