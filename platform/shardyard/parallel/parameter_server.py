@@ -31,6 +31,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,15 @@ def total_updates(spec: JobSpec) -> int:
 def initial_model(spec: JobSpec) -> nn.Module:
     torch.manual_seed(spec.run.seed)  # every actor builds the same initial weights
     return build_model(spec.model)
+
+
+@torch.no_grad()
+def load_pulled(params: dict[str, nn.Parameter], parts: list[list[str]],
+                pulled: list[tuple[int, list[torch.Tensor]]]) -> None:
+    """Copy every server's (version, tensors) answer to `pull` into the named parameters."""
+    for names, (_, tensors) in zip(parts, pulled):
+        for name, value in zip(names, tensors):
+            params[name].copy_(value)
 
 
 @ray.remote(max_restarts=-1)  # a dead server comes back and restores from the latest checkpoint
@@ -218,22 +228,15 @@ class PSWorker:
         ray.get(self.coordinator.join.remote(self.name))
         done = 0
         while (offset := ray.get(self.coordinator.next_batch.remote(self.name))) is not None:
-            while True:
-                try:
-                    loss = self._train_on(offset)
-                    break
-                except SERVER_LOST:  # a server died mid-call: once Ray has restarted it,
-                    time.sleep(0.5)  # pull and compute again
+            # A server that dies mid-call: once Ray has restarted it, pull and compute again.
+            loss = _once_servers_answer(lambda: self._train_on(offset))
             ray.get(self.coordinator.finished.remote(self.name, loss))
             done += 1
         return done
 
     def _train_on(self, offset: int) -> float:
         pulled = ray.get([server.pull.remote() for server in self.servers])
-        with torch.no_grad():
-            for names, (_, tensors) in zip(self.parts, pulled):
-                for name, value in zip(names, tensors):
-                    self.params[name].copy_(value)
+        load_pulled(self.params, self.parts, pulled)
         ids = micro_batch_ids(self.order, offset, 0, 1, self.spec.batch.micro_batch_size, self.accum)
         started = time.perf_counter()
         for p in self.params.values():
@@ -270,7 +273,7 @@ def run(spec: JobSpec, slowdowns: dict[int, float] | None = None) -> Any:
     servers = [ParameterServer.remote(raw, k, names) for k, names in enumerate(parts)]
     coordinator = Coordinator.remote(state.samples_seen, spec.run.steps * global_batch, worker_batch(spec),
                                      spec.parallelism.max_staleness)
-    ray.get([s.status.remote() for s in servers])  # started (and restored)
+    server_pids = _statuses(servers)  # started (and restored); a changed pid later means restarted
     log_event(spec.checkpoint.storage_path, spec.run.name, "start", restored_step=state.step,
               old_world_size=meta.get("world_size"), world_size=spec.scaling.num_workers,
               num_servers=len(servers), max_staleness=spec.parallelism.max_staleness)
@@ -293,7 +296,6 @@ def run(spec: JobSpec, slowdowns: dict[int, float] | None = None) -> Any:
     losses: dict[int, list[float]] = {}  # step -> the losses of its batches
     staleness: list[int] = []
     since_report, last_loss = 0, float("nan")
-    server_pids = _statuses(servers)
     while running:
         done, _ = ray.wait(list(running), num_returns=1, timeout=0.2)
         for ref in done:
@@ -345,12 +347,8 @@ def run(spec: JobSpec, slowdowns: dict[int, float] | None = None) -> Any:
                        "staleness_max": max(staleness) if staleness else None,
                        "largest_clock_gap": report["largest_gap"], **throughput.read()}
             staleness = []
-            while save_now:
-                try:
-                    _save(spec, state, servers, parts, single_process, checkpoint)
-                    break
-                except SERVER_LOST:  # a server is being restarted: write once it is back
-                    time.sleep(0.5)
+            if save_now:
+                _once_servers_answer(lambda: _save(spec, state, servers, parts, single_process, checkpoint))
             log.append(metrics)
             progress.update(since_report, metrics)
             since_report = 0
@@ -366,23 +364,24 @@ def run(spec: JobSpec, slowdowns: dict[int, float] | None = None) -> Any:
     return RunResult(spec.run_dir, summary["checkpoint"], summary)
 
 
-def _statuses(servers: list) -> list[dict[str, Any]]:
+def _once_servers_answer(call: Callable[[], Any]) -> Any:
+    """`call()`, again and again while a server is being restarted, until it succeeds."""
     while True:
         try:
-            return ray.get([s.status.remote() for s in servers])
-        except SERVER_LOST:  # one is being restarted: ask again once it is back
+            return call()
+        except SERVER_LOST:
             time.sleep(0.5)
+
+
+def _statuses(servers: list) -> list[dict[str, Any]]:
+    return _once_servers_answer(lambda: ray.get([s.status.remote() for s in servers]))
 
 
 def _save(spec: JobSpec, state, servers: list, parts: list[list[str]], single_process, checkpoint) -> None:
     """The whole model (pulled from every server) in the usual checkpoint layout, plus each
     server's snapshot, written atomically."""
     model = initial_model(spec)
-    named = dict(model.named_parameters())
-    with torch.no_grad():
-        for names, (_, tensors) in zip(parts, ray.get([s.pull.remote() for s in servers])):
-            for name, value in zip(names, tensors):
-                named[name].copy_(value)
+    load_pulled(dict(model.named_parameters()), parts, ray.get([s.pull.remote() for s in servers]))
     engine = single_process(spec, model, torch.device("cpu"))
     name = f"{checkpoint.DIR_PREFIX}{state.step:08d}"
     with warnings.catch_warnings():  # DCP notes that it writes from one process: it is meant to
