@@ -264,8 +264,9 @@ def run(spec: JobSpec, slowdowns: dict[int, float] | None = None) -> Any:
 
     start_time = time.perf_counter()
     raw = spec.model_dump(mode="json")
-    model = initial_model(spec)
-    parts = partition({n: p.numel() for n, p in model.named_parameters()}, spec.parallelism.num_servers)
+    with torch.device("meta"):  # sizes only: the servers build the weights themselves
+        shape = build_model(spec.model)
+    parts = partition({n: p.numel() for n, p in shape.named_parameters()}, spec.parallelism.num_servers)
     latest = checkpoint.find_latest(spec.run_dir)
     meta = torch.load(latest / checkpoint.STATE_FILE, weights_only=True) if latest else {}
     state = TrainState(meta.get("step", 0), meta.get("samples_seen", 0), spec.scaling.num_workers)
