@@ -35,13 +35,6 @@ from shardyard.train.launcher import launch
 from ddp_overhead import CONFIG
 
 
-def registered(run_dir: Path) -> bool:
-    try:
-        return bool(json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())["checkpoint_results"])
-    except (OSError, ValueError, KeyError):
-        return False
-
-
 def run_and_kill(strategy: str, interval: int, storage: str) -> tuple[Path, float]:
     """Train, SIGKILL one worker once a checkpoint exists, wait for the run to finish."""
     name = f"{strategy}_{interval}"
@@ -55,8 +48,7 @@ def run_and_kill(strategy: str, interval: int, storage: str) -> tuple[Path, floa
     run_dir = Path(storage) / name
     runner = threading.Thread(target=launch, args=(spec,))
     runner.start()
-    # Hot-path checkpoints are written in place, the others registered by Ray Train.
-    while not (find_latest(run_dir) if hot else registered(run_dir)) and runner.is_alive():
+    while not find_latest(run_dir) and runner.is_alive():
         time.sleep(0.05)
     time.sleep(interval * 0.05)  # land the kill somewhere inside the next interval
     victim = next(p for p in psutil.process_iter(["cmdline"])

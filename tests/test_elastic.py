@@ -5,7 +5,7 @@ Extra nodes join the session's cluster with `ray start --address` and carry a cu
 that only these jobs ask for (one unit per worker), so the number of live nodes decides the world
 size. A node dies when its `ray start --block` process is signalled, taking its raylet and
 training worker with it. Ray Train V2 notices, restarts the worker group at the size the cluster
-can now hold, and the loop resumes from the last registered checkpoint, resharded.
+can now hold, and the loop resumes from the newest complete checkpoint, resharded.
 
 Checked: the world sizes the run went through (event log and sample ledger); every sample of
 each epoch used exactly once on the final trajectory; the global batch unchanged; and the final

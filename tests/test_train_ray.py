@@ -45,10 +45,11 @@ def test_run_writes_outputs_and_a_stopped_run_resumes_at_the_next_step_identical
     assert sorted(p.name for p in run_dir.glob("checkpoint_step_*")) == [
         "checkpoint_step_00000006", "checkpoint_step_00000007"]
     assert find_latest(run_dir).name == "checkpoint_step_00000007"
-    # A crash mid-write leaves a directory Ray Train never registered: it is never chosen.
+    # A crash mid-write leaves a directory where some rank never marked its shard done.
     partial = run_dir / "checkpoint_step_00000099"
     partial.mkdir()
     (partial / "trainer_state.pt").write_bytes(b"rank 0 finished, rank 1 never uploaded")
+    (partial / "shard_0_of_2.done").touch()
     assert find_latest(run_dir).name == "checkpoint_step_00000007"
     assert (run_dir / LOSS_PLOT).stat().st_size > 0
     assert logged_steps(run_dir) == list(range(1, 8))

@@ -9,14 +9,16 @@ writes the trainer state (step, data position, LR schedule) and the job spec, so
 directory is enough to resume training or to rebuild the model for serving.
 
 Ray Train owns persistence: each rank hands its local directory to `ray.train.report`, Ray merges
-them into one checkpoint directory under `<storage_path>/<run.name>/`, keeps the newest
-`checkpoint.keep` and hands the latest back through `ray.train.get_checkpoint()` on restart.
+them into one checkpoint directory under `<storage_path>/<run.name>/` and keeps the newest
+`checkpoint.keep`. Each rank marks its shard done once it is in storage; a checkpoint is complete
+when every rank's marker is there, and a restart resumes from the newest complete one.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -27,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow.fs
 import ray.train
 import torch
 import torch.distributed as dist
@@ -103,15 +106,24 @@ def load(engine: Engine, directory: Path) -> TrainState:
 
 
 def restore_latest(engine: Engine, run_dir: Path) -> TrainState | None:
-    """Resume from the checkpoint Ray Train hands this worker group, if any (replicated-state
-    engines write and find their checkpoints themselves, see CheckpointWriter)."""
+    """Collective: resume from the newest complete checkpoint of the run, if any.
+
+    Newest complete, not the one Ray Train hands back: Ray registers a checkpoint only when its
+    controller next polls the workers (every `scaling.health_check_interval_s`), so a failure soon
+    after a checkpoint would otherwise cost a whole interval more, and a report still queued on a
+    dead worker is never registered at all. Replicated-state engines write in place (see
+    CheckpointWriter)."""
     if engine.replicated_state:
         latest = find_latest(run_dir)
         return load(engine, latest) if latest else None
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
+    storage = ray.train.get_context().get_storage()
+    fs, run_path = storage.storage_filesystem, storage.experiment_fs_path
+    complete = complete_checkpoints(fs, run_path)
+    if not complete:
         return None
-    with checkpoint.as_directory() as directory:
+    if dist.get_rank() == 0:
+        prune_unregistered(fs, run_path, older_than=complete[-1])
+    with ray.train.Checkpoint(f"{run_path}/{complete[-1]}", fs).as_directory() as directory:
         return load(engine, Path(directory))
 
 
@@ -119,9 +131,9 @@ class CheckpointWriter:
     """Saves checkpoints and hands them to Ray Train. Collective: every rank calls `report` at the
     same steps.
 
-    Ray Train copies each rank's directory into the checkpoint directory in storage and registers
-    the checkpoint only once every rank has reported, so a crash in between leaves a partial
-    directory that is never restored from.
+    Ray Train copies each rank's directory into the checkpoint directory in storage; then the
+    rank writes `shard_<rank>_of_<world size>.done` beside it. A crash in between leaves a partial
+    directory, lacking a marker, that is never restored from.
 
     With `asynchronous`, training goes on while the checkpoint is written: DCP copies the state
     to CPU memory and serialises it in a background thread (over a process group of its own, so
@@ -143,24 +155,21 @@ class CheckpointWriter:
     def report(self, metrics: dict[str, Any], engine: Engine, state: TrainState, spec: JobSpec,
                rank: int, crash_before_upload: bool = False) -> None:
         """`crash_before_upload` injects a crash: this rank dies after saving its shard, before
-        Ray Train has it, while the others upload theirs."""
+        uploading it, while the others upload theirs."""
         name = f"{DIR_PREFIX}{state.step:08d}"
         if engine.replicated_state:
             if rank == 0:
                 write_in_place(engine, state, spec, name)
             return
-        if not self.asynchronous:
-            with tempfile.TemporaryDirectory(prefix="shardyard-ckpt-") as tmp:
-                save(engine, state, spec, Path(tmp), rank)
-                if crash_before_upload:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
-                                 checkpoint_dir_name=name)
-            return
+        storage = ray.train.get_context().get_storage()
+        if rank == 0:
+            # Left by a write that a failure cut short: the step is written again from scratch.
+            # Before the report's barrier, so before any rank uploads.
+            _delete_if_present(storage.storage_filesystem, storage.build_checkpoint_path_from_name(name))
         directory = Path(tempfile.mkdtemp(prefix="shardyard-ckpt-"))  # Ray deletes it after upload
-        if engine.checkpoint_format == "deepspeed":
+        writing: Future | None = None
+        if engine.checkpoint_format == "deepspeed" or not self.asynchronous:
             save(engine, state, spec, directory, rank)
-            writing = None
         else:
             if self._writing is not None:
                 self._writing.result()
@@ -169,16 +178,22 @@ class CheckpointWriter:
             writing = self._writing = dcp.async_save(_merged(_part_states(engine)),
                                                      checkpoint_id=str(directory), process_group=self._group)
             _save_trainer_state(engine, state, spec, directory, rank)
-        storage = ray.train.get_context().get_storage()
+        done_marker = _shard_done(rank, dist.get_world_size())
 
-        def upload_when_written(checkpoint: ray.train.Checkpoint, dir_name: str) -> ray.train.Checkpoint:
+        def upload(checkpoint: ray.train.Checkpoint, dir_name: str) -> ray.train.Checkpoint:
+            if crash_before_upload:
+                os.kill(os.getpid(), signal.SIGKILL)
             if writing is not None:
                 writing.result()
-            return storage.persist_current_checkpoint(checkpoint, dir_name)
+            persisted = storage.persist_current_checkpoint(checkpoint, dir_name)
+            with persisted.filesystem.open_output_stream(f"{persisted.path}/{done_marker}"):
+                pass  # this rank's shard is in storage
+            return persisted
 
+        mode = CheckpointUploadMode.ASYNC if self.asynchronous else CheckpointUploadMode.SYNC
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
-                         checkpoint_dir_name=name, checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
-                         checkpoint_upload_fn=upload_when_written)
+                         checkpoint_dir_name=name, checkpoint_upload_mode=mode, checkpoint_upload_fn=upload,
+                         delete_local_checkpoint_after_upload=True)
 
 
 def write_in_place(engine: Engine, state: TrainState, spec: JobSpec, name: str,
@@ -192,6 +207,7 @@ def write_in_place(engine: Engine, state: TrainState, spec: JobSpec, name: str,
     save(engine, state, spec, partial, rank=0)
     if also is not None:
         also(partial)
+    (partial / _shard_done(0, 1)).touch()
     shutil.rmtree(final, ignore_errors=True)  # the same step written again after a restart
     partial.rename(final)
     for old in sorted(run_dir.glob(f"{DIR_PREFIX}*"))[:-spec.checkpoint.keep]:
@@ -199,25 +215,62 @@ def write_in_place(engine: Engine, state: TrainState, spec: JobSpec, name: str,
     return final
 
 
-SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's list of registered checkpoints
+def _shard_done(rank: int, world_size: int) -> str:
+    """Marker a rank writes into the checkpoint directory once its shard is in storage."""
+    return f"shard_{rank}_of_{world_size}.done"
+
+
+_SHARD_DONE = re.compile(r"shard_(\d+)_of_(\d+)\.done")
+
+
+def _every_shard_done(names: list[str]) -> bool:
+    marks = [m for m in map(_SHARD_DONE.fullmatch, names) if m]
+    world_sizes = {int(m[2]) for m in marks}
+    return len(world_sizes) == 1 and {int(m[1]) for m in marks} == set(range(world_sizes.pop()))
+
+
+def _listing(fs: pyarrow.fs.FileSystem, path: str) -> list[pyarrow.fs.FileInfo]:
+    return fs.get_file_info(pyarrow.fs.FileSelector(path, allow_not_found=True))
+
+
+def _checkpoint_dirs(fs: pyarrow.fs.FileSystem, run_path: str) -> list[str]:
+    return sorted(info.base_name for info in _listing(fs, run_path)
+                  if info.type == pyarrow.fs.FileType.Directory and info.base_name.startswith(DIR_PREFIX))
+
+
+def complete_checkpoints(fs: pyarrow.fs.FileSystem, run_path: str) -> list[str]:
+    """Names of the run's checkpoints that every rank finished writing, oldest first. A directory
+    that a crash left half-written lacks some rank's marker and is never chosen."""
+    return [name for name in _checkpoint_dirs(fs, run_path)
+            if _every_shard_done([info.base_name for info in _listing(fs, f"{run_path}/{name}")])]
 
 
 def find_latest(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint of a run, for readers outside Ray Train.
+    """The newest complete checkpoint of a run in a local or shared directory."""
+    run_dir = Path(run_dir).absolute()
+    complete = complete_checkpoints(pyarrow.fs.LocalFileSystem(), str(run_dir))
+    return run_dir / complete[-1] if complete else None
 
-    Complete means registered by Ray Train, which happens only after every rank has reported
-    its shard: a directory left half-written by a crash is never chosen. Directories copied
-    without Ray's snapshot fall back to those holding the trainer state.
-    """
-    run_dir = Path(run_dir)
-    snapshot = run_dir / SNAPSHOT_FILE
-    if snapshot.is_file():
-        names = [r["checkpoint_dir_name"] for r in json.loads(snapshot.read_text())["checkpoint_results"]]
-        candidates = [run_dir / name for name in names]
-    else:
-        candidates = list(run_dir.glob(f"{DIR_PREFIX}*"))
-    complete = [p for p in candidates if (p / STATE_FILE).is_file()]
-    return max(complete, key=lambda p: p.name, default=None)
+
+def _delete_if_present(fs: pyarrow.fs.FileSystem, path: str) -> None:
+    if fs.get_file_info(path).type != pyarrow.fs.FileType.NotFound:
+        fs.delete_dir(path)
+
+
+SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's list of registered checkpoints
+
+
+def prune_unregistered(fs: pyarrow.fs.FileSystem, run_path: str, older_than: str) -> None:
+    """Deletes checkpoint directories older than `older_than` that Ray Train never registered
+    (a failure came before its controller did): Ray prunes only those it knows. Safe only while
+    no worker group is writing: at the start of one, and once the run has ended."""
+    snapshot, registered = f"{run_path}/{SNAPSHOT_FILE}", set()
+    if fs.get_file_info(snapshot).type == pyarrow.fs.FileType.File:
+        with fs.open_input_stream(snapshot) as stream:
+            registered = {r["checkpoint_dir_name"] for r in json.loads(stream.read())["checkpoint_results"]}
+    for name in _checkpoint_dirs(fs, run_path):
+        if name < older_than and name not in registered:
+            fs.delete_dir(f"{run_path}/{name}")
 
 
 def read_spec(checkpoint_dir: str | Path) -> JobSpec:

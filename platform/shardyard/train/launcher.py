@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import posixpath
 import sys
 import time
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from shardyard.data.corpus import corpus_files
 from shardyard.spec import JobSpec, SpecError
-from shardyard.train.checkpoint import find_latest
+from shardyard.train.checkpoint import find_latest, prune_unregistered
 from shardyard.train.loop import train_worker
 from shardyard.train.metrics import FailureLog, MetricsFile, format_table, summarize
 
@@ -162,6 +163,9 @@ def launch(spec: JobSpec, attach_to_running: bool = False) -> RunResult:
     title = f"shardyard run '{spec.run.name}' ({spec.parallelism.strategy})"
     summary = summarize(MetricsFile(spec.checkpoint.storage_path, spec.run.name), title,
                         time.perf_counter() - start)
+    if result.checkpoint is not None:
+        prune_unregistered(result.checkpoint.filesystem, posixpath.dirname(result.checkpoint.path),
+                           older_than=posixpath.basename(result.checkpoint.path))
     # Hot-recovery runs write checkpoints themselves, outside Ray Train's list.
     latest = find_latest(spec.run_dir) if result.checkpoint is None else None
     checkpoint = result.checkpoint.path if result.checkpoint else (str(latest) if latest else None)
