@@ -125,3 +125,59 @@ def test_a_killed_worker_is_replaced_and_a_killed_server_restores_from_its_snaps
     assert "failure" in kinds and "worker_joined" in kinds, history
     restored = [e for e in history if e["event"] == "server_restored"]
     assert restored and restored[0]["restored_from"].startswith("checkpoint_step_"), history
+
+
+@pytest.mark.timeout(360)
+def test_workers_join_when_a_node_brings_room_and_a_killed_job_resumes(ray_cluster, tmp_path: Path) -> None:
+    """Elastic: one slot at first, a second when a node joins; then the whole job (its driver,
+    and with it every actor) is killed and submitted again with the same storage."""
+    import json
+    import subprocess
+    import sys
+
+    from shardyard.train.checkpoint import find_latest
+    from shardyard.train.launcher import launch
+    from test_elastic import SLOT, WorkerNode, wait_for
+
+    total = 800  # one worker alone for ~15 s of it while the second node starts
+    raw = ps_job(tmp_path, "grow", workers=1, servers=2, staleness=None, total=total)
+    raw["checkpoint"]["every_n_steps"] = 25
+    raw["scaling"] = {"min_workers": 1, "max_workers": 2, "max_failures": 2,
+                      "resources_per_worker": {"CPU": 1, SLOT: 1}}  # only the extra nodes have slots
+    config = tmp_path / "grow.yaml"
+    config.write_text(json.dumps(raw))  # JSON is YAML
+    run_dir = tmp_path / "grow"
+    nodes = [WorkerNode(ray_cluster.gcs_address, 1, tmp_path / "node_a.log")]
+    driver = subprocess.Popen([str(Path(sys.executable).with_name("shardyard")), "train", str(config)],
+                              env={**os.environ, "RAY_ADDRESS": ray_cluster.gcs_address},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def joined() -> list[dict]:
+            return [e for e in read_events(str(tmp_path), "grow") if e["event"] == "worker_joined"]
+
+        wait_for(lambda: joined() or driver.poll() is not None, 120, "no worker joined")
+        time.sleep(2)
+        assert len(joined()) == 1 and driver.poll() is None  # one slot: the other worker waits for room
+        nodes.append(WorkerNode(ray_cluster.gcs_address, 1, tmp_path / "node_b.log"))
+        wait_for(lambda: len(joined()) == 2 or driver.poll() is not None, 90, "no worker joined")
+        grown_at = joined()[1]["step"]
+        wait_for(lambda: (find_latest(run_dir) is not None and int(find_latest(run_dir).name[-8:]) > grown_at)
+                 or driver.poll() is not None, 120, "no checkpoint after growing")
+        assert driver.poll() is None, driver.communicate()[0][-3000:]
+        driver.send_signal(signal.SIGKILL)  # the whole job: Ray ends its actors with it
+        driver.wait()
+        stopped_at = int(find_latest(run_dir).name[-8:])
+        assert 0 < grown_at < stopped_at < total
+
+        result = launch(parse_spec(raw))  # submitted again, same storage and name
+        assert result.summary["steps"] == total, result.summary
+        starts = [e for e in read_events(str(tmp_path), "grow") if e["event"] == "start"]
+        assert len(starts) == 2 and starts[1]["restored_step"] >= stopped_at, starts
+        rows = logged(run_dir)
+        assert {r["world_size"] for r in rows} >= {1, 2}, rows
+        assert [r["step"] for r in rows if r["step"] > stopped_at][-1] == total
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        for node in nodes:
+            node.stop()

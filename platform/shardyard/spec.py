@@ -266,15 +266,18 @@ class JobSpec(_Section):
             self._check_parameter_server()
         self._check_model_fits_mesh()
         self._check_hot_recovery()
-        for ws in self.scaling.step_sizes:
-            self.at_world_size(ws)  # raises, naming the key, if nothing can run at this size
+        if par.strategy != "parameter_server":  # its batches do not depend on how many are alive
+            for ws in self.scaling.step_sizes:
+                self.at_world_size(ws)  # raises, naming the key, if nothing can run at this size
         return self
 
     def _check_parameter_server(self) -> None:
-        workers = self.scaling.num_workers
-        if workers is None:
-            raise ValueError("parallelism.strategy 'parameter_server' needs a fixed scaling.num_workers: "
-                             "workers that die are replaced while the others train on")
+        slots, batch = self.scaling.world_sizes[-1], self.batch
+        if batch.global_batch_size % (batch.micro_batch_size * slots):
+            raise ValueError(f"parallelism.strategy 'parameter_server' splits batch.global_batch_size "
+                             f"({batch.global_batch_size}) into one batch per worker slot ({slots}: "
+                             f"scaling.num_workers or max_workers), each a multiple of "
+                             f"batch.micro_batch_size ({batch.micro_batch_size})")
         if self.scaling.recovery != "restart" or self.run.sample_ledger or self.checkpoint.async_write:
             raise ValueError("parallelism.strategy 'parameter_server' runs its own actors: scaling.recovery "
                              "'hot', run.sample_ledger and checkpoint.async_write are for Ray Train strategies")

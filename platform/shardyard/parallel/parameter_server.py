@@ -14,9 +14,15 @@ slowest live one (stale-synchronous parallel); then, with W workers, no gradient
 (W - 1)(2S + 1) updates stale: while one worker computes, each other can push at most 2S + 1
 times before it must wait. With S null nobody waits (fully asynchronous).
 
-Each worker batch is global_batch / num_workers samples and each push one optimizer step, so a
-global step (one global batch of data) is num_workers updates; with one worker and S = 0 this is
+Each worker batch is global_batch / W samples, W the worker slots (scaling.num_workers, or
+max_workers when elastic), and each push one optimizer step, so a global step (one global batch
+of data) is W updates however many workers are alive; with one worker and S = 0 this is
 single-process training exactly. Workers clip their own gradient before pushing.
+
+Workers come and go while training runs. Every slot gets an actor holding
+scaling.resources_per_worker; one that finds no room waits in Ray's queue and joins when a node
+brings some. Training starts once min_workers have joined. A worker that dies is replaced by a
+new actor, which joins the same way.
 
 Checkpoints have the usual layout (the whole model through DCP, trainer state, spec), so serving
 and `shardyard export` read them unchanged, plus each server's snapshot (its tensors, optimizer
@@ -60,12 +66,25 @@ def partition(sizes: dict[str, int], k: int) -> list[list[str]]:
     return parts
 
 
+def worker_slots(spec: JobSpec) -> int:
+    """Workers the run may have at once: scaling.num_workers, or max_workers when elastic."""
+    return spec.scaling.world_sizes[-1]
+
+
 def worker_batch(spec: JobSpec) -> int:
-    return spec.batch.global_batch_size // spec.scaling.num_workers
+    return spec.batch.global_batch_size // worker_slots(spec)
 
 
 def total_updates(spec: JobSpec) -> int:
-    return spec.run.steps * spec.scaling.num_workers
+    return spec.run.steps * worker_slots(spec)
+
+
+def worker_resources(spec: JobSpec) -> dict[str, Any]:
+    """Ray actor options holding scaling.resources_per_worker while a worker lives: a worker with
+    no room waits (pending) until a node brings some."""
+    resources = dict(spec.scaling.resources_per_worker)
+    return {"num_cpus": resources.pop("CPU", 1.0), "num_gpus": resources.pop("GPU", 0.0),
+            "resources": resources}
 
 
 def initial_model(spec: JobSpec) -> nn.Module:
@@ -148,9 +167,12 @@ class ParameterServer:
 class Coordinator:
     """Hands out batches (offsets into the global sample order) and keeps the staleness bound."""
 
-    def __init__(self, start: int, end: int, batch: int, max_staleness: int | None) -> None:
+    def __init__(self, start: int, end: int, batch: int, max_staleness: int | None, min_workers: int) -> None:
         self.next_offset, self.end, self.batch, self.bound = start, end, batch, max_staleness
-        self.clocks: dict[str, int] = {}       # pushes done by each live worker
+        self.min_workers, self.started = min_workers, False
+        self.joined: list[str] = []            # workers that joined since the last progress()
+        self.clocks: dict[str, int] = {}       # pushes done by each worker still taking batches
+        self.live: set[str] = set()            # workers that joined and have not died
         self.outstanding: dict[str, int] = {}  # the batch each worker is computing
         self.returned: list[int] = []          # batches of workers that died, to hand out again
         self.finished_samples = start
@@ -161,11 +183,14 @@ class Coordinator:
     async def join(self, worker: str) -> None:
         async with self.changed:  # a newcomer starts level with the slowest: nobody waits for it
             self.clocks[worker] = min(self.clocks.values(), default=0)
+            self.live.add(worker)
+            self.joined.append(worker)
             self.changed.notify_all()
 
     async def leave(self, worker: str) -> None:
         async with self.changed:
             self.clocks.pop(worker, None)
+            self.live.discard(worker)
             if (offset := self.outstanding.pop(worker, None)) is not None:
                 self.returned.append(offset)
             self.changed.notify_all()
@@ -176,6 +201,9 @@ class Coordinator:
     async def next_batch(self, worker: str) -> int | None:
         """The offset of this worker's next batch (None: no data left), once it may go on."""
         async with self.changed:
+            # Training starts once min_workers are there; later, whoever is there trains on.
+            await self.changed.wait_for(lambda: self.started or len(self.clocks) >= self.min_workers)
+            self.started = True
             if self.bound is not None:
                 await self.changed.wait_for(lambda: worker not in self.clocks or self._gap(worker) <= self.bound)
             if worker not in self.clocks:
@@ -201,8 +229,9 @@ class Coordinator:
 
     def progress(self) -> dict[str, Any]:
         losses, self.losses = self.losses, []
+        joined, self.joined = self.joined, []
         return {"samples": self.finished_samples, "losses": losses, "largest_gap": self.largest_gap,
-                "workers": len(self.clocks)}
+                "workers": len(self.live), "joined": joined}
 
 
 @ray.remote
@@ -269,27 +298,31 @@ def run(spec: JobSpec, slowdowns: dict[int, float] | None = None) -> Any:
     parts = partition({n: p.numel() for n, p in shape.named_parameters()}, spec.parallelism.num_servers)
     latest = checkpoint.find_latest(spec.run_dir)
     meta = torch.load(latest / checkpoint.STATE_FILE, weights_only=True) if latest else {}
-    state = TrainState(meta.get("step", 0), meta.get("samples_seen", 0), spec.scaling.num_workers)
+    slots, min_workers = worker_slots(spec), spec.scaling.world_sizes[0]
+    state = TrainState(meta.get("step", 0), meta.get("samples_seen", 0), slots)
     global_batch = spec.batch.global_batch_size
     servers = [ParameterServer.remote(raw, k, names) for k, names in enumerate(parts)]
     coordinator = Coordinator.remote(state.samples_seen, spec.run.steps * global_batch, worker_batch(spec),
-                                     spec.parallelism.max_staleness)
+                                     spec.parallelism.max_staleness, min_workers)
     server_pids = _statuses(servers)  # started (and restored); a changed pid later means restarted
     log_event(spec.checkpoint.storage_path, spec.run.name, "start", restored_step=state.step,
-              old_world_size=meta.get("world_size"), world_size=spec.scaling.num_workers,
+              old_world_size=meta.get("world_size"), world_size=slots, min_workers=min_workers,
               num_servers=len(servers), max_staleness=spec.parallelism.max_staleness)
 
     slowdowns = slowdowns or {}
     running: dict[ray.ObjectRef, tuple[str, Any]] = {}
 
     def start_worker(index: int) -> None:
+        # Every slot gets an actor at once: one that finds no resources is pending and joins
+        # the run when a node brings some (elastic growth).
         name = f"worker{index}"
-        actor = PSWorker.remote(raw, name, servers, parts, coordinator, slowdowns.get(index, 1.0))
+        actor = PSWorker.options(**worker_resources(spec)).remote(
+            raw, name, servers, parts, coordinator, slowdowns.get(index, 1.0))
         running[actor.run.remote()] = (name, actor)
 
-    for i in range(spec.scaling.num_workers):
+    for i in range(slots):
         start_worker(i)
-    next_index, failures = spec.scaling.num_workers, 0
+    next_index, failures = slots, 0
     log = MetricsLog(MetricsFile(spec.checkpoint.storage_path, spec.run.name), state.step)
     progress = Progress(spec.run.steps, state.step, sys.stdout.isatty())
     throughput = Throughput()
@@ -297,7 +330,7 @@ def run(spec: JobSpec, slowdowns: dict[int, float] | None = None) -> Any:
     losses: dict[int, list[float]] = {}  # step -> the losses of its batches
     staleness: list[int] = []
     since_report, last_loss = 0, float("nan")
-    while running:
+    while state.step < spec.run.steps:
         done, _ = ray.wait(list(running), num_returns=1, timeout=0.2)
         for ref in done:
             name, actor = running.pop(ref)
@@ -311,11 +344,12 @@ def run(spec: JobSpec, slowdowns: dict[int, float] | None = None) -> Any:
                 if failures > spec.scaling.max_failures:
                     raise RuntimeError(f"{failures} parameter-server workers failed; scaling.max_failures "
                                        f"is {spec.scaling.max_failures}") from err
-                start_worker(next_index)
-                log_event(spec.checkpoint.storage_path, spec.run.name, "worker_joined",
-                          worker=f"worker{next_index}", step=state.step)
+                start_worker(next_index)  # the replacement joins when there is room for it
                 next_index += 1
         report = ray.get(coordinator.progress.remote())
+        for name in report["joined"]:
+            log_event(spec.checkpoint.storage_path, spec.run.name, "worker_joined", worker=name,
+                      step=state.step, workers=report["workers"])
         for offset, loss in report["losses"]:
             losses.setdefault(offset // global_batch + 1, []).append(loss)
         statuses = _statuses(servers)
@@ -360,7 +394,8 @@ def run(spec: JobSpec, slowdowns: dict[int, float] | None = None) -> Any:
     latest = checkpoint.find_latest(spec.run_dir)
     summary["checkpoint"] = str(latest) if latest else None
     print(format_table(title, summary), flush=True)
-    for actor in [*servers, coordinator]:
+    # Workers still pending for resources never started; the others are done.
+    for actor in [*servers, coordinator, *(actor for _, actor in running.values())]:
         ray.kill(actor)
     return RunResult(spec.run_dir, summary["checkpoint"], summary)
 
