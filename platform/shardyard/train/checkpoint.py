@@ -207,7 +207,7 @@ def write_in_place(engine: Engine, state: TrainState, spec: JobSpec, name: str,
     save(engine, state, spec, partial, rank=0)
     if also is not None:
         also(partial)
-    (partial / _shard_done(0, 1)).touch()
+    mark_shard_done(partial, rank=0, world_size=1)
     shutil.rmtree(final, ignore_errors=True)  # the same step written again after a restart
     partial.rename(final)
     for old in sorted(run_dir.glob(f"{DIR_PREFIX}*"))[:-spec.checkpoint.keep]:
@@ -218,6 +218,12 @@ def write_in_place(engine: Engine, state: TrainState, spec: JobSpec, name: str,
 def _shard_done(rank: int, world_size: int) -> str:
     """Marker a rank writes into the checkpoint directory once its shard is in storage."""
     return f"shard_{rank}_of_{world_size}.done"
+
+
+def mark_shard_done(directory: Path, rank: int, world_size: int) -> None:
+    """For checkpoints written straight into their final directory (not through Ray Train):
+    this rank's shard is complete."""
+    (directory / _shard_done(rank, world_size)).touch()
 
 
 _SHARD_DONE = re.compile(r"shard_(\d+)_of_(\d+)\.done")
