@@ -113,6 +113,9 @@ def train_worker(config: dict[str, Any]) -> None:
             "epoch": state.samples_seen / len(dataset),
             **throughput.read(),
         }
+        if rank == 0:  # before the checkpoint completes: a run resumed from it has this row
+            log.append(metrics)
+            progress.update(steps_since_report, metrics)
         if save_now:
             crash = (state.step == config.get("crash_at_checkpoint") and rank == world_size - 1
                      and not _crash_injected(spec, state.step))
@@ -121,9 +124,6 @@ def train_worker(config: dict[str, Any]) -> None:
                 log_event(spec.checkpoint.storage_path, spec.run.name, "injected_crash", step=state.step,
                           rank=rank, latest_complete=latest.name if latest else None)
             writer.report(metrics, engine, state, written, rank, crash_before_upload=crash)
-        if rank == 0:
-            log.append(metrics)
-            progress.update(steps_since_report, metrics)
         loss_sum.zero_()
         steps_since_report = 0
     engine.close()
