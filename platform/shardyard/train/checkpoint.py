@@ -118,12 +118,12 @@ def restore_latest(engine: Engine, run_dir: Path) -> TrainState | None:
         return load(engine, latest) if latest else None
     storage = ray.train.get_context().get_storage()
     fs, run_path = storage.storage_filesystem, storage.experiment_fs_path
-    complete = complete_checkpoints(fs, run_path)
-    if not complete:
+    newest = newest_complete(fs, run_path)
+    if newest is None:
         return None
     if dist.get_rank() == 0:
-        prune_unregistered(fs, run_path, older_than=complete[-1])
-    with ray.train.Checkpoint(f"{run_path}/{complete[-1]}", fs).as_directory() as directory:
+        prune_unregistered(fs, run_path, older_than=newest)
+    with ray.train.Checkpoint(f"{run_path}/{newest}", fs).as_directory() as directory:
         return load(engine, Path(directory))
 
 
@@ -244,18 +244,20 @@ def _checkpoint_dirs(fs: pyarrow.fs.FileSystem, run_path: str) -> list[str]:
                   if info.type == pyarrow.fs.FileType.Directory and info.base_name.startswith(DIR_PREFIX))
 
 
-def complete_checkpoints(fs: pyarrow.fs.FileSystem, run_path: str) -> list[str]:
-    """Names of the run's checkpoints that every rank finished writing, oldest first. A directory
-    that a crash left half-written lacks some rank's marker and is never chosen."""
-    return [name for name in _checkpoint_dirs(fs, run_path)
-            if _every_shard_done([info.base_name for info in _listing(fs, f"{run_path}/{name}")])]
+def newest_complete(fs: pyarrow.fs.FileSystem, run_path: str) -> str | None:
+    """Name of the run's newest checkpoint that every rank finished writing. A directory that a
+    crash left half-written lacks some rank's marker and is never chosen."""
+    for name in reversed(_checkpoint_dirs(fs, run_path)):  # newest first: stop at the first found
+        if _every_shard_done([info.base_name for info in _listing(fs, f"{run_path}/{name}")]):
+            return name
+    return None
 
 
 def find_latest(run_dir: str | Path) -> Path | None:
     """The newest complete checkpoint of a run in a local or shared directory."""
     run_dir = Path(run_dir).absolute()
-    complete = complete_checkpoints(pyarrow.fs.LocalFileSystem(), str(run_dir))
-    return run_dir / complete[-1] if complete else None
+    name = newest_complete(pyarrow.fs.LocalFileSystem(), str(run_dir))
+    return run_dir / name if name else None
 
 
 def _delete_if_present(fs: pyarrow.fs.FileSystem, path: str) -> None:
