@@ -382,11 +382,11 @@ def run(spec: JobSpec, slowdowns: dict[int, float] | None = None) -> Any:
                        "staleness_max": max(staleness) if staleness else None,
                        "largest_clock_gap": report["largest_gap"], **throughput.read()}
             staleness = []
-            if save_now:
-                _once_servers_answer(lambda: _save(spec, state, servers, parts, single_process, checkpoint))
-            log.append(metrics)
+            log.append(metrics)  # before the checkpoint completes: a run resumed from it has this row
             progress.update(since_report, metrics)
             since_report = 0
+            if save_now:
+                _once_servers_answer(lambda: _save(spec, state, servers, parts, single_process, checkpoint))
     progress.close()
     title = f"shardyard run '{spec.run.name}' (parameter_server)"
     summary = summarize(MetricsFile(spec.checkpoint.storage_path, spec.run.name), title,
