@@ -77,14 +77,13 @@ def collective_worker(rank: int, world: int, args: list[str], slow: bool) -> tup
 
 
 def parameter_server_run(args: list[str], slow: bool, storage: str) -> tuple[list[float], list[float]]:
-    from shardyard.parallel import parameter_server
-    from shardyard.train.metrics import METRICS_FILE
+    from shardyard.train import parameter_server
+    from shardyard.train.metrics import read_metrics
 
     spec = load_spec(None, [*args, f"checkpoint.storage_path={storage}", "checkpoint.every_n_steps=1000"])
     parameter_server.run(spec, slowdowns={WORKERS - 1: SLOWDOWN} if slow else None)
-    import json
 
-    rows = [json.loads(line) for line in (Path(storage) / spec.run.name / METRICS_FILE).read_text().splitlines()]
+    rows = read_metrics(Path(storage) / spec.run.name)
     return [r["loss"] for r in rows], [r["time"] - rows[0]["time"] for r in rows]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+
 import os
 import statistics
 import subprocess
@@ -21,6 +22,7 @@ from pathlib import Path
 from common import print_table, write_json
 
 from shardyard.spec import load_spec
+from shardyard.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "jobs" / "configs" / "gpt_ddp.yaml"
@@ -43,7 +45,7 @@ def run_shardyard(args: argparse.Namespace, storage: str) -> dict:
     result = launch(spec)
     wall = time.perf_counter() - start
     ray.shutdown()
-    rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(result.run_dir)
     # Steady state: drop the first interval (warm-up) and the last (it writes the checkpoint).
     steady = rows[1:-1]
     step_time = statistics.median(r["step_time_s"] for r in steady)

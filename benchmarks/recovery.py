@@ -1,11 +1,13 @@
-"""Recovery after a worker dies: time from the kill to the first completed step after it, split
-into detection (kill -> Ray Train records the failure), worker-group restart (failure -> new
-group running), checkpoint load, and first step; plus the steps recomputed (done before the
-kill, after the checkpoint restored). For DDP, FSDP and ZeRO-2, checkpoint every 10 and 50 steps.
+"""Recovery after a worker dies: time from the kill to the end of the first step completed after
+the restore, split into detection (kill -> Ray Train records the failure), worker-group restart
+(failure -> new group running), checkpoint load, and that first step (the sample ledger's first
+commit line of the new worker group, written once the step is applied); plus the steps recomputed
+(committed before the kill, after the checkpoint restored). For DDP, FSDP and ZeRO-2, checkpoint
+every 10 and 50 steps.
 
 The hot path (scaling.recovery=hot, DDP over TorchFT) is measured beside it: the survivors'
-stall (kill -> their next committed step), when the replacement has healed from a live peer, and
-the steps lost (only a step in flight can be).
+stall (kill -> the next step a replica commits), when the replacement has healed from a live
+peer, and the steps lost (only a step in flight can be).
 
 The default GPT, 2 workers on a local Ray instance; one worker process is SIGKILLed from outside
 once a checkpoint exists. Timings come from the run's own event log and sample ledger. Targets on
@@ -32,6 +34,7 @@ from common import print_table, write_json
 from shardyard.spec import load_spec
 from shardyard.train.checkpoint import find_latest
 from shardyard.train.launcher import launch
+from shardyard.train.metrics import read_events
 from ddp_overhead import CONFIG
 
 
@@ -59,13 +62,16 @@ def run_and_kill(strategy: str, interval: int, storage: str) -> tuple[Path, floa
     return run_dir, killed_at
 
 
+def ledger_lines(run_dir: Path, pattern: str = "rank*.jsonl") -> list[dict]:
+    return [json.loads(line) for path in (run_dir / "ledger").glob(pattern) for line in path.read_text().splitlines()]
+
+
 def measure_hot(interval: int, storage: str) -> dict:
     run_dir, killed_at = run_and_kill("hot", interval, storage)
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    ledger = [json.loads(line) for path in (run_dir / "ledger").glob("rank*.jsonl")
-              for line in path.read_text().splitlines()]
-    before = max(e["step"] for e in ledger if e["time"] < killed_at)
-    after = min((e for e in ledger if e["time"] > killed_at), key=lambda e: e["time"])
+    events = read_events(run_dir)
+    commits = [e for e in ledger_lines(run_dir) if e.get("commit")]
+    before = max(e["step"] for e in commits if e["time"] < killed_at)
+    after = min((e for e in commits if e["time"] > killed_at), key=lambda e: e["time"])
     healed = [e for e in events if e["event"] == "healed" and e["time"] > killed_at]
     return {
         "strategy": "hot (ddp)", "interval": interval,
@@ -81,13 +87,13 @@ def measure(strategy: str, interval: int, storage: str) -> dict:
     if strategy == "hot":
         return measure_hot(interval, storage)
     run_dir, killed_at = run_and_kill(strategy, interval, storage)
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    events = read_events(run_dir)
     failure = next(e for e in events if e["event"] == "failure")
     restart = [e for e in events if e["event"] == "start"][-1]
-    ledger = [json.loads(line) for line in (run_dir / "ledger" / "rank0.jsonl").read_text().splitlines()]
-    new_attempt = max(e["attempt"] for e in ledger)
-    before = [e for e in ledger if e["attempt"] != new_attempt]
-    after = [e for e in ledger if e["attempt"] == new_attempt]
+    commits = [e for e in ledger_lines(run_dir, "rank0.jsonl") if e.get("commit")]
+    new_attempt = max(e["attempt"] for e in commits)
+    before = [e for e in commits if e["attempt"] != new_attempt]
+    after = [e for e in commits if e["attempt"] == new_attempt]
     group_up = restart["time"] - restart["restore_s"]
     return {
         "strategy": strategy, "interval": interval,

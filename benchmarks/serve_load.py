@@ -63,7 +63,7 @@ def save_untrained(rank: int, world: int, out: str) -> None:
     spec = load_spec(CONFIG, ["scaling.num_workers=1"])
     torch.manual_seed(spec.run.seed)
     engine = build_engine(spec, build_model(spec.model), torch.device("cpu"))
-    checkpoint.save(engine, TrainState(0, 0, world), spec, Path(out, "checkpoint_step_00000000"), rank)
+    checkpoint.CheckpointManager(out, keep=1).save(engine, TrainState(0, 0, world), spec, metrics={})
 
 
 # ----------------------------------------------------------------------------- load generators

@@ -35,7 +35,8 @@ from shardyard.models import build_model
 from shardyard.parallel import single_process
 from shardyard.spec import load_spec
 from shardyard.train.checkpoint import find_latest, load_model
-from shardyard.train.metrics import EVENTS_FILE
+from shardyard.train.callbacks import HOLD_ENV, release_file
+from shardyard.train.metrics import read_events, read_metrics
 from test_strategies import steps
 
 SHARDYARD = str(Path(sys.executable).with_name("shardyard"))
@@ -93,16 +94,17 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, message: str) -> N
 
 
 def events(run_dir: Path) -> list[dict]:
-    path = run_dir / EVENTS_FILE
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return read_events(run_dir)
 
 
-def checkpoints_registered(run_dir: Path) -> int:
-    try:
-        snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
-        return max(r["metrics"]["step"] for r in snapshot["checkpoint_results"])
-    except (OSError, ValueError, KeyError):
-        return 0
+def held(run_dir: Path, step: int) -> dict | None:
+    """The run's `held` event at checkpoint `step` (SHARDYARD_HOLD_AT), once it is there."""
+    return next((e for e in events(run_dir) if e["event"] == "held" and e["step"] == step), None)
+
+
+def release(run_dir: Path, *steps: int) -> None:
+    for step in steps:
+        (run_dir / release_file(step)).touch()
 
 
 def job(storage: Path, name: str, strategy: str, steps: int) -> list[str]:
@@ -119,11 +121,11 @@ def job(storage: Path, name: str, strategy: str, steps: int) -> list[str]:
 
 
 def start_run(ray_cluster, tmp_path: Path, strategy: str, steps: int,
-              extra: tuple[str, ...] = ()) -> subprocess.Popen:
+              extra: tuple[str, ...] = (), hold_at: tuple[int, ...] = ()) -> subprocess.Popen:
     command = [SHARDYARD, "train", str(CONFIG)]
     for item in [*job(tmp_path, strategy, strategy, steps), *extra]:
         command += ["--set", item]
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster.gcs_address}
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.gcs_address, HOLD_ENV: ",".join(map(str, hold_at))}
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -162,8 +164,7 @@ def assert_matches_single_process(run_dir: Path, total_steps: int, loss_rtol: fl
     torch.manual_seed(spec.run.seed)
     oracle = single_process(spec, build_model(spec.model), torch.device("cpu"))
     oracle_losses = steps(oracle, spec, 0, total_steps)
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    last = [m for m in metrics if m["step"] == total_steps][-1]
+    last = [m for m in read_metrics(run_dir) if m["step"] == total_steps][-1]
     assert last["loss"] == pytest.approx(sum(oracle_losses[-EVERY:]) / EVERY, rel=loss_rtol)
     trained = load_model(find_latest(run_dir)).state_dict()
     for name, value in oracle.model.state_dict().items():
@@ -174,29 +175,34 @@ def assert_matches_single_process(run_dir: Path, total_steps: int, loss_rtol: fl
 def test_run_grows_when_a_node_joins_and_shrinks_when_one_dies(ray_cluster, tmp_path: Path) -> None:
     first = WorkerNode(ray_cluster.gcs_address, 3, tmp_path / "node_a.log")
     second = None
-    proc = start_run(ray_cluster, tmp_path, "ddp", 400)
+    # The run waits at the checkpoints of steps 100 and 200 until released: whatever this
+    # machine's speed, the node joins and dies while the run is in flight.
+    proc = start_run(ray_cluster, tmp_path, "ddp", 400, hold_at=(100, 200))
     run_dir = tmp_path / "ddp"
     try:
         # min 2, max 4 on a cluster with room for 3: starts at 3 ...
-        wait_for(lambda: checkpoints_registered(run_dir) > 0 or proc.poll() is not None, 180, "no checkpoint")
+        wait_for(lambda: held(run_dir, 100) or proc.poll() is not None, 240, "the run never reached step 100")
+        assert held(run_dir, 100)["world_size"] == 3, events(run_dir)
         second = WorkerNode(ray_cluster.gcs_address, 1, tmp_path / "node_b.log")
-        # ... grows to 4 when a node joins (Ray Train's resize monitor, every 2 s here) ...
+        # ... grows to 4 when a node joins (Ray Train's resize monitor, every 2 s here), from the
+        # checkpoint of step 100 ...
         wait_for(lambda: any(e.get("world_size") == 4 for e in events(run_dir)) or proc.poll() is not None,
                  120, "the run did not grow")
-        grown_at = max(e["restored_step"] for e in events(run_dir) if e.get("world_size") == 4)
-        wait_for(lambda: checkpoints_registered(run_dir) > grown_at or proc.poll() is not None, 120,
-                 "no checkpoint at 4 workers")
-        assert proc.poll() is None, "the run ended before a node could be killed"
+        release(run_dir, 100)
+        wait_for(lambda: held(run_dir, 200) or proc.poll() is not None, 180, "the run never reached step 200")
+        assert held(run_dir, 200)["world_size"] == 4, events(run_dir)
         # ... and finishes on 3 when that node and its worker die.
         second.kill()
+        release(run_dir, 200)
         assert_succeeds(proc, 240)
     finally:
+        release(run_dir, 100, 200)
         clean_up(proc, first, second)
     failures = [e for e in events(run_dir) if e["event"] == "failure"]
     assert failures, events(run_dir)
     check_run(run_dir, [3, 4, 3], 400)
     restart = [e for e in events(run_dir) if e["event"] == "start"][-1]
-    assert restart["downtime_s"] > 0  # failure -> this group's start, logged with the restart
+    assert restart["restored_step"] == 200 and restart["downtime_s"] > 0  # failure -> this start
 
 
 @pytest.mark.timeout(480)
@@ -206,17 +212,22 @@ def test_sharded_run_loses_a_worker_and_reshards(strategy: str, ray_cluster, tmp
     sharded state (FSDP2 through DCP, ZeRO-2 through DeepSpeed's universal checkpoint) resharded."""
     big = WorkerNode(ray_cluster.gcs_address, 3, tmp_path / "node_big.log")
     small = WorkerNode(ray_cluster.gcs_address, 1, tmp_path / "node_small.log")
-    proc = start_run(ray_cluster, tmp_path, strategy, 75)
+    proc = start_run(ray_cluster, tmp_path, strategy, 75, hold_at=(25, 50))
     run_dir = tmp_path / strategy
     try:
-        wait_for(lambda: checkpoints_registered(run_dir) > 0 or proc.poll() is not None, 180, "no checkpoint")
-        assert proc.poll() is None and small.training_workers(), "nothing to kill"
+        # Ray Train may size the first group on resource data that predates the small node and
+        # start at 3, then grow to 4 (from the checkpoint of step 25): the kill comes at the
+        # first hold at 4 workers.
+        wait_for(lambda: held(run_dir, 25) or proc.poll() is not None, 240, "the run never reached step 25")
+        kill_at = 25 if held(run_dir, 25)["world_size"] == 4 else 50
+        wait_for(lambda: held(run_dir, kill_at) or proc.poll() is not None, 240, f"never held at {kill_at}")
+        assert held(run_dir, kill_at)["world_size"] == 4 and small.training_workers(), events(run_dir)
         small.kill()
+        release(run_dir, 25, 50)
         assert_succeeds(proc, 300)
     finally:
+        release(run_dir, 25, 50)
         clean_up(proc, big, small)
-    # Ray Train may size the first group on resource data that predates the small node and
-    # start at 3, then grow to 4 before the kill: either way the run ends resharded from 4 to 3.
     first = next(e["world_size"] for e in events(run_dir) if e["event"] == "start")
     check_run(run_dir, [4, 3] if first == 4 else [3, 4, 3], 75)
 
@@ -233,6 +244,7 @@ def test_hot_recovery_survivors_train_on_and_the_replacement_heals_from_a_peer(
     proc = start_run(ray_cluster, tmp_path, "ddp", 300, hot)
     run_dir = tmp_path / "ddp"
     try:
+        # (No hold here: the replicas train on without rank 0, which is what is being tested.)
         wait_for(lambda: find_latest(run_dir) is not None or proc.poll() is not None, 180, "no checkpoint")
         # This run's workers only: an earlier test's may still be exiting.
         victims = [p for p in psutil.process_iter(["cmdline", "create_time"])

@@ -5,7 +5,6 @@ exactly where an uninterrupted run ends, with every sample of each epoch used ex
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from shardyard.data.ledger import audit
 from shardyard.spec import load_spec
 from shardyard.train.checkpoint import find_latest, load_model
 from shardyard.train.launcher import launch
-from shardyard.train.metrics import EVENTS_FILE
+from shardyard.train.metrics import read_events
 
 SHARDYARD = str(Path(sys.executable).with_name("shardyard"))
 CONFIG = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "gpt_ddp.yaml"
@@ -67,14 +66,14 @@ def assert_exact_data(run_dir: Path) -> None:
 @pytest.mark.timeout(420)
 def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(ray_cluster, uninterrupted,
                                                                   tmp_path: Path) -> None:
-    """Rank 1 dies after saving its shard of step 200 and before uploading it, while rank 0
-    uploads its own: the partial checkpoint must be ignored and the previous one restored."""
+    """Rank 1 dies as the checkpoint of step 200 is being written, after rank 0 has started it:
+    the uncommitted checkpoint must be ignored and the previous one restored."""
     run_dir = tmp_path / "crashed"
     proc = start_run(ray_cluster, run_dir, {"SHARDYARD_INJECT_CRASH": "checkpoint:200"})
     output, _ = proc.communicate(timeout=360)
     assert proc.returncode == 0, output[-4000:]
 
-    events = [json.loads(line) for line in (run_dir / EVENTS_FILE).read_text().splitlines()]
+    events = read_events(run_dir)
     assert [e["event"] for e in events] == ["start", "injected_crash", "failure", "start"], events
     crash, restart = events[1], events[3]
     assert crash["step"] == 200 and crash["latest_complete"] is not None
@@ -83,6 +82,7 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(ray_cluster, un
     assert restart["restored_step"] == 150, events
     assert_exact_data(run_dir)
     assert_same_model(run_dir, uninterrupted)
-    # Pruning counts complete checkpoints only: the newest `checkpoint.keep` (2) are left.
+    # Pruning counts committed checkpoints only: the newest `checkpoint.keep` (2) are left, and
+    # the uncommitted directory is gone.
     assert sorted(p.name for p in run_dir.glob("checkpoint_step_*")) == [
         "checkpoint_step_00000250", "checkpoint_step_00000256"]

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
+from shardyard.train.callbacks import HOLD_ENV
 from shardyard.train.checkpoint import find_latest
+from shardyard.train.metrics import read_events, read_metrics
 
 RAY = str(Path(sys.executable).with_name("ray"))
 
@@ -27,8 +29,9 @@ def ray_job(cluster, *args: str, timeout: float = 120) -> subprocess.CompletedPr
     )
 
 
-def submit(cluster, overrides: list[str]) -> str:
-    answer = ray_job(cluster, "submit", "--no-wait", "--working-dir", ".", "--",
+def submit(cluster, overrides: list[str], env: dict[str, str] | None = None) -> str:
+    runtime = ["--runtime-env-json", json.dumps({"env_vars": env})] if env else []
+    answer = ray_job(cluster, "submit", "--no-wait", "--working-dir", ".", *runtime, "--",
                      "python", "jobs/train.py", "--config", "jobs/configs/gpt_ddp.yaml",
                      *[arg for o in overrides for arg in ("--set", o)])
     assert answer.returncode == 0, answer.stderr + answer.stdout
@@ -54,9 +57,11 @@ def test_submitted_job_stopped_and_submitted_again_resumes_and_writes_outputs(ra
                  "data.name=synthetic", "run.steps=400", "run.log_every=50",
                  "checkpoint.every_n_steps=50", f"checkpoint.storage_path={tmp_path}", "run.name=again"]
     run_dir = tmp_path / "again"
-    first = submit(ray_cluster, overrides)
+    # The first job waits at its checkpoint of step 100 (until a release that never comes): it is
+    # stopped mid-run whatever this machine's speed.
+    first = submit(ray_cluster, overrides, {HOLD_ENV: "100"})
     deadline = time.monotonic() + 240
-    while find_latest(run_dir) is None and time.monotonic() < deadline:
+    while not any(e["event"] == "held" for e in read_events(run_dir)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert find_latest(run_dir) is not None, ray_job(ray_cluster, "logs", first).stdout[-3000:]
     stop = ray_job(ray_cluster, "stop", first)
@@ -64,15 +69,14 @@ def test_submitted_job_stopped_and_submitted_again_resumes_and_writes_outputs(ra
     status, _ = wait_until_done(ray_cluster, first, 120)
     assert re.search(r"stopped", status, re.IGNORECASE), status
     stopped_at = int(find_latest(run_dir).name.rsplit("_", 1)[1])
-    assert stopped_at < 400, "the first job finished before it could be stopped"
+    assert stopped_at == 100
 
     status, logs = wait_until_done(ray_cluster, submit(ray_cluster, overrides))
     assert re.search(r"succeeded", status, re.IGNORECASE), f"{status}\n{logs[-3000:]}"
-    starts = [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
-              if e["event"] == "start"]
-    assert len(starts) == 2 and starts[1]["restored_step"] >= stopped_at > 0, starts
+    starts = [e for e in read_events(run_dir) if e["event"] == "start"]
+    assert len(starts) == 2 and starts[1]["restored_step"] == stopped_at, starts
     assert "step 400/400" in logs and "shardyard run 'again'" in logs
     assert (run_dir / "checkpoint_step_00000400" / "trainer_state.pt").is_file()
-    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = [row["step"] for row in read_metrics(run_dir)]
     assert logged == list(range(50, 401, 50)), logged  # each step once, across both jobs
     assert (run_dir / "loss_curve.png").is_file()

@@ -1,6 +1,8 @@
 """Parameter servers on the session's Ray cluster: one worker with staleness 0 is single-process
 SGD exactly; four asynchronous or bounded-staleness workers reach synchronous training's loss and
-never exceed the staleness bound; a killed worker is replaced and a killed server restored."""
+never exceed the staleness bound; a killed worker is replaced and a killed server rolls the run back
+to the last consistent cut, with every sample used exactly once (ledger audit); a push is applied
+at most once; checkpoints pass between parameter servers and the other strategies."""
 
 from __future__ import annotations
 
@@ -11,13 +13,15 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 
 from shardyard.models import build_model
 from shardyard.parallel import single_process
 from shardyard.spec import parse_spec
-from shardyard.train.checkpoint import load_model
-from shardyard.train.metrics import METRICS_FILE, read_events
+from shardyard.data.ledger import audit
+from shardyard.train.checkpoint import find_latest, load_model
+from shardyard.train.metrics import read_events, read_metrics
 from test_strategies import steps
 
 LOSS_TOLERANCE = 0.05  # relative, on the mean loss of the last 10 steps
@@ -50,9 +54,7 @@ def synchronous(raw: dict, total: int) -> tuple[list[float], dict[str, torch.Ten
 
 
 def logged(run_dir: Path) -> list[dict]:
-    import json
-
-    return [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
+    return read_metrics(run_dir)
 
 
 @pytest.mark.timeout(240)
@@ -96,20 +98,21 @@ def test_four_workers_reach_synchronous_loss_within_the_staleness_bound(
 
 
 @pytest.mark.timeout(300)
-def test_a_killed_worker_is_replaced_and_a_killed_server_restores_from_its_snapshot(
+def test_a_killed_worker_is_replaced_and_a_killed_server_rolls_back_to_the_last_cut(
         ray_cluster, tmp_path: Path) -> None:
     from ray.util.state import list_actors
 
-    from shardyard.train.checkpoint import find_latest
     from shardyard.train.launcher import launch
 
-    spec = parse_spec(ps_job(tmp_path, "kill", workers=2, servers=2, staleness=None, total=60))
+    raw = ps_job(tmp_path, "kill", workers=2, servers=2, staleness=None, total=60)
+    raw["run"]["sample_ledger"] = True
+    spec = parse_spec(raw)
     outcome: dict = {}
     runner = threading.Thread(target=lambda: outcome.update(result=launch(spec)))
     runner.start()
     run_dir = tmp_path / "kill"
     deadline = time.monotonic() + 120
-    while find_latest(run_dir) is None:  # a snapshot to restore from
+    while find_latest(run_dir) is None:  # a cut to roll back to
         assert runner.is_alive() and time.monotonic() < deadline, "no checkpoint written"
         time.sleep(0.2)
 
@@ -120,11 +123,57 @@ def test_a_killed_worker_is_replaced_and_a_killed_server_restores_from_its_snaps
     os.kill(alive("ParameterServer")[0]["pid"], signal.SIGKILL)
     runner.join(240)
     assert not runner.is_alive() and outcome["result"].summary["steps"] == 60, outcome
-    history = read_events(str(tmp_path), "kill")
+    history = read_events(run_dir)
     kinds = [e["event"] for e in history]
     assert "failure" in kinds and "worker_joined" in kinds, history
     restored = [e for e in history if e["event"] == "server_restored"]
     assert restored and restored[0]["restored_from"].startswith("checkpoint_step_"), history
+    # Every sample of each epoch applied exactly once on the final trajectory, although a worker
+    # died mid-batch and the run went back to its last cut.
+    report = audit(run_dir, 512)
+    assert report.steps == 60 and report.exact, report
+
+
+@pytest.mark.timeout(120)
+def test_a_push_is_applied_at_most_once_and_an_old_generation_is_refused(ray_cluster, tmp_path: Path) -> None:
+    from shardyard.train.parameter_server import ParameterServer, initial_model
+
+    spec = parse_spec(ps_job(tmp_path, "ids", workers=1, servers=1, staleness=None, total=4))
+    model = initial_model(spec)
+    names = [n for n, _ in model.named_parameters()][:2]
+    server = ParameterServer.remote(spec.model_dump(mode="json"), names, {n: True for n in names})
+    values = [dict(model.named_parameters())[n].detach() for n in names]
+    ray.get(server.load.remote(values, [{}, {}], 0, 3))
+    grads = [torch.ones_like(v) for v in values]
+    assert ray.get(server.push.remote(grads, (3, 0), 0)) == "applied"
+    once = ray.get(server.pull.remote())[2]
+    assert ray.get(server.push.remote(grads, (3, 0), 0)) == "duplicate"  # a retry of batch 0
+    assert ray.get(server.push.remote(grads, (2, 16), 0)) == "refused"   # before a rollback
+    generation, version, after = ray.get(server.pull.remote())
+    assert (generation, version) == (3, 1)
+    for a, b, start in zip(once, after, values):
+        assert torch.equal(a, b) and not torch.equal(a, start)
+    ray.kill(server)
+
+
+@pytest.mark.timeout(300)
+def test_checkpoints_pass_between_parameter_servers_and_the_other_strategies(ray_cluster, tmp_path: Path) -> None:
+    """DDP trains steps 1-4, parameter servers (one worker, staleness 0: synchronous) 5-8 from its
+    checkpoint, ZeRO-2 9-12 from theirs: with plain SGD the whole chain is one process's 12 steps."""
+    from shardyard.train.launcher import launch
+
+    raw = ps_job(tmp_path, "chain", workers=1, servers=2, staleness=0, total=12, optim={**SGD, "momentum": 0.0})
+    raw["checkpoint"]["every_n_steps"] = 4
+    stages = [({"strategy": "ddp"}, 2, 4), ({"strategy": "parameter_server", "num_servers": 2,
+                                                 "max_staleness": 0}, 1, 8), ({"strategy": "zero2"}, 2, 12)]
+    for parallelism, workers, until in stages:
+        stage = {**raw, "parallelism": parallelism, "scaling": {"num_workers": workers},
+                 "run": {**raw["run"], "steps": until}}
+        assert launch(parse_spec(stage)).summary["steps"] == until
+    _, expected = synchronous(raw, 12)
+    got = load_model(find_latest(tmp_path / "chain")).state_dict()
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-5, msg=name)
 
 
 @pytest.mark.timeout(360)
@@ -135,7 +184,6 @@ def test_workers_join_when_a_node_brings_room_and_a_killed_job_resumes(ray_clust
     import subprocess
     import sys
 
-    from shardyard.train.checkpoint import find_latest
     from shardyard.train.launcher import launch
     from test_elastic import SLOT, WorkerNode, wait_for
 
@@ -144,6 +192,7 @@ def test_workers_join_when_a_node_brings_room_and_a_killed_job_resumes(ray_clust
     raw["checkpoint"]["every_n_steps"] = 25
     raw["scaling"] = {"min_workers": 1, "max_workers": 2, "max_failures": 2,
                       "resources_per_worker": {"CPU": 1, SLOT: 1}}  # only the extra nodes have slots
+    raw["run"]["sample_ledger"] = True
     config = tmp_path / "grow.yaml"
     config.write_text(json.dumps(raw))  # JSON is YAML
     run_dir = tmp_path / "grow"
@@ -153,7 +202,7 @@ def test_workers_join_when_a_node_brings_room_and_a_killed_job_resumes(ray_clust
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         def joined() -> list[dict]:
-            return [e for e in read_events(str(tmp_path), "grow") if e["event"] == "worker_joined"]
+            return [e for e in read_events(run_dir) if e["event"] == "worker_joined"]
 
         wait_for(lambda: joined() or driver.poll() is not None, 120, "no worker joined")
         time.sleep(2)
@@ -171,11 +220,13 @@ def test_workers_join_when_a_node_brings_room_and_a_killed_job_resumes(ray_clust
 
         result = launch(parse_spec(raw))  # submitted again, same storage and name
         assert result.summary["steps"] == total, result.summary
-        starts = [e for e in read_events(str(tmp_path), "grow") if e["event"] == "start"]
+        starts = [e for e in read_events(run_dir) if e["event"] == "start"]
         assert len(starts) == 2 and starts[1]["restored_step"] >= stopped_at, starts
         rows = logged(run_dir)
         assert {r["world_size"] for r in rows} >= {1, 2}, rows
         assert [r["step"] for r in rows if r["step"] > stopped_at][-1] == total
+        report = audit(run_dir, 512)  # the killed job's unfinished stretch is redone, nothing twice
+        assert report.steps == total and report.exact, report
     finally:
         if driver.poll() is None:
             driver.kill()

@@ -1,6 +1,8 @@
 """A checkpoint written at one world size resumes at another: the state is resharded
-(torch.distributed.checkpoint; DeepSpeed's universal checkpoint for ZeRO), gradient accumulation is recomputed so the global batch stays
-the same, and each rank picks up its new shard of the remaining samples.
+(torch.distributed.checkpoint; DeepSpeed's universal checkpoint for ZeRO), gradient accumulation is
+recomputed so the global batch stays the same, and each rank picks up its new shard of the
+remaining samples. Both runs are the real Trainer over one run directory, as a resized Ray Train
+run would be.
 
 Oracle: the whole run must equal STEPS uninterrupted single-process steps. A repeated or skipped
 sample, a wrong accumulation count or a bad reshard would each move the parameters off it.
@@ -14,32 +16,9 @@ import pytest
 import torch
 
 from shardyard.localdist import run_distributed
-from shardyard.models import build_model
-from shardyard.parallel import build_engine
-from shardyard.spec import parse_spec
 from shardyard.train import checkpoint
-from shardyard.train.checkpoint import TrainState
-from test_strategies import PARAM_TOL, RESUME_AT, STEPS, job, oracle_run, steps
-
-
-def before(rank: int, world: int, raw: dict, out: str) -> None:
-    spec = parse_spec(raw).at_world_size(world)
-    torch.manual_seed(spec.run.seed)
-    engine = build_engine(spec, build_model(spec.model), torch.device("cpu"))
-    steps(engine, spec, 0, RESUME_AT)
-    state = TrainState(RESUME_AT, RESUME_AT * spec.batch.global_batch_size, world)
-    checkpoint.save(engine, state, spec, Path(out, "mid"), rank)
-
-
-def after(rank: int, world: int, raw: dict, out: str) -> tuple[int, list[float]]:
-    spec = parse_spec(raw).at_world_size(world)
-    torch.manual_seed(spec.run.seed + 1)  # fresh weights: everything must come from the checkpoint
-    engine = build_engine(spec, build_model(spec.model), torch.device("cpu"))
-    state = checkpoint.load(engine, Path(out, "mid"))
-    losses = steps(engine, spec, state.step, STEPS)
-    checkpoint.save(engine, TrainState(STEPS, STEPS * spec.batch.global_batch_size, world), spec,
-                    Path(out, "final"), rank)
-    return state.world_size, losses
+from shardyard.train.metrics import read_metrics
+from test_strategies import PARAM_TOL, RESUME_AT, job, oracle_run, train
 
 
 @pytest.mark.timeout(240)
@@ -57,16 +36,19 @@ def test_resume_at_another_world_size_matches_uninterrupted_run(parallelism: dic
     # One elastic spec for both runs, as a resized Ray Train run would have.
     raw = job(parallelism, old_world, 2) | {"batch": {"global_batch_size": 24, "micro_batch_size": 2}}
     raw["scaling"] = {"min_workers": min(old_world, new_world), "max_workers": max(old_world, new_world)}
+    raw["checkpoint"] = {"every_n_steps": RESUME_AT, "storage_path": str(tmp_path)}
     old, new = raw, raw
     if parallelism.get("tp", 1) > 1:  # no elastic range fits tp = 2 (3 ranks would not): two fixed sizes
         old, new = raw | {"scaling": {"num_workers": old_world}}, raw | {"scaling": {"num_workers": new_world}}
-    run_distributed(before, old_world, old, str(tmp_path))
-    restored_from, losses = run_distributed(after, new_world, new, str(tmp_path))[0]
-    assert restored_from == old_world
+    run_distributed(train, old_world, old | {"run": {**raw["run"], "name": "run"}}, RESUME_AT)
+    run_distributed(train, new_world, new | {"run": {**raw["run"], "name": "run"}})
 
-    spec = parse_spec(new)
-    oracle_losses, oracle_params = oracle_run(spec.model.tie_weights, 24)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(oracle_losses[RESUME_AT:]), rtol=1e-5, atol=0)
-    final = checkpoint.load_model(tmp_path / "final").state_dict()
+    run_dir = tmp_path / "run"
+    oracle_losses, oracle_params = oracle_run(raw["model"]["tie_weights"], "adamw", 24)
+    losses = [row["loss"] for row in read_metrics(run_dir)]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(oracle_losses), rtol=1e-5, atol=0)
+    final = checkpoint.find_latest(run_dir)
+    assert checkpoint.committed_record(final)["world_size"] == new_world
+    trained = checkpoint.load_model(final).state_dict()
     for name, value in oracle_params.items():
-        torch.testing.assert_close(final[name], value, rtol=0, atol=PARAM_TOL, msg=name)
+        torch.testing.assert_close(trained[name], value, rtol=0, atol=PARAM_TOL, msg=name)

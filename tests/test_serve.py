@@ -17,27 +17,19 @@ import requests
 import torch
 
 from shardyard.localdist import free_port, run_distributed
-from shardyard.models import build_model
-from shardyard.parallel import build_engine
 from shardyard.serve.batching import AdaptiveBatchSize, calibrate
 from shardyard.serve.generation import Completion, decode, decode_steps, encode, generate
-from shardyard.spec import parse_spec
 from shardyard.train import checkpoint
-from shardyard.train.checkpoint import TrainState
-from test_strategies import job, steps
+from test_strategies import job, train, with_storage
 
 STRATEGIES = ("ddp", "fsdp", "zero2")
 
 
 def train_and_save(rank: int, world: int, out: str) -> None:
-    """Each strategy in turn, in one pair of processes (a launch costs seconds here)."""
+    """Each strategy in turn, in one pair of processes (a launch costs seconds here): the
+    Trainer stopped after its committed checkpoint of step 2."""
     for strategy in STRATEGIES:
-        spec = parse_spec(job({"strategy": strategy}, 2, 4))
-        torch.manual_seed(spec.run.seed)
-        engine = build_engine(spec, build_model(spec.model), torch.device("cpu"))
-        steps(engine, spec, 0, 2)
-        state = TrainState(2, 2 * spec.batch.global_batch_size, world)
-        checkpoint.save(engine, state, spec, Path(out, strategy, "checkpoint_step_00000002"), rank)
+        train(rank, world, with_storage(job({"strategy": strategy}, 2, 4), Path(out, strategy)), until=2)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +37,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A 4-block GPT trained 2 steps on 2 ranks by each strategy, as training writes it."""
     out = tmp_path_factory.mktemp("checkpoints")
     run_distributed(train_and_save, 2, str(out))
-    return {strategy: out / strategy / "checkpoint_step_00000002" for strategy in STRATEGIES}
+    return {strategy: out / strategy / "run" / "checkpoint_step_00000002" for strategy in STRATEGIES}
 
 
 def ragged_batch() -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,9 +32,8 @@ def save_untrained(rank: int, world: int, out: str) -> None:
     spec = parse_spec(job({"strategy": "ddp"}, 1, 4))
     torch.manual_seed(spec.run.seed)
     engine = build_engine(spec, build_model(spec.model), torch.device("cpu"))
-    directory = Path(out, "checkpoint_step_00000000")
-    checkpoint.save(engine, TrainState(0, 0, world), spec, directory, rank)
-    checkpoint.mark_shard_done(directory, rank, world)  # complete, as training leaves it
+    # Committed, as training leaves it.
+    checkpoint.CheckpointManager(out, keep=1).save(engine, TrainState(0, 0, world), spec, metrics={})
 
 
 @pytest.mark.timeout(300)

@@ -1,12 +1,14 @@
 """Every parallel strategy, and each combination that fits in 4 CPU processes, against the oracle:
 the same model, data and global batch trained in one process.
 
-Per case, on real torch.distributed (gloo) ranks (all cases of one world size share one launch):
-train STEPS steps, saving a checkpoint after
-RESUME_AT; then a fresh engine (different random init) loads that checkpoint and trains on.
-Checked in the main process:
-- final parameters and the per-step loss curve equal the single-process run (tolerance below);
-- the resumed run ends exactly where the straight run ended;
+Each case runs the real `Trainer` (the loop Ray Train's workers run) on torch.distributed gloo
+ranks, all cases of one world size in one launch, and is checked in the main process:
+- final parameters and the per-step loss curve equal the single-process run, once with AdamW and
+  gradient clipping, and once with plain SGD, no clipping and no weight decay: Adam's update and
+  clipping are blind to a constant gradient factor (a sum instead of a mean over ranks, a missing
+  1/accumulation), SGD's is not. Every case has world size > 1 and accumulation > 1;
+- a run resumed from the committed checkpoint of step RESUME_AT ends exactly where the straight
+  run ended;
 - the checkpoint exports to safetensors and reloads in one process with equal outputs.
 
 Tolerances: the only allowed difference is reduction order (all-reduce / reduce-scatter sums
@@ -18,6 +20,7 @@ relative on losses. Resume is compared at 1e-6: same ranks, same ops, only the c
 from __future__ import annotations
 
 import functools
+import shutil
 import traceback
 from pathlib import Path
 
@@ -25,28 +28,33 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardyard.localdist import run_distributed
 from shardyard.data import GlobalSampleOrder, build_dataset, micro_batch_ids
+from shardyard.localdist import run_distributed
 from shardyard.models import build_model
-from shardyard.parallel import build_engine, single_process
+from shardyard.parallel import single_process
 from shardyard.spec import parse_spec
 from shardyard.train import checkpoint
-from shardyard.train.checkpoint import TrainState
+from shardyard.train.metrics import read_metrics
+from shardyard.train.trainer import Trainer
 
 STEPS, RESUME_AT = 4, 2
 PARAM_TOL, LOSS_RTOL, RESUME_TOL = 2e-5, 1e-5, 1e-6
+ADAMW = {"name": "adamw", "lr": 1e-3, "warmup_steps": 1, "grad_clip": 0.5}
+# Large enough that a gradient off by a constant factor moves parameters far past PARAM_TOL.
+SGD = {"name": "sgd", "lr": 0.5, "momentum": 0.0, "weight_decay": 0.0, "grad_clip": 0.0, "warmup_steps": 1}
 
 
-def job(parallelism: dict, world: int, micro_batch: int) -> dict:
+def job(parallelism: dict, world: int, micro_batch: int, optim: dict = ADAMW, tie: bool | None = None) -> dict:
     return {
         "model": {"name": "gpt", "n_layer": 4, "n_head": 4, "n_embd": 32, "block_size": 16,
-                  "tie_weights": parallelism.get("pp", 1) == 1},
+                  "tie_weights": parallelism.get("pp", 1) == 1 if tie is None else tie},
         "data": {"name": "synthetic", "num_samples": 256},
-        "optim": {"lr": 1e-3, "warmup_steps": 1, "grad_clip": 0.5},
+        "optim": optim,
         "batch": {"global_batch_size": 16, "micro_batch_size": micro_batch},
         "parallelism": parallelism,
         "scaling": {"num_workers": world},
-        "run": {"steps": STEPS, "seed": 5},
+        "checkpoint": {"every_n_steps": RESUME_AT, "keep": 5},
+        "run": {"steps": STEPS, "seed": 5, "log_every": 1},
     }
 
 
@@ -70,10 +78,49 @@ CASES = {
     "fsdp-x-pipeline": ({"strategy": "fsdp", "pp": 2}, 4, 2),
     "pipeline-x-tensor": ({"strategy": "fsdp", "pp": 2, "tp": 2}, 4, 4),
 }
+OPTIMIZERS = {"adamw": ADAMW, "sgd": SGD}
+
+
+def with_storage(raw: dict, storage: Path, steps: int = STEPS) -> dict:
+    return raw | {"checkpoint": {**raw["checkpoint"], "storage_path": str(storage)},
+                  "run": {**raw["run"], "steps": steps, "name": "run"}}
+
+
+def train(rank: int, world: int, raw: dict, until: int | None = None) -> None:
+    Trainer.build(parse_spec(raw), rank, world, torch.device("cpu")).train(until)
+
+
+def straight_and_resumed(rank: int, world: int, raw: dict, out: Path) -> None:
+    """The case straight to STEPS; then a second run that starts from a copy of the straight
+    run's committed checkpoint of RESUME_AT and trains on to STEPS."""
+    train(rank, world, with_storage(raw, out / "straight"))
+    if rank == 0:
+        name = checkpoint.checkpoint_name(RESUME_AT)
+        shutil.copytree(out / "straight" / "run" / name, out / "resumed" / "run" / name)
+    dist.barrier()
+    train(rank, world, with_storage(raw, out / "resumed"))
+
+
+def every_case(rank: int, world: int, out: str) -> dict[str, str | None]:
+    """Every case of this world size in turn, with each optimizer, in one set of processes (a
+    launch costs seconds here). A case that raises is reported by name; the others still run."""
+    results: dict[str, str | None] = {}
+    for case, (parallelism, case_world, micro) in CASES.items():
+        if case_world != world:
+            continue
+        for opt, optim in OPTIMIZERS.items():
+            try:
+                straight_and_resumed(rank, world, job(parallelism, world, micro, optim), Path(out, case, opt))
+                results[f"{case}/{opt}"] = None
+            except Exception:  # noqa: BLE001 - reported by the case's own test
+                results[f"{case}/{opt}"] = traceback.format_exc()
+            dist.barrier()
+    return results
 
 
 def steps(engine, spec, start: int, stop: int) -> list[float]:
-    """Train from step `start` to `stop`; return the global mean loss of each step."""
+    """An engine's math without the Trainer (the single-process oracle, and tests that look at
+    every step): train from step `start` to `stop`, return the global mean loss of each step."""
     dataset = build_dataset(spec)
     order = GlobalSampleOrder(len(dataset), spec.run.seed)
     accum = spec.grad_accum_steps(dist.get_world_size() if dist.is_initialized() else 1)
@@ -88,34 +135,13 @@ def steps(engine, spec, start: int, stop: int) -> list[float]:
     return losses
 
 
-def rank_fn(rank: int, world: int, raw: dict, out: str) -> list[float]:
-    spec = parse_spec(raw)
-    save = lambda engine, step, name: checkpoint.save(  # noqa: E731
-        engine, TrainState(step, step * spec.batch.global_batch_size, world), spec, Path(out, name), rank)
-
-    torch.manual_seed(spec.run.seed)
-    engine = build_engine(spec, build_model(spec.model), torch.device("cpu"))
-    losses = steps(engine, spec, 0, RESUME_AT)
-    save(engine, RESUME_AT, "mid")
-    losses += steps(engine, spec, RESUME_AT, STEPS)
-    save(engine, STEPS, "straight")
-
-    torch.manual_seed(spec.run.seed + 1)  # a different init: the checkpoint must overwrite it all
-    fresh = build_engine(spec, build_model(spec.model), torch.device("cpu"))
-    state = checkpoint.load(fresh, Path(out, "mid"))
-    assert state.step == RESUME_AT
-    steps(fresh, spec, RESUME_AT, STEPS)
-    save(fresh, STEPS, "resumed")
-    return losses
-
-
 @functools.cache
-def oracle_run(tie_weights: bool, global_batch: int = 16) -> tuple[list[float], dict[str, torch.Tensor]]:
+def oracle_run(tie_weights: bool, optim: str = "adamw",
+               global_batch: int = 16) -> tuple[list[float], dict[str, torch.Tensor]]:
     """STEPS steps in one process on the whole global batch: per-step losses, final parameters."""
-    raw = job({"strategy": "ddp"}, 1, global_batch)
+    raw = job({"strategy": "ddp"}, 1, global_batch, OPTIMIZERS[optim], tie_weights)
     raw["batch"] = {"global_batch_size": global_batch, "micro_batch_size": global_batch}
     spec = parse_spec(raw)
-    spec.model.tie_weights = tie_weights
     torch.manual_seed(spec.run.seed)
     engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
     losses = steps(engine, spec, 0, STEPS)
@@ -123,61 +149,136 @@ def oracle_run(tie_weights: bool, global_batch: int = 16) -> tuple[list[float], 
 
 
 @pytest.fixture(scope="module")
-def oracle() -> dict:
-    return {tie: oracle_run(tie) for tie in (True, False)}
-
-
-def every_case(rank: int, world: int, out: str) -> dict[str, list[float] | str]:
-    """Every case of this world size in turn, in one set of processes (a launch costs seconds
-    here). A case that raises is reported by name; the others still run."""
-    results: dict[str, list[float] | str] = {}
-    for case, (parallelism, case_world, micro) in CASES.items():
-        if case_world != world:
-            continue
-        Path(out, case).mkdir(exist_ok=True)
-        try:
-            results[case] = rank_fn(rank, world, job(parallelism, world, micro), str(Path(out, case)))
-        except Exception:  # noqa: BLE001 - reported by the case's own test
-            results[case] = traceback.format_exc()
-        dist.barrier()
-    return results
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[float] | str]]:
-    """(the directory with one subdirectory per case, rank 0's losses or traceback per case)."""
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str | None]]:
+    """(the directory with one subdirectory per case, rank 0's traceback per case, if it raised)."""
     out = tmp_path_factory.mktemp("strategies")
-    results: dict[str, list[float] | str] = {}
+    results: dict[str, str | None] = {}
     for world in sorted({world for _, world, _ in CASES.values()}):
         results |= run_distributed(every_case, world, str(out))[0]
     return out, results
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", list(CASES))
-def test_strategy_matches_single_process_and_resumes(case: str, oracle: dict, trained) -> None:
-    parallelism, world, micro = CASES[case]
-    raw = job(parallelism, world, micro)
-    out, results = trained
-    losses, tmp_path = results[case], out / case
-    assert not isinstance(losses, str), f"{case} raised on rank 0:\n{losses}"
-    tie = raw["model"]["tie_weights"]
-    oracle_losses, oracle_params = oracle[tie]
+def assert_params(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], tol: float, what: str) -> None:
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=tol, msg=f"{what}: {name}")
 
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("optim", list(OPTIMIZERS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_strategy_matches_single_process_and_resumes(case: str, optim: str, trained) -> None:
+    parallelism, world, micro = CASES[case]
+    raw = job(parallelism, world, micro, OPTIMIZERS[optim])
+    out, results = trained
+    error, case_dir = results[f"{case}/{optim}"], out / case / optim
+    assert error is None, f"{case} ({optim}) raised on rank 0:\n{error}"
+    oracle_losses, oracle_params = oracle_run(raw["model"]["tie_weights"], optim)
+
+    losses = [row["loss"] for row in read_metrics(case_dir / "straight" / "run")]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(oracle_losses), rtol=LOSS_RTOL, atol=0)
-    straight = checkpoint.load_model(tmp_path / "straight").state_dict()
-    for name, value in oracle_params.items():
-        torch.testing.assert_close(straight[name], value, rtol=0, atol=PARAM_TOL, msg=f"{case}: {name}")
-    resumed = checkpoint.load_model(tmp_path / "resumed").state_dict()
-    for name, value in straight.items():
-        torch.testing.assert_close(resumed[name], value, rtol=0, atol=RESUME_TOL, msg=f"{case} resume: {name}")
+    straight_dir = checkpoint.find_latest(case_dir / "straight" / "run")
+    assert straight_dir.name == checkpoint.checkpoint_name(STEPS)
+    straight = checkpoint.load_model(straight_dir).state_dict()
+    assert_params(straight, oracle_params, PARAM_TOL, case)
+    resumed = checkpoint.load_model(checkpoint.find_latest(case_dir / "resumed" / "run")).state_dict()
+    assert_params(resumed, straight, RESUME_TOL, f"{case} resume")
 
     # Export to one safetensors file and reload it in a single process: same outputs.
     from safetensors.torch import load_model
 
-    exported = checkpoint.export_safetensors(tmp_path / "straight", tmp_path / "model.safetensors")
+    exported = checkpoint.export_safetensors(straight_dir, case_dir / "model.safetensors")
     reloaded = build_model(parse_spec(raw).model)
     load_model(reloaded, str(exported))
     tokens = torch.randint(0, 256, (2, 16))
-    trained = checkpoint.load_model(tmp_path / "straight")
-    torch.testing.assert_close(reloaded(tokens), trained(tokens), rtol=0, atol=0)
+    model = checkpoint.load_model(straight_dir)
+    torch.testing.assert_close(reloaded(tokens), model(tokens), rtol=0, atol=0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("optim", list(OPTIMIZERS))
+def test_the_oracle_moves_parameters_far_beyond_the_tolerance(optim: str) -> None:
+    """Guards the oracle itself: equality proves nothing unless STEPS steps move the weights, and
+    a gradient twice too large must land far outside the tolerance."""
+    raw = job({"strategy": "ddp"}, 1, 16, OPTIMIZERS[optim], tie=True)
+    spec = parse_spec(raw)
+    torch.manual_seed(spec.run.seed)
+    initial = build_model(spec.model).state_dict()
+    _, trained = oracle_run(True, optim)
+    moved = max((trained[k] - initial[k]).abs().max().item() for k in initial)
+    assert moved > 100 * PARAM_TOL
+    if optim == "sgd":  # the update is linear in the gradient: a doubled one shows
+        doubled = parse_spec({**raw, "optim": {**SGD, "lr": 2 * SGD["lr"]}})
+        torch.manual_seed(spec.run.seed)
+        engine = single_process(doubled, build_model(doubled.model), torch.device("cpu"))
+        steps(engine, doubled, 0, STEPS)
+        off = max((engine.model.state_dict()[k] - trained[k]).abs().max().item() for k in trained)
+        assert off > 100 * PARAM_TOL
+
+
+# ----------------------------------------------------------------------------- any checkpoint, any strategy
+
+# Written at world size 2 and resumed at 4: every strategy's checkpoint under every other, across
+# the two formats (DCP, DeepSpeed's) and a resharding. One untied model, so pipelines fit.
+MATRIX_SOURCES = {
+    "ddp": {"strategy": "ddp"},
+    "fsdp": {"strategy": "fsdp"},
+    "tensor": {"strategy": "tensor", "tp": 2},
+    "pipeline": {"strategy": "pipeline", "pp": 2},
+    "zero1": {"strategy": "zero1"},
+    "zero3": {"strategy": "zero3"},
+}
+MATRIX_TARGETS = {
+    "ddp": {"strategy": "ddp"},
+    "fsdp": {"strategy": "fsdp"},
+    "tensor": {"strategy": "tensor", "tp": 4},
+    "pipeline": {"strategy": "pipeline", "pp": 2},
+    "zero1": {"strategy": "zero1"},
+    "zero3": {"strategy": "zero3"},
+}
+
+
+def matrix_job(parallelism: dict, world: int, storage: Path) -> dict:
+    return with_storage(job(parallelism, world, 8 // world, ADAMW, tie=False), storage)
+
+
+def write_sources(rank: int, world: int, out: str) -> None:
+    for source, parallelism in MATRIX_SOURCES.items():
+        train(rank, world, matrix_job(parallelism, world, Path(out, "sources", source)), until=RESUME_AT)
+
+
+def resume_every_pair(rank: int, world: int, out: str) -> dict[str, str | None]:
+    results: dict[str, str | None] = {}
+    for source in MATRIX_SOURCES:
+        for target, parallelism in MATRIX_TARGETS.items():
+            pair = Path(out, f"{source}-to-{target}")
+            try:
+                if rank == 0:
+                    shutil.copytree(Path(out, "sources", source), pair)
+                dist.barrier()
+                train(rank, world, matrix_job(parallelism, world, pair))
+                results[f"{source}-to-{target}"] = None
+            except Exception:  # noqa: BLE001 - reported by the pair's own test
+                results[f"{source}-to-{target}"] = traceback.format_exc()
+            dist.barrier()
+    return results
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str | None]]:
+    out = tmp_path_factory.mktemp("matrix")
+    run_distributed(write_sources, 2, str(out))
+    return out, run_distributed(resume_every_pair, 4, str(out))[0]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("target", list(MATRIX_TARGETS))
+@pytest.mark.parametrize("source", list(MATRIX_SOURCES))
+def test_a_checkpoint_resumes_under_every_strategy_at_another_world_size(source: str, target: str, matrix) -> None:
+    """Model, AdamW state and schedule carried across: the resumed run ends where one process ends."""
+    out, results = matrix
+    error = results[f"{source}-to-{target}"]
+    assert error is None, f"{source} -> {target} raised on rank 0:\n{error}"
+    _, oracle_params = oracle_run(False, "adamw")
+    final = checkpoint.find_latest(out / f"{source}-to-{target}" / "run")
+    assert final.name == checkpoint.checkpoint_name(STEPS)
+    assert_params(checkpoint.load_model(final).state_dict(), oracle_params, PARAM_TOL, f"{source} -> {target}")

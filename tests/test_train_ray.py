@@ -4,7 +4,6 @@ uninterrupted run ends."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 from shardyard.spec import load_spec
 from shardyard.train.checkpoint import TrainState, find_latest, load_model
 from shardyard.train.launcher import launch
-from shardyard.train.metrics import METRICS_FILE, LOSS_PLOT
+from shardyard.train.metrics import LOSS_PLOT, TENSORBOARD_DIR, read_metrics
 
 
 def tiny_job(storage: Path, name: str, steps: int) -> list[str]:
@@ -30,7 +29,7 @@ def tiny_job(storage: Path, name: str, steps: int) -> list[str]:
 
 
 def logged_steps(run_dir: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (run_dir / METRICS_FILE).read_text().splitlines()]
+    return [row["step"] for row in read_metrics(run_dir)]
 
 
 @pytest.mark.timeout(400)
@@ -45,13 +44,18 @@ def test_run_writes_outputs_and_a_stopped_run_resumes_at_the_next_step_identical
     assert sorted(p.name for p in run_dir.glob("checkpoint_step_*")) == [
         "checkpoint_step_00000006", "checkpoint_step_00000007"]
     assert find_latest(run_dir).name == "checkpoint_step_00000007"
-    # A crash mid-write leaves a directory where some rank never marked its shard done.
+    # A crash mid-write leaves a directory that rank 0 never committed.
     partial = run_dir / "checkpoint_step_00000099"
     partial.mkdir()
-    (partial / "trainer_state.pt").write_bytes(b"rank 0 finished, rank 1 never uploaded")
-    (partial / "shard_0_of_2.done").touch()
+    (partial / "trainer_state.pt").write_bytes(b"rank 0 wrote this, then the writing stopped")
     assert find_latest(run_dir).name == "checkpoint_step_00000007"
     assert (run_dir / LOSS_PLOT).stat().st_size > 0
+    # TensorBoard's event files carry the same loss as the metrics log.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(run_dir / TENSORBOARD_DIR))
+    board.Reload()
+    assert [e.step for e in board.Scalars("train/loss")] == list(range(1, 8))
     assert logged_steps(run_dir) == list(range(1, 8))
     assert straight.summary["world_size"] == 2 and straight.summary["tokens_per_s"] > 0
     # Trained weights differ from the initial ones: the checkpoint holds real training state.

@@ -38,13 +38,13 @@ def run_train(config: str, overrides: list[str], attach_to_running: bool) -> int
 
 def run_export(checkpoint: str, out: str) -> int:
     """Write a checkpoint of any strategy (or a run directory's latest) as one safetensors file."""
-    from shardyard.train.checkpoint import export_safetensors, find_latest
+    from shardyard.train.checkpoint import committed_record, export_safetensors, find_latest
 
     path = Path(checkpoint)
-    if path.is_dir() and not (path / "trainer_state.pt").is_file():
+    if path.is_dir() and committed_record(path) is None:
         path = find_latest(path) or path
-    if not (path / "trainer_state.pt").is_file():
-        print(f"shardyard: {checkpoint!r} is neither a checkpoint nor a run directory with one "
+    if committed_record(path) is None:
+        print(f"shardyard: {checkpoint!r} is neither a committed checkpoint nor a run directory with one "
               f"(`shardyard train` writes them)", file=sys.stderr)
         return 2
     print(export_safetensors(path, out))

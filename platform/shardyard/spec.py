@@ -211,6 +211,9 @@ class CheckpointSpec(_Section):
     keep: int = Field(2, ge=1, description="newest checkpoints kept; older ones are deleted")
     async_write: bool = Field(
         False, description="write and upload checkpoints in the background while training goes on")
+    load_optimizer: bool = Field(
+        True, description="resume with the checkpoint's optimizer state; false: weights, schedule and "
+                          "data position only (when the optimizer changed, e.g. adamw -> sgd)")
 
 
 class RunSpec(_Section):
@@ -262,6 +265,11 @@ class JobSpec(_Section):
             raise ValueError(f"checkpoint.every_n_steps ({self.checkpoint.every_n_steps}) must be a multiple "
                              f"of parallelism.sync_every ({par.sync_every}): a checkpoint holds averaged "
                              f"parameters, which ranks share only right after an average")
+        if (par.strategy in ZERO_STAGES and self.optim.name == "sgd" and self.optim.momentum
+                and len(self.scaling.world_sizes) > 1 and self.checkpoint.load_optimizer):
+            raise ValueError("elastic ZeRO with SGD momentum cannot resume at another world size: DeepSpeed "
+                             "reshards Adam's state only. Use optim.name adamw, a fixed scaling.num_workers, "
+                             "or checkpoint.load_optimizer=false")
         if par.strategy == "parameter_server":
             self._check_parameter_server()
         self._check_model_fits_mesh()
@@ -278,9 +286,9 @@ class JobSpec(_Section):
                              f"({batch.global_batch_size}) into one batch per worker slot ({slots}: "
                              f"scaling.num_workers or max_workers), each a multiple of "
                              f"batch.micro_batch_size ({batch.micro_batch_size})")
-        if self.scaling.recovery != "restart" or self.run.sample_ledger or self.checkpoint.async_write:
+        if self.scaling.recovery != "restart" or self.checkpoint.async_write:
             raise ValueError("parallelism.strategy 'parameter_server' runs its own actors: scaling.recovery "
-                             "'hot', run.sample_ledger and checkpoint.async_write are for Ray Train strategies")
+                             "'hot' and checkpoint.async_write are for Ray Train strategies")
 
     def _check_hot_recovery(self) -> None:
         if self.scaling.recovery != "hot":
@@ -370,7 +378,13 @@ class JobSpec(_Section):
 
     @property
     def run_dir(self) -> Path:
+        """The run's directory on local or shared storage."""
         return Path(self.checkpoint.storage_path) / self.run.name
+
+    @property
+    def run_uri(self) -> str:
+        """The run's directory as storage sees it: a local path, or an object-store URI."""
+        return f"{self.checkpoint.storage_path.rstrip('/')}/{self.run.name}"
 
 
 # ----------------------------------------------------------------------------- loading

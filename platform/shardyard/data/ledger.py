@@ -1,10 +1,11 @@
 """A sample ledger: which sample ids each rank trained on at each step, across restarts.
 
-Turned on by `run.sample_ledger` (local or shared-filesystem storage). Each rank appends to
-`<run_dir>/ledger/rank<R>.jsonl` two kinds of line per step: the ids it is about to train on
+Turned on by `run.sample_ledger` (local or shared-filesystem storage). Each writer (a rank, or a
+parameter-server worker) appends to `<run_dir>/ledger/<writer>.jsonl` two kinds of line per step: the ids it is about to train on
 (before its gradients leave it), then a commit line once the step is applied. Both carry a round:
-the worker group's attempt (its start time, the same on every rank) and, under hot recovery, the
-TorchFT quorum the step ran in.
+the worker group's attempt (its start time, the same on every rank) and, where the group changes
+within an attempt, the round: the TorchFT quorum under hot recovery, the generation for parameter
+servers.
 
 Why two lines: a step counts once any replica applied it, and then it holds the gradients of every
 rank of its round, including one that died or failed before it could commit (an all-reduce that
@@ -25,13 +26,14 @@ import torch
 
 
 class SampleLedger:
-    def __init__(self, run_dir: str | Path, rank: int, attempt: float) -> None:
-        self.path = Path(run_dir) / "ledger" / f"rank{rank}.jsonl"
+    def __init__(self, run_dir: str | Path, writer: str, attempt: float) -> None:
+        self.path = Path(run_dir) / "ledger" / f"{writer}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.attempt = attempt
 
     def training(self, step: int, world_size: int, ids: list[torch.Tensor], quorum: int | None) -> None:
-        """Before the step: the ids this rank contributes to `step` (numbered from 1)."""
+        """Before the step: the ids this writer contributes to `step` (numbered from 1), with the
+        number of data-parallel ranks sharing the step."""
         self._append({"step": step, "world_size": world_size, "ids": torch.cat(ids).tolist()}, quorum)
 
     def committed(self, step: int, quorum: int | None) -> None:
@@ -46,7 +48,7 @@ class SampleLedger:
 @dataclass
 class LedgerAudit:
     steps: int                  # steps on the final trajectory
-    world_sizes: list[int]      # world size of each of those steps
+    world_sizes: list[int]      # data-parallel ranks that trained each of those steps
     attempts: int               # worker groups that trained
     complete_epochs: int
     duplicates: int             # samples seen more than once within one complete epoch
@@ -59,7 +61,7 @@ class LedgerAudit:
 
 
 def audit(run_dir: str | Path, num_samples: int) -> LedgerAudit:
-    entries = [json.loads(line) for f in sorted((Path(run_dir) / "ledger").glob("rank*.jsonl"))
+    entries = [json.loads(line) for f in sorted((Path(run_dir) / "ledger").glob("*.jsonl"))
                for line in f.read_text().splitlines() if line.strip()]
     rounds: dict[int, set[tuple[float, int]]] = {}  # step -> the rounds that committed it
     for e in entries:

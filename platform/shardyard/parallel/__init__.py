@@ -27,7 +27,7 @@ from shardyard.train.optim import build_optimizer, build_scheduler
 
 
 def _optimizers(spec: JobSpec, parts: list[nn.Module]) -> tuple[list, list]:
-    optimizers = [build_optimizer(part.parameters(), spec.optim) for part in parts]
+    optimizers = [build_optimizer(part, spec.optim) for part in parts]
     return optimizers, [build_scheduler(o, spec.optim, spec.run.steps) for o in optimizers]
 
 

@@ -25,12 +25,9 @@ class Engine:
     """Holds the model (one part, or several pipeline chunks), one optimizer and LR schedule per
     part, and runs the training step."""
 
-    checkpoint_format = "dcp"  # torch.distributed.checkpoint; ZeRO uses DeepSpeed's own
-    # True where every worker holds the whole state and runs alone in its process group
-    # (hot-recovery replicas): one worker writes checkpoints for all.
-    replicated_state = False
-    healed_from: int | None = None  # set by begin_step when this replica copied a peer's state
-    quorum_id: int | None = None    # hot recovery: the TorchFT quorum this step runs in
+    # Which round of a changing replica group runs this step (hot recovery: the TorchFT quorum);
+    # None where the group is fixed. The sample ledger keys its lines by it.
+    step_round: int | None = None
 
     def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
                  schedulers: list[torch.optim.lr_scheduler.LRScheduler], loss_fn: LossFn,
@@ -67,7 +64,8 @@ class Engine:
         return [p for part in self.parts for p in part.parameters()]
 
     def begin_step(self, state: object) -> None:
-        """Called before each step's data is chosen (replicas agree on a quorum here)."""
+        """Called before each step's data is chosen (replicas agree on a quorum here, and one
+        that is behind may replace `state` with a live peer's)."""
 
     def close(self) -> None:
         """Release what the engine holds beyond the process group."""
@@ -109,19 +107,27 @@ class Engine:
         return None
 
     @torch.no_grad()
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Clip by the global norm over the whole model, wherever its pieces live: sharded
-        (DTensor) gradients are reduced by their own mesh, pipeline stages by an all-reduce."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        squares = torch.zeros((), device=self.device)
-        for g in grads:
-            norm = g.norm(2)
-            squares += (norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip by the global norm over the whole model, wherever its pieces live, with torch's own
+        functions: the local norms of sharded (DTensor) gradients become one total in a single
+        reduction per mesh and placement (not per parameter), and pipeline stages add theirs in
+        one all-reduce."""
+        # One norm per kind of gradient: DTensors of one mesh and placement reduce together (a
+        # model mixing tensor-parallel blocks with data-parallel-only embeddings has a few kinds).
+        kinds: dict[object, list[nn.Parameter]] = {}
+        for p in (p for p in self.parameters() if p.grad is not None):
+            kind = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+            kinds.setdefault(kind, []).append(p)
+        norms = []
+        for same_kind in kinds.values():
+            norm = torch.nn.utils.get_total_norm([p.grad for p in same_kind], foreach=True)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        total = torch.linalg.vector_norm(torch.stack(norms))
         group = self.grad_norm_group()
         if group is not None:
-            dist.all_reduce(squares, group=group)
-        total = squares.sqrt().item()
-        scale = min(1.0, max_norm / (total + 1e-6))  # a float: DTensor and Tensor grads alike
-        for g in grads:
-            g.mul_(scale)
+            total = total ** 2
+            dist.all_reduce(total, group=group)
+            total = total.sqrt()
+        for same_kind in kinds.values():  # DTensors of different meshes cannot be scaled in one call
+            torch.nn.utils.clip_grads_with_norm_(same_kind, max_norm, total, foreach=True)
         return total

@@ -36,9 +36,6 @@ for _name in ("torchft", "torchft_quorums", "torchft_commits"):
 
 
 class FaultTolerantDDPEngine(Engine):
-    # Every replica holds the whole state; one (Ray rank 0) writes checkpoints for all.
-    replicated_state = True
-
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, loss_fn: LossFn, grad_clip: float,
                  device: torch.device, amp_dtype: torch.dtype | None, replica_id: str) -> None:
@@ -57,7 +54,6 @@ class FaultTolerantDDPEngine(Engine):
                 "scheduler": self.schedulers[0].state_dict(), "trainer": asdict(self.train_state)}
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
-        self.healed_from = self.train_state.step
         self.model.load_state_dict(state["model"])
         self.optimizers[0].load_state_dict(state["optim"])
         self.schedulers[0].load_state_dict(state["scheduler"])
@@ -70,13 +66,12 @@ class FaultTolerantDDPEngine(Engine):
         self.train_state = state
         if self.manager.current_step() != state.step:  # restored from storage, not yet told
             self.manager.load_state_dict({"step": state.step, "batches_committed": 0})
-        self.healed_from = None
         self.manager.start_quorum()
         self.dp_rank = self.manager.participating_rank()
         self.dp_size = self.manager.num_participants()
         # torchft 0.2 has no public accessor; the sample ledger needs it to tell a step committed
         # by this quorum from the same step run again by a later one.
-        self.quorum_id = self.manager._quorum_id
+        self.step_round = self.manager._quorum_id
 
     def train_step(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor | None:
         """One step over this replica's share; None if this replica cannot apply it (a quorum

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shardyard.serve.shards import sharding_problem
 from shardyard.spec import GPTSpec, validate
-from shardyard.train.checkpoint import STATE_FILE, find_latest, read_spec
+from shardyard.train.checkpoint import committed_record, find_latest, read_spec
 
 DEFAULT_CHECKPOINT = "runs/gpt_ddp"  # where README's default training job writes
 
@@ -68,9 +68,9 @@ class ServeConfig(BaseModel):
 
 
 def resolve_checkpoint(path: str) -> Path:
-    """A checkpoint directory as given, or a run directory's latest complete checkpoint."""
+    """A committed checkpoint directory as given, or a run directory's newest committed one."""
     given = Path(path).expanduser().resolve()
-    if (given / STATE_FILE).is_file():
+    if committed_record(given) is not None:
         return given
     latest = find_latest(given) if given.is_dir() else None
     if latest is None:

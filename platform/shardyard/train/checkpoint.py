@@ -1,42 +1,57 @@
-"""Checkpoints: what is saved, where it goes, and how a run finds and restores the latest one.
+"""Checkpoints: one `CheckpointManager` for every strategy, recovery mode and storage.
 
-Model and optimizer state go through `torch.distributed.checkpoint` (DCP): every rank writes its
-own shard, and loading reshards to whatever world size is running now. Keys are the full model's
-parameter names (optimizer state flattened under them), whatever the strategy: DDP, FSDP, tensor
-and pipeline checkpoints share one layout. ZeRO state goes through DeepSpeed's engine instead
-(zero.py), resharded through DeepSpeed's universal checkpoint format. Beside the shards rank 0
-writes the trainer state (step, data position, LR schedule) and the job spec, so one checkpoint
-directory is enough to resume training or to rebuild the model for serving.
+A checkpoint is a directory `<storage_path>/<run.name>/checkpoint_step_<step:08d>/` holding:
 
-Ray Train owns persistence: each rank hands its local directory to `ray.train.report`, Ray merges
-them into one checkpoint directory under `<storage_path>/<run.name>/` and keeps the newest
-`checkpoint.keep`. Each rank marks its shard done once it is in storage; a checkpoint is complete
-when every rank's marker is there, and a restart resumes from the newest complete one.
+    spec.json          the job spec that wrote it (rank 0, before anything else)
+    trainer_state.pt   train state (step, data position, world size) and the LR schedule (rank 0)
+    model + optimizer  `torch.distributed.checkpoint` (DCP) files, every rank writing its own shard,
+                       keyed by the full model's parameter names whatever the strategy; or, for
+                       DeepSpeed ZeRO, DeepSpeed's own format under `zero/`
+    COMMITTED          written last, by rank 0, once every rank's state is in storage
+
+A checkpoint counts only once committed: DCP's metadata is written by its coordinator after every
+rank has written its shard (DeepSpeed ends its save with a barrier), and only then does rank 0
+write the commit record, in one atomic write. Restarts, serving and export read committed
+checkpoints only; a directory that a crash left without a commit record is deleted.
+
+Everything goes straight to the run's storage through fsspec: a local or shared path, or an object
+store URI (DCP's fsspec writer; DeepSpeed writes locally and its files are copied up). Ray Train
+is told of each committed checkpoint through its public `report` API (`on_commit`), and nothing
+here reads Ray's own files.
+
+Any checkpoint resumes under any strategy at any world size: DCP reshards by parameter name, ZeRO
+checkpoints written at another data-parallel size go through DeepSpeed's universal checkpoint,
+and the two formats load into each other through full per-parameter states (DeepSpeed's
+`safe_set_full_*` API one way, the universal checkpoint's per-parameter files the other).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
-import re
-import shutil
-import signal
 import tempfile
+import time
 import warnings
-from collections.abc import Callable
+from argparse import Namespace
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import pyarrow.fs
-import ray.train
+import fsspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from ray.train import CheckpointUploadMode
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from shardyard.models import build_model
 from shardyard.parallel import Engine
@@ -44,7 +59,9 @@ from shardyard.spec import JobSpec
 
 STATE_FILE = "trainer_state.pt"
 SPEC_FILE = "spec.json"
+COMMIT_FILE = "COMMITTED"
 DIR_PREFIX = "checkpoint_step_"
+ZERO_DIR = "zero"
 
 
 @dataclass
@@ -54,12 +71,108 @@ class TrainState:
     world_size: int = 1    # world size that wrote the checkpoint
 
 
-ZERO_DIR = "zero"
+def checkpoint_name(step: int) -> str:
+    return f"{DIR_PREFIX}{step:08d}"
+
+
+# ----------------------------------------------------------------------------- storage
+
+
+class RunStorage:
+    """A run directory on a local path or an object store, through fsspec."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.uri = str(run_dir)
+        self.fs, self.root = fsspec.core.url_to_fs(self.uri)
+        self.remote = "://" in self.uri
+
+    def url(self, *parts: str) -> str:
+        """What DCP and users are given: a local path, or the URI for object storage."""
+        return "/".join([self.uri.rstrip("/"), *parts])
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root.rstrip("/"), *parts])
+
+    def exists(self, *parts: str) -> bool:
+        return self.fs.exists(self.path(*parts))
+
+    def read_bytes(self, *parts: str) -> bytes:
+        return self.fs.cat_file(self.path(*parts))
+
+    def write_bytes(self, data: bytes, *parts: str) -> None:
+        """Written whole under a temporary name, then renamed: a reader never sees half of it."""
+        final = self.path(*parts)
+        self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
+        partial = f"{final}.partial-{os.getpid()}"
+        self.fs.pipe_file(partial, data)
+        self.fs.mv(partial, final)
+
+    def delete(self, *parts: str) -> None:
+        if self.exists(*parts):
+            self.fs.rm(self.path(*parts), recursive=True)
+
+    def checkpoint_names(self) -> list[str]:
+        if not self.fs.exists(self.root):
+            return []
+        names = (p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False))
+        return sorted(n for n in names if n.startswith(DIR_PREFIX))
+
+    def committed(self, name: str) -> dict[str, Any] | None:
+        """The commit record of checkpoint `name`, or None while it is not committed."""
+        if not self.exists(name, COMMIT_FILE):
+            return None
+        return json.loads(self.read_bytes(name, COMMIT_FILE))
+
+    def newest_committed(self) -> str | None:
+        for name in reversed(self.checkpoint_names()):  # newest first: stop at the first found
+            if self.exists(name, COMMIT_FILE):
+                return name
+        return None
+
+    @contextmanager
+    def local_copy(self, *parts: str) -> Iterator[Path]:
+        """A local directory with the files at `parts` (the directory itself when local)."""
+        if not self.remote:
+            yield Path(self.path(*parts))
+            return
+        with tempfile.TemporaryDirectory(prefix="shardyard-download-") as tmp:
+            self.fs.get(self.path(*parts), tmp, recursive=True)
+            yield Path(tmp)
+
+
+def find_latest(run_dir: str | Path) -> Path | None:
+    """The newest committed checkpoint of a run in a local or shared directory."""
+    run_dir = Path(run_dir).absolute()
+    name = RunStorage(run_dir).newest_committed()
+    return run_dir / name if name else None
+
+
+def committed_record(checkpoint_dir: str | Path) -> dict[str, Any] | None:
+    path = Path(checkpoint_dir) / COMMIT_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def read_spec(checkpoint_dir: str | Path) -> JobSpec:
+    return JobSpec.model_validate(json.loads((Path(checkpoint_dir) / SPEC_FILE).read_text()))
+
+
+# ----------------------------------------------------------------------------- formats
+
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+_FULL = StateDictOptions(flatten_optimizer_state_dict=True, full_state_dict=True)
 
 
-def _part_states(engine: Engine) -> list[tuple[dict, dict]]:
-    return [get_state_dict(part, opt, options=_FLAT) for part, opt in zip(engine.parts, engine.optimizers)]
+def _is_deepspeed(engine: Engine) -> bool:
+    """ZeRO engines wrap DeepSpeed's engine (`ds`); every other strategy is plain torch modules."""
+    return getattr(engine, "ds", None) is not None
+
+
+def _dcp_state(engine: Engine, options: StateDictOptions, load_optimizer: bool = True) -> list[tuple[dict, dict]]:
+    parts = []
+    for part, opt in zip(engine.parts, engine.optimizers):
+        model_sd, optim_sd = get_state_dict(part, opt, options=options)
+        parts.append((model_sd, optim_sd if load_optimizer else {}))
+    return parts
 
 
 def _merged(parts: list[tuple[dict, dict]]) -> dict[str, Any]:
@@ -71,226 +184,434 @@ def _merged(parts: list[tuple[dict, dict]]) -> dict[str, Any]:
     return merged
 
 
-def save(engine: Engine, state: TrainState, spec: JobSpec, directory: Path, rank: int) -> None:
-    """Collective: every rank must call it. Writes this rank's shard into `directory`."""
-    if engine.checkpoint_format == "deepspeed":
-        engine.save_checkpoint(directory, ZERO_DIR)
-    else:
-        dcp.save(_merged(_part_states(engine)), checkpoint_id=str(directory))
-    _save_trainer_state(engine, state, spec, directory, rank)
+def _set_parts(engine: Engine, parts: list[tuple[dict, dict]], merged: dict[str, Any],
+               options: StateDictOptions) -> None:
+    for (model_sd, optim_sd), part, opt in zip(parts, engine.parts, engine.optimizers):
+        model_state = {k: merged[f"model.{k}"] for k in model_sd}
+        if not optim_sd:  # checkpoint.load_optimizer: false
+            set_model_state_dict(part, model_state, options=options)
+            continue
+        set_state_dict(part, opt, options=options, model_state_dict=model_state,
+                       optim_state_dict={k: merged[f"optim.{k}"] for k in optim_sd})
 
 
-def _save_trainer_state(engine: Engine, state: TrainState, spec: JobSpec, directory: Path, rank: int) -> None:
-    if rank == 0:
-        torch.save({**asdict(state), "scheduler": engine.schedulers[0].state_dict()}, directory / STATE_FILE)
-        (directory / SPEC_FILE).write_text(spec.model_dump_json(indent=2))
+def _optimizer_state_keys(optimizer: torch.optim.Optimizer) -> list[str]:
+    """Per-parameter state the optimizer keeps (AdamW: step and moments; SGD: momentum)."""
+    if isinstance(optimizer, torch.optim.SGD):
+        return ["momentum_buffer"] if optimizer.defaults["momentum"] else []
+    return ["step", "exp_avg", "exp_avg_sq"]
 
 
-def load(engine: Engine, directory: Path) -> TrainState:
-    """Collective: restore model, optimizer and schedule; returns where training stopped."""
-    meta = torch.load(directory / STATE_FILE, weights_only=True)
-    if engine.checkpoint_format == "deepspeed":
-        engine.load_checkpoint(directory, ZERO_DIR, resharded=meta["world_size"] != engine.dp_size)
-    else:
-        parts = _part_states(engine)
+@contextmanager
+def single_process_io() -> Iterator[None]:
+    """DCP warns when it reads or writes from one process without a process group; here that
+    is meant (serving, export, the parameter-server driver)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (load|save) in a single process")
+        yield
+
+
+FullState = Callable[[str, str], torch.Tensor]  # (parameter name, field) -> the whole tensor
+
+
+def _aliases(stored: JobSpec) -> dict[str, list[str]]:
+    """Every name of each parameter (a tied weight has two; checkpoints may keep one)."""
+    with torch.device("meta"):
+        model = build_model(stored.model)
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return {name: names for names in by_id.values() for name in names}
+
+
+@contextmanager
+def _zero_full_state(storage: RunStorage, name: str, stored: JobSpec, step: int) -> Iterator[FullState]:
+    """Collective: whole tensors from a ZeRO checkpoint. AdamW state comes through DeepSpeed's
+    universal checkpoint (per-parameter files); its converter knows Adam's state only, so for SGD
+    the fp32 weights come from DeepSpeed's zero_to_fp32 and momentum is not carried (refused
+    before any worker starts: launcher.check_resume)."""
+    aliases = _aliases(stored)
+    if stored.optim.name == "adamw":
+        with _universal(storage, name) as universal:
+            def from_universal(fqn: str, field: str) -> torch.Tensor:
+                params = universal / ZERO_DIR
+                present = next((n for n in aliases.get(fqn, [fqn]) if (params / n).is_dir()), fqn)
+                if field == "step" and not (params / present / "step.pt").is_file():
+                    # ZeRO-3's files keep no step count: one optimizer step per training step.
+                    return torch.tensor(float(step))
+                return _universal_tensor(params, present, "fp32" if field == "param" else field)
+            yield from_universal
+        return
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with storage.local_copy(name) as local:
+        weights = get_fp32_state_dict_from_zero_checkpoint(str(local), tag=ZERO_DIR)
+
+    def from_weights(fqn: str, field: str) -> torch.Tensor:
+        if field != "param":
+            raise KeyError(f"{storage.url(name)}: SGD momentum in a ZeRO checkpoint cannot be carried over")
+        return weights[next(n for n in aliases.get(fqn, [fqn]) if n in weights)]
+    yield from_weights
+
+
+def _fields(key: str) -> tuple[str, str] | None:
+    """(parameter name, field) of a flat state key: `model.<fqn>` or `optim.state.<fqn>.<field>`."""
+    kind, _, rest = key.partition(".")
+    if kind == "model":
+        return rest, "param"
+    if rest.startswith("state."):
+        fqn, _, field = rest.removeprefix("state.").rpartition(".")
+        return fqn, field
+    return None  # param_groups: the running optimizer's own settings stay
+
+
+class DCPFormat:
+    """Every strategy but ZeRO: DCP shards keyed by full parameter names."""
+
+    name = "dcp"
+
+    def save(self, engine: Engine, url: str, group: dist.ProcessGroup | None) -> Future | None:
+        state = _merged(_dcp_state(engine, _FLAT))
+        if group is None:
+            dcp.save(state, checkpoint_id=url)
+            return None
+        return dcp.async_save(state, checkpoint_id=url, process_group=group)
+
+    def load(self, engine: Engine, storage: RunStorage, name: str, record: dict, stored: JobSpec,
+             load_optimizer: bool) -> None:
+        if record["format"] == DeepSpeedFormat.name:
+            self._load_zero(engine, storage, name, record, stored, load_optimizer)
+            return
+        parts = _dcp_state(engine, _FLAT, load_optimizer)
         merged = _merged(parts)
-        dcp.load(merged, checkpoint_id=str(directory))
-        for (model_sd, optim_sd), part, opt in zip(parts, engine.parts, engine.optimizers):
-            set_state_dict(part, opt, options=_FLAT,
-                           model_state_dict={k: merged[f"model.{k}"] for k in model_sd},
-                           optim_state_dict={k: merged[f"optim.{k}"] for k in optim_sd})
-    scheduler_state = meta.pop("scheduler")
-    for scheduler in engine.schedulers:
-        scheduler.load_state_dict(scheduler_state)
-    return TrainState(**meta)
+        dcp.load(merged, checkpoint_id=storage.url(name))
+        _set_parts(engine, parts, merged, _FLAT)
+
+    @staticmethod
+    def _load_zero(engine: Engine, storage: RunStorage, name: str, record: dict, stored: JobSpec,
+                   load_optimizer: bool) -> None:
+        """A ZeRO checkpoint into torch modules: its whole tensors are written once per node as a
+        plain DCP checkpoint in scratch space, which every rank then loads like any other (DCP
+        reshards it for FSDP, tensor and pipeline parts). The running optimizer keeps its settings."""
+        parts = _dcp_state(engine, _FLAT, load_optimizer)
+        merged = _merged(parts)
+        fields = sorted({where[1] for key in merged if (where := _fields(key)) and where[1] != "param"})
+        with _zero_full_state(storage, name, stored, record["step"]) as full, _node_scratch() as (scratch, leader):
+            if leader:
+                _write_whole(full, stored, fields, scratch / "whole")
+            _barrier()
+            tensors = {key: value for key, value in merged.items() if _fields(key) is not None}
+            dcp.load(tensors, checkpoint_id=str(scratch / "whole"))
+            _barrier()  # before the leader's scratch space goes
+        merged.update(tensors)
+        _set_parts(engine, parts, merged, _FLAT)
 
 
-def restore_latest(engine: Engine, run_dir: Path) -> TrainState | None:
-    """Collective: resume from the newest complete checkpoint of the run, if any.
+def _write_whole(full: FullState, stored: JobSpec, fields: list[str], directory: Path) -> None:
+    """Every parameter (under each of its names) and its optimizer `fields` as one process's DCP
+    checkpoint."""
+    with torch.device("meta"):
+        model = build_model(stored.model)
+    state: dict[str, torch.Tensor] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        state[f"model.{fqn}"] = full(fqn, "param").reshape(p.shape)
+        for field in fields:
+            value = full(fqn, field)
+            state[f"optim.state.{fqn}.{field}"] = value.reshape(() if field == "step" else p.shape)
+    dcp.save(state, checkpoint_id=str(directory), no_dist=True)
 
-    Newest complete, not the one Ray Train hands back: Ray registers a checkpoint only when its
-    controller next polls the workers (every `scaling.health_check_interval_s`), so a failure soon
-    after a checkpoint would otherwise cost a whole interval more, and a report still queued on a
-    dead worker is never registered at all. Replicated-state engines write in place (see
-    CheckpointWriter)."""
-    if engine.replicated_state:
-        latest = find_latest(run_dir)
-        return load(engine, latest) if latest else None
-    storage = ray.train.get_context().get_storage()
-    fs, run_path = storage.storage_filesystem, storage.experiment_fs_path
-    newest = newest_complete(fs, run_path)
-    if newest is None:
+
+class DeepSpeedFormat:
+    """ZeRO: DeepSpeed's own checkpoint (each rank's partitions), under `zero/`."""
+
+    name = "deepspeed"
+
+    def save(self, engine: Engine, url: str, group: dist.ProcessGroup | None) -> None:
+        from deepspeed.checkpoint.constants import (
+            UNIVERSAL_CHECKPOINT_INFO,
+            UNIVERSAL_CHECKPOINT_VERSION_KEY,
+            UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+        )
+
+        # The universal-checkpoint marker lets DeepSpeed's converter reshard this checkpoint later
+        # (stages 1 and 2 refuse to convert without it); a model with no tensor-parallel slicing
+        # needs nothing else in it.
+        info = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
+        storage = RunStorage(url)
+        with _writable_local(storage) as local:
+            engine.ds.save_checkpoint(str(local), tag=ZERO_DIR, client_state={UNIVERSAL_CHECKPOINT_INFO: info})
         return None
-    if dist.get_rank() == 0:
-        prune_unregistered(fs, run_path, older_than=newest)
-    with ray.train.Checkpoint(f"{run_path}/{newest}", fs).as_directory() as directory:
-        return load(engine, Path(directory))
+
+    def load(self, engine: Engine, storage: RunStorage, name: str, record: dict, stored: JobSpec,
+             load_optimizer: bool) -> None:
+        if record["format"] == DCPFormat.name:
+            self._load_full_state(engine, self._from_dcp(engine, storage.url(name), load_optimizer), load_optimizer)
+        elif record["world_size"] == dist.get_world_size():
+            with storage.local_copy(name) as local:
+                loaded_from, _ = engine.ds.load_checkpoint(str(local), tag=ZERO_DIR,
+                                                           load_optimizer_states=load_optimizer)
+            if loaded_from is None:  # DeepSpeed warns and carries on when it finds nothing
+                raise FileNotFoundError(f"no ZeRO checkpoint under {storage.url(name, ZERO_DIR)}")
+        else:  # resharded through whole tensors (DeepSpeed's universal checkpoint's files)
+            with _zero_full_state(storage, name, stored, record["step"]) as full:
+                self._load_full_state(engine, full, load_optimizer and stored.optim.name == "adamw")
+
+    @staticmethod
+    def _from_dcp(engine: Engine, url: str, load_optimizer: bool) -> FullState:
+        """Every rank reads the whole tensors it needs from a DCP checkpoint."""
+        shapes = {n: getattr(p, "ds_shape", p.shape) for n, p in engine.ds.module.named_parameters()}
+        fields = _optimizer_state_keys(engine.optimizers[0]) if load_optimizer else []
+        wanted = {f"model.{n}": torch.empty(s) for n, s in shapes.items()}
+        wanted |= {f"optim.state.{n}.{f}": torch.empty(() if f == "step" else s) for n, s in shapes.items()
+                   for f in fields}
+        dcp.load(wanted, checkpoint_id=url)
+        return lambda fqn, field: wanted[f"model.{fqn}" if field == "param" else f"optim.state.{fqn}.{field}"]
+
+    @staticmethod
+    def _load_full_state(engine: Engine, full: FullState, load_optimizer: bool) -> None:
+        """Whole tensors into ZeRO: DeepSpeed's public `safe_set_full_*` API puts each rank's
+        partition in place, in the fp32 master copy and the optimizer state."""
+        import deepspeed
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        stage3 = engine.ds.zero_optimization_stage() == 3
+        fields = _optimizer_state_keys(engine.optimizers[0]) if load_optimizer else []
+        zero_optimizer = engine.ds.optimizer
+        inner = zero_optimizer.optimizer  # ours, stepping DeepSpeed's flat fp32 partitions
+        # Optimizer state is created at the first step (every stage): zeros here, overwritten
+        # below. ZeRO-3 keeps its partitions out of our optimizer's groups.
+        flats = (zero_optimizer.fp32_partitioned_groups_flat if stage3
+                 else [p for group in inner.param_groups for p in group["params"]])
+        for flat in flats:
+            state = inner.state[flat]
+            for field in fields:
+                state.setdefault(field, torch.zeros((), dtype=torch.float32) if field == "step"
+                                 else torch.zeros_like(flat))
+        if fields and not stage3:
+            # Stages 1 and 2 link each parameter to its slice of that state at the first step
+            # too; the public safe_set API writes through those links, so make them now.
+            zero_optimizer._lazy_init_hp_params_optimizer_state()
+        for fqn, p in engine.ds.module.named_parameters():
+            shape = getattr(p, "ds_shape", p.shape)  # (ZeRO-3's files hold flat tensors)
+            value = full(fqn, "param").reshape(shape)
+            safe_set_full_fp32_param(p, value)
+            # The working copy the forward pass uses is separate from the fp32 master copy.
+            if stage3:
+                with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                    if dist.get_rank() == 0:
+                        p.data.copy_(value)
+            else:
+                with torch.no_grad():
+                    p.data.copy_(value)
+            for field in fields:
+                if field != "step":
+                    safe_set_full_optimizer_state(p, full(fqn, field).reshape(shape), field)
+        if "step" in fields:  # Adam's step count lives per flat partition, the same for all
+            step = full(next(n for n, _ in engine.ds.module.named_parameters()), "step")
+            for state in inner.state.values():
+                state["step"] = step.clone().to(state["step"].dtype)
 
 
-class CheckpointWriter:
-    """Saves checkpoints and hands them to Ray Train. Collective: every rank calls `report` at the
-    same steps.
+def format_for(engine: Engine) -> DCPFormat | DeepSpeedFormat:
+    return DeepSpeedFormat() if _is_deepspeed(engine) else DCPFormat()
 
-    Ray Train copies each rank's directory into the checkpoint directory in storage; then the
-    rank writes `shard_<rank>_of_<world size>.done` beside it. A crash in between leaves a partial
-    directory, lacking a marker, that is never restored from.
 
-    With `asynchronous`, training goes on while the checkpoint is written: DCP copies the state
-    to CPU memory and serialises it in a background thread (over a process group of its own, so
-    its collectives never interleave with training's), and Ray Train uploads it in a background
-    thread of its own once that is done (CheckpointUploadMode.ASYNC). DeepSpeed writes ZeRO
-    state synchronously, so there only the upload is asynchronous. One DCP write at a time.
+@contextmanager
+def _writable_local(storage: RunStorage) -> Iterator[Path]:
+    """A local directory to write into, copied up to `storage` afterwards when that is remote."""
+    if not storage.remote:
+        Path(storage.root).mkdir(parents=True, exist_ok=True)
+        yield Path(storage.root)
+        return
+    with tempfile.TemporaryDirectory(prefix="shardyard-upload-") as tmp:
+        yield Path(tmp)
+        storage.fs.put(f"{tmp}/", storage.root, recursive=True)
 
-    Replicated-state engines (hot recovery) do not report: `ray.train.report` is a barrier over
-    every worker, which survivors cannot wait on while a replica is being replaced. Rank 0 writes
-    the whole state into a hidden directory of the run and renames it into place (atomic on a
-    filesystem), then prunes to `checkpoint.keep`.
+
+def _universal_tensor(universal: Path, fqn: str, field: str) -> torch.Tensor:
+    value = torch.load(universal / fqn / f"{field}.pt", weights_only=False)
+    return value["param"] if isinstance(value, dict) else value
+
+
+@contextmanager
+def _universal(storage: RunStorage, name: str) -> Iterator[Path]:
+    """Collective: DeepSpeed's universal checkpoint of ZeRO checkpoint `name`, converted once
+    per node into node-local scratch space, removed after. The path's last part is its tag for
+    DeepSpeed's loader; the per-parameter files are under its `zero/`."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    with _node_scratch() as (scratch, leader):
+        if leader:
+            with storage.local_copy(name) as local:
+                ds_to_universal.main(Namespace(
+                    input_folder=str(local / ZERO_DIR), output_folder=str(scratch / "universal"),
+                    num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                    inject_missing_state=False))
+        _barrier()
+        yield scratch / "universal"
+        _barrier()
+
+
+@contextmanager
+def _node_scratch() -> Iterator[tuple[Path, bool]]:
+    """Collective: a temporary directory shared by the ranks of this node (the node's first rank
+    owns it and removes it afterwards), and whether this rank is that first rank."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) if dist.is_initialized() else 0
+    with tempfile.TemporaryDirectory(prefix="shardyard-scratch-") as mine:
+        scratch = Path(mine)
+        if dist.is_initialized():
+            everyones: list[str] = [""] * dist.get_world_size()
+            dist.all_gather_object(everyones, mine)
+            # Ray Train and torchrun number ranks node by node: the node's first is rank - local_rank.
+            scratch = Path(everyones[dist.get_rank() - local_rank])
+        yield scratch, local_rank == 0
+
+
+# ----------------------------------------------------------------------------- the manager
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class CheckpointManager:
+    """Saves, commits, prunes and restores a run's checkpoints. `save` and `restore` are
+    collective over the engine's ranks.
+
+    `writer`: whether this process writes checkpoints (under hot recovery only one replica does:
+    every replica holds the whole state, in a process group of its own). `asynchronous`: DCP
+    copies the state to memory and writes it in a background thread over a process group of its
+    own while training goes on; the checkpoint commits when the write is done (ZeRO writes
+    synchronously). One write at a time. `on_commit(name, metrics)` runs on every writing rank
+    once a checkpoint is committed (the launcher tells Ray Train there).
     """
 
-    def __init__(self, asynchronous: bool) -> None:
+    def __init__(self, run_dir: str | Path, keep: int, *, asynchronous: bool = False, writer: bool = True,
+                 load_optimizer: bool = True,
+                 on_commit: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+        self.storage = RunStorage(run_dir)
+        self.keep = keep
         self.asynchronous = asynchronous
+        self.writer = writer
+        self.load_optimizer = load_optimizer
+        self.on_commit = on_commit
         self._group: dist.ProcessGroup | None = None
-        self._writing: Future | None = None
+        self._pending: tuple[str, Future | None, dict[str, Any]] | None = None
 
-    def report(self, metrics: dict[str, Any], engine: Engine, state: TrainState, spec: JobSpec,
-               rank: int, crash_before_upload: bool = False) -> None:
-        """`crash_before_upload` injects a crash: this rank dies after saving its shard, before
-        uploading it, while the others upload theirs."""
-        name = f"{DIR_PREFIX}{state.step:08d}"
-        if engine.replicated_state:
-            if rank == 0:
-                write_in_place(engine, state, spec, name)
+    # -- restore
+
+    def restore(self, engine: Engine) -> TrainState | None:
+        """Collective: load the newest committed checkpoint, if any. Directories that no commit
+        record ever completed are deleted first (no worker group is writing now)."""
+        if self.writer and _rank() == 0:
+            self._delete_uncommitted(before=None)
+        _barrier()
+        name = self.storage.newest_committed()
+        return self.load(engine, name) if name else None
+
+    def load(self, engine: Engine, name: str) -> TrainState:
+        record = self.storage.committed(name)
+        if record is None:
+            raise FileNotFoundError(f"checkpoint {self.storage.url(name)} is not committed")
+        meta = torch.load(io.BytesIO(self.storage.read_bytes(name, STATE_FILE)), weights_only=True)
+        stored = JobSpec.model_validate_json(self.storage.read_bytes(name, SPEC_FILE))
+        with single_process_io():
+            format_for(engine).load(engine, self.storage, name, record, stored, self.load_optimizer)
+        scheduler_state = meta.pop("scheduler")
+        for scheduler in engine.schedulers:
+            scheduler.load_state_dict(scheduler_state)
+            # A restored schedule sets the learning rate only at its next step; the step about
+            # to run needs it now (formats that do not carry the optimizer's settings, and
+            # `load_optimizer: false`, would otherwise train one step at the base rate).
+            for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr
+        return TrainState(**meta)
+
+    # -- save
+
+    def save(self, engine: Engine, state: TrainState, spec: JobSpec, metrics: dict[str, Any]) -> None:
+        """Collective over the writing ranks: write this step's checkpoint; commit it now, or
+        (asynchronous) once its background write is done."""
+        if not self.writer:
             return
-        storage = ray.train.get_context().get_storage()
-        if rank == 0:
+        self.wait()
+        name = checkpoint_name(state.step)
+        fmt = format_for(engine)
+        if _rank() == 0:
             # Left by a write that a failure cut short: the step is written again from scratch.
-            # Before the report's barrier, so before any rank uploads.
-            _delete_if_present(storage.storage_filesystem, storage.build_checkpoint_path_from_name(name))
-        directory = Path(tempfile.mkdtemp(prefix="shardyard-ckpt-"))  # Ray deletes it after upload
-        writing: Future | None = None
-        if engine.checkpoint_format == "deepspeed" or not self.asynchronous:
-            save(engine, state, spec, directory, rank)
-        else:
-            if self._writing is not None:
-                self._writing.result()
+            self.storage.delete(name)
+            self.storage.write_bytes(spec.model_dump_json(indent=2).encode(), name, SPEC_FILE)
+        _barrier()  # no rank writes into the directory before it is fresh
+        group = None
+        if self.asynchronous and fmt.name == DCPFormat.name and dist.is_initialized():
             if self._group is None:
                 self._group = dist.new_group(backend="gloo")
-            writing = self._writing = dcp.async_save(_merged(_part_states(engine)),
-                                                     checkpoint_id=str(directory), process_group=self._group)
-            _save_trainer_state(engine, state, spec, directory, rank)
-        done_marker = _shard_done(rank, dist.get_world_size())
+            group = self._group
+        with single_process_io():
+            future = fmt.save(engine, self.storage.url(name), group)
+        if _rank() == 0:
+            buffer = io.BytesIO()
+            torch.save({**asdict(state), "scheduler": engine.schedulers[0].state_dict()}, buffer)
+            self.storage.write_bytes(buffer.getvalue(), name, STATE_FILE)
+        record = {"step": state.step, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                  "format": fmt.name}
+        self._pending = (name, future, {"record": record, "metrics": metrics})
+        if future is None:
+            self.wait()
 
-        def upload(checkpoint: ray.train.Checkpoint, dir_name: str) -> ray.train.Checkpoint:
-            if crash_before_upload:
-                os.kill(os.getpid(), signal.SIGKILL)
-            if writing is not None:
-                writing.result()
-            persisted = storage.persist_current_checkpoint(checkpoint, dir_name)
-            with persisted.filesystem.open_output_stream(f"{persisted.path}/{done_marker}"):
-                pass  # this rank's shard is in storage
-            return persisted
+    def wait(self) -> None:
+        """Finish the pending write, if any: wait for it (its error is raised here), commit it."""
+        if self._pending is None:
+            return
+        name, future, info = self._pending
+        self._pending = None
+        if future is None:
+            _barrier()  # every rank's state is written
+        else:
+            future.result()  # rank 0's completes once every rank's is written (DCP's metadata)
+        if _rank() == 0:
+            record = {**info["record"], "time": time.time()}
+            self.storage.write_bytes(json.dumps(record).encode(), name, COMMIT_FILE)
+            self._prune(newest=name)
+        if self.on_commit is not None:
+            self.on_commit(self.storage.url(name), info["metrics"])
 
-        mode = CheckpointUploadMode.ASYNC if self.asynchronous else CheckpointUploadMode.SYNC
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
-                         checkpoint_dir_name=name, checkpoint_upload_mode=mode, checkpoint_upload_fn=upload,
-                         delete_local_checkpoint_after_upload=True)
+    def close(self) -> None:
+        self.wait()
 
+    # -- pruning
 
-def write_in_place(engine: Engine, state: TrainState, spec: JobSpec, name: str,
-                   also: Callable[[Path], None] | None = None) -> Path:
-    """One process writes the whole checkpoint (and whatever `also` adds to the directory) into a
-    hidden directory of the run, renames it into place (atomic on a filesystem), then prunes."""
-    run_dir = Path(spec.run_dir)
-    partial, final = run_dir / f".{name}.partial", run_dir / name
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    save(engine, state, spec, partial, rank=0)
-    if also is not None:
-        also(partial)
-    mark_shard_done(partial, rank=0, world_size=1)
-    shutil.rmtree(final, ignore_errors=True)  # the same step written again after a restart
-    partial.rename(final)
-    for old in sorted(run_dir.glob(f"{DIR_PREFIX}*"))[:-spec.checkpoint.keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+    def _prune(self, newest: str) -> None:
+        """Keep the newest `keep` committed checkpoints; drop older ones and every uncommitted
+        directory older than `newest` (crashed writes)."""
+        committed = [n for n in self.storage.checkpoint_names() if self.storage.exists(n, COMMIT_FILE)]
+        for name in committed[:-self.keep]:
+            self.storage.delete(name)
+        self._delete_uncommitted(before=newest)
 
-
-def _shard_done(rank: int, world_size: int) -> str:
-    """Marker a rank writes into the checkpoint directory once its shard is in storage."""
-    return f"shard_{rank}_of_{world_size}.done"
-
-
-def mark_shard_done(directory: Path, rank: int, world_size: int) -> None:
-    """For checkpoints written straight into their final directory (not through Ray Train):
-    this rank's shard is complete."""
-    (directory / _shard_done(rank, world_size)).touch()
+    def _delete_uncommitted(self, before: str | None) -> None:
+        for name in self.storage.checkpoint_names():
+            if (before is None or name < before) and not self.storage.exists(name, COMMIT_FILE):
+                self.storage.delete(name)
 
 
-_SHARD_DONE = re.compile(r"shard_(\d+)_of_(\d+)\.done")
-
-
-def _every_shard_done(names: list[str]) -> bool:
-    marks = [m for m in map(_SHARD_DONE.fullmatch, names) if m]
-    world_sizes = {int(m[2]) for m in marks}
-    return len(world_sizes) == 1 and {int(m[1]) for m in marks} == set(range(world_sizes.pop()))
-
-
-def _listing(fs: pyarrow.fs.FileSystem, path: str) -> list[pyarrow.fs.FileInfo]:
-    return fs.get_file_info(pyarrow.fs.FileSelector(path, allow_not_found=True))
-
-
-def _checkpoint_dirs(fs: pyarrow.fs.FileSystem, run_path: str) -> list[str]:
-    return sorted(info.base_name for info in _listing(fs, run_path)
-                  if info.type == pyarrow.fs.FileType.Directory and info.base_name.startswith(DIR_PREFIX))
-
-
-def newest_complete(fs: pyarrow.fs.FileSystem, run_path: str) -> str | None:
-    """Name of the run's newest checkpoint that every rank finished writing. A directory that a
-    crash left half-written lacks some rank's marker and is never chosen."""
-    for name in reversed(_checkpoint_dirs(fs, run_path)):  # newest first: stop at the first found
-        if _every_shard_done([info.base_name for info in _listing(fs, f"{run_path}/{name}")]):
-            return name
-    return None
-
-
-def find_latest(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint of a run in a local or shared directory."""
-    run_dir = Path(run_dir).absolute()
-    name = newest_complete(pyarrow.fs.LocalFileSystem(), str(run_dir))
-    return run_dir / name if name else None
-
-
-def _delete_if_present(fs: pyarrow.fs.FileSystem, path: str) -> None:
-    if fs.get_file_info(path).type != pyarrow.fs.FileType.NotFound:
-        fs.delete_dir(path)
-
-
-SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's list of registered checkpoints
-
-
-def prune_unregistered(fs: pyarrow.fs.FileSystem, run_path: str, older_than: str) -> None:
-    """Deletes checkpoint directories older than `older_than` that Ray Train never registered
-    (a failure came before its controller did): Ray prunes only those it knows. Safe only while
-    no worker group is writing: at the start of one, and once the run has ended."""
-    snapshot, registered = f"{run_path}/{SNAPSHOT_FILE}", set()
-    if fs.get_file_info(snapshot).type == pyarrow.fs.FileType.File:
-        with fs.open_input_stream(snapshot) as stream:
-            registered = {r["checkpoint_dir_name"] for r in json.loads(stream.read())["checkpoint_results"]}
-    for name in _checkpoint_dirs(fs, run_path):
-        if name < older_than and name not in registered:
-            fs.delete_dir(f"{run_path}/{name}")
-
-
-def read_spec(checkpoint_dir: str | Path) -> JobSpec:
-    return JobSpec.model_validate(json.loads((Path(checkpoint_dir) / SPEC_FILE).read_text()))
+# ----------------------------------------------------------------------------- one process
 
 
 def load_model(checkpoint_dir: str | Path) -> nn.Module:
-    """Rebuild the trained model in one process from any checkpoint, whatever world size wrote it
-    (with no_dist, DCP reads every shard itself)."""
+    """Rebuild the trained model in one process from any committed checkpoint, whatever strategy
+    and world size wrote it (DCP reads every shard itself)."""
     checkpoint_dir = Path(checkpoint_dir)
+    record = committed_record(checkpoint_dir)
+    if record is None:
+        raise FileNotFoundError(f"{checkpoint_dir} is not a committed checkpoint")
     model = build_model(read_spec(checkpoint_dir).model)
-    if (checkpoint_dir / ZERO_DIR).is_dir():
+    if record["format"] == DeepSpeedFormat.name:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=ZERO_DIR)
@@ -303,9 +624,7 @@ def load_model(checkpoint_dir: str | Path) -> nn.Module:
                            f"{sorted(set(result.missing_keys) - aliases)}, unexpected {result.unexpected_keys}")
         return model
     state = {f"model.{k}": v for k, v in model.state_dict().items()}
-    with warnings.catch_warnings():
-        # DCP warns that it assumes a single-process load even when told so with no_dist.
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+    with single_process_io():
         dcp.load(state, checkpoint_id=str(checkpoint_dir), no_dist=True)
     model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
     return model

@@ -1,39 +1,85 @@
-"""Driver side: turn a validated JobSpec into a Ray Train V2 TorchTrainer run and report on it."""
+"""Driver side: turn a validated JobSpec into a Ray Train V2 TorchTrainer run and report on it.
+
+The only Ray-aware part of training: each Ray Train worker builds a `Trainer` from the spec and
+its place in the worker group and calls `train()`. What depends on the recovery mode is decided
+here, once, at build time: under hot recovery every replica runs in a process group of its own,
+so one replica writes checkpoints and nothing waits on Ray's report barrier.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
 import os
-import posixpath
 import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import ray
-from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointUploadMode, FailureConfig, LoggingConfig, RunConfig, ScalingConfig, UserCallback
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from shardyard.data.corpus import corpus_files
-from shardyard.spec import JobSpec, SpecError
-from shardyard.train.checkpoint import find_latest, prune_unregistered
-from shardyard.train.loop import train_worker
-from shardyard.train.metrics import FailureLog, MetricsFile, format_table, summarize
+from shardyard.runtime import select_device
+from shardyard.spec import ZERO_STAGES, JobSpec, SpecError, parse_spec
+from shardyard.train.callbacks import (
+    CrashAtCheckpoint,
+    HoldAtSteps,
+    LedgerCallback,
+    RunEvents,
+    group_attempt,
+    hold_steps,
+    injected_crash_step,
+)
+from shardyard.train.checkpoint import SPEC_FILE, RunStorage
+from shardyard.train.metrics import RunResult, finish_run, log_event
+from shardyard.train.trainer import Callback, Trainer
 
 log = logging.getLogger("shardyard")
 
-
-@dataclass
-class RunResult:
-    run_dir: Path
-    checkpoint: str | None
-    summary: dict[str, Any]
-
-
 # torchft's Lighthouse (hot recovery) logs every quorum at INFO, several lines per step.
 QUIET = {"env_vars": {"RUST_LOG": os.environ.get("RUST_LOG", "warn")}}
+
+
+def report_checkpoint(url: str, metrics: dict[str, Any]) -> None:
+    """Tell Ray Train of a committed checkpoint, already in the run's storage (public API:
+    nothing is uploaded, Ray registers it for its results and dashboard)."""
+    ray.train.report(metrics, checkpoint=ray.train.Checkpoint(url),
+                     checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+
+
+def train_worker(config: dict[str, Any]) -> None:
+    """Entry point of each Ray Train worker. `config["spec"]` is the validated job spec as a
+    dict; `progress_bar` says whether the driver has a terminal to draw a bar on;
+    `crash_at_checkpoint` and `hold_at` are fault-injection settings read on the driver."""
+    spec = parse_spec(config["spec"])
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    hot = spec.scaling.recovery == "hot"
+    callbacks: list[Callback] = [RunEvents()]
+    if spec.run.sample_ledger:
+        # Hot-recovery replicas are not one group, and replacements join a running step
+        # sequence: one attempt id for all of them.
+        callbacks.append(LedgerCallback(spec.run_dir, rank, 0.0 if hot else group_attempt()))
+    if config["crash_at_checkpoint"] is not None:
+        callbacks.append(CrashAtCheckpoint(config["crash_at_checkpoint"]))
+    if config["hold_at"]:
+        callbacks.append(HoldAtSteps(config["hold_at"]))
+    trainer = Trainer.build(spec, rank, world_size, select_device(context.get_local_rank()), callbacks=callbacks,
+                            checkpoint_writer=not hot or rank == 0, on_commit=None if hot else report_checkpoint,
+                            replica_id=f"{spec.run.name}_{rank}", progress_bar=config["progress_bar"])
+    trainer.train()
+
+
+class FailureLog(UserCallback):
+    """Runs on the Ray Train controller: records each worker failure before the group restarts."""
+
+    def __init__(self, run_uri: str) -> None:
+        self.run_uri = run_uri
+
+    def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+        errors = {r: f"{type(e).__name__}: {e}"[:300] for r, e in sorted(worker_exceptions.items())}
+        log_event(self.run_uri, "failure", ranks=sorted(errors), errors=errors)
 
 
 def connect_ray(spec: JobSpec, attach_to_running: bool = False) -> None:
@@ -61,7 +107,9 @@ def connect_ray(spec: JobSpec, attach_to_running: bool = False) -> None:
 
 
 def preflight(spec: JobSpec) -> None:
-    """Checks that need this machine or the cluster, done before any worker starts."""
+    """Checks that need this machine, the cluster or the run's storage, done before any worker
+    starts."""
+    check_resume(spec)
     if spec.data.name == "corpus":
         try:
             corpus_files(spec.data.path)
@@ -69,6 +117,43 @@ def preflight(spec: JobSpec) -> None:
             raise SpecError(str(err)) from None
     if spec.data.name == "corpus" and getattr(spec.model, "vocab_size", 256) < 256:
         raise SpecError("data.name 'corpus' is byte-level: model.vocab_size must be at least 256")
+
+
+def check_resume(spec: JobSpec) -> None:
+    """A run that resumes must be able to load its newest committed checkpoint: the same model,
+    and optimizer state of the same optimizer unless the spec leaves it behind."""
+    storage = RunStorage(spec.run_uri)
+    name = storage.newest_committed()
+    if name is None:
+        return
+    where = storage.url(name)
+    stored = JobSpec.model_validate_json(storage.read_bytes(name, SPEC_FILE))
+    if stored.model != spec.model:
+        changed = sorted(k for k, v in spec.model.model_dump().items() if stored.model.model_dump().get(k) != v)
+        raise SpecError(f"run '{spec.run.name}' resumes from {where}, whose model differs in "
+                        f"{', '.join(f'model.{k}' for k in changed)}: use another run.name (or storage path) "
+                        f"for a different model")
+    if not spec.checkpoint.load_optimizer:
+        return
+    same_zero = stored.parallelism.strategy == spec.parallelism.strategy and spec.scaling.num_workers is not None \
+        and committed_record_at(storage, name)["world_size"] == spec.scaling.num_workers
+    if stored.parallelism.strategy in ZERO_STAGES and stored.optim.name == "sgd" and stored.optim.momentum \
+            and not same_zero:
+        raise SpecError(f"run '{spec.run.name}' resumes from {where}, a ZeRO checkpoint with SGD momentum: "
+                        f"DeepSpeed reshards or converts Adam's state only, so the momentum cannot follow to "
+                        f"another strategy or world size. Set checkpoint.load_optimizer=false to resume with "
+                        f"the weights, LR schedule and data position only")
+    if stored.optim.name != spec.optim.name:
+        raise SpecError(f"run '{spec.run.name}' resumes from {where}, trained with optim.name "
+                        f"'{stored.optim.name}': its optimizer state cannot be loaded into '{spec.optim.name}'. "
+                        f"Set checkpoint.load_optimizer=false to resume with the weights, LR schedule and "
+                        f"data position only")
+
+
+def committed_record_at(storage: RunStorage, name: str) -> dict[str, Any]:
+    record = storage.committed(name)
+    assert record is not None, name  # newest_committed found it
+    return record
 
 
 def scaling_config(spec: JobSpec) -> ScalingConfig:
@@ -115,28 +200,12 @@ def torch_config(spec: JobSpec) -> TorchConfig | None:
     return TorchftConfig(lighthouse_kwargs={"min_replicas": 1})
 
 
-CRASH_ENV = "SHARDYARD_INJECT_CRASH"
-
-
-def injected_crash_step() -> int | None:
-    """Fault injection for recovery drills: `SHARDYARD_INJECT_CRASH=checkpoint:STEP` makes the
-    last rank die (SIGKILL) once, while the checkpoint of STEP is being written: after its shard
-    is saved, before it reaches storage, while the other ranks upload theirs."""
-    value = os.environ.get(CRASH_ENV)
-    if not value:
-        return None
-    where, _, step = value.partition(":")
-    if where != "checkpoint" or not step.isdigit():
-        raise SpecError(f"{CRASH_ENV}={value!r}: expected checkpoint:STEP, e.g. checkpoint:100")
-    return int(step)
-
-
 def launch(spec: JobSpec, attach_to_running: bool = False) -> RunResult:
     preflight(spec)
-    crash_step = injected_crash_step()
+    fault_injection = {"crash_at_checkpoint": injected_crash_step(), "hold_at": hold_steps()}
     connect_ray(spec, attach_to_running)
     if spec.parallelism.strategy == "parameter_server":  # its own actors, not a Ray Train group
-        from shardyard.parallel.parameter_server import run
+        from shardyard.train.parameter_server import run
 
         return run(spec)
     tune_ray_train(spec)
@@ -144,31 +213,19 @@ def launch(spec: JobSpec, attach_to_running: bool = False) -> RunResult:
         train_worker,
         torch_config=torch_config(spec),
         train_loop_config={"spec": spec.model_dump(mode="json"), "progress_bar": sys.stdout.isatty(),
-                           "crash_at_checkpoint": crash_step},
+                           **fault_injection},
         scaling_config=scaling_config(spec),
         run_config=RunConfig(
-            # Same name + storage path as an earlier run: Ray Train restores its checkpoint list
-            # and the workers resume from the latest checkpoint.
+            # Same name + storage path as an earlier run: the workers resume from its newest
+            # committed checkpoint. shardyard prunes checkpoints itself (checkpoint.keep).
             name=spec.run.name,
             storage_path=spec.checkpoint.storage_path,
-            checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep),
             failure_config=FailureConfig(max_failures=spec.scaling.max_failures),
-            callbacks=[FailureLog(spec.checkpoint.storage_path, spec.run.name)],
+            callbacks=[FailureLog(spec.run_uri)],
             # Ray Train's per-report INFO lines would drown shardyard's own progress output.
             logging_config=LoggingConfig(log_level="WARNING"),
         ),
     )
     start = time.perf_counter()
-    result = trainer.fit()
-    title = f"shardyard run '{spec.run.name}' ({spec.parallelism.strategy})"
-    summary = summarize(MetricsFile(spec.checkpoint.storage_path, spec.run.name), title,
-                        time.perf_counter() - start)
-    if result.checkpoint is not None:
-        prune_unregistered(result.checkpoint.filesystem, posixpath.dirname(result.checkpoint.path),
-                           older_than=posixpath.basename(result.checkpoint.path))
-    # Hot-recovery runs write checkpoints themselves, outside Ray Train's list.
-    latest = find_latest(spec.run_dir) if result.checkpoint is None else None
-    checkpoint = result.checkpoint.path if result.checkpoint else (str(latest) if latest else None)
-    summary["checkpoint"] = checkpoint
-    print(format_table(title, summary), flush=True)
-    return RunResult(spec.run_dir, checkpoint, summary)
+    trainer.fit()
+    return finish_run(spec, f"shardyard run '{spec.run.name}' ({spec.parallelism.strategy})", start)

@@ -1,9 +1,14 @@
-"""Throughput, progress output, the metrics log and the end-of-run report.
+"""Throughput, progress output, the metrics and event logs, TensorBoard and the end-of-run report.
 
 Metrics do not travel through `ray.train.report`: in Ray Train V2 each report waits for the
 controller, which drains a one-slot queue on its health-check poll (every 2 s), so reporting at
 every log interval would throttle training to that poll. Rank 0 prints progress and writes the
 metrics log itself; `ray.train.report` is called only with checkpoints (see checkpoint.py).
+
+Both logs are JSON lines in the run's storage, safe with several writers and with writers that die
+mid-line: every writer appends whole lines to a file of its own (on object storage, which cannot
+append, it rewrites that file of its own whole), and readers merge the files and skip a line that
+a killed writer left cut off.
 """
 
 from __future__ import annotations
@@ -11,15 +16,27 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
+import socket
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-import pyarrow.fs
-from ray.train import UserCallback
+from shardyard.spec import JobSpec
+from shardyard.train.checkpoint import RunStorage
 
 METRICS_FILE = "metrics.jsonl"
-EVENTS_FILE = "events.jsonl"
+EVENTS_DIR = "events"
 LOSS_PLOT = "loss_curve.png"
+TENSORBOARD_DIR = "tensorboard"
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    checkpoint: str | None
+    summary: dict[str, Any]
 
 
 class Throughput:
@@ -73,69 +90,115 @@ class Progress:
             self._bar.close()
 
 
-class MetricsFile:
-    """A JSON-lines file of a run (`metrics.jsonl` by default), written by rank 0 or the
-    controller and read by the driver.
+# ----------------------------------------------------------------------------- JSON lines
 
-    Written through pyarrow's filesystem layer, so the same code serves a local directory and
-    s3:// or gs:// storage (object stores cannot append, so the small file is rewritten whole).
-    """
 
-    def __init__(self, storage_path: str, run_name: str, name: str = METRICS_FILE) -> None:
-        self.fs, root = pyarrow.fs.FileSystem.from_uri(storage_path)
-        self.dir = f"{root}/{run_name}"
-        self.path = f"{self.dir}/{name}"
+def parse_lines(data: bytes, where: str) -> list[dict[str, Any]]:
+    """Rows of a JSON-lines file; a last line that a killed writer cut off is skipped."""
+    lines = [line for line in data.decode(errors="replace").splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1 or data.endswith(b"\n"):
+                raise ValueError(f"{where}: line {i + 1} is not JSON: {line[:200]!r}") from None
+    return rows
+
+
+class JsonLines:
+    """One writer's JSON-lines file in the run's storage: whole lines appended locally; on object
+    storage the writer's own rows rewritten whole (no other writer shares the file)."""
+
+    def __init__(self, storage: RunStorage, *parts: str) -> None:
+        self.storage, self.parts = storage, parts
+        self._rows: list[dict[str, Any]] | None = None  # object storage: what this writer wrote
 
     def read(self) -> list[dict[str, Any]]:
-        if self.fs.get_file_info(self.path).type == pyarrow.fs.FileType.NotFound:
+        if not self.storage.exists(*self.parts):
             return []
-        with self.fs.open_input_stream(self.path) as f:
-            return [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]
+        return parse_lines(self.storage.read_bytes(*self.parts), self.storage.url(*self.parts))
 
-    def write(self, rows: list[dict[str, Any]]) -> None:
-        self.fs.create_dir(self.dir, recursive=True)
-        with self.fs.open_output_stream(self.path) as f:
-            f.write("".join(json.dumps(r) + "\n" for r in rows).encode())
+    def append(self, row: dict[str, Any]) -> None:
+        line = json.dumps(row) + "\n"
+        if not self.storage.remote:
+            path = Path(self.storage.path(*self.parts))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a") as f:  # one write of a whole line
+                f.write(line)
+            return
+        if self._rows is None:
+            self._rows = self.read()
+        self._rows.append(row)
+        self.storage.fs.pipe_file(self.storage.path(*self.parts),
+                                  "".join(json.dumps(r) + "\n" for r in self._rows).encode())
 
-    def write_bytes(self, name: str, data: bytes) -> str:
-        with self.fs.open_output_stream(f"{self.dir}/{name}") as f:
-            f.write(data)
-        return f"{self.dir}/{name}"
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The run's metrics rows, one per logged step: a row logged again after a restart (the step
+    recomputed from a checkpoint) replaces the earlier one; `resumed_at` markers drop rows past
+    the checkpoint a restart resumed from."""
+    rows: dict[int, dict[str, Any]] = {}
+    for row in JsonLines(RunStorage(run_dir), METRICS_FILE).read():
+        if "resumed_at" in row:
+            rows = {step: r for step, r in rows.items() if step <= row["resumed_at"]}
+        else:
+            rows[row["step"]] = row
+    return [rows[s] for s in sorted(rows)]
 
 
 class MetricsLog:
-    """Rank 0's log: one row per step. A restarted run drops the rows past the checkpoint it
-    resumed from, since it is about to recompute those steps."""
+    """Rank 0's log: one row per logged step into `metrics.jsonl`, and the same scalars into
+    TensorBoard event files under the run directory (local storage)."""
 
-    def __init__(self, file: MetricsFile, resume_step: int) -> None:
-        self.file = file
-        self.rows = [r for r in file.read() if r["step"] <= resume_step]
+    SCALARS = ("loss", "lr", "tokens_per_s", "samples_per_s", "step_time_s", "world_size")
+
+    def __init__(self, run_dir: str | Path, resume_step: int) -> None:
+        self.file = JsonLines(RunStorage(run_dir), METRICS_FILE)
+        self.file.append({"resumed_at": resume_step, "time": time.time()})
+        self._tensorboard = None
+        if "://" not in str(run_dir):
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR))
 
     def append(self, row: dict[str, Any]) -> None:
-        self.rows.append({**row, "time": time.time()})
-        self.file.write(self.rows)
+        self.file.append({**row, "time": time.time()})
+        if self._tensorboard is not None:
+            for key in self.SCALARS:
+                if isinstance(row.get(key), (int, float)):
+                    self._tensorboard.add_scalar(f"train/{key}", row[key], row["step"])
+            self._tensorboard.flush()
+
+    def close(self) -> None:
+        if self._tensorboard is not None:
+            self._tensorboard.close()
 
 
-def read_events(storage_path: str, run_name: str) -> list[dict[str, Any]]:
-    return MetricsFile(storage_path, run_name, EVENTS_FILE).read()
+# ----------------------------------------------------------------------------- events
+
+_WRITER = f"{socket.gethostname()}-{os.getpid()}"
 
 
-def log_event(storage_path: str, run_name: str, event: str, **fields: Any) -> None:
-    """Append one event (`start` of a worker group, `failure`, `healed`, `injected_crash`) to the
-    run's event log."""
-    file = MetricsFile(storage_path, run_name, EVENTS_FILE)
-    file.write([*file.read(), {"event": event, "time": time.time(), **fields}])
+def log_event(run_dir: str | Path, event: str, **fields: Any) -> None:
+    """Append one event to the run's event log: `start` of a worker group, `failure`, `healed`,
+    `injected_crash`, `held`, and the parameter servers' `worker_joined` and `server_restored`.
+    Each process writes a file of its own under `events/`."""
+    JsonLines(RunStorage(run_dir), EVENTS_DIR, f"{_WRITER}.jsonl").append(
+        {"event": event, "time": time.time(), **fields})
 
 
-class FailureLog(UserCallback):
-    """Runs on the Ray Train controller: records each worker failure before the group restarts."""
+def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every writer's events, in time order."""
+    storage = RunStorage(run_dir)
+    if not storage.exists(EVENTS_DIR):
+        return []
+    files = [p.rsplit("/", 1)[-1] for p in storage.fs.ls(storage.path(EVENTS_DIR), detail=False)]
+    rows = [row for name in files if name.endswith(".jsonl") for row in JsonLines(storage, EVENTS_DIR, name).read()]
+    return sorted(rows, key=lambda e: e["time"])
 
-    def __init__(self, storage_path: str, run_name: str) -> None:
-        self.storage_path, self.run_name = storage_path, run_name
 
-    def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
-        errors = {r: f"{type(e).__name__}: {e}"[:300] for r, e in sorted(worker_exceptions.items())}
-        log_event(self.storage_path, self.run_name, "failure", ranks=sorted(errors), errors=errors)
+# ----------------------------------------------------------------------------- the end of a run
 
 
 def plot_loss(rows: list[dict[str, Any]], title: str) -> bytes:
@@ -158,11 +221,13 @@ def plot_loss(rows: list[dict[str, Any]], title: str) -> bytes:
     return buffer.getvalue()
 
 
-def summarize(file: MetricsFile, title: str, wall_s: float) -> dict[str, Any]:
+def summarize(run_dir: str | Path, title: str, wall_s: float) -> dict[str, Any]:
     """Write the loss plot beside the metrics; return the numbers for the end-of-run table."""
-    rows = file.read()
+    rows = read_metrics(run_dir)
     if not rows:
         return {"steps": 0, "wall_s": wall_s}
+    storage = RunStorage(run_dir)
+    storage.write_bytes(plot_loss(rows, title), LOSS_PLOT)
     # The first interval includes start-up and warm-up; leave it out of the steady-state rate.
     steady = rows[1:] or rows
     return {
@@ -173,9 +238,19 @@ def summarize(file: MetricsFile, title: str, wall_s: float) -> dict[str, Any]:
         "samples_per_s": sum(r["samples_per_s"] for r in steady) / len(steady),
         "world_size": rows[-1]["world_size"],
         "wall_s": wall_s,
-        "loss_plot": file.write_bytes(LOSS_PLOT, plot_loss(rows, title)),
-        "metrics": file.path,
+        "loss_plot": storage.url(LOSS_PLOT),
+        "metrics": storage.url(METRICS_FILE),
     }
+
+
+def finish_run(spec: JobSpec, title: str, start: float) -> RunResult:
+    """The end-of-run table and loss plot; the run's newest committed checkpoint."""
+    summary = summarize(spec.run_uri, title, time.perf_counter() - start)
+    storage = RunStorage(spec.run_uri)
+    newest = storage.newest_committed()
+    summary["checkpoint"] = storage.url(newest) if newest else None
+    print(format_table(title, summary), flush=True)
+    return RunResult(spec.run_dir, summary["checkpoint"], summary)
 
 
 def format_table(title: str, summary: dict[str, Any]) -> str:

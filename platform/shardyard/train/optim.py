@@ -3,19 +3,42 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import torch
+from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from shardyard.spec import OptimSpec
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], spec: OptimSpec) -> torch.optim.Optimizer:
+def decayed(model: nn.Module) -> dict[str, bool]:
+    """Which parameters get weight decay, as nanoGPT's configure_optimizers decides: the matrices
+    of linear layers do; biases, norms' gains and embeddings do not (shrinking them toward zero
+    only hurts). A tied weight is decided by the embedding it is. Each tied parameter once."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return {name: p.dim() >= 2 and id(p) not in embeddings for name, p in model.named_parameters()}
+
+
+def decay_groups(params: dict[str, nn.Parameter], decays: dict[str, bool], weight_decay: float) -> list[dict]:
+    """The parameter groups with and without weight decay; one group when there is no decay to
+    apply (an empty or needless group is left out: DeepSpeed 0.19's universal checkpoint and
+    tensor-fragment API mis-handle ZeRO optimizers of several groups, see README)."""
+    trainable = {n: p for n, p in params.items() if p.requires_grad}
+    if weight_decay == 0:
+        return [{"params": list(trainable.values()), "weight_decay": 0.0}]
+    groups = [{"params": [p for n, p in trainable.items() if decays[n]], "weight_decay": weight_decay},
+              {"params": [p for n, p in trainable.items() if not decays[n]], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(model: nn.Module, spec: OptimSpec) -> torch.optim.Optimizer:
+    return optimizer_over(decay_groups(dict(model.named_parameters()), decayed(model), spec.weight_decay), spec)
+
+
+def optimizer_over(groups: list[dict], spec: OptimSpec) -> torch.optim.Optimizer:
     if spec.name == "sgd":
-        return torch.optim.SGD(params, lr=spec.lr, momentum=spec.momentum,
-                               weight_decay=spec.weight_decay)
-    return torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
+        return torch.optim.SGD(groups, lr=spec.lr, momentum=spec.momentum)
+    return torch.optim.AdamW(groups, lr=spec.lr, betas=spec.betas)
 
 
 def lr_factor(step: int, spec: OptimSpec, total_steps: int) -> float:

@@ -1,0 +1,52 @@
+"""DeepSpeed's JIT-compiled communication op, built once and never waited on forever.
+
+On a CPU machine DeepSpeed compiles an op (`deepspeed_shm_comm`, about 30 s) the first time a
+process initialises its communication, under torch's build lock: a plain file, `lock`, in the
+op's build directory under `~/.cache/torch_extensions` (or TORCH_EXTENSIONS_DIR). A process killed
+during the build (a failed worker, a user's Ctrl-C, a kill test) leaves that file behind, and
+every later start then sleeps forever waiting for it.
+
+`ensure_deepspeed_ops` builds the op before DeepSpeed starts, holding a kernel lock of its own
+(`fcntl.flock`): the kernel releases it when its holder dies, however it dies. Every shardyard
+process builds under that lock, so while one holds it no live shardyard build owns torch's lock
+file, and a leftover one is removed. (A build by another program, outside this lock, could have
+its lock removed; none runs DeepSpeed's op build on a shardyard machine.)
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+from torch.utils.cpp_extension import get_default_build_root
+
+OP_NAME = "deepspeed_shm_comm"  # the build directory's name (ShareMemCommBuilder's op)
+
+
+def extensions_root() -> Path:
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+
+
+def stale_locks(root: Path) -> list[Path]:
+    """torch's build locks of the op, in the default layout (<root>/<py>_<cpu|cuXY>/<op>/lock)
+    or under TORCH_EXTENSIONS_DIR (<root>/<op>/lock)."""
+    return [p for p in root.rglob("lock") if p.parent.name.startswith(OP_NAME)]
+
+
+def ensure_deepspeed_ops() -> None:
+    """Build (or find built) the op DeepSpeed's CPU communication loads. Call before
+    `deepspeed.init_distributed`; safe from many processes at once."""
+    from deepspeed.accelerator import get_accelerator
+    import deepspeed.ops
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return  # not used on this accelerator (CUDA communicates through NCCL)
+    root = extensions_root()
+    root.mkdir(parents=True, exist_ok=True)
+    with (root / "shardyard-build.lock").open("w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        for lock in stale_locks(root):
+            lock.unlink(missing_ok=True)  # left by a builder that died: none builds outside this lock
+        builder.load(verbose=False)

@@ -1,0 +1,140 @@
+"""What attaches to the Trainer without being part of the loop: the run's event log, the sample
+ledger, and fault injection for recovery drills and tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardyard.data.ledger import SampleLedger
+from shardyard.spec import SpecError
+from shardyard.train.checkpoint import RunStorage, checkpoint_name
+from shardyard.train.metrics import log_event, read_events
+from shardyard.train.trainer import Callback, Trainer
+
+
+class RunEvents(Callback):
+    """Rank 0 logs each worker-group start (fresh, resumed, or restarted after a failure) and the
+    steps at which a replica healed from a peer."""
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        if trainer.rank != 0:
+            return
+        spec, restored, par = trainer.spec, trainer.restored, trainer.spec.parallelism
+        log_event(spec.run_uri, "start", restored_step=trainer.state.step,
+                  old_world_size=restored.world_size if restored else None, world_size=trainer.world_size,
+                  restore_s=trainer.restore_s, global_batch=trainer.global_batch,
+                  mesh={"pp": par.pp, "dp": par.dp_size(trainer.world_size), "tp": par.tp},
+                  downtime_s=_since_failure(spec.run_uri))
+        if trainer.global_batch != trainer.written.batch.global_batch_size:
+            print(f"shardyard: world size {trainer.world_size} cannot keep batch.global_batch_size "
+                  f"{trainer.written.batch.global_batch_size}; training with {trainer.global_batch} "
+                  f"(batch.allow_global_batch_change)", flush=True)
+
+    def on_healed(self, trainer: Trainer, from_step: int) -> None:
+        log_event(trainer.spec.run_uri, "healed", rank=trainer.rank, from_step=from_step, to_step=trainer.state.step)
+
+
+def _since_failure(run_uri: str) -> float | None:
+    """Seconds from the failure that caused this worker-group start to now (None if none did)."""
+    events = read_events(run_uri)
+    last_start = max((i for i, e in enumerate(events) if e["event"] == "start"), default=-1)
+    failures = [e for e in events[last_start + 1:] if e["event"] == "failure"]
+    return time.time() - failures[0]["time"] if failures else None
+
+
+class LedgerCallback(Callback):
+    """Records each step's sample ids per data-owning rank (`run.sample_ledger`): the ids before
+    the step's gradients leave the rank, a commit line once it is applied. `attempt` names this
+    worker group (the same on every rank)."""
+
+    def __init__(self, run_dir: str | Path, rank: int, attempt: float) -> None:
+        self.ledger = SampleLedger(run_dir, f"rank{rank}", attempt)
+
+    def on_step_start(self, trainer: Trainer, ids: list[torch.Tensor]) -> None:
+        if trainer.engine.data_owner:
+            self.ledger.training(trainer.state.step + 1, trainer.engine.dp_size, ids, trainer.engine.step_round)
+
+    def on_step_end(self, trainer: Trainer) -> None:
+        if trainer.engine.data_owner:
+            self.ledger.committed(trainer.state.step, trainer.engine.step_round)
+
+
+def group_attempt() -> float:
+    """Collective: one id for this worker group, rank 0's start time, on every rank."""
+    attempt = [time.time()]
+    dist.broadcast_object_list(attempt, src=0)
+    return attempt[0]
+
+
+CRASH_ENV = "SHARDYARD_INJECT_CRASH"
+HOLD_ENV = "SHARDYARD_HOLD_AT"
+
+
+def injected_crash_step() -> int | None:
+    """`SHARDYARD_INJECT_CRASH=checkpoint:STEP`: the last rank dies (SIGKILL) once, as the
+    checkpoint of STEP is being written (after rank 0 has started it, before its own shard)."""
+    value = os.environ.get(CRASH_ENV)
+    if not value:
+        return None
+    where, _, step = value.partition(":")
+    if where != "checkpoint" or not step.isdigit():
+        raise SpecError(f"{CRASH_ENV}={value!r}: expected checkpoint:STEP, e.g. checkpoint:100")
+    return int(step)
+
+
+def hold_steps() -> list[int]:
+    """`SHARDYARD_HOLD_AT=STEP[,STEP...]`: checkpoint steps at which the run waits (see HoldAtSteps)."""
+    value = os.environ.get(HOLD_ENV, "")
+    steps = [part.strip() for part in value.split(",") if part.strip()]
+    if not all(s.isdigit() for s in steps):
+        raise SpecError(f"{HOLD_ENV}={value!r}: expected checkpoint steps, e.g. 100,200")
+    return [int(s) for s in steps]
+
+
+class CrashAtCheckpoint(Callback):
+    """Kills the last rank once while the checkpoint of `step` is being written: the other ranks
+    have begun it, so the directory exists but never commits, and Ray Train restarts the group."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_checkpoint_start(self, trainer: Trainer) -> None:
+        if trainer.state.step != self.step or trainer.rank != trainer.world_size - 1:
+            return
+        run = trainer.spec.run_uri
+        if any(e["event"] == "injected_crash" and e["step"] == self.step for e in read_events(run)):
+            return  # once: the restarted run must get past this step
+        latest = RunStorage(run).newest_committed()
+        log_event(run, "injected_crash", step=self.step, rank=trainer.rank, latest_complete=latest)
+        time.sleep(1.0)  # rank 0 creates the directory and starts its write meanwhile
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class HoldAtSteps(Callback):
+    """For tests that act on a run mid-flight: once the checkpoint of a listed step is written,
+    rank 0 logs a `held` event and waits until the file `<run>/release_<step>` exists (the other
+    ranks wait for it in their next collective). A worker group that resumes from that checkpoint
+    starts past the step and does not hold again."""
+
+    def __init__(self, steps: list[int]) -> None:
+        self.steps = set(steps)
+
+    def on_checkpoint_end(self, trainer: Trainer) -> None:
+        step = trainer.state.step
+        if trainer.rank != 0 or step not in self.steps:
+            return
+        storage = RunStorage(trainer.spec.run_uri)
+        log_event(storage.uri, "held", step=step, world_size=trainer.world_size,
+                  checkpoint=checkpoint_name(step))
+        while not storage.exists(release_file(step)):
+            time.sleep(0.1)
+
+
+def release_file(step: int) -> str:
+    return f"release_{step}"

@@ -1,0 +1,175 @@
+"""The training loop, as one Ray-agnostic object (the shape of TorchTitan's `Trainer`).
+
+`Trainer.build` makes the engine (the strategy), the dataset and its global sample order, and the
+checkpoint manager from a job spec and a process's place in the world; `train()` restores the
+newest committed checkpoint and runs steps until `run.steps`, logging and checkpointing on the
+spec's intervals. It needs an initialised torch.distributed process group and nothing else: Ray
+Train's workers build it (train/launcher.py), and tests build it in plain torch.distributed
+processes. What varies between runs attaches as callbacks (train/callbacks.py): the sample
+ledger, the event log, fault injection.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardyard.data import Dataset, GlobalSampleOrder, build_dataset, micro_batch_ids
+from shardyard.models import build_model
+from shardyard.parallel import Engine, build_engine
+from shardyard.spec import GPTSpec, JobSpec
+from shardyard.train.checkpoint import CheckpointManager, TrainState
+from shardyard.train.metrics import MetricsLog, Progress, Throughput
+
+
+class Callback:
+    """Hooks the Trainer calls on every rank; each does nothing unless overridden."""
+
+    def on_train_start(self, trainer: Trainer) -> None: ...
+
+    def on_step_start(self, trainer: Trainer, ids: list[torch.Tensor]) -> None:
+        """Before step `trainer.state.step + 1` runs on this rank's micro-batches `ids`."""
+
+    def on_step_end(self, trainer: Trainer) -> None:
+        """Step `trainer.state.step` was applied."""
+
+    def on_healed(self, trainer: Trainer, from_step: int) -> None:
+        """The engine replaced this rank's state with a live peer's (hot recovery)."""
+
+    def on_checkpoint_start(self, trainer: Trainer) -> None: ...
+
+    def on_checkpoint_end(self, trainer: Trainer) -> None: ...
+
+    def on_train_end(self, trainer: Trainer) -> None: ...
+
+
+class Trainer:
+    def __init__(self, spec: JobSpec, written: JobSpec, engine: Engine, dataset: Dataset,
+                 checkpoints: CheckpointManager, rank: int, world_size: int,
+                 callbacks: Sequence[Callback] = (), progress_bar: bool = False) -> None:
+        self.spec = spec            # the spec as it runs at this world size
+        self.written = written      # the spec as the user wrote it: what checkpoints record
+        self.engine = engine
+        self.dataset = dataset
+        self.checkpoints = checkpoints
+        self.rank, self.world_size = rank, world_size
+        self.callbacks = list(callbacks)
+        self.progress_bar = progress_bar
+        self.order = GlobalSampleOrder(len(dataset), spec.run.seed)
+        self.state = TrainState(world_size=world_size)
+        self.restored: TrainState | None = None  # what train() resumed from, if anything
+        self.restore_s = 0.0
+        self.last_loss: torch.Tensor | None = None  # this rank's loss of the last step applied
+        # Summed on the device between reports: reading a loss each step would sync a GPU.
+        self._loss_sum = torch.zeros((), device=engine.device)
+        self.tokens_per_sample = spec.model.block_size if isinstance(spec.model, GPTSpec) else 1
+
+    @classmethod
+    def build(cls, written: JobSpec, rank: int, world_size: int, device: torch.device, *,
+              callbacks: Sequence[Callback] = (), checkpoint_writer: bool = True,
+              on_commit: Callable[[str, dict[str, Any]], None] | None = None, replica_id: str = "",
+              progress_bar: bool = False) -> Trainer:
+        """`written` is the validated spec; at this world size the pipeline mesh may be re-planned
+        and (if the spec allows it) the global batch changed."""
+        spec = written.at_world_size(world_size)
+        # Same seed on every rank: identical initial weights, as a single process would build them.
+        torch.manual_seed(spec.run.seed)
+        engine = build_engine(spec, build_model(spec.model), device, replica_id=replica_id)
+        checkpoints = CheckpointManager(spec.run_uri, spec.checkpoint.keep, asynchronous=spec.checkpoint.async_write,
+                                        writer=checkpoint_writer, load_optimizer=spec.checkpoint.load_optimizer,
+                                        on_commit=on_commit)
+        return cls(spec, written, engine, build_dataset(spec), checkpoints, rank, world_size, callbacks,
+                   progress_bar)
+
+    @property
+    def global_batch(self) -> int:
+        return self.spec.batch.global_batch_size
+
+    def restore(self) -> None:
+        """Collective: resume from the run's newest committed checkpoint, if there is one."""
+        start = time.perf_counter()
+        self.restored = self.checkpoints.restore(self.engine)
+        self.restore_s = time.perf_counter() - start
+        if self.restored is not None:
+            self.state = TrainState(self.restored.step, self.restored.samples_seen, self.world_size)
+
+    def train_step(self) -> bool:
+        """One optimizer step on the next global batch. False if the engine could not apply it
+        (a replica was lost mid-step): the same step is then run again."""
+        step_before = self.state.step
+        self.engine.begin_step(self.state)
+        if self.state.step != step_before:
+            for callback in self.callbacks:
+                callback.on_healed(self, step_before)
+        # The data-parallel size may change from step to step (hot recovery); the global batch not.
+        micro = self.spec.batch.micro_batch_size
+        accum = self.global_batch // (micro * self.engine.dp_size)
+        ids = micro_batch_ids(self.order, self.state.samples_seen, self.engine.dp_rank, self.engine.dp_size,
+                              micro, accum)
+        for callback in self.callbacks:
+            callback.on_step_start(self, ids)
+        loss = self.engine.train_step([self.dataset.batch(i) for i in ids])
+        if loss is None:
+            return False
+        self.last_loss = loss
+        self._loss_sum += loss
+        self.state.step += 1
+        self.state.samples_seen += self.global_batch
+        for callback in self.callbacks:
+            callback.on_step_end(self)
+        return True
+
+    def train(self, until: int | None = None) -> TrainState:
+        """Collective: restore, then train to `run.steps`, or stop after step `until` as if
+        interrupted there (the schedule still spans `run.steps`)."""
+        self.restore()
+        for callback in self.callbacks:
+            callback.on_train_start(self)
+        is_logger = self.rank == 0
+        progress = Progress(self.spec.run.steps, self.state.step, self.progress_bar) if is_logger else None
+        log = MetricsLog(self.spec.run_uri, self.state.step) if is_logger else None
+        throughput = Throughput()
+        since_report = 0
+        last = self.spec.run.steps if until is None else min(until, self.spec.run.steps)
+        while self.state.step < last:
+            if not self.train_step():
+                continue
+            since_report += 1
+            throughput.add(self.global_batch, self.global_batch * self.tokens_per_sample)
+            step = self.state.step
+            save_now = step == self.spec.run.steps or step % self.spec.checkpoint.every_n_steps == 0
+            if not (save_now or step % self.spec.run.log_every == 0):
+                continue
+            metrics = {**self._mean_loss(since_report), "lr": self.engine.lr, "world_size": self.world_size,
+                       "global_batch": self.global_batch, "samples_seen": self.state.samples_seen,
+                       "epoch": self.state.samples_seen / len(self.dataset), **throughput.read()}
+            if is_logger:  # before the checkpoint commits: a run resumed from it has this row
+                log.append(metrics)
+                progress.update(since_report, metrics)
+            since_report = 0
+            if save_now:
+                for callback in self.callbacks:
+                    callback.on_checkpoint_start(self)
+                self.checkpoints.save(self.engine, self.state, self.written, metrics)
+                for callback in self.callbacks:
+                    callback.on_checkpoint_end(self)
+        self.checkpoints.close()
+        self.engine.close()
+        for callback in self.callbacks:
+            callback.on_train_end(self)
+        if is_logger:
+            progress.close()
+            log.close()
+        return self.state
+
+    def _mean_loss(self, steps: int) -> dict[str, Any]:
+        """The global mean loss of the last `steps` steps: one small all-reduce per report."""
+        if dist.is_initialized():
+            dist.all_reduce(self._loss_sum)
+        loss = self._loss_sum.item() / (steps * self.engine.loss_ranks)
+        self._loss_sum.zero_()
+        return {"step": self.state.step, "loss": loss}

@@ -1,0 +1,107 @@
+"""The CheckpointManager's protocol in one process (no process group), the run's logs with several
+writers, and the checks a resumed run gets before any worker starts."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardyard.models import build_model
+from shardyard.parallel import single_process
+from shardyard.spec import SpecError, parse_spec
+from shardyard.train.checkpoint import COMMIT_FILE, CheckpointManager, TrainState, find_latest, load_model
+from shardyard.train.launcher import check_resume
+from shardyard.train.metrics import METRICS_FILE, MetricsLog, log_event, read_events, read_metrics
+
+
+def spec_for(storage: Path, **sections: dict):
+    raw = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 8},
+           "data": {"name": "synthetic", "num_samples": 64}, "scaling": {"num_workers": 1},
+           "batch": {"global_batch_size": 8, "micro_batch_size": 8},
+           "checkpoint": {"storage_path": str(storage), "keep": 2}, "run": {"name": "run"}}
+    for key, value in sections.items():
+        raw[key] = {**raw.get(key, {}), **value}
+    return parse_spec(raw)
+
+
+def engine_for(spec):
+    torch.manual_seed(spec.run.seed)
+    return single_process(spec, build_model(spec.model), torch.device("cpu"))
+
+
+@pytest.mark.timeout(60)
+def test_only_committed_checkpoints_count_and_pruning_keeps_the_newest(tmp_path: Path) -> None:
+    spec = spec_for(tmp_path)
+    engine = engine_for(spec)
+    manager = CheckpointManager(spec.run_uri, keep=2)
+    for step in (1, 2, 3):
+        manager.save(engine, TrainState(step, 8 * step, 1), spec, metrics={"step": step})
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.glob("checkpoint_step_*")) == ["checkpoint_step_00000002",
+                                                                    "checkpoint_step_00000003"]
+    assert json.loads((run / "checkpoint_step_00000003" / COMMIT_FILE).read_text())["step"] == 3
+    # A write cut short: everything but the commit record.
+    partial = run / "checkpoint_step_00000004"
+    partial.mkdir()
+    (partial / "spec.json").write_text(spec.model_dump_json())
+    assert find_latest(run).name == "checkpoint_step_00000003"
+    with pytest.raises(FileNotFoundError, match="not a committed checkpoint"):
+        load_model(partial)
+    fresh = engine_for(spec)
+    restored = CheckpointManager(spec.run_uri, keep=2).restore(fresh)
+    assert restored == TrainState(3, 24, 1) and not partial.exists()  # restore clears what never committed
+    for name, value in engine.model.state_dict().items():
+        assert torch.equal(fresh.model.state_dict()[name], value), name
+
+
+@pytest.mark.timeout(60)
+def test_a_resumed_run_with_another_model_or_optimizer_is_refused_before_it_starts(tmp_path: Path) -> None:
+    spec = spec_for(tmp_path)
+    CheckpointManager(spec.run_uri, keep=2).save(engine_for(spec), TrainState(1, 8, 1), spec, metrics={})
+    check_resume(spec)  # the same spec resumes
+    with pytest.raises(SpecError, match="model.n_embd"):
+        check_resume(spec_for(tmp_path, model={"n_embd": 32}))
+    sgd = spec_for(tmp_path, optim={"name": "sgd"})
+    with pytest.raises(SpecError, match="checkpoint.load_optimizer=false"):
+        check_resume(sgd)
+    check_resume(spec_for(tmp_path, optim={"name": "sgd"}, checkpoint={"load_optimizer": False}))
+
+
+def _write_events(run_dir: str, writer: int) -> None:
+    for i in range(200):
+        log_event(run_dir, "tick", writer=writer, i=i)
+
+
+@pytest.mark.timeout(120)
+def test_events_from_concurrent_writers_are_all_kept(tmp_path: Path) -> None:
+    writers = [multiprocessing.get_context("spawn").Process(target=_write_events, args=(str(tmp_path), w))
+               for w in range(4)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(60)
+    events = read_events(tmp_path)
+    assert len(events) == 800 and {(e["writer"], e["i"]) for e in events} == {(w, i) for w in range(4) for i in range(200)}
+
+
+@pytest.mark.timeout(60)
+def test_metrics_survive_a_cut_off_line_and_drop_rows_a_restart_recomputes(tmp_path: Path) -> None:
+    row = {"loss": 1.0, "tokens_per_s": 1.0, "samples_per_s": 1.0, "world_size": 1, "lr": 0.1}
+    log = MetricsLog(tmp_path, resume_step=0)
+    for step in (10, 20, 30):
+        log.append({**row, "step": step})
+    log.close()
+    restarted = MetricsLog(tmp_path, resume_step=20)  # resumed from step 20's checkpoint
+    restarted.append({**row, "step": 30, "loss": 0.5})
+    restarted.close()
+    with (tmp_path / METRICS_FILE).open("a") as f:
+        f.write('{"step": 40, "lo')  # a writer killed mid-line
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(10, 1.0), (20, 1.0), (30, 0.5)]
+    with (tmp_path / METRICS_FILE).open("a") as f:
+        f.write('\n{"step": 50}\n')  # the cut-off line is now in the middle: that is damage
+    with pytest.raises(ValueError, match="line 7 is not JSON"):
+        read_metrics(tmp_path)

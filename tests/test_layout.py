@@ -1,0 +1,74 @@
+"""The package's structure, read from its imports: no two modules import each other (directly or
+round a longer cycle), the training loop does not need Ray, and nothing reaches into a library's
+internal modules."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "platform" / "shardyard"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports() -> dict[str, set[str]]:
+    """Each shardyard module's imports of other shardyard modules (function-level ones included)."""
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("shardyard"):
+                candidates = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+                found.add(next(c for c in candidates if c in modules))
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name in modules}
+        graph[name] = found - {name}
+    return graph
+
+
+def external_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+    return names
+
+
+@pytest.mark.timeout(30)
+def test_no_import_cycles() -> None:
+    graph = imports()
+    # A package's __init__ re-exporting its own submodules is not a cycle of separate modules.
+    def edges(name: str) -> set[str]:
+        return {m for m in graph[name] if not name.startswith(m + ".") and not m.startswith(name + ".")}
+
+    def cycle_from(start: str) -> list[str] | None:
+        stack = [(start, [start])]
+        while stack:
+            node, path = stack.pop()
+            for nxt in edges(node):
+                if nxt == start:
+                    return path + [start]
+                if nxt not in path:
+                    stack.append((nxt, path + [nxt]))
+        return None
+
+    cycles = [cycle for name in graph if (cycle := cycle_from(name))]
+    assert not cycles, cycles[0]
+
+
+@pytest.mark.timeout(30)
+def test_the_trainer_needs_no_ray_and_nothing_reaches_into_library_internals() -> None:
+    assert not any(m.split(".")[0] == "ray" for m in external_imports(PACKAGE / "train" / "trainer.py"))
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        assert "checkpoint_manager_snapshot" not in text, path
+        assert not any("._internal" in m or m.startswith("ray.train.v2._") for m in external_imports(path)), path
