@@ -45,6 +45,9 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory):
     port, dashboard = free_port(), free_port()
     log = tmp_path_factory.mktemp("ray") / "ray_start.log"
     ray_bin = Path(sys.executable).with_name("ray")
+    # With token auth on, `ray start` needs a token and makes none (a fresh machine has none):
+    # the command Ray's own error message gives creates ~/.ray/auth_token once, if missing.
+    subprocess.run([str(ray_bin), "get-auth-token", "--generate"], check=True, capture_output=True, timeout=60)
     proc = subprocess.Popen(
         [str(ray_bin), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
          f"--port={port}", f"--dashboard-port={dashboard}", "--include-dashboard=true",
