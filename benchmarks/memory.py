@@ -81,8 +81,8 @@ def measure(rank: int, world: int, raw: dict) -> dict:
         spec.batch.micro_batch_size, accum)]
     engine.train_step(batch(0))  # optimizer state now exists
 
-    if engine.checkpoint_format == "deepspeed":
-        ds = engine.ds
+    ds = getattr(engine, "ds", None)  # ZeRO engines wrap DeepSpeed's
+    if ds is not None:
         for x, y in batch(1):
             ds.backward(engine.loss_fn(ds(x), y))
         zero_opt = ds.optimizer

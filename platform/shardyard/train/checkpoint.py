@@ -435,9 +435,9 @@ def _universal_tensor(universal: Path, fqn: str, field: str) -> torch.Tensor:
 
 @contextmanager
 def _universal(storage: RunStorage, name: str) -> Iterator[Path]:
-    """Collective: DeepSpeed's universal checkpoint of ZeRO checkpoint `name`, converted once
-    per node into node-local scratch space, removed after. The path's last part is its tag for
-    DeepSpeed's loader; the per-parameter files are under its `zero/`."""
+    """Collective: DeepSpeed's universal checkpoint of ZeRO checkpoint `name` (whole per-parameter
+    tensors under its `zero/`), converted once per node into node-local scratch space, removed
+    after."""
     from deepspeed.checkpoint import ds_to_universal
 
     with _node_scratch() as (scratch, leader):
