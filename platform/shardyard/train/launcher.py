@@ -135,8 +135,8 @@ def check_resume(spec: JobSpec) -> None:
                         f"for a different model")
     if not spec.checkpoint.load_optimizer:
         return
-    same_zero = stored.parallelism.strategy == spec.parallelism.strategy and spec.scaling.num_workers is not None \
-        and committed_record_at(storage, name)["world_size"] == spec.scaling.num_workers
+    written_at = storage.committed(name)["world_size"]
+    same_zero = stored.parallelism.strategy == spec.parallelism.strategy and spec.scaling.num_workers == written_at
     if stored.parallelism.strategy in ZERO_STAGES and stored.optim.name == "sgd" and stored.optim.momentum \
             and not same_zero:
         raise SpecError(f"run '{spec.run.name}' resumes from {where}, a ZeRO checkpoint with SGD momentum: "
@@ -148,12 +148,6 @@ def check_resume(spec: JobSpec) -> None:
                         f"'{stored.optim.name}': its optimizer state cannot be loaded into '{spec.optim.name}'. "
                         f"Set checkpoint.load_optimizer=false to resume with the weights, LR schedule and "
                         f"data position only")
-
-
-def committed_record_at(storage: RunStorage, name: str) -> dict[str, Any]:
-    record = storage.committed(name)
-    assert record is not None, name  # newest_committed found it
-    return record
 
 
 def scaling_config(spec: JobSpec) -> ScalingConfig:

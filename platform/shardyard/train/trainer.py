@@ -63,7 +63,6 @@ class Trainer:
         self.state = TrainState(world_size=world_size)
         self.restored: TrainState | None = None  # what train() resumed from, if anything
         self.restore_s = 0.0
-        self.last_loss: torch.Tensor | None = None  # this rank's loss of the last step applied
         # Summed on the device between reports: reading a loss each step would sync a GPU.
         self._loss_sum = torch.zeros((), device=engine.device)
         self.tokens_per_sample = spec.model.block_size if isinstance(spec.model, GPTSpec) else 1
@@ -115,7 +114,6 @@ class Trainer:
         loss = self.engine.train_step([self.dataset.batch(i) for i in ids])
         if loss is None:
             return False
-        self.last_loss = loss
         self._loss_sum += loss
         self.state.step += 1
         self.state.samples_seen += self.global_batch
