@@ -44,6 +44,7 @@ RAY = str(Path(sys.executable).with_name("ray"))
 CONFIG = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "gpt_ddp.yaml"
 SLOT = "elastic_test_slot"
 NUM_SAMPLES, GLOBAL_BATCH, EVERY = 192, 48, 25  # 4 steps per epoch; 48 = 4 x 12 = 3 x 16 = 2 x 24
+HOT_STEPS = 600
 
 
 class WorkerNode:
@@ -241,7 +242,9 @@ def test_hot_recovery_survivors_train_on_and_the_replacement_heals_from_a_peer(
     hot = ("scaling.min_workers=null", "scaling.max_workers=null", "scaling.num_workers=3",
            "scaling.recovery=hot", "scaling.resources_per_worker={CPU: 1}")
     started = time.time()
-    proc = start_run(ray_cluster, tmp_path, "ddp", 300, hot)
+    # Long enough that the replacement (about 10 s to start and heal here) rejoins before the end
+    # even on a loaded machine (300 steps once ended first in a full-suite run).
+    proc = start_run(ray_cluster, tmp_path, "ddp", HOT_STEPS, hot)
     run_dir = tmp_path / "ddp"
     try:
         # (No hold here: the replicas train on without rank 0, which is what is being tested.)
@@ -265,9 +268,10 @@ def test_hot_recovery_survivors_train_on_and_the_replacement_heals_from_a_peer(
     report = audit(run_dir, NUM_SAMPLES)
     # Exact: every step the replicas applied holds every rank's share of it, including shares of
     # replicas that could not commit that step themselves and healed from one that did.
-    assert report.steps == 300 and report.exact, report
+    assert report.steps == HOT_STEPS and report.exact, report
     assert 2 in report.world_sizes and report.world_sizes[-1] == 3  # survivors alone, then healed
     # The logged loss is rank 0's mean over the steps it applied itself: one that fell behind
     # (rank 0 writes checkpoints while the others go on) and healed skipped a few of the window's
-    # steps, so the loss is compared loosely; the parameters are not.
-    assert_matches_single_process(run_dir, 300, loss_rtol=1e-2)
+    # steps, so the loss is compared loosely (at step 600 one skipped step moves it 1.4%); the
+    # parameters are not.
+    assert_matches_single_process(run_dir, HOT_STEPS, loss_rtol=3e-2)
