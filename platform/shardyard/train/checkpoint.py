@@ -589,10 +589,11 @@ class CheckpointManager:
     def _prune(self, newest: str) -> None:
         """Keep the newest `keep` committed checkpoints; drop older ones and every uncommitted
         directory older than `newest` (crashed writes)."""
-        committed = [n for n in self.storage.checkpoint_names() if self.storage.exists(n, COMMIT_FILE)]
-        for name in committed[:-self.keep]:
+        names = self.storage.checkpoint_names()
+        committed = [n for n in names if self.storage.exists(n, COMMIT_FILE)]
+        uncommitted = [n for n in names if n < newest and n not in committed]
+        for name in committed[:-self.keep] + uncommitted:
             self.storage.delete(name)
-        self._delete_uncommitted(before=newest)
 
     def _delete_uncommitted(self, before: str | None) -> None:
         for name in self.storage.checkpoint_names():
