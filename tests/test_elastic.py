@@ -148,7 +148,9 @@ def check_run(run_dir: Path, world_sizes: list[int], total_steps: int) -> None:
     starts = [e for e in events(run_dir) if e["event"] == "start"]
     assert [e["world_size"] for e in starts] == world_sizes, events(run_dir)
     for before, after in zip(starts, starts[1:]):
-        assert after["old_world_size"] == before["world_size"] and after["restored_step"] > 0
+        assert after["old_world_size"] == before["world_size"]
+        # A group that grows before the first checkpoint starts over; any other restart resumes.
+        assert after["restored_step"] > 0 or after["world_size"] > before["world_size"], starts
     assert all(e["global_batch"] == GLOBAL_BATCH for e in starts)
 
     report = audit(run_dir, NUM_SAMPLES)
@@ -207,14 +209,14 @@ def test_run_grows_when_a_node_joins_and_shrinks_when_one_dies(ray_cluster, tmp_
 
 
 @pytest.mark.timeout(480)
-@pytest.mark.parametrize("strategy", ["fsdp", "zero2"])
-def test_sharded_run_loses_a_worker_and_reshards(strategy: str, ray_cluster, tmp_path: Path) -> None:
-    """4 workers on two nodes (3 + 1); the one-worker node dies: training goes on at 3, its
-    sharded state (FSDP2 through DCP, ZeRO-2 through DeepSpeed's universal checkpoint) resharded."""
+def test_sharded_run_loses_a_worker_and_reshards(ray_cluster, tmp_path: Path) -> None:
+    """4 ZeRO-2 workers on two nodes (3 + 1); the one-worker node dies: training goes on at 3, its
+    sharded state resharded through DeepSpeed's universal checkpoint. (FSDP's DCP resharding is
+    the same code on Ray as off it: test_resharding.py and the matrix in test_strategies.py.)"""
     big = WorkerNode(ray_cluster.gcs_address, 3, tmp_path / "node_big.log")
     small = WorkerNode(ray_cluster.gcs_address, 1, tmp_path / "node_small.log")
-    proc = start_run(ray_cluster, tmp_path, strategy, 75, hold_at=(25, 50))
-    run_dir = tmp_path / strategy
+    proc = start_run(ray_cluster, tmp_path, "zero2", 75, hold_at=(25, 50))
+    run_dir = tmp_path / "zero2"
     try:
         # Ray Train may size the first group on resource data that predates the small node and
         # start at 3, then grow to 4 (from the checkpoint of step 25): the kill comes at the
@@ -229,8 +231,15 @@ def test_sharded_run_loses_a_worker_and_reshards(strategy: str, ray_cluster, tmp
     finally:
         release(run_dir, 25, 50)
         clean_up(proc, big, small)
-    first = next(e["world_size"] for e in events(run_dir) if e["event"] == "start")
-    check_run(run_dir, [4, 3] if first == 4 else [3, 4, 3], 75)
+    # Before the kill: 4 workers, or 3 growing to 4 (from the checkpoint of step 25, or from
+    # scratch if the small node showed up before it); a restart at 4 may also fail on the dying
+    # node before Ray marks it dead. After: 3, from the checkpoint the kill came at.
+    starts = [e for e in events(run_dir) if e["event"] == "start"]
+    sizes = [e["world_size"] for e in starts]
+    kill = sizes.index(4) + 1
+    assert sizes[:kill] in ([4], [3, 4]) and set(sizes[kill:-1]) <= {4} and sizes[-1] == 3, events(run_dir)
+    assert starts[-1]["restored_step"] == kill_at
+    check_run(run_dir, sizes, 75)
 
 
 @pytest.mark.timeout(360)

@@ -223,9 +223,12 @@ def test_the_oracle_moves_parameters_far_beyond_the_tolerance(optim: str) -> Non
 # ----------------------------------------------------------------------------- any checkpoint, any strategy
 
 # Written at world size 2 and resumed at 4, across the two formats (DCP, DeepSpeed's) and a
-# resharding: every pair with ZeRO on one side, with AdamW, whose state must carry over (DCP to
-# DCP at another world size is test_resharding.py's). Local SGD equals one process only with plain
-# SGD, so its pairs use SGD. One untied model, so pipelines fit.
+# resharding, with AdamW, whose state must carry over. Every DCP strategy writes the same thing
+# (whole-model keys through get_state_dict), so each is checked once as the source of a ZeRO run
+# and once as the target of one, with both ZeRO code paths (stage 1/2 fragments, stage 3
+# partitions) on each side, plus ZeRO to ZeRO (DCP to DCP at another world size is
+# test_resharding.py's). Local SGD equals one process only with plain SGD, so its pairs use SGD.
+# One untied model, so pipelines fit.
 STRATEGIES = {
     "ddp": ({"strategy": "ddp"}, {"strategy": "ddp"}),  # (at 2 ranks, at 4 ranks)
     "fsdp": ({"strategy": "fsdp"}, {"strategy": "fsdp"}),
@@ -236,9 +239,10 @@ STRATEGIES = {
     "zero2": ({"strategy": "zero2"}, {"strategy": "zero2"}),
     "zero3": ({"strategy": "zero3"}, {"strategy": "zero3"}),
 }
-ZERO = ("zero1", "zero3")
-PAIRS = {f"{s}-to-{t}": (s, t, "adamw") for s in ("ddp", "fsdp", "tensor", "pipeline", *ZERO)
-         for t in ("ddp", "fsdp", "tensor", "pipeline", *ZERO) if s in ZERO or t in ZERO}
+PAIRS = {f"{s}-to-{t}": (s, t, "adamw") for s, t in [
+    ("ddp", "zero1"), ("fsdp", "zero3"), ("tensor", "zero3"), ("pipeline", "zero1"),
+    ("zero1", "ddp"), ("zero1", "tensor"), ("zero3", "fsdp"), ("zero3", "pipeline"),
+    ("zero1", "zero3"), ("zero3", "zero1"), ("zero3", "zero3")]}
 PAIRS |= {"local_sgd-to-zero2": ("local_sgd", "zero2", "sgd"), "zero2-to-local_sgd": ("zero2", "local_sgd", "sgd")}
 
 
