@@ -2,6 +2,7 @@
 
     shardyard train CONFIG.yaml [--set key=value ...]
     shardyard export CHECKPOINT_OR_RUN_DIR OUT.safetensors
+    shardyard export CHECKPOINT_OR_RUN_DIR --format hf OUT_DIR
     shardyard plan CONFIG.yaml [--gpus N --gpu-memory 80GB --nodes M] [--set key=value ...]
 """
 
@@ -36,9 +37,10 @@ def run_train(config: str, overrides: list[str], attach_to_running: bool) -> int
     return 0
 
 
-def run_export(checkpoint: str, out: str) -> int:
-    """Write a checkpoint of any strategy (or a run directory's latest) as one safetensors file."""
-    from shardyard.train.checkpoint import committed_record, export_safetensors, find_latest
+def run_export(checkpoint: str, out: str, fmt: str) -> int:
+    """Write a checkpoint of any strategy (or a run directory's latest) as one safetensors file,
+    or, for a Hugging Face model, as a model directory transformers loads."""
+    from shardyard.train.checkpoint import committed_record, export_safetensors, find_latest, load_model, read_spec
 
     path = Path(checkpoint)
     if path.is_dir() and committed_record(path) is None:
@@ -47,7 +49,16 @@ def run_export(checkpoint: str, out: str) -> int:
         print(f"shardyard: {checkpoint!r} is neither a committed checkpoint nor a run directory with one "
               f"(`shardyard train` writes them)", file=sys.stderr)
         return 2
-    print(export_safetensors(path, out))
+    if fmt == "safetensors":
+        print(export_safetensors(path, out))
+        return 0
+    if read_spec(path).model.name != "hf":
+        print(f"shardyard: --format hf writes Hugging Face models; {checkpoint!r} holds model.name "
+              f"'{read_spec(path).model.name}' (use --format safetensors)", file=sys.stderr)
+        return 2
+    from shardyard.models.hf import export_hf_directory
+
+    print(export_hf_directory(load_model(path), out))
     return 0
 
 
@@ -86,9 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train a model from a job spec on Ray Train")
     add_spec_arguments(train, config_flag=False)
-    export = commands.add_parser("export", help="checkpoint -> one safetensors state_dict file")
+    export = commands.add_parser("export", help="checkpoint -> one safetensors state_dict file, or a "
+                                                 "Hugging Face model directory")
     export.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its latest)")
-    export.add_argument("out", help="output .safetensors path")
+    export.add_argument("out", help="output .safetensors path (--format hf: a directory)")
+    export.add_argument("--format", dest="fmt", choices=("safetensors", "hf"), default="safetensors",
+                        help="hf: config.json, safetensors weights and tokenizer files, for "
+                             "AutoModelForCausalLM.from_pretrained (model.name 'hf' runs)")
     plan = commands.add_parser("plan", help="per-device memory and communication of each parallelism; "
                                              "the recommended one")
     add_spec_arguments(plan, config_flag=False)
@@ -100,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         return run_plan(args)
     if args.command == "export":
-        return run_export(args.checkpoint, args.out)
+        return run_export(args.checkpoint, args.out, args.fmt)
     # Local Ray unless RAY_ADDRESS names a cluster.
     return run_train(args.config, args.overrides, attach_to_running=False)
 

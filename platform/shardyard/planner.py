@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardyard.spec import ZERO_STAGES, GPTSpec, JobSpec
+from shardyard.spec import LANGUAGE_MODELS, ZERO_STAGES, GPTSpec, HFSpec, JobSpec
 
 FP32 = 4
 USABLE = 0.9  # of device memory: the allocator, CUDA context and fragmentation take the rest
@@ -80,17 +80,23 @@ class ModelShape:
 
     @classmethod
     def of(cls, spec: JobSpec) -> ModelShape:
-        from shardyard.models import build_model
+        from shardyard.models import build_model, repeated_blocks
 
-        with torch.device("meta"):  # shapes only, no memory
-            model = build_model(spec.model)
-        named = dict(model.named_parameters())
-        blocks = sum(p.numel() for n, p in named.items() if n.startswith("blocks."))
-        linear = sum(p.numel() for n, p in named.items() if n.startswith("blocks.") and (".attn." in n or ".mlp." in n))
-        gpt = isinstance(spec.model, GPTSpec)
-        return cls(sum(p.numel() for p in named.values()), blocks, linear, max(p.numel() for p in named.values()),
-                   spec.model.n_layer if gpt else 1, spec.model.n_embd if gpt else 0,
-                   spec.model.vocab_size if gpt else 0)
+        with torch.device("meta"):  # shapes only, no memory (and no pretrained weights read)
+            model = build_model(spec.model, pretrained=False)
+        blocks = [getattr(parent, name) for parent, name in repeated_blocks(model)]
+        block_params = sum(p.numel() for b in blocks for p in b.parameters())
+        linear = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0)
+                     for b in blocks for m in b.modules() if isinstance(m, torch.nn.Linear))
+        sizes = [p.numel() for p in model.parameters()]
+        # Layers and width drive the activation estimate of transformers; others count as one layer.
+        layers, width = 1, 0
+        if isinstance(spec.model, GPTSpec):
+            layers, width = len(blocks), spec.model.n_embd
+        elif isinstance(spec.model, HFSpec):
+            layers, width = len(blocks), spec.model.hf_config().hidden_size
+        return cls(sum(sizes), block_params, linear, max(sizes), layers, width,
+                   getattr(spec.model, "vocab_size", 0))
 
 
 def optimizer_bytes_per_param(spec: JobSpec) -> int:
@@ -120,12 +126,12 @@ def estimate(spec: JobSpec, shape: ModelShape, strategy: str, dp: int, tp: int =
             buffers = FP32 * min(psi, 500_000_000) + (4 * FP32 * shape.largest if dp > 1 else 0)
 
     batch = spec.batch
-    micro, tokens = batch.micro_batch_size, spec.model.block_size if isinstance(spec.model, GPTSpec) else 1
+    micro, tokens = batch.micro_batch_size, spec.model.block_size if isinstance(spec.model, LANGUAGE_MODELS) else 1
     accum = max(1, batch.global_batch_size // (micro * dp))
     per_token_block = FP32 * (6 + 10 / tp) * shape.n_embd  # 16 values a token per block at tp = 1
     in_flight = min(pp, accum) if pp > 1 else 1  # 1F1B: the first stage holds pp micro-batches
     acts = micro * tokens * (per_token_block * shape.n_layer / pp + 2 * FP32 * shape.vocab) * in_flight
-    if not isinstance(spec.model, GPTSpec):
+    if not isinstance(spec.model, LANGUAGE_MODELS):
         acts = micro * FP32 * 4 * shape.total ** 0.5  # an MLP's few hidden layers: small anyway
     if amp:
         acts /= 2
@@ -147,8 +153,8 @@ def candidates(spec: JobSpec, shape: ModelShape, cluster: Cluster) -> list[Estim
     """Every plan in order of preference: least communication and code change first."""
     n, amp = cluster.devices, cluster.gpu
     plans = [estimate(spec, shape, s, n, amp=amp) for s in ("ddp", "zero1", "zero2", "fsdp", "zero3")]
-    heads = spec.model.n_head if isinstance(spec.model, GPTSpec) else 1
-    layers = shape.n_layer if isinstance(spec.model, GPTSpec) else 1
+    heads = spec.model.n_head if isinstance(spec.model, GPTSpec) else 1  # tp splits the GPT's heads
+    layers = shape.n_layer if isinstance(spec.model, GPTSpec) else 1  # pipelines split the GPT
     # Tensor parallelism inside a node (it all-reduces every block), pipelines across nodes.
     for tp in (2, 4, 8):
         if tp <= cluster.per_node and n % tp == 0 and heads % tp == 0:
@@ -164,7 +170,7 @@ def candidates(spec: JobSpec, shape: ModelShape, cluster: Cluster) -> list[Estim
 
 def gpu_loses_to_cpu(spec: JobSpec, shape: ModelShape, cluster: Cluster) -> tuple[bool, str]:
     """Is one step faster on a node's CPU cores than on a GPU, counting the GPU's launch cost?"""
-    tokens = spec.batch.global_batch_size * (spec.model.block_size if isinstance(spec.model, GPTSpec) else 1)
+    tokens = spec.batch.global_batch_size * (spec.model.block_size if isinstance(spec.model, LANGUAGE_MODELS) else 1)
     flops = 6 * shape.total * tokens
     accum = max(1, spec.batch.global_batch_size // (spec.batch.micro_batch_size * cluster.devices))
     launches = 3 * KERNELS_PER_BLOCK * max(1, shape.n_layer) * accum

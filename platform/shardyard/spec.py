@@ -6,6 +6,7 @@ and impossible combinations raise `SpecError` with a message naming the key and 
 
 from __future__ import annotations
 
+import importlib
 import types
 import typing
 from pathlib import Path
@@ -51,7 +52,95 @@ class MLPSpec(_Section):
     n_layer: int = Field(3, ge=1, description="number of hidden layers")
 
 
-ModelSpec = Annotated[Union[GPTSpec, MLPSpec], Field(discriminator="name")]
+class HFSpec(_Section):
+    """A Hugging Face causal LM: a local model directory to fine-tune, or a config to pretrain."""
+
+    name: Literal["hf"] = "hf"
+    path: str | None = Field(None, description="local Hugging Face model directory (config.json and "
+                             "weights) to fine-tune; when given, its config replaces model.config")
+    config: dict[str, Any] | None = Field(
+        None, description="pretrain from scratch: `architecture` (llama, gpt2, qwen2, ...) and the "
+        "Hugging Face config's own keys (hidden_size, num_hidden_layers, vocab_size, ...)")
+    block_size: int = Field(64, ge=2, description="training sequence length in tokens")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _directory_replaces_config(cls, data: Any) -> Any:
+        # `--set model.path=DIR` on a pretraining spec means "this model instead": the directory
+        # brings its own config, and weights that only fit it.
+        if isinstance(data, dict) and data.get("path") is not None and data.get("config") is not None:
+            data = {**data, "config": None}
+        return data
+
+    @model_validator(mode="after")
+    def _one_source(self) -> HFSpec:
+        if self.path is None and self.config is None:
+            raise ValueError("model.name 'hf' needs model.path (a model directory) or model.config "
+                             "(architecture and config keys)")
+        if self.path is not None and not (Path(self.path) / "config.json").is_file():
+            raise ValueError(f"model.path '{self.path}' is not a Hugging Face model directory "
+                             f"(no config.json in it)")
+        if self.config is not None and "architecture" not in self.config:
+            raise ValueError("model.config needs `architecture`, the Hugging Face model type "
+                             "(llama, gpt2, qwen2, mistral, ...)")
+        config = self.hf_config()  # transformers' own validation of the keys, before any worker
+        limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        if limit is not None and self.block_size > limit:
+            raise ValueError(f"model.block_size ({self.block_size}) exceeds the model's "
+                             f"max_position_embeddings ({limit})")
+        return self
+
+    def hf_config(self) -> Any:
+        """The model's `transformers` config (imported here: only Hugging Face specs need it)."""
+        from transformers import CONFIG_MAPPING, AutoConfig
+
+        if self.path is not None:
+            try:
+                return AutoConfig.from_pretrained(self.path)
+            except (ValueError, OSError) as err:
+                raise ValueError(f"model.path: transformers cannot read its config.json: {err}") from None
+        architecture = self.config["architecture"]
+        if architecture not in CONFIG_MAPPING:
+            raise ValueError(f"model.config.architecture '{architecture}' is not a model type transformers "
+                             f"knows (llama, gpt2, qwen2, mistral, ...)")
+        try:
+            return AutoConfig.for_model(architecture, **{k: v for k, v in self.config.items() if k != "architecture"})
+        except Exception as err:  # noqa: BLE001 - transformers' validators raise several kinds
+            reason = str(err).strip().splitlines()[-1].strip()
+            raise ValueError(f"model.config: transformers refused it: {reason}") from None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config().vocab_size
+
+
+class CustomSpec(_Section):
+    """The user's own `nn.Module`: `factory` returns it, given this section."""
+
+    name: Literal["custom"] = "custom"
+    factory: str = Field(description="'package.module:function'; called with this section, returns an "
+                         "nn.Module mapping token ids (B, T) to logits (B, T, vocab_size)")
+    block_size: int = Field(64, ge=2, description="training sequence length in tokens")
+    vocab_size: int = Field(256, ge=2, description="256 for the byte-level corpus")
+    options: dict[str, Any] = Field(default_factory=dict, description="passed to the factory as they are")
+
+    @model_validator(mode="after")
+    def _factory_exists(self) -> CustomSpec:
+        module, _, function = self.factory.partition(":")
+        if not module or not function:
+            raise ValueError(f"model.factory must be 'package.module:function', got '{self.factory}'")
+        try:
+            found = getattr(importlib.import_module(module), function, None)
+        except ImportError as err:
+            raise ValueError(f"model.factory: cannot import '{module}': {err}") from None
+        if not callable(found):
+            raise ValueError(f"model.factory: '{module}' has no function '{function}'")
+        return self
+
+
+ModelSpec = Annotated[Union[GPTSpec, MLPSpec, HFSpec, CustomSpec], Field(discriminator="name")]
+# Models that read token ids and predict the next one: the corpus and token data feed them.
+LANGUAGE_MODELS = (GPTSpec, HFSpec, CustomSpec)
 
 
 class DataSpec(_Section):
@@ -251,6 +340,9 @@ class JobSpec(_Section):
     def _combinations(self) -> JobSpec:
         if self.model.name == "mlp" and self.data.name != "synthetic":
             raise ValueError("model.name 'mlp' trains on data.name 'synthetic' only")
+        if self.data.name == "corpus" and self.model.name != "mlp" and self.model.vocab_size < 256:
+            raise ValueError(f"data.name 'corpus' yields byte ids 0-255: the model's vocab_size "
+                             f"({self.model.vocab_size}) must be at least 256")
         if self.data.path is not None and self.data.name != "corpus":
             raise ValueError("data.path applies to data.name 'corpus' only")
         par = self.parallelism
@@ -349,8 +441,8 @@ class JobSpec(_Section):
     def _check_model_fits_mesh(self) -> None:
         par, model = self.parallelism, self.model
         if (par.tp > 1 or par.pp > 1) and model.name != "gpt":
-            raise ValueError("tensor and pipeline parallelism split the GPT's blocks: model.name "
-                             "must be 'gpt'")
+            raise ValueError(f"tensor and pipeline parallelism split the GPT's blocks; for model.name "
+                             f"'{model.name}' use ddp, fsdp, local_sgd or zero1/2/3")
         if par.tp > 1 and model.n_head % par.tp:
             raise ValueError(f"model.n_head ({model.n_head}) must be divisible by "
                              f"parallelism.tp ({par.tp}) to shard attention heads")

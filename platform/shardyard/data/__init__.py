@@ -9,7 +9,7 @@ import torch
 from shardyard.data.corpus import ByteCorpus
 from shardyard.data.sampler import GlobalSampleOrder, micro_batch_ids
 from shardyard.data.synthetic import SyntheticRegression, SyntheticTokens
-from shardyard.spec import GPTSpec, JobSpec
+from shardyard.spec import LANGUAGE_MODELS, JobSpec
 
 
 class Dataset(Protocol):
@@ -22,7 +22,7 @@ def build_dataset(spec: JobSpec) -> Dataset:
     model, data = spec.model, spec.data
     if data.name == "corpus":
         return ByteCorpus.from_path(data.path, model.block_size, data.max_bytes)
-    if isinstance(model, GPTSpec):
+    if isinstance(model, LANGUAGE_MODELS):
         return SyntheticTokens(data.num_samples, model.block_size, model.vocab_size, spec.run.seed)
     return SyntheticRegression(data.num_samples, model.in_dim, model.out_dim, spec.run.seed)
 

@@ -1,4 +1,7 @@
-"""Reference models, built from the `model` section of a job spec."""
+"""Models built from the `model` section of a job spec: the reference GPT and MLP, Hugging Face
+causal LMs (hf.py) and the user's own modules (custom.py). The engines see one interface: a
+module's forward maps inputs to outputs the spec's loss reads, and `repeated_blocks` names the
+blocks to wrap one by one."""
 
 from __future__ import annotations
 
@@ -9,17 +12,45 @@ from torch import nn
 
 from shardyard.models.gpt import GPT, lm_loss
 from shardyard.models.mlp import MLP, mse_loss
-from shardyard.spec import GPTSpec, MLPSpec
+from shardyard.spec import CustomSpec, GPTSpec, HFSpec, MLPSpec
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def build_model(spec: GPTSpec | MLPSpec) -> nn.Module:
-    return GPT(spec) if isinstance(spec, GPTSpec) else MLP(spec)
+def build_model(spec: GPTSpec | MLPSpec | HFSpec | CustomSpec, pretrained: bool = True) -> nn.Module:
+    """`pretrained=False` skips reading a Hugging Face directory's weights (shapes only)."""
+    if isinstance(spec, GPTSpec):
+        return GPT(spec)
+    if isinstance(spec, MLPSpec):
+        return MLP(spec)
+    if isinstance(spec, HFSpec):
+        from shardyard.models.hf import HFCausalLM  # imports transformers: only when asked for
+
+        return HFCausalLM(spec, pretrained)
+    from shardyard.models.custom import build_custom
+
+    return build_custom(spec)
 
 
-def loss_fn_for(spec: GPTSpec | MLPSpec) -> LossFn:
-    return lm_loss if isinstance(spec, GPTSpec) else mse_loss
+def loss_fn_for(spec: GPTSpec | MLPSpec | HFSpec | CustomSpec) -> LossFn:
+    return mse_loss if isinstance(spec, MLPSpec) else lm_loss
 
 
-__all__ = ["GPT", "MLP", "LossFn", "build_model", "loss_fn_for"]
+def repeated_blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(parent, attribute name) of each block whose class the model names in `_no_split_modules`
+    (the transformers convention, which the reference models follow too), outermost first."""
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    found: list[tuple[nn.Module, str]] = []
+
+    def visit(parent: nn.Module) -> None:
+        for name, child in parent.named_children():
+            if type(child).__name__ in classes:
+                found.append((parent, name))
+            else:
+                visit(child)
+
+    visit(model)
+    return found
+
+
+__all__ = ["GPT", "MLP", "LossFn", "build_model", "loss_fn_for", "repeated_blocks"]

@@ -72,6 +72,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    # Blocks FSDP wraps one by one and activation checkpointing recomputes (transformers' name).
+    _no_split_modules = ("Block",)
+
     def __init__(self, spec: GPTSpec) -> None:
         super().__init__()
         self.spec = spec

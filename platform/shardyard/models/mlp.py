@@ -10,6 +10,9 @@ from shardyard.spec import MLPSpec
 
 
 class MLP(nn.Module):
+    # Blocks FSDP wraps one by one and activation checkpointing recomputes (transformers' name).
+    _no_split_modules = ("Linear",)
+
     def __init__(self, spec: MLPSpec) -> None:
         super().__init__()
         self.spec = spec

@@ -1,7 +1,7 @@
 """FSDP2: parameters, gradients and optimizer state sharded over the dp mesh dimension.
 
-`fully_shard` is applied per transformer block (each block's parameters are gathered just
-before it runs and freed after) and once at the root for the rest.
+`fully_shard` is applied per repeated block (the model's `_no_split_modules`: GPT blocks, a
+Hugging Face model's decoder layers) and once at the root for the rest.
 """
 
 from __future__ import annotations
@@ -14,20 +14,19 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from shardyard.models import repeated_blocks
 from shardyard.parallel.engine import Engine
 from shardyard.spec import ParallelismSpec
 
 
-def block_container(model: nn.Module) -> nn.ModuleDict:
-    """The ModuleDict of repeated blocks (GPT blocks, MLP layers)."""
-    return model.blocks if hasattr(model, "blocks") else model.layers
-
-
 def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute each block's activations in backward instead of keeping them."""
-    blocks = block_container(model)
-    for name, block in list(blocks.items()):
-        blocks[name] = checkpoint_wrapper(block)
+    blocks = repeated_blocks(model)
+    if not blocks:
+        raise ValueError(f"parallelism.activation_checkpointing needs the model's repeated blocks: "
+                         f"{type(model).__name__} names none in `_no_split_modules`")
+    for parent, name in blocks:
+        setattr(parent, name, checkpoint_wrapper(getattr(parent, name)))
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, spec: ParallelismSpec,
@@ -40,8 +39,10 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, spec: ParallelismSpec,
         # Parameters, gradients and optimizer state in host memory between uses. On a CPU-only
         # device they already live there (and FSDP's policy requires an accelerator).
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    for block in block_container(model).values():
-        fully_shard(block, **kwargs)
+    # Each block gathered just before it runs and freed after; a model that names no blocks is
+    # sharded at the root alone (whole-model gathers: correct, with less memory saved).
+    for parent, name in repeated_blocks(model):
+        fully_shard(getattr(parent, name), **kwargs)
     return fully_shard(model, **kwargs)
 
 

@@ -217,7 +217,7 @@ FullState = Callable[[str, str], torch.Tensor]  # (parameter name, field) -> the
 def _aliases(stored: JobSpec) -> dict[str, list[str]]:
     """Every name of each parameter (a tied weight has two; checkpoints may keep one)."""
     with torch.device("meta"):
-        model = build_model(stored.model)
+        model = build_model(stored.model, pretrained=False)
     by_id: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(name)
@@ -311,7 +311,7 @@ def _write_whole(full: FullState, stored: JobSpec, fields: list[str], directory:
     """Every parameter (under each of its names) and its optimizer `fields` as one process's DCP
     checkpoint."""
     with torch.device("meta"):
-        model = build_model(stored.model)
+        model = build_model(stored.model, pretrained=False)
     state: dict[str, torch.Tensor] = {}
     for fqn, p in model.named_parameters(remove_duplicate=False):
         state[f"model.{fqn}"] = full(fqn, "param").reshape(p.shape)
@@ -611,7 +611,7 @@ def load_model(checkpoint_dir: str | Path) -> nn.Module:
     record = committed_record(checkpoint_dir)
     if record is None:
         raise FileNotFoundError(f"{checkpoint_dir} is not a committed checkpoint")
-    model = build_model(read_spec(checkpoint_dir).model)
+    model = build_model(read_spec(checkpoint_dir).model, pretrained=False)  # the checkpoint has the weights
     if record["format"] == DeepSpeedFormat.name:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

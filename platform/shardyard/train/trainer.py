@@ -21,7 +21,7 @@ import torch.distributed as dist
 from shardyard.data import Dataset, GlobalSampleOrder, build_dataset, micro_batch_ids
 from shardyard.models import build_model
 from shardyard.parallel import Engine, build_engine
-from shardyard.spec import GPTSpec, JobSpec
+from shardyard.spec import LANGUAGE_MODELS, JobSpec
 from shardyard.train.checkpoint import CheckpointManager, TrainState
 from shardyard.train.metrics import MetricsLog, Progress, Throughput
 
@@ -65,7 +65,7 @@ class Trainer:
         self.restore_s = 0.0
         # Summed on the device between reports: reading a loss each step would sync a GPU.
         self._loss_sum = torch.zeros((), device=engine.device)
-        self.tokens_per_sample = spec.model.block_size if isinstance(spec.model, GPTSpec) else 1
+        self.tokens_per_sample = spec.model.block_size if isinstance(spec.model, LANGUAGE_MODELS) else 1
 
     @classmethod
     def build(cls, written: JobSpec, rank: int, world_size: int, device: torch.device, *,

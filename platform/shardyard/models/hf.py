@@ -1,0 +1,52 @@
+"""Hugging Face causal LMs (Llama, Qwen, GPT-2, ... anything `AutoModelForCausalLM` builds) behind
+the interface the engines use: token ids in, logits out, repeated blocks named by the model's own
+`_no_split_modules`.
+
+The wrapper adds one level to parameter names (`hf.`); `export_hf_directory` strips it again, so
+what leaves the platform is an ordinary Hugging Face model directory.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardyard.spec import HFSpec
+
+# Files a model directory may carry besides config and weights: the tokenizer travels with them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
+
+
+class HFCausalLM(nn.Module):
+    def __init__(self, spec: HFSpec, pretrained: bool = True) -> None:
+        from transformers import AutoModelForCausalLM
+
+        super().__init__()
+        self.spec = spec
+        if spec.path is not None and pretrained:
+            self.hf = AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch.float32)
+        else:
+            # Random init from the caller's seed, as the GPT's: every rank builds the same weights.
+            # (From a directory's config alone when its weights are not wanted.)
+            self.hf = AutoModelForCausalLM.from_config(spec.hf_config(), dtype=torch.float32)
+        # Blocks FSDP wraps and activation checkpointing recomputes: the model's own decoder layers.
+        self._no_split_modules = tuple(self.hf._no_split_modules or ())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=x, use_cache=False).logits
+
+
+def export_hf_directory(model: HFCausalLM, out: str | Path) -> Path:
+    """Write `model` as a Hugging Face model directory (config.json, safetensors weights, and the
+    tokenizer files of the directory it was loaded from, if any)."""
+    out = Path(out)
+    model.hf.save_pretrained(out)
+    if model.spec.path is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(model.spec.path) / name).is_file():
+                shutil.copy2(Path(model.spec.path) / name, out / name)
+    return out

@@ -1,0 +1,173 @@
+"""Bring your own model: Hugging Face causal LMs (a Llama with grouped-query attention, and GPT-2
+with tied embeddings), built from a config or read from a model directory, and a user's module
+from a factory, under the data-parallel and sharding strategies; against the same oracle as the
+reference GPT (test_strategies.py): the same model, data and global batch in one process, plain
+SGD without clipping, world size 2 with accumulation 2.
+
+Also: a model directory's pretrained weights are what training starts from; a trained run exports
+to a directory `AutoModelForCausalLM.from_pretrained` loads with equal logits; a checkpoint
+resumes at another world size; bad model sections are refused before anything starts.
+"""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardyard.cli import main as shardyard
+from shardyard.localdist import run_distributed
+from shardyard.models import build_model
+from shardyard.parallel import single_process
+from shardyard.spec import SpecError, parse_spec
+from shardyard.train import checkpoint
+from test_strategies import PARAM_TOL, steps, train
+
+STEPS = 3
+SGD = {"name": "sgd", "lr": 0.2, "momentum": 0.0, "weight_decay": 0.0, "grad_clip": 0.0, "warmup_steps": 1}
+LLAMA = {"architecture": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+         "max_position_embeddings": 64, "tie_word_embeddings": False}
+GPT2 = {"architecture": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 256, "n_positions": 64,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 0, "eos_token_id": 0}
+MODELS = {
+    "llama": {"name": "hf", "config": LLAMA, "block_size": 16},
+    "gpt2": {"name": "hf", "config": GPT2, "block_size": 16},
+    "custom": {"name": "custom", "factory": "custom_model:build", "block_size": 16, "options": {"width": 24}},
+}
+STRATEGIES = {
+    "ddp": {"strategy": "ddp"},
+    "fsdp-ac": {"strategy": "fsdp", "activation_checkpointing": True},
+    "zero2": {"strategy": "zero2"},
+    "zero3": {"strategy": "zero3"},
+}
+CASES = [(m, s) for m in ("llama", "gpt2") for s in STRATEGIES] + [("custom", "ddp"), ("custom", "fsdp-ac")]
+
+
+def job(model: dict, parallelism: dict, world: int, storage: Path | None = None, steps_: int = STEPS) -> dict:
+    raw = {"model": model, "data": {"name": "synthetic", "num_samples": 64}, "optim": SGD,
+           "batch": {"global_batch_size": 8, "micro_batch_size": 8 // (2 * world)},
+           "parallelism": parallelism, "scaling": {"num_workers": world},
+           "checkpoint": {"every_n_steps": 2, "keep": 5}, "run": {"steps": steps_, "seed": 3, "log_every": 1}}
+    if storage is not None:
+        raw["checkpoint"]["storage_path"] = str(storage)
+        raw["run"]["name"] = "run"
+    return raw
+
+
+def every_case(rank: int, world: int, out: str) -> dict[str, str | None]:
+    results: dict[str, str | None] = {}
+    for model, strategy in CASES:
+        try:
+            train(rank, world, job(MODELS[model], STRATEGIES[strategy], world, Path(out, model, strategy)))
+            results[f"{model}/{strategy}"] = None
+        except Exception:  # noqa: BLE001 - reported by the case's own test
+            results[f"{model}/{strategy}"] = traceback.format_exc()
+        dist.barrier()
+    return results
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str | None]]:
+    out = tmp_path_factory.mktemp("models")
+    return out, run_distributed(every_case, 2, str(out))[0]
+
+
+def oracle(model: str, steps_: int = STEPS) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(initial, final) parameters of `steps_` single-process steps on the whole global batch."""
+    raw = job(MODELS[model], {"strategy": "ddp"}, 1, steps_=steps_)  # the LR schedule spans run.steps
+    raw["batch"] = {"global_batch_size": 8, "micro_batch_size": 8}
+    spec = parse_spec(raw)
+    torch.manual_seed(spec.run.seed)
+    engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
+    initial = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    steps(engine, spec, 0, steps_)
+    return initial, engine.model.state_dict()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model, strategy", CASES, ids=[f"{m}-{s}" for m, s in CASES])
+def test_model_under_strategy_matches_single_process(model: str, strategy: str, trained) -> None:
+    out, results = trained
+    error = results[f"{model}/{strategy}"]
+    assert error is None, f"{model} under {strategy} raised on rank 0:\n{error}"
+    initial, expected = oracle(model)
+    assert max((expected[k] - initial[k]).abs().max().item() for k in initial) > 100 * PARAM_TOL
+    final = checkpoint.find_latest(out / model / strategy / "run")
+    assert final.name == checkpoint.checkpoint_name(STEPS)
+    got = checkpoint.load_model(final).state_dict()
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=PARAM_TOL, msg=f"{model}/{strategy}: {name}")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_export_to_a_directory_transformers_loads_with_equal_logits(model: str, trained, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    out, results = trained
+    assert results[f"{model}/fsdp-ac"] is None, results[f"{model}/fsdp-ac"]
+    run_dir = out / model / "fsdp-ac" / "run"
+    assert shardyard(["export", str(run_dir), "--format", "hf", str(tmp_path / "hf")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    trained_model = checkpoint.load_model(checkpoint.find_latest(run_dir))
+    tokens = torch.randint(0, 256, (2, 16))
+    torch.testing.assert_close(exported(input_ids=tokens).logits, trained_model(tokens), rtol=0, atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_training_starts_from_a_model_directory_and_resumes_at_another_world_size(tmp_path: Path) -> None:
+    """A directory saved with `save_pretrained`: its weights are loaded; a run at 2 ranks stopped
+    after step 2 resumes at 1 (FSDP through DCP) and ends where one process ends."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(11)  # other weights than the spec's seed would make
+    keys = {k: v for k, v in LLAMA.items() if k != "architecture"}
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **keys)).save_pretrained(tmp_path / "llama")
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "llama").state_dict()
+    pretrained = {"name": "hf", "path": str(tmp_path / "llama"), "block_size": 16}
+    built = build_model(parse_spec(job(pretrained, {"strategy": "ddp"}, 1)).model).state_dict()
+    for name, value in saved.items():
+        torch.testing.assert_close(built[f"hf.{name}"], value, rtol=0, atol=0, msg=name)
+
+    elastic = job(pretrained, {"strategy": "fsdp"}, 2, tmp_path / "runs", steps_=4)
+    elastic["scaling"] = {"min_workers": 1, "max_workers": 2}
+    run_distributed(train, 2, elastic, 2)
+    run_distributed(train, 1, elastic)
+    final = checkpoint.find_latest(tmp_path / "runs" / "run")
+    assert checkpoint.committed_record(final)["world_size"] == 1
+
+    MODELS["pretrained"] = pretrained
+    try:
+        _, expected = oracle("pretrained", 4)
+    finally:
+        del MODELS["pretrained"]
+    got = checkpoint.load_model(final).state_dict()
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=PARAM_TOL, msg=name)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("model, expected", [
+    ({"name": "hf"}, "needs model.path (a model directory) or model.config"),
+    ({"name": "hf", "path": "/nonexistent"}, "not a Hugging Face model directory"),
+    ({"name": "hf", "config": {"hidden_size": 32}}, "needs `architecture`"),
+    ({"name": "hf", "config": {"architecture": "nonesuch"}}, "not a model type transformers knows"),
+    ({"name": "hf", "config": {**LLAMA, "hidden_size": 30}}, "transformers refused it"),
+    ({"name": "hf", "config": LLAMA, "block_size": 128}, "exceeds the model's max_position_embeddings (64)"),
+    ({"name": "custom", "factory": "custom_model"}, "must be 'package.module:function'"),
+    ({"name": "custom", "factory": "no_such_package:build"}, "cannot import 'no_such_package'"),
+    ({"name": "custom", "factory": "custom_model:nothing"}, "has no function 'nothing'"),
+])
+def test_bad_model_sections_are_refused_with_the_reason(model: dict, expected: str) -> None:
+    with pytest.raises(SpecError) as err:
+        parse_spec(job(model, {"strategy": "ddp"}, 1))
+    assert expected in str(err.value)
+
+
+def test_tensor_and_pipeline_parallelism_are_refused_for_models_that_do_not_say_how() -> None:
+    with pytest.raises(SpecError, match="for model.name 'hf' use ddp, fsdp"):
+        parse_spec(job(MODELS["llama"], {"strategy": "tensor", "tp": 2}, 2))
