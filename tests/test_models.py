@@ -43,8 +43,10 @@ STRATEGIES = {
     "fsdp-ac": {"strategy": "fsdp", "activation_checkpointing": True},
     "zero2": {"strategy": "zero2"},
     "zero3": {"strategy": "zero3"},
+    "tensor": {"strategy": "tensor", "tp": 2},  # the model's own base_model_tp_plan
 }
-CASES = [(m, s) for m in ("llama", "gpt2") for s in STRATEGIES] + [("custom", "ddp"), ("custom", "fsdp-ac")]
+CASES = ([(m, s) for m in ("llama", "gpt2") for s in STRATEGIES if (m, s) != ("gpt2", "tensor")]
+         + [("custom", "ddp"), ("custom", "fsdp-ac")])
 
 
 def job(model: dict, parallelism: dict, world: int, storage: Path | None = None, steps_: int = STEPS) -> dict:
@@ -168,6 +170,16 @@ def test_bad_model_sections_are_refused_with_the_reason(model: dict, expected: s
     assert expected in str(err.value)
 
 
-def test_tensor_and_pipeline_parallelism_are_refused_for_models_that_do_not_say_how() -> None:
-    with pytest.raises(SpecError, match="for model.name 'hf' use ddp, fsdp"):
-        parse_spec(job(MODELS["llama"], {"strategy": "tensor", "tp": 2}, 2))
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("model, parallelism, expected", [
+    ("gpt2", {"strategy": "tensor", "tp": 2}, "model 'gpt2' ships no tensor-parallel plan"),
+    ("custom", {"strategy": "tensor", "tp": 2}, "for model.name 'custom' use ddp, fsdp"),
+    ("llama", {"strategy": "tensor", "tp": 4}, "num_key_value_heads (2) must be divisible by parallelism.tp (4)"),
+    ("llama", {"strategy": "pipeline", "pp": 2}, "for model.name 'hf' use ddp, fsdp, tensor"),
+])
+def test_parallelism_a_model_does_not_support_is_refused_with_the_reason(model: str, parallelism: dict,
+                                                                          expected: str) -> None:
+    world = parallelism.get("tp", 1) * parallelism.get("pp", 1)
+    with pytest.raises(SpecError) as err:
+        parse_spec(job(MODELS[model], parallelism, world))
+    assert expected in str(err.value)

@@ -79,3 +79,17 @@ def test_the_planner_shards_only_when_needed_and_prefers_cpu_for_tiny_models() -
     mlp = parse_spec({"model": {"name": "mlp"}, "data": {"name": "synthetic"}, "scaling": {"num_workers": 2}})
     tiny, _, why = recommend(mlp, Cluster(devices=2, device_memory=80 * GiB))
     assert tiny is not None and "on CPU" in why
+
+
+@pytest.mark.timeout(120)
+def test_a_hugging_face_model_is_counted_from_its_config() -> None:
+    """Llama-3-8B's config, built on the meta device (no memory, no weights): 8.03B parameters,
+    32 decoder layers of width 4096, as published."""
+    spec = parse_spec({"model": {"name": "hf", "block_size": 2048, "config": {
+        "architecture": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+        "max_position_embeddings": 8192, "tie_word_embeddings": False}}})
+    shape = ModelShape.of(spec)
+    assert shape.total == 8_030_261_248
+    assert (shape.n_layer, shape.n_embd, shape.vocab) == (32, 4096, 128256)
+    assert shape.blocks == shape.total - 2 * 128256 * 4096 - 4096  # all but embeddings, head, final norm

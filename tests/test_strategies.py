@@ -3,8 +3,9 @@ the same model, data and global batch trained in one process.
 
 Each case runs the real `Trainer` (the loop Ray Train's workers run) on torch.distributed gloo
 ranks, all cases of one world size in one launch, and is checked in the main process:
-- final parameters and the per-step loss curve equal the single-process run, once with AdamW and
-  gradient clipping, and once with plain SGD, no clipping and no weight decay: Adam's update and
+- final parameters and the per-step loss curve equal the single-process run, once with AdamW,
+  weight decay (two parameter groups, which every strategy and ZeRO's state conversions must keep
+  apart) and gradient clipping, and once with plain SGD, no clipping and no weight decay: Adam's update and
   clipping are blind to a constant gradient factor (a sum instead of a mean over ranks, a missing
   1/accumulation), SGD's is not. Every case has world size > 1 and accumulation > 1;
 - a run resumed from the committed checkpoint of step RESUME_AT ends exactly where the straight
@@ -39,7 +40,7 @@ from shardyard.train.trainer import Trainer
 
 STEPS, RESUME_AT = 4, 2
 PARAM_TOL, LOSS_RTOL, RESUME_TOL = 2e-5, 1e-5, 1e-6
-ADAMW = {"name": "adamw", "lr": 1e-3, "warmup_steps": 1, "grad_clip": 0.5}
+ADAMW = {"name": "adamw", "lr": 1e-3, "weight_decay": 0.1, "warmup_steps": 1, "grad_clip": 0.5}
 # Large enough that a gradient off by a constant factor moves parameters far past PARAM_TOL.
 SGD = {"name": "sgd", "lr": 0.5, "momentum": 0.0, "weight_decay": 0.0, "grad_clip": 0.0, "warmup_steps": 1}
 

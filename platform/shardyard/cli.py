@@ -68,7 +68,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
     import psutil
 
-    from shardyard.planner import Cluster, parse_bytes, recommend, table
+    from shardyard.planner import Cluster, ModelShape, parse_bytes, recommend, table
 
     try:
         spec = load_spec(args.config, args.overrides)
@@ -82,10 +82,11 @@ def run_plan(args: argparse.Namespace) -> int:
     except (SpecError, ValueError) as err:
         print(f"shardyard: {err}", file=sys.stderr)
         return 2
-    chosen, plans, reason = recommend(spec, cluster)
+    shape = ModelShape.of(spec)
+    chosen, plans, reason = recommend(spec, cluster, shape)
     kind = "GPU" if cluster.gpu else "CPU worker"
     print(f"{cluster.devices} {kind}s on {cluster.nodes} node(s), {memory / 2**30:.1f} GiB each; "
-          f"model {spec.model.name}, global batch {spec.batch.global_batch_size}, micro-batch "
+          f"model {spec.model.name} ({shape.total / 1e9:.2f}B parameters), global batch {spec.batch.global_batch_size}, micro-batch "
           f"{spec.batch.micro_batch_size}\n")
     print(table(plans, chosen, 0.9 * memory))
     print(f"\nrecommended: {reason}")

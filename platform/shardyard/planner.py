@@ -181,9 +181,10 @@ def gpu_loses_to_cpu(spec: JobSpec, shape: ModelShape, cluster: Cluster) -> tupl
     return cpu_s < gpu_s, reason
 
 
-def recommend(spec: JobSpec, cluster: Cluster) -> tuple[Estimate | None, list[Estimate], str]:
+def recommend(spec: JobSpec, cluster: Cluster, shape: ModelShape | None = None
+              ) -> tuple[Estimate | None, list[Estimate], str]:
     """(the chosen plan or None, every plan considered, why)."""
-    shape = ModelShape.of(spec)
+    shape = shape or ModelShape.of(spec)
     plans = candidates(spec, shape, cluster)
     budget = USABLE * cluster.device_memory
     if cluster.gpu:

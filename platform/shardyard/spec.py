@@ -113,6 +113,26 @@ class HFSpec(_Section):
     def vocab_size(self) -> int:
         return self.hf_config().vocab_size
 
+    def block_tp_plan(self, tp: int) -> dict[str, str]:
+        """The tensor-parallel plan of one decoder layer, from the model's own `base_model_tp_plan`
+        ("layers.*.self_attn.q_proj": "colwise" -> "self_attn.q_proj": "colwise"), or ValueError
+        saying why this model cannot be split `tp` ways."""
+        config = self.hf_config()
+        plan = getattr(config, "base_model_tp_plan", None)
+        if not plan:
+            raise ValueError(f"model '{config.model_type}' ships no tensor-parallel plan "
+                             f"(base_model_tp_plan): use parallelism.tp 1 with ddp, fsdp or zero")
+        block_plan = {key.split(".*.", 1)[1]: style for key, style in plan.items() if ".*." in key}
+        unsupported = sorted({style for style in block_plan.values() if style not in ("colwise", "rowwise")})
+        if unsupported:
+            raise ValueError(f"model '{config.model_type}': its tensor-parallel plan uses {unsupported}; "
+                             f"shardyard applies 'colwise' and 'rowwise' plans (Llama, Qwen2, Mistral, ...)")
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            heads = getattr(config, key, None)
+            if heads is not None and heads % tp:
+                raise ValueError(f"model.config {key} ({heads}) must be divisible by parallelism.tp ({tp})")
+        return block_plan
+
 
 class CustomSpec(_Section):
     """The user's own `nn.Module`: `factory` returns it, given this section."""
@@ -440,10 +460,16 @@ class JobSpec(_Section):
 
     def _check_model_fits_mesh(self) -> None:
         par, model = self.parallelism, self.model
-        if (par.tp > 1 or par.pp > 1) and model.name != "gpt":
-            raise ValueError(f"tensor and pipeline parallelism split the GPT's blocks; for model.name "
-                             f"'{model.name}' use ddp, fsdp, local_sgd or zero1/2/3")
-        if par.tp > 1 and model.n_head % par.tp:
+        if par.pp > 1 and model.name != "gpt":
+            raise ValueError(f"pipeline parallelism splits the GPT's blocks; for model.name "
+                             f"'{model.name}' use ddp, fsdp, tensor, local_sgd or zero1/2/3")
+        if par.tp > 1 and model.name not in ("gpt", "hf"):
+            raise ValueError(f"tensor parallelism follows a model's plan (the GPT's, or a Hugging Face "
+                             f"model's base_model_tp_plan); for model.name '{model.name}' use ddp, fsdp, "
+                             f"local_sgd or zero1/2/3")
+        if par.tp > 1 and model.name == "hf":
+            model.block_tp_plan(par.tp)  # raises with the reason
+        elif par.tp > 1 and model.n_head % par.tp:
             raise ValueError(f"model.n_head ({model.n_head}) must be divisible by "
                              f"parallelism.tp ({par.tp}) to shard attention heads")
         if par.pp > 1:

@@ -74,6 +74,9 @@ class Block(nn.Module):
 class GPT(nn.Module):
     # Blocks FSDP wraps one by one and activation checkpointing recomputes (transformers' name).
     _no_split_modules = ("Block",)
+    # How tensor parallelism splits each block (parallel/tensor.py): Megatron's column/row pairs.
+    block_tp_plan = {"attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.v_proj": "colwise",
+                     "attn.out_proj": "rowwise", "mlp.fc_in": "colwise", "mlp.fc_out": "rowwise"}
 
     def __init__(self, spec: GPTSpec) -> None:
         super().__init__()

@@ -36,6 +36,12 @@ class HFCausalLM(nn.Module):
         # Blocks FSDP wraps and activation checkpointing recomputes: the model's own decoder layers.
         self._no_split_modules = tuple(self.hf._no_split_modules or ())
 
+    @property
+    def block_tp_plan(self) -> dict[str, str]:
+        """The model's own plan for tensor parallelism, per decoder layer (the spec has checked it
+        fits parallelism.tp before any worker started)."""
+        return self.spec.block_tp_plan(1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.hf(input_ids=x, use_cache=False).logits
 
