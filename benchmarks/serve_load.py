@@ -181,14 +181,14 @@ def sweep(name: str, args: dict[str, Any], checkpoint_dir: str, port: int, durat
 def hop_costs(checkpoint_dir: str, repeats: int = 20) -> list[dict[str, Any]]:
     """One forward pass (batch 1, 32 tokens) through N shards, outside HTTP: what a hop costs,
     with pipeline hops as Ray tasks passing object references and as a compiled graph."""
-    from shardyard.serve.shards import ShardedGPT
+    from shardyard.serve.shards import ShardedModel
 
     rows = []
     tokens = torch.zeros((1, 32), dtype=torch.long)
     for sharding, transport in [("pipeline", "object refs"), ("pipeline", "compiled graph"),
                                 ("tensor", "torch.distributed")]:
         for n in (1, 2, 4):
-            model = ShardedGPT(checkpoint_dir, n, sharding=sharding, compiled=transport == "compiled graph")
+            model = ShardedModel(checkpoint_dir, n, sharding=sharding, compiled=transport == "compiled graph")
             try:
                 model.forward(tokens)
                 times = []

@@ -55,12 +55,12 @@ def test_sharded_outputs_equal_unsharded(ray_cluster, checkpoints, sharding: str
                                          num_shards: int) -> None:
     import ray
 
-    from shardyard.serve.shards import ShardedGPT
+    from shardyard.serve.shards import ShardedModel
 
     tokens, pad = ragged_batch()
     whole = checkpoint.load_model(checkpoints[strategy]).eval()
     expected = whole(tokens, pad)
-    sharded = ShardedGPT(str(checkpoints[strategy]), num_shards, sharding=sharding)
+    sharded = ShardedModel(str(checkpoints[strategy]), num_shards, sharding=sharding)
     try:
         parts = ray.get([s.describe.remote() for s in sharded.shards])
         assert len(parts) == num_shards
@@ -216,6 +216,68 @@ def test_killed_shard_under_load_is_rebuilt_and_later_requests_succeed(server) -
         time.sleep(1)
     text = requests.get(f"{server}/metrics", timeout=10).text
     assert float(re.search(r"^shardyard_shard_group_rebuilds_total (\S+)", text, re.M).group(1)) >= 1
+
+
+@pytest.fixture(scope="module")
+def llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Hugging Face Llama (test_models.py's: grouped-query attention) trained 2 steps on 2 ranks."""
+    from test_models import MODELS
+    from test_models import job as model_job
+
+    out = tmp_path_factory.mktemp("llama")
+    run_distributed(train, 2, model_job(MODELS["llama"], {"strategy": "fsdp"}, 2, out), 2)
+    return out / "run" / "checkpoint_step_00000002"
+
+
+def hf_greedy(model, prompt: str, max_tokens: int) -> str:
+    """transformers' own greedy decoding of one prompt, as the served text."""
+    ids = torch.tensor([encode(prompt)])
+    out = model.hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                            do_sample=False, pad_token_id=0)
+    return decode(out[0, ids.shape[1]:].tolist())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sharding, num_shards", [("pipeline", 1), ("tensor", 2)])
+def test_a_hugging_face_model_is_served_sharded_and_decodes_as_transformers_does(
+        ray_cluster, llama_checkpoint, sharding: str, num_shards: int) -> None:
+    """Whole on one shard, or split by its own tensor-parallel plan over two: a ragged batch
+    decodes, token for token, what `generate` gives each prompt alone."""
+    from shardyard.serve.shards import ShardedModel
+
+    model = checkpoint.load_model(llama_checkpoint).eval()
+    prompts = ["def", "import os", "x ="]  # + 10 new tokens stay within block_size 16
+    sharded = ShardedModel(str(llama_checkpoint), num_shards, sharding=sharding)
+    try:
+        answers = generate(sharded.forward, [Completion(encode(p), 10) for p in prompts], sharded.block_size)
+    finally:
+        sharded.close()
+    assert [decode(a) for a in answers] == [hf_greedy(model, p, 10) for p in prompts]
+
+
+@pytest.mark.timeout(300)
+def test_a_hugging_face_model_answers_over_http(server, llama_checkpoint) -> None:
+    """The same app over HTTP (beside the GPT's, under its own prefix): the completion is
+    transformers' greedy output."""
+    from ray import serve
+
+    from shardyard.serve.app import build_app
+    from shardyard.spec import SpecError
+
+    with pytest.raises(SpecError, match="pipeline shards split the GPT's blocks; serve a 'hf' model with sharding: tensor"):
+        build_app({"checkpoint": str(llama_checkpoint), "num_shards": 2})
+    with pytest.raises(SpecError, match=r"num_key_value_heads \(2\) must be divisible by parallelism.tp \(4\)"):
+        build_app({"checkpoint": str(llama_checkpoint), "num_shards": 4, "sharding": "tensor"})
+    serve.run(build_app({"checkpoint": str(llama_checkpoint), "num_shards": 1}), name="llama_app", route_prefix="/llama")
+    try:
+        url = server.removesuffix("/t") + "/llama"
+        answer = requests.post(f"{url}/v1/completions", json={"prompt": "def", "max_tokens": 10}, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["text"] == hf_greedy(checkpoint.load_model(llama_checkpoint).eval(), "def", 10)
+        wrong = requests.post(f"{url}/v1/predict", json={"inputs": [[1.0]]}, timeout=60)
+        assert wrong.status_code == 404 and "/v1/completions" in wrong.text
+    finally:
+        serve.delete("llama_app")
 
 
 def test_serve_config_mistakes_are_named_before_anything_starts(tmp_path: Path, checkpoints) -> None:

@@ -42,8 +42,16 @@ class HFCausalLM(nn.Module):
         fits parallelism.tp before any worker started)."""
         return self.spec.block_tp_plan(1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=x, use_cache=False).logits
+    def forward(self, x: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, V). `pad` (B,) counts each row's left padding (a
+        batch of ragged prompts, as serving sends): masked out, and positions start at each row's
+        first real token, so a row's logits equal its prompt's alone (as GPT.forward's)."""
+        if pad is None:
+            return self.hf(input_ids=x, use_cache=False).logits
+        positions = torch.arange(x.shape[1], device=x.device)[None, :]
+        mask = (positions >= pad[:, None]).long()
+        return self.hf(input_ids=x, attention_mask=mask, position_ids=(positions - pad[:, None]).clamp(min=0),
+                       use_cache=False).logits
 
 
 def export_hf_directory(model: HFCausalLM, out: str | Path) -> Path:

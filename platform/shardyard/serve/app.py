@@ -37,8 +37,8 @@ from ray.serve.config import BackpressureConfig
 from shardyard.serve.batching import AdaptiveBatchSize, calibrate
 from shardyard.serve.config import ServeConfig, parse_config
 from shardyard.serve.generation import Completion, decode, decode_steps, encode
-from shardyard.serve.shards import SHARD_LOST, ShardedGPT
-from shardyard.spec import GPTSpec
+from shardyard.serve.shards import SHARD_LOST, ShardedModel
+from shardyard.spec import LANGUAGE_MODELS
 from shardyard.train.checkpoint import load_model, read_spec
 
 api = FastAPI(title="shardyard")
@@ -154,17 +154,18 @@ class ModelServer:
         self.metrics = Metrics()
         model_spec = read_spec(self.config.checkpoint).model
         self.kind = model_spec.name
+        self.generates = isinstance(model_spec, LANGUAGE_MODELS)  # else the MLP regressor
         self.adaptive: AdaptiveBatchSize | None = None
-        if isinstance(model_spec, GPTSpec):
+        if self.generates:
             self.block_size = model_spec.block_size
             self._start_model()
         else:  # the MLP: small, served whole by the replica
             self.mlp = load_model(self.config.checkpoint).eval()
             self.in_dim = model_spec.in_dim
 
-    def _shards(self, use_gpu: bool) -> ShardedGPT:
+    def _shards(self, use_gpu: bool) -> ShardedModel:
         cfg = self.config
-        return ShardedGPT(cfg.checkpoint, cfg.num_shards, use_gpu, cfg.multi_node, cfg.sharding)
+        return ShardedModel(cfg.checkpoint, cfg.num_shards, use_gpu, cfg.multi_node, cfg.sharding)
 
     def _start_model(self) -> None:
         """Start the shard group, and set the batch size and wait: from the config, or measured
@@ -212,7 +213,7 @@ class ModelServer:
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest) -> dict[str, Any]:
-        self._expect("gpt")
+        self._expect(generates=True)
         cfg = self.config
         if len(body.prompt) > cfg.max_prompt_chars:
             raise ClientError(422, f"prompt is {len(body.prompt)} characters; the limit is "
@@ -265,7 +266,7 @@ class ModelServer:
 
     @api.post("/v1/predict")
     async def predict(self, body: PredictRequest) -> dict[str, Any]:
-        self._expect("mlp")
+        self._expect(generates=False)
         bad = [i for i, row in enumerate(body.inputs) if len(row) != self.in_dim]
         if bad:
             raise ClientError(422, f"each input needs {self.in_dim} values; row {bad[0]} has "
@@ -276,7 +277,7 @@ class ModelServer:
 
     @api.get("/healthz")
     async def healthz(self) -> Response:
-        if self.kind != "gpt" or await asyncio.to_thread(self.model.healthy):
+        if not self.generates or await asyncio.to_thread(self.model.healthy):
             return JSONResponse({"status": "ok", "model": self.kind})
         return _error(503, "a model shard is not answering; the shard group is being rebuilt")
 
@@ -287,7 +288,7 @@ class ModelServer:
     def check_health(self) -> None:
         """Serve's periodic health check: a dead shard gets the whole group rebuilt; only a group
         that cannot be rebuilt fails the replica (Serve then replaces it)."""
-        if self.kind == "gpt" and not self.model.healthy():
+        if self.generates and not self.model.healthy():
             self._rebuild()
 
     # ------------------------------------------------------------------ batching
@@ -326,9 +327,9 @@ class ModelServer:
         self.model.rebuild()
         self.metrics.rebuilds.inc()
 
-    def _expect(self, kind: str) -> None:
-        if self.kind != kind:
-            route = "/v1/completions" if self.kind == "gpt" else "/v1/predict"
+    def _expect(self, generates: bool) -> None:
+        if self.generates != generates:
+            route = "/v1/completions" if self.generates else "/v1/predict"
             raise ClientError(404, f"this app serves a '{self.kind}' model: use {route}")
 
 
@@ -336,7 +337,7 @@ def build_app(args: dict[str, Any]) -> "serve.Application":
     """The Serve application for `args` (ServeConfig keys), validated before anything starts."""
     cfg = parse_config(args)
     shard = {"GPU": 1.0, "CPU": 1.0} if cfg.use_gpu else {"CPU": 1.0}
-    gpt = read_spec(cfg.checkpoint).model.name == "gpt"
+    generates = isinstance(read_spec(cfg.checkpoint).model, LANGUAGE_MODELS)
     ongoing = max(2 * cfg.max_batch_size, 8)  # a replica waits on its batch: admit more than one holds
     options: dict[str, Any] = dict(
         max_ongoing_requests=ongoing,
@@ -350,7 +351,7 @@ def build_app(args: dict[str, Any]) -> "serve.Application":
     else:  # scale on requests in flight: a replica is busy at one full batch
         options["autoscaling_config"] = {"min_replicas": cfg.num_replicas, "max_replicas": cfg.max_replicas,
                                          "target_ongoing_requests": cfg.max_batch_size}
-    if gpt:  # the replica's own bundle, then one per shard: Serve reserves them together
+    if generates:  # the replica's own bundle, then one per shard: Serve reserves them together
         options["placement_group_bundles"] = [{"CPU": 0.5}] + [shard] * cfg.num_shards
         options["placement_group_strategy"] = "PACK" if cfg.multi_node else "STRICT_PACK"
     return ModelServer.options(**options).bind(cfg.model_dump())

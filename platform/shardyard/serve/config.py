@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shardyard.serve.shards import sharding_problem
-from shardyard.spec import GPTSpec, validate
+from shardyard.spec import LANGUAGE_MODELS, validate
 from shardyard.train.checkpoint import committed_record, find_latest, read_spec
 
 DEFAULT_CHECKPOINT = "runs/gpt_ddp"  # where README's default training job writes
@@ -49,7 +49,7 @@ class ServeConfig(BaseModel):
             raise ValueError(f"max_replicas ({self.max_replicas}) is below num_replicas ({self.num_replicas})")
         self.checkpoint = str(resolve_checkpoint(self.checkpoint))
         model = read_spec(self.checkpoint).model
-        problem = sharding_problem(model, self.num_shards, self.sharding) if isinstance(model, GPTSpec) else None
+        problem = sharding_problem(model, self.num_shards, self.sharding) if isinstance(model, LANGUAGE_MODELS) else None
         if problem:
             raise ValueError(problem)
         return self

@@ -1,5 +1,5 @@
-"""A GPT too large for one device, split across shard actors: one placement-group bundle (one
-device) per shard, each shard holding only its part of the weights.
+"""A language model too large for one device, split across shard actors: one placement-group
+bundle (one device) per shard, each shard holding only its part of the weights.
 
 Pipeline mode: shard i holds a contiguous run of blocks (the first also the embeddings, the last
 the final norm and head, split balanced by parameters as in training), and a forward pass hands
@@ -9,8 +9,12 @@ set up once, instead of a task submitted and an object stored per hop per call
 (benchmarks/serve_load.py measures both). `compiled=False` submits tasks that pass Ray object
 references, still straight from shard to shard, never through the caller.
 
+Pipeline mode splits the GPT; any language model (a Hugging Face model, a custom module) is
+served whole by one shard.
+
 Tensor mode: every shard holds every block, but only its 1/N of each attention and MLP linear
-(the training tensor-parallel plan, parallel/tensor.py, over a process group of the shard actors);
+(the model's tensor-parallel plan as training applies it, parallel/tensor.py: the GPT's, or a
+Hugging Face model's `base_model_tp_plan`, over a process group of the shard actors);
 all shards run each forward pass together and combine partial results with an all-reduce per
 attention and per MLP, over torch.distributed rather than through Ray.
 
@@ -32,11 +36,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from ray.util.placement_group import PlacementGroup, get_current_placement_group, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from shardyard.models import build_model, repeated_blocks
 from shardyard.models.gpt import GPT
 from shardyard.parallel.pipeline import balanced_split, carve_stage
 from shardyard.parallel.tensor import apply_tensor_parallel
 from shardyard.runtime import select_device
-from shardyard.spec import GPTSpec
+from shardyard.spec import LANGUAGE_MODELS, GPTSpec, HFSpec
 from shardyard.train.checkpoint import load_model, read_spec
 
 
@@ -49,12 +54,14 @@ SHARD_LOST = (ray.exceptions.RayActorError, ray.exceptions.RayChannelError)
 
 @ray.remote
 class PipelineShard:
-    """Blocks [start, end) of the GPT in `checkpoint_dir`, on this actor's device."""
+    """Blocks [start, end) of the model in `checkpoint_dir` (a GPT's; any other model whole), on
+    this actor's device."""
 
     def __init__(self, checkpoint_dir: str, start: int, end: int, use_gpu: bool) -> None:
         full = load_model(checkpoint_dir)  # read on the host once; only this shard's part stays
         self.device = select_device(0) if use_gpu else torch.device("cpu")
-        self.stage = carve_stage(full, start, end).to(self.device).eval()
+        stage = carve_stage(full, start, end) if isinstance(full, GPT) else full
+        self.stage = stage.to(self.device).eval()
         del full
         self.blocks = (start, end)
 
@@ -75,7 +82,7 @@ class TensorShard:
     def __init__(self, checkpoint_dir: str, rank: int, num_shards: int, use_gpu: bool) -> None:
         self.checkpoint_dir, self.rank, self.num_shards = checkpoint_dir, rank, num_shards
         self.device = select_device(0) if use_gpu else torch.device("cpu")
-        self.model: GPT | None = None
+        self.model: torch.nn.Module | None = None
 
     def rendezvous_address(self) -> str:
         """Where the other shards find this one (rank 0) to form their process group."""
@@ -124,16 +131,28 @@ def place_shards(num_shards: int, use_gpu: bool, multi_node: bool = False) -> Sh
     return ShardPlacement(group, 0, owned=True)
 
 
-def sharding_problem(spec: GPTSpec, num_shards: int, sharding: Sharding) -> str | None:
+def sharding_problem(spec: GPTSpec | HFSpec, num_shards: int, sharding: Sharding) -> str | None:
     """Why this model cannot be split this way, or None if it can."""
+    if num_shards == 1:
+        return None
+    if sharding == "pipeline" and not isinstance(spec, GPTSpec):
+        return (f"pipeline shards split the GPT's blocks; serve a '{spec.name}' model with sharding: "
+                f"tensor (a Hugging Face model's own plan) or num_shards: 1")
     if sharding == "pipeline" and num_shards > spec.n_layer:
         return f"cannot split {spec.n_layer} blocks into {num_shards} pipeline shards"
-    if sharding == "tensor" and spec.n_head % num_shards:
+    if sharding == "tensor" and isinstance(spec, HFSpec):
+        try:
+            spec.block_tp_plan(num_shards)
+        except ValueError as err:
+            return f"tensor sharding: {err}"
+    elif sharding == "tensor" and not isinstance(spec, GPTSpec):
+        return f"tensor sharding follows a model's plan; a '{spec.name}' model has none: num_shards: 1"
+    elif sharding == "tensor" and spec.n_head % num_shards:
         return f"tensor sharding needs n_head ({spec.n_head}) divisible by num_shards ({num_shards})"
     return None
 
 
-class ShardedGPT:
+class ShardedModel:
     """The caller's handle on a group of shards; rebuilds the group when a shard dies."""
 
     def __init__(self, checkpoint_dir: str, num_shards: int, use_gpu: bool = False,
@@ -143,16 +162,16 @@ class ShardedGPT:
         self.compiled = compiled and sharding == "pipeline"  # tensor shards talk over torch.distributed
         self.graph = None
         spec = read_spec(checkpoint_dir).model
-        if not isinstance(spec, GPTSpec):
-            raise ValueError(f"{checkpoint_dir} holds a '{spec.name}' model; sharded serving is for the GPT")
+        if not isinstance(spec, LANGUAGE_MODELS):
+            raise ValueError(f"{checkpoint_dir} holds a '{spec.name}' model; sharded serving is for language models")
         problem = sharding_problem(spec, num_shards, sharding)
         if problem:
             raise ValueError(problem)
         self.block_size = spec.block_size
         with torch.device("meta"):  # the model's shape only, no weights: to plan the split
-            skeleton = GPT(spec)
-        points = balanced_split(skeleton, num_shards) if num_shards > 1 else []
-        self.ranges = list(zip([0, *points], [*points, spec.n_layer]))
+            skeleton = build_model(spec, pretrained=False)
+        points = balanced_split(skeleton, num_shards) if sharding == "pipeline" and num_shards > 1 else []
+        self.ranges = list(zip([0, *points], [*points, len(repeated_blocks(skeleton))]))
         self.placement = place_shards(num_shards, use_gpu, multi_node)
         self.shards: list = []
         self.rebuilds = 0
