@@ -183,3 +183,42 @@ def test_parallelism_a_model_does_not_support_is_refused_with_the_reason(model: 
     with pytest.raises(SpecError) as err:
         parse_spec(job(MODELS[model], parallelism, world))
     assert expected in str(err.value)
+
+
+@pytest.mark.timeout(120)
+def test_a_model_directory_with_a_tokenizer_has_its_text_tokenized_with_it(tmp_path: Path) -> None:
+    """Training reads the corpus as the tokenizer's ids (not bytes), and serving encodes prompts,
+    decodes answers and streams text piece by piece with the same tokenizer."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from shardyard.data import build_dataset
+    from shardyard.serve.generation import TextCodec, TextStream
+
+    text = "def add(x, y):\n    return x + y\n\n# naïve café: déjà vu\n" * 40
+    (tmp_path / "corpus.txt").write_text(text)
+    trained = ByteLevelBPETokenizer()
+    trained.train_from_iterator([text], vocab_size=300, min_frequency=2, show_progress=False)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=trained._tokenizer)
+    keys = {k: v for k, v in LLAMA.items() if k != "architecture"} | {"vocab_size": len(tokenizer)}
+    model_dir = tmp_path / "llama"
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **keys)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+
+    raw = job({"name": "hf", "path": str(model_dir), "block_size": 16}, {"strategy": "ddp"}, 1)
+    raw["data"] = {"name": "corpus", "path": str(tmp_path / "corpus.txt")}
+    spec = parse_spec(raw)
+    assert spec.model.brings_tokenizer and spec.model.vocab_size == len(tokenizer)
+    dataset = build_dataset(spec)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) < len(text.encode()) // 2  # merges learned: far fewer tokens than bytes
+    inputs, targets = dataset.batch(torch.tensor([0, 3]))
+    assert inputs[1].tolist() == ids[48:64] and targets[1].tolist() == ids[49:65]
+
+    codec = TextCodec(tokenizer)
+    prompt = "# naïve café"
+    assert codec.encode(prompt) == tokenizer.encode(prompt, add_special_tokens=False)
+    assert codec.decode(codec.encode(prompt)) == prompt
+    stream = TextStream(codec)
+    pieces = [stream.push(token) for token in codec.encode(text[:200])] + [stream.finish()]
+    assert "".join(pieces) == text[:200] and "\ufffd" not in "".join(pieces)

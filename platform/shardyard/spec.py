@@ -52,6 +52,10 @@ class MLPSpec(_Section):
     n_layer: int = Field(3, ge=1, description="number of hidden layers")
 
 
+# What marks a Hugging Face model directory as bringing its own tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
 class HFSpec(_Section):
     """A Hugging Face causal LM: a local model directory to fine-tune, or a config to pretrain."""
 
@@ -112,6 +116,11 @@ class HFSpec(_Section):
     @property
     def vocab_size(self) -> int:
         return self.hf_config().vocab_size
+
+    @property
+    def brings_tokenizer(self) -> bool:
+        """A model directory with tokenizer files: text is tokenized with it, in training and serving."""
+        return self.path is not None and any((Path(self.path) / name).is_file() for name in TOKENIZER_FILES)
 
     def block_tp_plan(self, tp: int) -> dict[str, str]:
         """The tensor-parallel plan of one decoder layer, from the model's own `base_model_tp_plan`
@@ -360,9 +369,10 @@ class JobSpec(_Section):
     def _combinations(self) -> JobSpec:
         if self.model.name == "mlp" and self.data.name != "synthetic":
             raise ValueError("model.name 'mlp' trains on data.name 'synthetic' only")
-        if self.data.name == "corpus" and self.model.name != "mlp" and self.model.vocab_size < 256:
-            raise ValueError(f"data.name 'corpus' yields byte ids 0-255: the model's vocab_size "
-                             f"({self.model.vocab_size}) must be at least 256")
+        if (self.data.name == "corpus" and self.model.name != "mlp" and self.model.vocab_size < 256
+                and not getattr(self.model, "brings_tokenizer", False)):
+            raise ValueError(f"data.name 'corpus' yields byte ids 0-255 for a model without a tokenizer: "
+                             f"the model's vocab_size ({self.model.vocab_size}) must be at least 256")
         if self.data.path is not None and self.data.name != "corpus":
             raise ValueError("data.path applies to data.name 'corpus' only")
         par = self.parallelism

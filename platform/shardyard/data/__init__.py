@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from shardyard.data.corpus import ByteCorpus
+from shardyard.data.corpus import TextCorpus
 from shardyard.data.sampler import GlobalSampleOrder, micro_batch_ids
 from shardyard.data.synthetic import SyntheticRegression, SyntheticTokens
 from shardyard.spec import LANGUAGE_MODELS, JobSpec
@@ -21,7 +21,12 @@ class Dataset(Protocol):
 def build_dataset(spec: JobSpec) -> Dataset:
     model, data = spec.model, spec.data
     if data.name == "corpus":
-        return ByteCorpus.from_path(data.path, model.block_size, data.max_bytes)
+        tokenizer = None
+        if getattr(model, "brings_tokenizer", False):
+            from shardyard.models.hf import load_tokenizer  # imports transformers: only when asked for
+
+            tokenizer = load_tokenizer(model)
+        return TextCorpus.from_path(data.path, model.block_size, data.max_bytes, tokenizer)
     if isinstance(model, LANGUAGE_MODELS):
         return SyntheticTokens(data.num_samples, model.block_size, model.vocab_size, spec.run.seed)
     return SyntheticRegression(data.num_samples, model.in_dim, model.out_dim, spec.run.seed)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,7 +18,7 @@ from torch import nn
 from shardyard.spec import HFSpec
 
 # Files a model directory may carry besides config and weights: the tokenizer travels with them.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
 
 
@@ -60,7 +61,14 @@ def export_hf_directory(model: HFCausalLM, out: str | Path) -> Path:
     out = Path(out)
     model.hf.save_pretrained(out)
     if model.spec.path is not None:
-        for name in TOKENIZER_FILES:
+        for name in COMPANION_FILES:
             if (Path(model.spec.path) / name).is_file():
                 shutil.copy2(Path(model.spec.path) / name, out / name)
     return out
+
+
+def load_tokenizer(spec: HFSpec) -> Any:
+    """The tokenizer of the model directory (`spec.brings_tokenizer`), as transformers loads it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(spec.path)

@@ -18,7 +18,6 @@ Retry-After by Serve itself (`max_queued_requests`).
 
 
 import asyncio
-import codecs
 import json
 import time
 from collections.abc import AsyncIterator
@@ -36,7 +35,7 @@ from ray.serve.config import BackpressureConfig
 
 from shardyard.serve.batching import AdaptiveBatchSize, calibrate
 from shardyard.serve.config import ServeConfig, parse_config
-from shardyard.serve.generation import Completion, decode, decode_steps, encode
+from shardyard.serve.generation import Completion, TextCodec, TextStream, decode_steps
 from shardyard.serve.shards import SHARD_LOST, ShardedModel
 from shardyard.spec import LANGUAGE_MODELS
 from shardyard.train.checkpoint import load_model, read_spec
@@ -157,11 +156,21 @@ class ModelServer:
         self.generates = isinstance(model_spec, LANGUAGE_MODELS)  # else the MLP regressor
         self.adaptive: AdaptiveBatchSize | None = None
         if self.generates:
+            self.codec = TextCodec(self._tokenizer(model_spec))
             self.block_size = model_spec.block_size
             self._start_model()
         else:  # the MLP: small, served whole by the replica
             self.mlp = load_model(self.config.checkpoint).eval()
             self.in_dim = model_spec.in_dim
+
+    @staticmethod
+    def _tokenizer(model_spec: Any) -> Any:
+        """The tokenizer a Hugging Face model directory brings; None: UTF-8 bytes are the tokens."""
+        if not getattr(model_spec, "brings_tokenizer", False):
+            return None
+        from shardyard.models.hf import load_tokenizer
+
+        return load_tokenizer(model_spec)
 
     def _shards(self, use_gpu: bool) -> ShardedModel:
         cfg = self.config
@@ -220,7 +229,7 @@ class ModelServer:
                                    f"{cfg.max_prompt_chars}", "prompt")
         if body.max_tokens > cfg.max_tokens_limit:
             raise ClientError(422, f"max_tokens may be at most {cfg.max_tokens_limit}", "max_tokens")
-        ticket = Ticket(Completion(encode(body.prompt), body.max_tokens, body.temperature, body.seed),
+        ticket = Ticket(Completion(self.codec.encode(body.prompt), body.max_tokens, body.temperature, body.seed),
                         time.perf_counter())
         if body.stream:
             return StreamingResponse(self._events(ticket), media_type="text/event-stream")
@@ -240,13 +249,13 @@ class ModelServer:
         except SHARD_LOST:
             raise ClientError(503, "the model's shards were lost twice under this request; retry") from None
         tokens = ticket.request.tokens
-        return {"text": decode(tokens), "tokens": len(tokens)}
+        return {"text": self.codec.decode(tokens), "tokens": len(tokens)}
 
     async def _events(self, ticket: Ticket) -> AsyncIterator[str]:
         """Server-sent events: {"token", "text"} per token, then {"done", "tokens"}, or {"error",
-        "status"} if the request times out. Bytes are decoded incrementally: a character split
-        over several tokens appears with its last one."""
-        text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        "status"} if the request times out. Text comes piece by piece: a character split over
+        several tokens appears with its last one."""
+        text = TextStream(self.codec)
         deadline = ticket.arrived + self.config.request_timeout_s
         tokens = self._decode(ticket)
         try:
@@ -255,8 +264,8 @@ class ModelServer:
                     token = await asyncio.wait_for(anext(tokens), deadline - time.perf_counter())
                 except StopAsyncIteration:
                     break
-                yield _event({"token": token, "text": text.decode(bytes([token]))})
-            yield _event({"done": True, "tokens": len(ticket.request.tokens), "text": text.decode(b"", final=True)})
+                yield _event({"token": token, "text": text.push(token)})
+            yield _event({"done": True, "tokens": len(ticket.request.tokens), "text": text.finish()})
         except asyncio.TimeoutError:
             yield _event({"error": f"not answered within {self.config.request_timeout_s} s", "status": 408})
         except SHARD_LOST:

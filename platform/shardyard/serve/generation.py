@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,42 @@ def encode(text: str) -> list[int]:
 
 def decode(tokens: Sequence[int]) -> str:
     return bytes(tokens).decode("utf-8", errors="replace")
+
+
+class TextCodec:
+    """Text <-> token ids for a served model: UTF-8 bytes (the byte-level models), or the
+    tokenizer its model directory brings (a transformers tokenizer)."""
+
+    def __init__(self, tokenizer: Any = None) -> None:
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return encode(text) if self.tokenizer is None else self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return decode(tokens) if self.tokenizer is None else self.tokenizer.decode(list(tokens))
+
+
+class TextStream:
+    """The text of a growing token sequence, piece by piece: a character split over several
+    tokens (the bytes of one UTF-8 character, a tokenizer's byte pieces) comes with its last one."""
+
+    def __init__(self, codec: TextCodec) -> None:
+        self.codec, self.tokens, self.sent = codec, [], 0
+
+    def push(self, token: int) -> str:
+        self.tokens.append(token)
+        text = self.codec.decode(self.tokens)
+        if text.endswith("\ufffd"):  # an unfinished character: wait for the rest of it
+            return ""
+        piece, self.sent = text[self.sent:], len(text)
+        return piece
+
+    def finish(self) -> str:
+        """What is still held back when decoding stops (a character that never completed)."""
+        text = self.codec.decode(self.tokens)
+        piece, self.sent = text[self.sent:], len(text)
+        return piece
 
 
 def left_pad(prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
