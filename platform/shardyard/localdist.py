@@ -29,7 +29,7 @@ PRELOAD = ["torch", "torch.distributed", "shardyard.train.trainer"]
 
 
 def _entry(rank: int, world_size: int, port: int, out_dir: str, env: dict[str, str], cwd: str,
-           fn: Callable, args: tuple) -> None:
+           backend: str, fn: Callable, args: tuple) -> None:
     # The fork server's environment and directory are those of the first launch: use the caller's.
     os.environ.clear()
     os.environ.update(env)
@@ -40,7 +40,9 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, env: dict[str, s
     # One share of the cores per rank, as torchrun and Ray Train give: oversubscribed intra-op
     # threads would make every rank slower than the same work done by fewer processes.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)  # one GPU per rank, as Ray Train gives each worker
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
         Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(result))
@@ -48,11 +50,12 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, env: dict[str, s
         dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> list[Any]:
     """Call `fn(rank, world_size, *args)` on every rank; return each rank's result, by rank.
+    `backend="nccl"`: rank r on GPU r (tests marked `gpu`).
     `fn` must be importable (defined at module level): ranks unpickle it by name."""
     mp.set_forkserver_preload(PRELOAD)  # takes effect when the server first starts
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_entry, args=(world_size, free_port(), out, dict(os.environ), os.getcwd(), fn, args),
+        mp.start_processes(_entry, args=(world_size, free_port(), out, dict(os.environ), os.getcwd(), backend, fn, args),
                            nprocs=world_size, join=True, start_method="forkserver")
         return [pickle.loads(Path(out, f"{r}.pkl").read_bytes()) for r in range(world_size)]
