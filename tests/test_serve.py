@@ -256,6 +256,31 @@ def test_a_hugging_face_model_is_served_sharded_and_decodes_as_transformers_does
 
 
 @pytest.mark.timeout(300)
+def test_a_hugging_face_model_directory_is_served_as_it_is(ray_cluster, tmp_path: Path) -> None:
+    """A directory saved by transformers, never trained here: its own weights, split by its
+    tensor-parallel plan over two shards, decode as transformers decodes them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardyard.serve.config import parse_config
+    from shardyard.serve.shards import ShardedModel
+    from test_models import LLAMA
+
+    torch.manual_seed(5)
+    keys = {k: v for k, v in LLAMA.items() if k != "architecture"}
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **keys)).save_pretrained(tmp_path / "llama")
+    assert parse_config({"checkpoint": str(tmp_path / "llama"), "sharding": "tensor", "num_shards": 2})
+    model = checkpoint.load_model(tmp_path / "llama").eval()
+    sharded = ShardedModel(str(tmp_path / "llama"), 2, sharding="tensor")
+    try:
+        assert sharded.block_size == LLAMA["max_position_embeddings"]  # the model's whole window
+        answers = generate(sharded.forward, [Completion(encode(p), 10) for p in ("def", "import os")],
+                           sharded.block_size)
+    finally:
+        sharded.close()
+    assert [decode(a) for a in answers] == [hf_greedy(model, p, 10) for p in ("def", "import os")]
+
+
+@pytest.mark.timeout(300)
 def test_a_hugging_face_model_answers_over_http(server, llama_checkpoint) -> None:
     """The same app over HTTP (beside the GPT's, under its own prefix): the completion is
     transformers' greedy output."""

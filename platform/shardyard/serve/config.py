@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shardyard.serve.shards import sharding_problem
 from shardyard.spec import LANGUAGE_MODELS, validate
-from shardyard.train.checkpoint import committed_record, find_latest, read_spec
+from shardyard.train.checkpoint import committed_record, find_latest, is_hf_directory, read_spec
 
 DEFAULT_CHECKPOINT = "runs/gpt_ddp"  # where README's default training job writes
 
@@ -18,7 +18,7 @@ DEFAULT_CHECKPOINT = "runs/gpt_ddp"  # where README's default training job write
 class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    checkpoint: str = Field(DEFAULT_CHECKPOINT, description="a checkpoint, or a run directory (its latest)")
+    checkpoint: str = Field(DEFAULT_CHECKPOINT, description="a checkpoint, a run directory (its latest), or a Hugging Face model directory")
     num_shards: int = Field(1, ge=1, description="shard actors the model is split across")
     sharding: Literal["pipeline", "tensor"] = Field(
         "pipeline", description="pipeline: contiguous blocks per shard; tensor: a slice of every linear")
@@ -68,9 +68,10 @@ class ServeConfig(BaseModel):
 
 
 def resolve_checkpoint(path: str) -> Path:
-    """A committed checkpoint directory as given, or a run directory's newest committed one."""
+    """A committed checkpoint directory or a Hugging Face model directory as given, or a run
+    directory's newest committed checkpoint."""
     given = Path(path).expanduser().resolve()
-    if committed_record(given) is not None:
+    if committed_record(given) is not None or is_hf_directory(given):
         return given
     latest = find_latest(given) if given.is_dir() else None
     if latest is None:

@@ -55,7 +55,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from shardyard.models import build_model
 from shardyard.parallel import Engine
-from shardyard.spec import JobSpec
+from shardyard.spec import DataSpec, HFSpec, JobSpec
 
 STATE_FILE = "trainer_state.pt"
 SPEC_FILE = "spec.json"
@@ -152,7 +152,18 @@ def committed_record(checkpoint_dir: str | Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def is_hf_directory(path: str | Path) -> bool:
+    """A Hugging Face model directory that training did not write (config.json, no spec.json)."""
+    return (Path(path) / "config.json").is_file() and not (Path(path) / SPEC_FILE).is_file()
+
+
 def read_spec(checkpoint_dir: str | Path) -> JobSpec:
+    """The spec a checkpoint was trained with. A Hugging Face model directory has none: it gets
+    one that loads it as it is, with the model's whole context window (for serving it)."""
+    if is_hf_directory(checkpoint_dir):
+        config = HFSpec.model_construct(path=str(checkpoint_dir), config=None).hf_config()
+        window = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2048
+        return JobSpec(model=HFSpec(path=str(checkpoint_dir), block_size=window), data=DataSpec(name="synthetic"))
     return JobSpec.model_validate(json.loads((Path(checkpoint_dir) / SPEC_FILE).read_text()))
 
 
@@ -608,6 +619,8 @@ def load_model(checkpoint_dir: str | Path) -> nn.Module:
     """Rebuild the trained model in one process from any committed checkpoint, whatever strategy
     and world size wrote it (DCP reads every shard itself)."""
     checkpoint_dir = Path(checkpoint_dir)
+    if is_hf_directory(checkpoint_dir):
+        return build_model(read_spec(checkpoint_dir).model)  # its own pretrained weights
     record = committed_record(checkpoint_dir)
     if record is None:
         raise FileNotFoundError(f"{checkpoint_dir} is not a committed checkpoint")
