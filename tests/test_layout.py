@@ -72,3 +72,14 @@ def test_the_trainer_needs_no_ray_and_nothing_reaches_into_library_internals() -
         text = path.read_text()
         assert "checkpoint_manager_snapshot" not in text, path
         assert not any("._internal" in m or m.startswith("ray.train.v2._") for m in external_imports(path)), path
+
+
+@pytest.mark.timeout(30)
+def test_strategies_know_no_model_library() -> None:
+    """Strategies see models through one interface (models/__init__.py): repeated blocks and a
+    tensor-parallel plan. Only the Hugging Face adapter and the spec's model section import transformers."""
+    for path in (PACKAGE / "parallel").rglob("*.py"):
+        assert not any(m.split(".")[0] == "transformers" for m in external_imports(path)), path
+    users = {module_name(p) for p in PACKAGE.rglob("*.py")
+             if any(m.split(".")[0] == "transformers" for m in external_imports(p))}
+    assert users == {"shardyard.models.hf", "shardyard.spec"}, users
