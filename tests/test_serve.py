@@ -115,6 +115,79 @@ HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="module")
+def llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Hugging Face Llama (test_models.py's: grouped-query attention) trained 2 steps on 2 ranks."""
+    from test_models import MODELS
+    from test_models import job as model_job
+
+    out = tmp_path_factory.mktemp("llama")
+    run_distributed(train, 2, model_job(MODELS["llama"], {"strategy": "fsdp"}, 2, out), 2)
+    return out / "run" / "checkpoint_step_00000002"
+
+
+def hf_greedy(model, prompt: str, max_tokens: int) -> str:
+    """transformers' own greedy decoding of one prompt, as the served text."""
+    ids = torch.tensor([encode(prompt)])
+    out = model.hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                            do_sample=False, pad_token_id=0)
+    return decode(out[0, ids.shape[1]:].tolist())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sharding, num_shards", [("pipeline", 1), ("tensor", 2)])
+def test_a_hugging_face_model_is_served_sharded_and_decodes_as_transformers_does(
+        ray_cluster, llama_checkpoint, sharding: str, num_shards: int) -> None:
+    """Whole on one shard, or split by its own tensor-parallel plan over two: a ragged batch
+    decodes, token for token, what `generate` gives each prompt alone."""
+    from shardyard.serve.shards import ShardedModel
+
+    model = checkpoint.load_model(llama_checkpoint).eval()
+    prompts = ["def", "import os", "x ="]  # + 10 new tokens stay within block_size 16
+    sharded = ShardedModel(str(llama_checkpoint), num_shards, sharding=sharding)
+    try:
+        answers = generate(sharded.forward, [Completion(encode(p), 10) for p in prompts], sharded.block_size)
+    finally:
+        sharded.close()
+    assert [decode(a) for a in answers] == [hf_greedy(model, p, 10) for p in prompts]
+
+
+@pytest.mark.timeout(300)
+def test_a_hugging_face_model_directory_is_served_as_it_is(ray_cluster, tmp_path: Path) -> None:
+    """A directory saved by transformers, never trained here: its own weights, split by its
+    tensor-parallel plan over two shards, decode as transformers decodes them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardyard.serve.config import parse_config
+    from shardyard.serve.shards import ShardedModel
+    from test_models import LLAMA
+
+    torch.manual_seed(5)
+    keys = {k: v for k, v in LLAMA.items() if k != "architecture"}
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **keys)).save_pretrained(tmp_path / "llama")
+    assert parse_config({"checkpoint": str(tmp_path / "llama"), "sharding": "tensor", "num_shards": 2})
+    model = checkpoint.load_model(tmp_path / "llama").eval()
+    sharded = ShardedModel(str(tmp_path / "llama"), 2, sharding="tensor")
+    try:
+        assert sharded.block_size == LLAMA["max_position_embeddings"]  # the model's whole window
+        answers = generate(sharded.forward, [Completion(encode(p), 10) for p in ("def", "import os")],
+                           sharded.block_size)
+    finally:
+        sharded.close()
+    assert [decode(a) for a in answers] == [hf_greedy(model, p, 10) for p in ("def", "import os")]
+
+
+def server_args(checkpoints: dict[str, Path], request_timeout_s: float = 2.0) -> dict:
+    return {"checkpoint": str(checkpoints["ddp"]), "num_shards": 2, "batching": "fixed", "max_batch_size": 8,
+            "batch_wait_timeout_s": 0.05, "max_queued_requests": 16, "request_timeout_s": request_timeout_s,
+            "max_body_bytes": 2048, "max_tokens_limit": 2048, "bearer_token": TOKEN}
+
+
+def generated_tokens(url: str) -> float:
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    return float(re.search(r"^shardyard_generated_tokens_total (\S+)", text, re.M).group(1))
+
+
+@pytest.fixture(scope="module")
 def server(ray_cluster, checkpoints):
     """The app on a free port: 2 pipeline shards, small limits so every limit can be reached."""
     from ray import serve
@@ -123,10 +196,7 @@ def server(ray_cluster, checkpoints):
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = build_app({"checkpoint": str(checkpoints["ddp"]), "num_shards": 2, "batching": "fixed", "max_batch_size": 8,
-                     "batch_wait_timeout_s": 0.05, "max_queued_requests": 16, "request_timeout_s": 2.0,
-                     "max_body_bytes": 2048, "max_tokens_limit": 2048, "bearer_token": TOKEN})
-    serve.run(app, name="test_app", route_prefix="/t")
+    serve.run(build_app(server_args(checkpoints)), name="test_app", route_prefix="/t")
     yield f"http://127.0.0.1:{port}/t"
     serve.shutdown()  # the next module runs `serve run`, which starts Serve its own way
 
@@ -218,72 +288,57 @@ def test_killed_shard_under_load_is_rebuilt_and_later_requests_succeed(server) -
     assert float(re.search(r"^shardyard_shard_group_rebuilds_total (\S+)", text, re.M).group(1)) >= 1
 
 
-@pytest.fixture(scope="module")
-def llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A Hugging Face Llama (test_models.py's: grouped-query attention) trained 2 steps on 2 ranks."""
-    from test_models import MODELS
-    from test_models import job as model_job
-
-    out = tmp_path_factory.mktemp("llama")
-    run_distributed(train, 2, model_job(MODELS["llama"], {"strategy": "fsdp"}, 2, out), 2)
-    return out / "run" / "checkpoint_step_00000002"
-
-
-def hf_greedy(model, prompt: str, max_tokens: int) -> str:
-    """transformers' own greedy decoding of one prompt, as the served text."""
-    ids = torch.tensor([encode(prompt)])
-    out = model.hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                            do_sample=False, pad_token_id=0)
-    return decode(out[0, ids.shape[1]:].tolist())
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("sharding, num_shards", [("pipeline", 1), ("tensor", 2)])
-def test_a_hugging_face_model_is_served_sharded_and_decodes_as_transformers_does(
-        ray_cluster, llama_checkpoint, sharding: str, num_shards: int) -> None:
-    """Whole on one shard, or split by its own tensor-parallel plan over two: a ragged batch
-    decodes, token for token, what `generate` gives each prompt alone."""
-    from shardyard.serve.shards import ShardedModel
-
-    model = checkpoint.load_model(llama_checkpoint).eval()
-    prompts = ["def", "import os", "x ="]  # + 10 new tokens stay within block_size 16
-    sharded = ShardedModel(str(llama_checkpoint), num_shards, sharding=sharding)
-    try:
-        answers = generate(sharded.forward, [Completion(encode(p), 10) for p in prompts], sharded.block_size)
-    finally:
-        sharded.close()
-    assert [decode(a) for a in answers] == [hf_greedy(model, p, 10) for p in prompts]
-
-
-@pytest.mark.timeout(300)
-def test_a_hugging_face_model_directory_is_served_as_it_is(ray_cluster, tmp_path: Path) -> None:
-    """A directory saved by transformers, never trained here: its own weights, split by its
-    tensor-parallel plan over two shards, decode as transformers decodes them."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+def test_serve_config_mistakes_are_named_before_anything_starts(tmp_path: Path, checkpoints) -> None:
     from shardyard.serve.config import parse_config
-    from shardyard.serve.shards import ShardedModel
-    from test_models import LLAMA
+    from shardyard.spec import SpecError
 
-    torch.manual_seed(5)
-    keys = {k: v for k, v in LLAMA.items() if k != "architecture"}
-    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **keys)).save_pretrained(tmp_path / "llama")
-    assert parse_config({"checkpoint": str(tmp_path / "llama"), "sharding": "tensor", "num_shards": 2})
-    model = checkpoint.load_model(tmp_path / "llama").eval()
-    sharded = ShardedModel(str(tmp_path / "llama"), 2, sharding="tensor")
-    try:
-        assert sharded.block_size == LLAMA["max_position_embeddings"]  # the model's whole window
-        answers = generate(sharded.forward, [Completion(encode(p), 10) for p in ("def", "import os")],
-                           sharded.block_size)
-    finally:
-        sharded.close()
-    assert [decode(a) for a in answers] == [hf_greedy(model, p, 10) for p in ("def", "import os")]
+    trained = str(checkpoints["ddp"])
+    with pytest.raises(SpecError, match=r"n_head \(4\) divisible by num_shards \(3\)"):
+        parse_config({"checkpoint": trained, "sharding": "tensor", "num_shards": 3})
+    with pytest.raises(SpecError, match="cannot split 4 blocks into 5 pipeline shards"):
+        parse_config({"checkpoint": trained, "num_shards": 5})
+
+    with pytest.raises(SpecError, match="shardyard train jobs/configs/gpt_ddp.yaml"):
+        parse_config({"checkpoint": str(tmp_path / "nothing")})
+    with pytest.raises(SpecError, match="unknown key 'num_shard'"):
+        parse_config({"num_shard": 2})
+
+
+@pytest.mark.timeout(180)
+def test_stopping_the_app_drains_requests_in_flight(server, checkpoints) -> None:
+    """Runs after the other tests of the GPT's app: it deletes the app. Serve stops the replica
+    gracefully, and the requests it is decoding still get their answers."""
+    from ray import serve
+
+    from shardyard.serve.app import build_app
+
+    # The app again with a request timeout far beyond the decoding time: only draining decides
+    # the answers, however slow this machine decodes.
+    serve.run(build_app(server_args(checkpoints, request_timeout_s=120.0)), name="test_app", route_prefix="/t")
+    before = generated_tokens(server)
+
+    def timed(i: int) -> tuple[int, float]:
+        answer = complete(server, prompt=f"drain {i}", max_tokens=120)
+        return answer.status_code, time.monotonic()
+
+    with ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(timed, i) for i in range(4)]
+        deadline = time.monotonic() + 60
+        while generated_tokens(server) <= before:  # the server has begun decoding them
+            assert time.monotonic() < deadline, "the requests were never decoded"
+            time.sleep(0.05)
+        stop_requested = time.monotonic()
+        serve.delete("test_app")
+        answers = [f.result() for f in running]
+    assert [code for code, _ in answers] == [200] * 4, answers
+    assert any(done > stop_requested for _, done in answers), "every request finished before the stop"
 
 
 @pytest.mark.timeout(300)
 def test_a_hugging_face_model_answers_over_http(server, llama_checkpoint) -> None:
-    """The same app over HTTP (beside the GPT's, under its own prefix): the completion is
-    transformers' greedy output."""
+    """The same app over HTTP, on the module's Serve instance once the GPT's app is gone (the
+    cluster's 4 CPUs hold one app's shards at a time): the completion is transformers' greedy
+    output."""
     from ray import serve
 
     from shardyard.serve.app import build_app
@@ -303,39 +358,3 @@ def test_a_hugging_face_model_answers_over_http(server, llama_checkpoint) -> Non
         assert wrong.status_code == 404 and "/v1/completions" in wrong.text
     finally:
         serve.delete("llama_app")
-
-
-def test_serve_config_mistakes_are_named_before_anything_starts(tmp_path: Path, checkpoints) -> None:
-    from shardyard.serve.config import parse_config
-    from shardyard.spec import SpecError
-
-    trained = str(checkpoints["ddp"])
-    with pytest.raises(SpecError, match=r"n_head \(4\) divisible by num_shards \(3\)"):
-        parse_config({"checkpoint": trained, "sharding": "tensor", "num_shards": 3})
-    with pytest.raises(SpecError, match="cannot split 4 blocks into 5 pipeline shards"):
-        parse_config({"checkpoint": trained, "num_shards": 5})
-
-    with pytest.raises(SpecError, match="shardyard train jobs/configs/gpt_ddp.yaml"):
-        parse_config({"checkpoint": str(tmp_path / "nothing")})
-    with pytest.raises(SpecError, match="unknown key 'num_shard'"):
-        parse_config({"num_shard": 2})
-
-
-@pytest.mark.timeout(180)
-def test_stopping_the_app_drains_requests_in_flight(server) -> None:
-    """Runs last in this module: it deletes the app. Serve stops the replica gracefully, and the
-    requests it is decoding still get their answers."""
-    from ray import serve
-
-    def timed(i: int) -> tuple[int, float]:
-        answer = complete(server, prompt=f"drain {i}", max_tokens=120)
-        return answer.status_code, time.monotonic()
-
-    with ThreadPoolExecutor(4) as pool:
-        running = [pool.submit(timed, i) for i in range(4)]
-        time.sleep(0.3)  # decoding by now
-        stop_requested = time.monotonic()
-        serve.delete("test_app")
-        answers = [f.result() for f in running]
-    assert [code for code, _ in answers] == [200] * 4, answers
-    assert any(done > stop_requested for _, done in answers), "every request finished before the stop"

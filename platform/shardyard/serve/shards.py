@@ -127,7 +127,13 @@ def place_shards(num_shards: int, use_gpu: bool, multi_node: bool = False) -> Sh
     if current is not None and len(current.bundle_specs) >= num_shards + 1:
         return ShardPlacement(current, len(current.bundle_specs) - num_shards, owned=False)
     group = placement_group([bundle] * num_shards, strategy="PACK" if multi_node else "STRICT_PACK")
-    ray.get(group.ready(), timeout=120)
+    try:
+        ray.get(group.ready(), timeout=120)
+    except ray.exceptions.GetTimeoutError:
+        # A pending group is not forgotten: it would take the resources whenever they free up.
+        ray.util.remove_placement_group(group)
+        raise RuntimeError(f"the cluster has no room for {num_shards} shards of {bundle} "
+                           f"({'PACK' if multi_node else 'STRICT_PACK'}) after 120 s") from None
     return ShardPlacement(group, 0, owned=True)
 
 
@@ -175,7 +181,11 @@ class ShardedModel:
         self.placement = place_shards(num_shards, use_gpu, multi_node)
         self.shards: list = []
         self.rebuilds = 0
-        self._start_shards()
+        try:
+            self._start_shards()
+        except BaseException:
+            self.close()  # no shard or placement group outlives a group that could not start
+            raise
 
     def _start_shards(self) -> None:
         p = self.placement
