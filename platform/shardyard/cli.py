@@ -52,9 +52,10 @@ def run_export(checkpoint: str, out: str, fmt: str) -> int:
     if fmt == "safetensors":
         print(export_safetensors(path, out))
         return 0
-    if read_spec(path).model.name != "hf":
+    model_name = read_spec(path).model.name
+    if model_name != "hf":
         print(f"shardyard: --format hf writes Hugging Face models; {checkpoint!r} holds model.name "
-              f"'{read_spec(path).model.name}' (use --format safetensors)", file=sys.stderr)
+              f"'{model_name}' (use --format safetensors)", file=sys.stderr)
         return 2
     from shardyard.models.hf import export_hf_directory
 
