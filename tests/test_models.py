@@ -37,6 +37,9 @@ MODELS = {
     "llama": {"name": "hf", "config": LLAMA, "block_size": 16},
     "gpt2": {"name": "hf", "config": GPT2, "block_size": 16},
     "custom": {"name": "custom", "factory": "custom_model:build", "block_size": 16, "options": {"width": 24}},
+    # The same module with the tensor and pipeline hooks (models/stages.py).
+    "custom-hooks": {"name": "custom", "factory": "custom_model:build_splittable", "block_size": 16,
+                     "options": {"width": 24}},
 }
 STRATEGIES = {
     "ddp": {"strategy": "ddp"},
@@ -44,9 +47,11 @@ STRATEGIES = {
     "zero2": {"strategy": "zero2"},
     "zero3": {"strategy": "zero3"},
     "tensor": {"strategy": "tensor", "tp": 2},  # the model's own base_model_tp_plan
+    "pipeline": {"strategy": "pipeline", "pp": 2, "schedule": "1f1b"},  # its base_model_pp_plan
 }
-CASES = ([(m, s) for m in ("llama", "gpt2") for s in STRATEGIES if (m, s) != ("gpt2", "tensor")]
-         + [("custom", "ddp"), ("custom", "fsdp-ac")])
+# GPT-2 has neither plan (and ties its head to its embedding).
+CASES = ([(m, s) for m in ("llama", "gpt2") for s in STRATEGIES if (m, s) not in (("gpt2", "tensor"), ("gpt2", "pipeline"))]
+         + [("custom", "ddp"), ("custom", "fsdp-ac"), ("custom-hooks", "tensor"), ("custom-hooks", "pipeline")])
 
 
 def job(model: dict, parallelism: dict, world: int, storage: Path | None = None, steps_: int = STEPS) -> dict:
@@ -173,9 +178,11 @@ def test_bad_model_sections_are_refused_with_the_reason(model: dict, expected: s
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("model, parallelism, expected", [
     ("gpt2", {"strategy": "tensor", "tp": 2}, "model 'gpt2' ships no tensor-parallel plan"),
-    ("custom", {"strategy": "tensor", "tp": 2}, "for model.name 'custom' use ddp, fsdp"),
+    ("gpt2", {"strategy": "pipeline", "pp": 2}, "model 'gpt2' ships no pipeline plan"),
+    ("custom", {"strategy": "tensor", "tp": 2}, "(TinyLM) has no tensor-parallel plan: give it block_tp_plan"),
+    ("custom", {"strategy": "pipeline", "pp": 2}, "(TinyLM) does not say how to split it into pipeline stages"),
     ("llama", {"strategy": "tensor", "tp": 4}, "num_key_value_heads (2) must be divisible by parallelism.tp (4)"),
-    ("llama", {"strategy": "pipeline", "pp": 2}, "for model.name 'hf' use ddp, fsdp, tensor"),
+    ("llama", {"strategy": "pipeline", "pp": 4}, "the model's 2 blocks cannot be split into 4 pipeline stages"),
 ])
 def test_parallelism_a_model_does_not_support_is_refused_with_the_reason(model: str, parallelism: dict,
                                                                           expected: str) -> None:

@@ -134,11 +134,12 @@ def hf_greedy(model, prompt: str, max_tokens: int) -> str:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("sharding, num_shards", [("pipeline", 1), ("tensor", 2)])
+@pytest.mark.parametrize("sharding, num_shards", [("pipeline", 1), ("pipeline", 2), ("tensor", 2)])
 def test_a_hugging_face_model_is_served_sharded_and_decodes_as_transformers_does(
         ray_cluster, llama_checkpoint, sharding: str, num_shards: int) -> None:
-    """Whole on one shard, or split by its own tensor-parallel plan over two: a ragged batch
-    decodes, token for token, what `generate` gives each prompt alone."""
+    """Whole on one shard, or over two split by decoder layers (its `base_model_pp_plan`) or by
+    its own tensor-parallel plan: a ragged batch decodes, token for token, what `generate` gives
+    each prompt alone."""
     from shardyard.serve.shards import ShardedModel
 
     model = checkpoint.load_model(llama_checkpoint).eval()
@@ -293,7 +294,7 @@ def test_serve_config_mistakes_are_named_before_anything_starts(tmp_path: Path, 
     from shardyard.spec import SpecError
 
     trained = str(checkpoints["ddp"])
-    with pytest.raises(SpecError, match=r"n_head \(4\) divisible by num_shards \(3\)"):
+    with pytest.raises(SpecError, match=r"n_head \(4\) must be divisible by num_shards \(3\)"):
         parse_config({"checkpoint": trained, "sharding": "tensor", "num_shards": 3})
     with pytest.raises(SpecError, match="cannot split 4 blocks into 5 pipeline shards"):
         parse_config({"checkpoint": trained, "num_shards": 5})
@@ -344,9 +345,9 @@ def test_a_hugging_face_model_answers_over_http(server, llama_checkpoint) -> Non
     from shardyard.serve.app import build_app
     from shardyard.spec import SpecError
 
-    with pytest.raises(SpecError, match="pipeline shards split the GPT's blocks; serve a 'hf' model with sharding: tensor"):
-        build_app({"checkpoint": str(llama_checkpoint), "num_shards": 2})
-    with pytest.raises(SpecError, match=r"num_key_value_heads \(2\) must be divisible by parallelism.tp \(4\)"):
+    with pytest.raises(SpecError, match="cannot split 2 blocks into 3 pipeline shards"):
+        build_app({"checkpoint": str(llama_checkpoint), "num_shards": 3})
+    with pytest.raises(SpecError, match=r"num_key_value_heads \(2\) must be divisible by num_shards \(4\)"):
         build_app({"checkpoint": str(llama_checkpoint), "num_shards": 4, "sharding": "tensor"})
     serve.run(build_app({"checkpoint": str(llama_checkpoint), "num_shards": 1}), name="llama_app", route_prefix="/llama")
     try:

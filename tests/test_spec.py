@@ -77,7 +77,7 @@ def test_missing_sections_take_defaults() -> None:
         (["parallelism.strategy=pipeline", "parallelism.pp=2"], ["set model.tie_weights=false"]),
         (["parallelism.strategy=pipeline", "parallelism.pp=2", "model.tie_weights=false",
           "parallelism.schedule=interleaved_1f1b", "parallelism.stages_per_rank=4",
-          "model.n_layer=6"], ["model.n_layer (6) cannot be split into 8 pipeline stages"]),
+          "model.n_layer=6"], ["the model's 6 blocks cannot be split into 8 pipeline stages"]),
         (["parallelism.strategy=pipeline", "parallelism.pp=2", "model.tie_weights=false",
           "parallelism.split_points=[4]"], ["parallelism.split_points must be 1 increasing", "got [4]"]),
         (["parallelism.strategy=pipeline", "parallelism.pp=2", "model.tie_weights=false",

@@ -149,21 +149,38 @@ def estimate(spec: JobSpec, shape: ModelShape, strategy: str, dp: int, tp: int =
     return Estimate(name, dp, tp, pp, weights, grads, optim, acts, buffers, comm)
 
 
+def _splits_tensor(spec: JobSpec, tp: int) -> bool:
+    try:
+        spec.model.check_tensor_parallel(tp)
+    except ValueError:
+        return False
+    return True
+
+
+def _pipeline_blocks(spec: JobSpec) -> int:
+    """Blocks a pipeline could split (a tied GPT counts: untying is a one-key change), 1 if none."""
+    model = spec.model.model_copy(update={"tie_weights": False}) if isinstance(spec.model, GPTSpec) else spec.model
+    try:
+        return model.pipeline_blocks()
+    except ValueError:
+        return 1
+
+
 def candidates(spec: JobSpec, shape: ModelShape, cluster: Cluster) -> list[Estimate]:
     """Every plan in order of preference: least communication and code change first."""
     n, amp = cluster.devices, cluster.gpu
     plans = [estimate(spec, shape, s, n, amp=amp) for s in ("ddp", "zero1", "zero2", "fsdp", "zero3")]
-    heads = spec.model.n_head if isinstance(spec.model, GPTSpec) else 1  # tp splits the GPT's heads
-    layers = shape.n_layer if isinstance(spec.model, GPTSpec) else 1  # pipelines split the GPT
+    splits_tp = {tp: _splits_tensor(spec, tp) for tp in (2, 4, 8)}
+    layers = _pipeline_blocks(spec)
     # Tensor parallelism inside a node (it all-reduces every block), pipelines across nodes.
     for tp in (2, 4, 8):
-        if tp <= cluster.per_node and n % tp == 0 and heads % tp == 0:
+        if tp <= cluster.per_node and n % tp == 0 and splits_tp[tp]:
             plans.append(estimate(spec, shape, "fsdp", n // tp, tp=tp, amp=amp))
     for pp in (2, 4, 8):
         if pp <= layers and n % pp == 0:
             plans.append(estimate(spec, shape, "pipeline", n // pp, pp=pp, amp=amp))
             for tp in (2, 4):
-                if tp <= cluster.per_node and n % (pp * tp) == 0 and heads % tp == 0:
+                if tp <= cluster.per_node and n % (pp * tp) == 0 and splits_tp[tp]:
                     plans.append(estimate(spec, shape, "fsdp", n // (pp * tp), tp=tp, pp=pp, amp=amp))
     return plans
 

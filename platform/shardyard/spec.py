@@ -43,6 +43,20 @@ class GPTSpec(_Section):
             )
         return self
 
+    def pipeline_blocks(self, training: bool = True) -> int:
+        """How many blocks pipeline stages split, or ValueError saying why this model cannot.
+        (Serving splits a model with a tied head too: each end keeps its own copy.)"""
+        if training and self.tie_weights:
+            raise ValueError("pipeline stages cannot share the embedding with the output "
+                             "head: set model.tie_weights=false")
+        return self.n_layer
+
+    def check_tensor_parallel(self, tp: int, key: str = "parallelism.tp") -> None:
+        """ValueError saying why the model cannot be split `tp` ways (`key` names that number)."""
+        if self.n_head % tp:
+            raise ValueError(f"model.n_head ({self.n_head}) must be divisible by {key} ({tp}) to shard "
+                             f"attention heads")
+
 
 class MLPSpec(_Section):
     name: Literal["mlp"] = "mlp"
@@ -50,6 +64,14 @@ class MLPSpec(_Section):
     hidden_dim: int = Field(64, ge=1)
     out_dim: int = Field(8, ge=1)
     n_layer: int = Field(3, ge=1, description="number of hidden layers")
+
+    def pipeline_blocks(self, training: bool = True) -> int:
+        raise ValueError("pipeline parallelism splits a language model's blocks; for model.name "
+                         "'mlp' use ddp, fsdp, local_sgd or zero1/2/3")
+
+    def check_tensor_parallel(self, tp: int, key: str = "parallelism.tp") -> None:
+        raise ValueError("tensor parallelism follows a model's plan and the MLP has none; for "
+                         "model.name 'mlp' use ddp, fsdp, local_sgd or zero1/2/3")
 
 
 # What marks a Hugging Face model directory as bringing its own tokenizer.
@@ -122,7 +144,21 @@ class HFSpec(_Section):
         """A model directory with tokenizer files: text is tokenized with it, in training and serving."""
         return self.path is not None and any((Path(self.path) / name).is_file() for name in TOKENIZER_FILES)
 
-    def block_tp_plan(self, tp: int) -> dict[str, str]:
+    def pipeline_blocks(self, training: bool = True) -> int:
+        config = self.hf_config()
+        if not getattr(config, "base_model_pp_plan", None):
+            raise ValueError(f"model '{config.model_type}' ships no pipeline plan (base_model_pp_plan): "
+                             f"use parallelism.pp 1 with ddp, fsdp, tensor or zero")
+        if training and getattr(config, "tie_word_embeddings", False):
+            raise ValueError("pipeline stages cannot share the input embedding with the output head: "
+                             "set model.config.tie_word_embeddings false (a model directory that ties "
+                             "them cannot be pipelined)")
+        return config.num_hidden_layers
+
+    def check_tensor_parallel(self, tp: int, key: str = "parallelism.tp") -> None:
+        self.block_tp_plan(tp, key)
+
+    def block_tp_plan(self, tp: int, key: str = "parallelism.tp") -> dict[str, str]:
         """The tensor-parallel plan of one decoder layer, from the model's own `base_model_tp_plan`
         ("layers.*.self_attn.q_proj": "colwise" -> "self_attn.q_proj": "colwise"), or ValueError
         saying why this model cannot be split `tp` ways."""
@@ -136,10 +172,10 @@ class HFSpec(_Section):
         if unsupported:
             raise ValueError(f"model '{config.model_type}': its tensor-parallel plan uses {unsupported}; "
                              f"shardyard applies 'colwise' and 'rowwise' plans (Llama, Qwen2, Mistral, ...)")
-        for key in ("num_attention_heads", "num_key_value_heads"):
-            heads = getattr(config, key, None)
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            heads = getattr(config, name, None)
             if heads is not None and heads % tp:
-                raise ValueError(f"model.config {key} ({heads}) must be divisible by parallelism.tp ({tp})")
+                raise ValueError(f"model.config {name} ({heads}) must be divisible by {key} ({tp})")
         return block_plan
 
 
@@ -165,6 +201,33 @@ class CustomSpec(_Section):
         if not callable(found):
             raise ValueError(f"model.factory: '{module}' has no function '{function}'")
         return self
+
+    def build(self) -> Any:
+        """Call the factory (the models package checks what it returns)."""
+        module, _, function = self.factory.partition(":")
+        return getattr(importlib.import_module(module), function)(self)
+
+    def _skeleton(self) -> Any:
+        """The user's module on the meta device (no memory, no init): enough to ask what it supports."""
+        import torch
+
+        with torch.device("meta"):
+            return self.build()
+
+    def pipeline_blocks(self, training: bool = True) -> int:
+        model = self._skeleton()
+        if not (callable(getattr(model, "pipeline_layout", None)) and callable(getattr(model, "pipeline_stage", None))):
+            raise ValueError(f"model.factory's module ({type(model).__name__}) does not say how to split it "
+                             f"into pipeline stages: give it pipeline_layout() and pipeline_stage(start, end) "
+                             f"(README, 'Bringing a model'), or use ddp, fsdp, local_sgd or zero1/2/3")
+        return len(model.pipeline_layout().blocks)
+
+    def check_tensor_parallel(self, tp: int, key: str = "parallelism.tp") -> None:
+        model = self._skeleton()
+        if not isinstance(getattr(model, "block_tp_plan", None), dict):
+            raise ValueError(f"model.factory's module ({type(model).__name__}) has no tensor-parallel plan: "
+                             f"give it block_tp_plan ({{'linear name in a block': 'colwise' | 'rowwise'}}, "
+                             f"README, 'Bringing a model'), or use ddp, fsdp, local_sgd or zero1/2/3")
 
 
 ModelSpec = Annotated[Union[GPTSpec, MLPSpec, HFSpec, CustomSpec], Field(discriminator="name")]
@@ -458,7 +521,7 @@ class JobSpec(_Section):
         if par.dp_size(world_size) is not None:
             return par
         for pp in range(par.pp - 1, 0, -1):
-            if world_size % (pp * par.tp) or self.model.n_layer < pp * par.stages_per_rank:
+            if world_size % (pp * par.tp) or (pp > 1 and self.model.pipeline_blocks() < pp * par.stages_per_rank):
                 continue
             fields = par.model_dump() | {"pp": pp, "split_points": None}
             if pp == 1:  # no pipeline left: plain data parallel over the same ranks
@@ -470,30 +533,18 @@ class JobSpec(_Section):
 
     def _check_model_fits_mesh(self) -> None:
         par, model = self.parallelism, self.model
-        if par.pp > 1 and model.name != "gpt":
-            raise ValueError(f"pipeline parallelism splits the GPT's blocks; for model.name "
-                             f"'{model.name}' use ddp, fsdp, tensor, local_sgd or zero1/2/3")
-        if par.tp > 1 and model.name not in ("gpt", "hf"):
-            raise ValueError(f"tensor parallelism follows a model's plan (the GPT's, or a Hugging Face "
-                             f"model's base_model_tp_plan); for model.name '{model.name}' use ddp, fsdp, "
-                             f"local_sgd or zero1/2/3")
-        if par.tp > 1 and model.name == "hf":
-            model.block_tp_plan(par.tp)  # raises with the reason
-        elif par.tp > 1 and model.n_head % par.tp:
-            raise ValueError(f"model.n_head ({model.n_head}) must be divisible by "
-                             f"parallelism.tp ({par.tp}) to shard attention heads")
+        if par.tp > 1:
+            model.check_tensor_parallel(par.tp)
         if par.pp > 1:
-            if model.tie_weights:
-                raise ValueError("pipeline stages cannot share the embedding with the output "
-                                 "head: set model.tie_weights=false")
-            if model.n_layer < par.num_stages:
-                raise ValueError(f"model.n_layer ({model.n_layer}) cannot be split into "
+            blocks = model.pipeline_blocks()
+            if blocks < par.num_stages:
+                raise ValueError(f"the model's {blocks} blocks cannot be split into "
                                  f"{par.num_stages} pipeline stages (pp x stages_per_rank)")
             points = par.split_points
             if points is not None and (len(points) != par.num_stages - 1 or points != sorted(set(points))
-                                       or points[0] < 1 or points[-1] >= model.n_layer):
+                                       or points[0] < 1 or points[-1] >= blocks):
                 raise ValueError(f"parallelism.split_points must be {par.num_stages - 1} increasing "
-                                 f"block indices between 1 and {model.n_layer - 1}, got {points}")
+                                 f"block indices between 1 and {blocks - 1}, got {points}")
 
     def grad_accum_steps(self, world_size: int) -> int | None:
         """Micro-batches per optimizer step on each data-parallel rank (the pipeline's

@@ -3,12 +3,12 @@ returns an `nn.Module` mapping token ids (B, T) to logits (B, T, vocab_size).
 
 Data parallelism and sharding (DDP, FSDP, ZeRO, local SGD) work for any such module. FSDP wraps
 each block the module names the way transformers does, in `_no_split_modules` (class names), and
-shards the rest at the root.
+shards the rest at the root. Tensor and pipeline parallelism need the module to say how, with the
+hooks the reference GPT has: `block_tp_plan` (parallel/tensor.py) and `pipeline_layout` with
+`pipeline_stage` (models/stages.py); the spec refuses them, before any worker starts, otherwise.
 """
 
 from __future__ import annotations
-
-import importlib
 
 from torch import nn
 
@@ -16,8 +16,7 @@ from shardyard.spec import CustomSpec
 
 
 def build_custom(spec: CustomSpec) -> nn.Module:
-    module, _, function = spec.factory.partition(":")
-    model = getattr(importlib.import_module(module), function)(spec)
+    model = spec.build()
     if not isinstance(model, nn.Module):
         raise TypeError(f"model.factory '{spec.factory}' returned {type(model).__name__}, not an nn.Module")
     return model

@@ -11,12 +11,14 @@ Written for the parallel strategies to take apart:
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardyard.models.stages import PipelineLayout
 from shardyard.spec import GPTSpec
 
 
@@ -103,6 +105,21 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def pipeline_layout(self) -> PipelineLayout:
+        return PipelineLayout(first=[self.tok_emb, self.pos_emb], blocks=list(self.blocks.values()),
+                              last=[self.ln_f, self.lm_head])
+
+    def pipeline_stage(self, start: int, end: int) -> GPT:
+        """A copy holding blocks [start, end) and, on the ends, the embeddings or the head."""
+        stage = copy.deepcopy(self)
+        for name in [k for k in stage.blocks if not start <= int(k) < end]:
+            del stage.blocks[name]
+        if start > 0:
+            stage.tok_emb = stage.pos_emb = None
+        if end < len(self.blocks):
+            stage.ln_f = stage.lm_head = None
+        return stage
 
     def forward(self, x: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, V); on a pipeline stage, hidden states in or out.

@@ -1,6 +1,7 @@
 """Hugging Face causal LMs (Llama, Qwen, GPT-2, ... anything `AutoModelForCausalLM` builds) behind
 the interface the engines use: token ids in, logits out, repeated blocks named by the model's own
-`_no_split_modules`.
+`_no_split_modules`, tensor-parallel plan from `base_model_tp_plan`, pipeline stages from
+`base_model_pp_plan` (models/stages.py).
 
 The wrapper adds one level to parameter names (`hf.`); `export_hf_directory` strips it again, so
 what leaves the platform is an ordinary Hugging Face model directory.
@@ -8,6 +9,7 @@ what leaves the platform is an ordinary Hugging Face model directory.
 
 from __future__ import annotations
 
+import copy
 import shutil
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardyard.models.stages import PipelineLayout
 from shardyard.spec import HFSpec
 
 # Files a model directory may carry besides config and weights: the tokenizer travels with them.
@@ -36,6 +39,8 @@ class HFCausalLM(nn.Module):
             self.hf = AutoModelForCausalLM.from_config(spec.hf_config(), dtype=torch.float32)
         # Blocks FSDP wraps and activation checkpointing recomputes: the model's own decoder layers.
         self._no_split_modules = tuple(self.hf._no_split_modules or ())
+        # A pipeline stage after the first takes hidden states; one before the last returns them.
+        self.takes_hidden = self.returns_hidden = False
 
     @property
     def block_tp_plan(self) -> dict[str, str]:
@@ -43,16 +48,77 @@ class HFCausalLM(nn.Module):
         fits parallelism.tp before any worker started)."""
         return self.spec.block_tp_plan(1)
 
+    def _pp_sections(self) -> tuple[list[str], str, list[str]]:
+        """Names in the base model of the modules before the decoder layers, of the layers, and
+        of those after them, in the order of the model's `base_model_pp_plan` (the spec has
+        checked the model has one)."""
+        base, names = self.hf.base_model, list(self.hf.config.base_model_pp_plan)
+        at = next(i for i, name in enumerate(names) if isinstance(getattr(base, name), (nn.ModuleList, SparseLayers)))
+        return names[:at], names[at], names[at + 1:]
+
+    def pipeline_layout(self) -> PipelineLayout:
+        base = self.hf.base_model
+        before, layers, after = self._pp_sections()
+        return PipelineLayout(first=[getattr(base, n) for n in before], blocks=list(getattr(base, layers)),
+                              last=[getattr(base, n) for n in after] + [self.hf.get_output_embeddings()])
+
+    def pipeline_stage(self, start: int, end: int) -> HFCausalLM:
+        """A copy keeping decoder layers [start, end) under their own indices. A later stage drops
+        the embeddings and feeds hidden states to the base model as `inputs_embeds`; an earlier
+        one drops the head and turns the final norm into the identity (the base model calls it
+        unconditionally), returning the base model's hidden states. Transformers runs the rest
+        (rotary embeddings, causal and padding masks) as in the whole model."""
+        stage = copy.deepcopy(self)
+        base = stage.hf.base_model
+        before, layers, after = stage._pp_sections()
+        n = len(getattr(base, layers))
+        setattr(base, layers, SparseLayers(getattr(base, layers), range(start, end)))
+        if start > 0:
+            for name in before:
+                setattr(base, name, None)
+            stage.takes_hidden = True
+        if end < n:
+            for name in after:
+                setattr(base, name, nn.Identity())
+            head = next(name for name, child in stage.hf.named_children()
+                        if child is stage.hf.get_output_embeddings())
+            setattr(stage.hf, head, None)
+            stage.returns_hidden = True
+        return stage
+
     def forward(self, x: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, V). `pad` (B,) counts each row's left padding (a
-        batch of ragged prompts, as serving sends): masked out, and positions start at each row's
-        first real token, so a row's logits equal its prompt's alone (as GPT.forward's)."""
-        if pad is None:
-            return self.hf(input_ids=x, use_cache=False).logits
-        positions = torch.arange(x.shape[1], device=x.device)[None, :]
-        mask = (positions >= pad[:, None]).long()
-        return self.hf(input_ids=x, attention_mask=mask, position_ids=(positions - pad[:, None]).clamp(min=0),
-                       use_cache=False).logits
+        """Token ids (B, T) -> logits (B, T, V); on a pipeline stage, hidden states in or out.
+        `pad` (B,) counts each row's left padding (a batch of ragged prompts, as serving sends):
+        masked out, and positions start at each row's first real token, so a row's logits equal
+        its prompt's alone (as GPT.forward's)."""
+        kwargs: dict[str, Any] = {"inputs_embeds" if self.takes_hidden else "input_ids": x, "use_cache": False}
+        if pad is not None:
+            positions = torch.arange(x.shape[1], device=x.device)[None, :]
+            kwargs["attention_mask"] = (positions >= pad[:, None]).long()
+            kwargs["position_ids"] = (positions - pad[:, None]).clamp(min=0)
+        if self.returns_hidden:
+            return self.hf.base_model(**kwargs).last_hidden_state
+        return self.hf(**kwargs).logits
+
+
+class SparseLayers(nn.Module):
+    """Some of a model's decoder layers, registered under their indices in the whole model (so a
+    pipeline stage's parameter names are the whole model's). Iterates and slices like the
+    `nn.ModuleList` it replaces, which is how transformers' forward walks its layers."""
+
+    def __init__(self, layers: nn.ModuleList, keep: range) -> None:
+        super().__init__()
+        for index in keep:
+            self.add_module(str(index), layers[index])
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __getitem__(self, index: int | slice) -> nn.Module | list[nn.Module]:
+        return list(self._modules.values())[index]
 
 
 def export_hf_directory(model: HFCausalLM, out: str | Path) -> Path:

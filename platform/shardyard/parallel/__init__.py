@@ -74,7 +74,7 @@ def build_engine(spec: JobSpec, model: nn.Module, device: torch.device, replica_
                   data_owner=mesh["pp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0)
 
     if par.pp > 1:
-        parts, ids = build_stages(model, spec.model, par, mesh, device)
+        parts, ids = build_stages(model, par, mesh, device)
         parts = [_data_parallel(_tensor_parallel(part, par, mesh), par, dp_mesh, device) for part in parts]
         schedule = build_schedule(parts, ids, par, mesh, device, accum, loss_fn)
         optimizers, schedulers = _optimizers(spec, parts)

@@ -1,5 +1,6 @@
-"""Pipeline parallelism: the GPT cut into stages of consecutive blocks, run by a
-`torch.distributed.pipelining` schedule (GPipe, 1F1B or interleaved 1F1B).
+"""Pipeline parallelism: a model cut into stages of consecutive blocks (by its own
+`pipeline_stage` hook, models/stages.py), run by a `torch.distributed.pipelining` schedule (GPipe,
+1F1B or interleaved 1F1B).
 
 Every rank builds the whole model from the same seed (so stages start from the weights a single
 process would have), then keeps only its stages' blocks. Parameter names stay those of the full
@@ -8,7 +9,6 @@ model, so pipeline checkpoints share keys with every other strategy.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
 import torch
@@ -16,25 +16,24 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from shardyard.models import GPT
 from shardyard.parallel.engine import Engine, MicroBatch
 from shardyard.runtime import autocast
-from shardyard.spec import GPTSpec, ParallelismSpec
+from shardyard.spec import ParallelismSpec
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
 
-def _param_count(module: nn.Module | None) -> int:
-    return 0 if module is None else sum(p.numel() for p in module.parameters())
+def _param_count(modules: list[nn.Module | None]) -> int:
+    return sum(p.numel() for m in modules if m is not None for p in m.parameters())
 
 
-def balanced_split(model: GPT, num_stages: int) -> list[int]:
+def balanced_split(model: nn.Module, num_stages: int) -> list[int]:
     """Block indices where stages 1..S-1 begin, minimising the largest stage's parameter count
     (the first stage also holds the embeddings, the last the final norm and head)."""
-    blocks = [_param_count(b) for b in model.blocks.values()]
+    layout = model.pipeline_layout()
+    blocks = [_param_count([b]) for b in layout.blocks]
     n = len(blocks)
-    first = _param_count(model.tok_emb) + _param_count(model.pos_emb)
-    last = _param_count(model.ln_f) + _param_count(model.lm_head)
+    first, last = _param_count(layout.first), _param_count(layout.last)
 
     def cost(start: int, end: int) -> int:
         return sum(blocks[start:end]) + (first if start == 0 else 0) + (last if end == n else 0)
@@ -53,19 +52,6 @@ def balanced_split(model: GPT, num_stages: int) -> list[int]:
 def stage_ids(pp_rank: int, spec: ParallelismSpec) -> list[int]:
     """Stages this rank runs: one, or (interleaved) every pp-th stage starting at its rank."""
     return [pp_rank + k * spec.pp for k in range(spec.stages_per_rank)]
-
-
-def carve_stage(model: GPT, start: int, end: int) -> GPT:
-    """A copy of `model` holding blocks [start, end) and, on the ends, embeddings or head."""
-    stage = copy.deepcopy(model)
-    n = len(model.blocks)
-    for name in [k for k in stage.blocks if not start <= int(k) < end]:
-        del stage.blocks[name]
-    if start > 0:
-        stage.tok_emb = stage.pos_emb = None
-    if end < n:
-        stage.ln_f = stage.lm_head = None
-    return stage
 
 
 class PipelineEngine(Engine):
@@ -96,12 +82,12 @@ class PipelineEngine(Engine):
         return torch.stack([loss.detach() for loss in losses]).mean()
 
 
-def build_stages(model: GPT, spec: GPTSpec, par: ParallelismSpec, mesh: DeviceMesh,
-                 device: torch.device) -> tuple[list[GPT], list[int]]:
+def build_stages(model: nn.Module, par: ParallelismSpec, mesh: DeviceMesh,
+                 device: torch.device) -> tuple[list[nn.Module], list[int]]:
     points = par.split_points or balanced_split(model, par.num_stages)
-    bounds = [0, *points, spec.n_layer]
+    bounds = [0, *points, len(model.pipeline_layout().blocks)]
     ids = stage_ids(mesh["pp"].get_local_rank(), par)
-    return [carve_stage(model, bounds[i], bounds[i + 1]).to(device) for i in ids], ids
+    return [model.pipeline_stage(bounds[i], bounds[i + 1]).to(device) for i in ids], ids
 
 
 def build_schedule(parts: list[nn.Module], ids: list[int], par: ParallelismSpec, mesh: DeviceMesh,

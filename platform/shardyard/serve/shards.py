@@ -9,8 +9,8 @@ set up once, instead of a task submitted and an object stored per hop per call
 (benchmarks/serve_load.py measures both). `compiled=False` submits tasks that pass Ray object
 references, still straight from shard to shard, never through the caller.
 
-Pipeline mode splits the GPT; any language model (a Hugging Face model, a custom module) is
-served whole by one shard.
+Pipeline mode splits any model that says how (models/stages.py: the GPT, Hugging Face models
+with a `base_model_pp_plan`, a custom module with the hooks); with one shard a model is served whole.
 
 Tensor mode: every shard holds every block, but only its 1/N of each attention and MLP linear
 (the model's tensor-parallel plan as training applies it, parallel/tensor.py: the GPT's, or a
@@ -37,11 +37,10 @@ from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from shardyard.models import build_model, repeated_blocks
-from shardyard.models.gpt import GPT
-from shardyard.parallel.pipeline import balanced_split, carve_stage
+from shardyard.parallel.pipeline import balanced_split
 from shardyard.parallel.tensor import apply_tensor_parallel
 from shardyard.runtime import select_device
-from shardyard.spec import LANGUAGE_MODELS, GPTSpec, HFSpec
+from shardyard.spec import LANGUAGE_MODELS, CustomSpec, GPTSpec, HFSpec
 from shardyard.train.checkpoint import load_model, read_spec
 
 
@@ -54,13 +53,13 @@ SHARD_LOST = (ray.exceptions.RayActorError, ray.exceptions.RayChannelError)
 
 @ray.remote
 class PipelineShard:
-    """Blocks [start, end) of the model in `checkpoint_dir` (a GPT's; any other model whole), on
+    """Blocks [start, end) of the model in `checkpoint_dir` (the whole model when `whole`), on
     this actor's device."""
 
-    def __init__(self, checkpoint_dir: str, start: int, end: int, use_gpu: bool) -> None:
+    def __init__(self, checkpoint_dir: str, start: int, end: int, whole: bool, use_gpu: bool) -> None:
         full = load_model(checkpoint_dir)  # read on the host once; only this shard's part stays
         self.device = select_device(0) if use_gpu else torch.device("cpu")
-        stage = carve_stage(full, start, end) if isinstance(full, GPT) else full
+        stage = full if whole else full.pipeline_stage(start, end)
         self.stage = stage.to(self.device).eval()
         del full
         self.blocks = (start, end)
@@ -137,24 +136,19 @@ def place_shards(num_shards: int, use_gpu: bool, multi_node: bool = False) -> Sh
     return ShardPlacement(group, 0, owned=True)
 
 
-def sharding_problem(spec: GPTSpec | HFSpec, num_shards: int, sharding: Sharding) -> str | None:
+def sharding_problem(spec: GPTSpec | HFSpec | CustomSpec, num_shards: int, sharding: Sharding) -> str | None:
     """Why this model cannot be split this way, or None if it can."""
     if num_shards == 1:
         return None
-    if sharding == "pipeline" and not isinstance(spec, GPTSpec):
-        return (f"pipeline shards split the GPT's blocks; serve a '{spec.name}' model with sharding: "
-                f"tensor (a Hugging Face model's own plan) or num_shards: 1")
-    if sharding == "pipeline" and num_shards > spec.n_layer:
-        return f"cannot split {spec.n_layer} blocks into {num_shards} pipeline shards"
-    if sharding == "tensor" and isinstance(spec, HFSpec):
-        try:
-            spec.block_tp_plan(num_shards)
-        except ValueError as err:
-            return f"tensor sharding: {err}"
-    elif sharding == "tensor" and not isinstance(spec, GPTSpec):
-        return f"tensor sharding follows a model's plan; a '{spec.name}' model has none: num_shards: 1"
-    elif sharding == "tensor" and spec.n_head % num_shards:
-        return f"tensor sharding needs n_head ({spec.n_head}) divisible by num_shards ({num_shards})"
+    try:
+        if sharding == "pipeline":
+            blocks = spec.pipeline_blocks(training=False)
+            if num_shards > blocks:
+                return f"cannot split {blocks} blocks into {num_shards} pipeline shards"
+        else:
+            spec.check_tensor_parallel(num_shards, key="num_shards")
+    except ValueError as err:
+        return f"{sharding} sharding: {err}"
     return None
 
 
@@ -178,6 +172,7 @@ class ShardedModel:
             skeleton = build_model(spec, pretrained=False)
         points = balanced_split(skeleton, num_shards) if sharding == "pipeline" and num_shards > 1 else []
         self.ranges = list(zip([0, *points], [*points, len(repeated_blocks(skeleton))]))
+        self.whole = num_shards == 1
         self.placement = place_shards(num_shards, use_gpu, multi_node)
         self.shards: list = []
         self.rebuilds = 0
@@ -195,7 +190,8 @@ class ShardedModel:
                 p.group, placement_group_bundle_index=p.first_bundle + i)}
 
         if self.sharding == "pipeline":
-            self.shards = [PipelineShard.options(**in_bundle(i)).remote(self.checkpoint_dir, start, end, self.use_gpu)
+            self.shards = [PipelineShard.options(**in_bundle(i)).remote(self.checkpoint_dir, start, end, self.whole,
+                                                                          self.use_gpu)
                            for i, (start, end) in enumerate(self.ranges)]
         else:
             self.shards = [TensorShard.options(**in_bundle(i)).remote(
