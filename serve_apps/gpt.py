@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import ray
 from ray import serve
 
 try:
@@ -28,4 +29,8 @@ def app(args: dict[str, Any]) -> serve.Application:
     try:
         return build_app(args)
     except SpecError as err:  # a message, not a traceback: no checkpoint yet, a misspelled key
+        if ray.is_initialized() and ray.get_runtime_context().get_task_id() is not None:
+            # Built by Serve's controller in a task (a config file's app): exiting would kill the
+            # worker, Ray would retry the build and report only a crash; an error carries the reason.
+            raise ValueError(f"shardyard: {err}") from None
         sys.exit(f"shardyard: {err}")

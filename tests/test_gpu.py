@@ -1,6 +1,6 @@
-"""GPU paths on Hugging Face models (marked `gpu`, skipped without CUDA): FSDP2 with bf16 compute
+"""GPU paths (marked `gpu`, skipped without CUDA): on Hugging Face models, FSDP2 with bf16 compute
 and fp32 master weights, and tensor parallelism from the model's own plan over NCCL, against the
-fp32 single-process CPU oracle of test_models.py."""
+fp32 single-process CPU oracle of test_models.py; serving shards that run on their bundles' GPUs."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from shardyard.spec import parse_spec
 from shardyard.train import checkpoint
 from shardyard.train.trainer import Trainer
 from test_models import MODELS, STEPS, job, oracle
+from test_serve_run import save_default_job_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -52,3 +53,27 @@ def test_tensor_parallel_llama_on_two_gpus_equals_one_cpu_process(tmp_path: Path
     _, expected = oracle("llama", STEPS)
     for name, value in expected.items():
         torch.testing.assert_close(trained[name], value, rtol=0, atol=1e-4, msg=name)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sharding", ["pipeline", "tensor"])
+def test_serving_shards_run_on_their_gpus(ray_cluster, tmp_path: Path, sharding: str) -> None:
+    """Each shard actor takes its bundle's GPU (Ray hides it otherwise, and the shard would fall
+    back to the CPU); tensor shards then talk over NCCL. Logits equal the CPU model's."""
+    import ray
+
+    from shardyard.serve.shards import ShardedModel
+
+    n = min(2, torch.cuda.device_count())
+    run_distributed(save_default_job_checkpoint, 1, str(tmp_path / "run"))
+    latest = checkpoint.find_latest(tmp_path / "run")
+    tokens = torch.randint(0, 256, (2, 16))
+    expected = checkpoint.load_model(latest).eval()(tokens)
+    sharded = ShardedModel(str(latest), n, use_gpu=True, sharding=sharding)
+    try:
+        devices = [d["device"] for d in ray.get([s.describe.remote() for s in sharded.shards])]
+        got = sharded.forward(tokens)
+    finally:
+        sharded.close()
+    assert all(d.startswith("cuda") for d in devices), devices
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-3)

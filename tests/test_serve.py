@@ -289,7 +289,8 @@ def test_killed_shard_under_load_is_rebuilt_and_later_requests_succeed(server) -
     assert float(re.search(r"^shardyard_shard_group_rebuilds_total (\S+)", text, re.M).group(1)) >= 1
 
 
-def test_serve_config_mistakes_are_named_before_anything_starts(tmp_path: Path, checkpoints) -> None:
+def test_serve_config_mistakes_are_named_before_anything_starts(ray_cluster, tmp_path: Path, checkpoints) -> None:
+    from shardyard.serve.app import build_app
     from shardyard.serve.config import parse_config
     from shardyard.spec import SpecError
 
@@ -298,11 +299,31 @@ def test_serve_config_mistakes_are_named_before_anything_starts(tmp_path: Path, 
         parse_config({"checkpoint": trained, "sharding": "tensor", "num_shards": 3})
     with pytest.raises(SpecError, match="cannot split 4 blocks into 5 pipeline shards"):
         parse_config({"checkpoint": trained, "num_shards": 5})
-
+    # A placement group no node can hold is refused at once (it would wait forever): the session's
+    # cluster has 4 CPUs; a replica's 0.5 and 4 shards of 1 do not fit, 4 of 0.75 do.
+    with pytest.raises(SpecError, match=r"asks for 4\.5 CPU \(STRICT_PACK\); its largest node has 4 CPU: "
+                                        r"lower num_shards or cpus_per_shard"):
+        build_app({"checkpoint": trained, "num_shards": 4})
     with pytest.raises(SpecError, match="shardyard train jobs/configs/gpt_ddp.yaml"):
         parse_config({"checkpoint": str(tmp_path / "nothing")})
     with pytest.raises(SpecError, match="unknown key 'num_shard'"):
         parse_config({"num_shard": 2})
+    assert build_app({"checkpoint": trained, "num_shards": 4, "cpus_per_shard": 0.75})
+
+
+@pytest.mark.timeout(60)
+def test_shard_actors_hold_their_whole_bundle_gpu_included() -> None:
+    """Without num_gpus Ray hides a bundle's GPU from the actor in it, which then runs on the CPU;
+    without num_cpus it asks 1 CPU to be scheduled, which a 0.75 CPU bundle cannot give."""
+    from ray.util.placement_group import PlacementGroup
+
+    from shardyard.serve.shards import bundle_actor_options, shard_bundle
+
+    on_gpu = bundle_actor_options(shard_bundle(True, 0.75), PlacementGroup.empty(), 2)
+    assert (on_gpu["num_gpus"], on_gpu["num_cpus"]) == (1.0, 0.75)
+    assert on_gpu["scheduling_strategy"].placement_group_bundle_index == 2
+    on_cpu = bundle_actor_options(shard_bundle(False, 1.0), PlacementGroup.empty(), 0)
+    assert (on_cpu["num_gpus"], on_cpu["num_cpus"]) == (0.0, 1.0)
 
 
 @pytest.mark.timeout(180)

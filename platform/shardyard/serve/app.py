@@ -36,8 +36,8 @@ from ray.serve.config import BackpressureConfig
 from shardyard.serve.batching import AdaptiveBatchSize, calibrate
 from shardyard.serve.config import ServeConfig, parse_config
 from shardyard.serve.generation import Completion, TextCodec, TextStream, decode_steps
-from shardyard.serve.shards import SHARD_LOST, ShardedModel
-from shardyard.spec import LANGUAGE_MODELS
+from shardyard.serve.shards import SHARD_LOST, ShardedModel, check_room, shard_bundle
+from shardyard.spec import LANGUAGE_MODELS, SpecError
 from shardyard.train.checkpoint import load_model, read_spec
 
 api = FastAPI(title="shardyard")
@@ -116,6 +116,9 @@ class Metrics:
                                     registry=self.registry)
 
 
+# The replica decodes and batches; its shards compute. Its bundle is small so that README's
+# default app (2 shards of 0.75) fits a 2-core machine.
+REPLICA_CPUS = 0.5
 REJECT_REASONS = {400: "malformed_json", 401: "unauthorized", 404: "wrong_model", 408: "timeout",
                   413: "body_too_large", 422: "invalid_field", 503: "unavailable"}
 
@@ -174,7 +177,8 @@ class ModelServer:
 
     def _shards(self, use_gpu: bool) -> ShardedModel:
         cfg = self.config
-        return ShardedModel(cfg.checkpoint, cfg.num_shards, use_gpu, cfg.multi_node, cfg.sharding)
+        return ShardedModel(cfg.checkpoint, cfg.num_shards, use_gpu, cfg.multi_node, cfg.sharding,
+                            cpus_per_shard=cfg.cpus_per_shard)
 
     def _start_model(self) -> None:
         """Start the shard group, and set the batch size and wait: from the config, or measured
@@ -345,7 +349,6 @@ class ModelServer:
 def build_app(args: dict[str, Any]) -> "serve.Application":
     """The Serve application for `args` (ServeConfig keys), validated before anything starts."""
     cfg = parse_config(args)
-    shard = {"GPU": 1.0, "CPU": 1.0} if cfg.use_gpu else {"CPU": 1.0}
     generates = isinstance(read_spec(cfg.checkpoint).model, LANGUAGE_MODELS)
     ongoing = max(2 * cfg.max_batch_size, 8)  # a replica waits on its batch: admit more than one holds
     options: dict[str, Any] = dict(
@@ -353,7 +356,7 @@ def build_app(args: dict[str, Any]) -> "serve.Application":
         max_queued_requests=cfg.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=1),
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
-        ray_actor_options={"num_cpus": 0.5},
+        ray_actor_options={"num_cpus": REPLICA_CPUS},
     )
     if cfg.max_replicas is None:
         options["num_replicas"] = cfg.num_replicas
@@ -361,6 +364,12 @@ def build_app(args: dict[str, Any]) -> "serve.Application":
         options["autoscaling_config"] = {"min_replicas": cfg.num_replicas, "max_replicas": cfg.max_replicas,
                                          "target_ongoing_requests": cfg.max_batch_size}
     if generates:  # the replica's own bundle, then one per shard: Serve reserves them together
-        options["placement_group_bundles"] = [{"CPU": 0.5}] + [shard] * cfg.num_shards
+        bundles = [{"CPU": REPLICA_CPUS}] + [shard_bundle(cfg.use_gpu, cfg.cpus_per_shard)] * cfg.num_shards
+        try:  # a group no node can hold would leave the app waiting forever
+            check_room(bundles, cfg.multi_node, f"a replica (its {REPLICA_CPUS} CPU and {cfg.num_shards} "
+                                                f"shards of {cfg.cpus_per_shard:g} CPU{' and 1 GPU' if cfg.use_gpu else ''})")
+        except ValueError as err:
+            raise SpecError(f"invalid serve config: {err}") from None
+        options["placement_group_bundles"] = bundles
         options["placement_group_strategy"] = "PACK" if cfg.multi_node else "STRICT_PACK"
     return ModelServer.options(**options).bind(cfg.model_dump())

@@ -24,6 +24,8 @@ class ServeConfig(BaseModel):
         "pipeline", description="pipeline: contiguous blocks per shard; tensor: a slice of every linear")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     multi_node: bool = Field(False, description="PACK shards across nodes instead of STRICT_PACK on one")
+    cpus_per_shard: float = Field(1.0, gt=0, description="Ray CPUs each shard's bundle reserves (beside a GPU "
+                                  "each on GPUs); the replica's own bundle reserves 0.5")
     batching: Literal["none", "fixed", "adaptive"] = Field(
         "adaptive", description="none: one request per batch; fixed: max_batch_size and "
         "batch_wait_timeout_s as given; adaptive: measured at start, adjusted while serving")

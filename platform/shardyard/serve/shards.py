@@ -118,13 +118,51 @@ class ShardPlacement:
     owned: bool        # created here (and so removed here), not the caller's
 
 
-def place_shards(num_shards: int, use_gpu: bool, multi_node: bool = False) -> ShardPlacement:
+def shard_bundle(use_gpu: bool, cpus: float) -> dict[str, float]:
+    """One shard's placement-group bundle: its CPU share, and on GPUs one GPU."""
+    return {"GPU": 1.0, "CPU": cpus} if use_gpu else {"CPU": cpus}
+
+
+def bundle_actor_options(bundle: dict[str, float], group: PlacementGroup, index: int) -> dict:
+    """Options that run an actor in bundle `index` of `group` holding all of it. Without num_gpus
+    Ray hides the bundle's GPU from the actor (CUDA_VISIBLE_DEVICES empty) and it falls back to
+    the CPU; without num_cpus it asks 1 CPU to be scheduled, which a smaller bundle cannot give."""
+    return {"num_cpus": bundle.get("CPU", 0.0), "num_gpus": bundle.get("GPU", 0.0),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)}
+
+
+def check_room(bundles: list[dict[str, float]], multi_node: bool, what: str) -> None:
+    """Fail fast, before a placement group waits forever: ValueError saying what `bundles` ask and
+    what the cluster's live nodes have (one node for STRICT_PACK, all of them for PACK). Nodes an
+    autoscaler has not started yet are not counted."""
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for key, amount in bundle.items():
+            need[key] = need.get(key, 0.0) + amount
+    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+    if multi_node:
+        pools = [{key: sum(n.get(key, 0.0) for n in nodes) for key in need}]
+    else:
+        pools = [{key: n.get(key, 0.0) for key in need} for n in nodes]
+    if any(all(pool[key] >= amount - 1e-9 for key, amount in need.items()) for pool in pools):
+        return
+    best = max(pools, key=lambda pool: sum(pool.values()), default={})
+    where = "the cluster has" if multi_node else "its largest node has"
+    raise ValueError(f"{what} asks for {_resources(need)} ({'PACK' if multi_node else 'STRICT_PACK'}); {where} "
+                     f"{_resources(best)}: lower num_shards or cpus_per_shard, or add a node with more")
+
+
+def _resources(amounts: dict[str, float]) -> str:
+    return ", ".join(f"{amount:g} {key}" for key, amount in sorted(amounts.items())) or "nothing"
+
+
+def place_shards(num_shards: int, bundle: dict[str, float], multi_node: bool = False) -> ShardPlacement:
     """One bundle per shard: inside a Serve replica that asked for `1 + num_shards` bundles, its
     own placement group; otherwise a new one (STRICT_PACK on one node, PACK across nodes)."""
-    bundle = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0}
     current = get_current_placement_group()
     if current is not None and len(current.bundle_specs) >= num_shards + 1:
         return ShardPlacement(current, len(current.bundle_specs) - num_shards, owned=False)
+    check_room([bundle] * num_shards, multi_node, f"{num_shards} shards")
     group = placement_group([bundle] * num_shards, strategy="PACK" if multi_node else "STRICT_PACK")
     try:
         ray.get(group.ready(), timeout=120)
@@ -156,8 +194,10 @@ class ShardedModel:
     """The caller's handle on a group of shards; rebuilds the group when a shard dies."""
 
     def __init__(self, checkpoint_dir: str, num_shards: int, use_gpu: bool = False,
-                 multi_node: bool = False, sharding: Sharding = "pipeline", compiled: bool = True) -> None:
+                 multi_node: bool = False, sharding: Sharding = "pipeline", compiled: bool = True,
+                 cpus_per_shard: float = 1.0) -> None:
         self.checkpoint_dir, self.num_shards, self.use_gpu = checkpoint_dir, num_shards, use_gpu
+        self.bundle = shard_bundle(use_gpu, cpus_per_shard)
         self.multi_node, self.sharding = multi_node, sharding
         self.compiled = compiled and sharding == "pipeline"  # tensor shards talk over torch.distributed
         self.graph = None
@@ -173,7 +213,7 @@ class ShardedModel:
         points = balanced_split(skeleton, num_shards) if sharding == "pipeline" and num_shards > 1 else []
         self.ranges = list(zip([0, *points], [*points, len(repeated_blocks(skeleton))]))
         self.whole = num_shards == 1
-        self.placement = place_shards(num_shards, use_gpu, multi_node)
+        self.placement = place_shards(num_shards, self.bundle, multi_node)
         self.shards: list = []
         self.rebuilds = 0
         try:
@@ -186,8 +226,7 @@ class ShardedModel:
         p = self.placement
 
         def in_bundle(i: int) -> dict:
-            return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-                p.group, placement_group_bundle_index=p.first_bundle + i)}
+            return bundle_actor_options(self.bundle, p.group, p.first_bundle + i)
 
         if self.sharding == "pipeline":
             self.shards = [PipelineShard.options(**in_bundle(i)).remote(self.checkpoint_dir, start, end, self.whole,
