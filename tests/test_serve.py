@@ -247,12 +247,15 @@ def test_every_bad_input_gets_its_status_and_the_server_keeps_serving(server) ->
     bad_json = requests.post(url, data="{not json", headers={**HEADERS, "Content-Type": "application/json"})
     assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]
     assert requests.post(url, json={"prompt": "hi"}).status_code == 401
+    near = requests.post(url, json={"prompt": "hi"}, headers={"Authorization": f"Bearer {TOKEN[:-1]}"})
+    assert near.status_code == 401  # compared whole (in constant time), not by prefix
     too_big = requests.post(url, data=json.dumps({"prompt": "x" * 5000}), headers=HEADERS)
     assert too_big.status_code == 413 and "limit is 2048" in too_big.json()["error"]
     for body, field in [({"prompt": "hi", "max_tokens": 0}, "max_tokens"), ({"prompt": ""}, "prompt"),
                         ({"prompt": "hi", "temperature": "hot"}, "temperature"),
                         ({"prompt": "hi", "max_tokenz": 3}, "max_tokenz"), ({}, "prompt"),
-                        ({"prompt": "hi", "max_tokens": 5000}, "max_tokens")]:
+                        ({"prompt": "hi", "max_tokens": 5000}, "max_tokens"),
+                        ({"prompt": "hi", "seed": 2**70}, "seed"), ({"prompt": "hi", "seed": -1}, "seed")]:
         answer = complete(server, **body)
         assert answer.status_code == 422 and field in answer.json()["error"], (body, answer.text)
     wrong = requests.post(f"{server}/v1/predict", json={"inputs": [[1.0]]}, headers=HEADERS)
@@ -280,7 +283,9 @@ def test_killed_shard_under_load_is_rebuilt_and_later_requests_succeed(server) -
         time.sleep(0.3)
         os.kill(shard["pid"], signal.SIGKILL)
         codes = [f.result().status_code for f in during]  # every request answered, none hangs
-    assert set(codes) <= {200, 408, 500, 503}, codes
+    # Never a 500: one rebuild at a time, and no forward pass on a half-built group. (408: the
+    # fixture's 2 s request timeout is shorter than a rebuild.)
+    assert set(codes) <= {200, 408, 503}, codes
     deadline = time.monotonic() + 60
     while complete(server, prompt="after", max_tokens=4).status_code != 200:
         assert time.monotonic() < deadline, "requests never succeeded again"
@@ -308,6 +313,8 @@ def test_serve_config_mistakes_are_named_before_anything_starts(ray_cluster, tmp
         parse_config({"checkpoint": str(tmp_path / "nothing")})
     with pytest.raises(SpecError, match="unknown key 'num_shard'"):
         parse_config({"num_shard": 2})
+    with pytest.raises(SpecError, match="bearer_token"):  # empty: refused, not "no auth"
+        parse_config({"checkpoint": trained, "bearer_token": ""})
     assert build_app({"checkpoint": trained, "num_shards": 4, "cpus_per_shard": 0.75})
 
 

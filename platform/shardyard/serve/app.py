@@ -18,6 +18,7 @@ Retry-After by Serve itself (`max_queued_requests`).
 
 
 import asyncio
+import hmac
 import json
 import time
 from collections.abc import AsyncIterator
@@ -48,7 +49,7 @@ class CompletionRequest(BaseModel):
     prompt: str = Field(min_length=1)
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=5.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**64 - 1)  # the range torch's generator takes
     stream: bool = False
 
 
@@ -139,7 +140,8 @@ async def _limits_and_metrics(request: Request, call_next) -> Response:
 def _check_request(request: Request, cfg: ServeConfig, body: bytes) -> Response | None:
     if request.method != "POST":
         return None
-    if cfg.bearer_token and request.headers.get("authorization") != f"Bearer {cfg.bearer_token}":
+    given = request.headers.get("authorization", "").encode()
+    if cfg.bearer_token and not hmac.compare_digest(given, f"Bearer {cfg.bearer_token}".encode()):  # constant time
         return _error(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
     if len(body) > cfg.max_body_bytes:
         return _error(413, f"request body is {len(body)} bytes; the limit is {cfg.max_body_bytes}")
@@ -301,8 +303,10 @@ class ModelServer:
     def check_health(self) -> None:
         """Serve's periodic health check: a dead shard gets the whole group rebuilt; only a group
         that cannot be rebuilt fails the replica (Serve then replaces it)."""
-        if self.generates and not self.model.healthy():
-            self._rebuild()
+        if self.generates:
+            seen = self.model.rebuilds
+            if not self.model.healthy():
+                self._rebuild(seen)
 
     # ------------------------------------------------------------------ batching
 
@@ -318,6 +322,7 @@ class ModelServer:
         requests = [t.request for t in tickets]
         steps = 0
         for attempt in range(2):  # a shard lost mid-batch: rebuild the group and resume, once
+            group = self.model.rebuilds
             decoding = decode_steps(self.model.forward, requests, self.block_size, lambda row: tickets[row].abandoned)
             try:
                 while (rows := await asyncio.to_thread(next, decoding, None)) is not None:
@@ -329,16 +334,16 @@ class ModelServer:
             except SHARD_LOST:
                 if attempt:
                     raise
-                await asyncio.to_thread(self._rebuild)
+                await asyncio.to_thread(self._rebuild, group)
         elapsed = time.perf_counter() - started
         self.metrics.compute.observe(elapsed)
         if self.adaptive and steps and self.adaptive.observe(len(live), elapsed / steps):
             self._decode.set_max_batch_size(self.adaptive.size)
             self.metrics.max_batch_size.set(self.adaptive.size)
 
-    def _rebuild(self) -> None:
-        self.model.rebuild()
-        self.metrics.rebuilds.inc()
+    def _rebuild(self, failed: int) -> None:
+        if self.model.rebuild(failed):
+            self.metrics.rebuilds.inc()
 
     def _expect(self, generates: bool) -> None:
         if self.generates != generates:

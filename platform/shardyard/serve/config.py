@@ -43,7 +43,8 @@ class ServeConfig(BaseModel):
     max_body_bytes: int = Field(16_384, ge=256, description="larger bodies get 413")
     max_prompt_chars: int = Field(4096, ge=1)
     max_tokens_limit: int = Field(256, ge=1, description="largest max_tokens a request may ask for")
-    bearer_token: str | None = Field(None, description="when set, requests need Authorization: Bearer <token>")
+    bearer_token: str | None = Field(None, min_length=1, description="when set, requests need Authorization: "
+                                     "Bearer <token> (an empty token is refused, not read as no auth)")
 
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:

@@ -24,6 +24,7 @@ Any training checkpoint loads here, whatever strategy wrote it (checkpoint.load_
 from __future__ import annotations
 
 import socket
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -215,6 +216,10 @@ class ShardedModel:
         self.whole = num_shards == 1
         self.placement = place_shards(num_shards, self.bundle, multi_node)
         self.shards: list = []
+        # One rebuild at a time, and none under a forward pass: Serve's health check and a batch
+        # that lost a shard can both see the failure at once. `rebuilds` counts the groups
+        # replaced; a caller passes the count it saw fail, so a group already replaced is kept.
+        self._lock = threading.RLock()
         self.rebuilds = 0
         try:
             self._start_shards()
@@ -252,12 +257,18 @@ class ShardedModel:
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return False
 
-    def rebuild(self) -> None:
+    def rebuild(self, failed: int | None = None) -> bool:
         """Replace every shard (a dead one's part must be reloaded; the rest restart with it so
-        no half-old group serves)."""
-        self._stop_shards()
-        self.rebuilds += 1
-        self._start_shards()
+        no half-old group serves). `failed`: the `rebuilds` count of the group the caller saw
+        fail; if another caller has replaced that group meanwhile, nothing is done. Returns
+        whether this call rebuilt."""
+        with self._lock:
+            if failed is not None and failed != self.rebuilds:
+                return False
+            self._stop_shards()
+            self.rebuilds += 1
+            self._start_shards()
+            return True
 
     def _stop_shards(self) -> None:
         if self.graph is not None:
@@ -269,6 +280,10 @@ class ShardedModel:
     def forward(self, tokens: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the whole model. Pipeline: each shard's output goes to the next as a Ray
         reference. Tensor: every shard gets the same input and rank 0 returns the logits."""
+        with self._lock:  # waits out a rebuild instead of using a half-built group
+            return self._forward(tokens, pad)
+
+    def _forward(self, tokens: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
         if self.graph is not None:
             return ray.get(self.graph.execute(tokens, pad))
         if self.sharding == "pipeline":
