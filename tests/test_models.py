@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from shardyard.cli import main as shardyard
 from shardyard.localdist import run_distributed
-from shardyard.models import build_model
+from shardyard.models import build_for_job, build_model
 from shardyard.parallel import single_process
 from shardyard.spec import SpecError, parse_spec
 from shardyard.train import checkpoint
@@ -142,6 +142,8 @@ def test_training_starts_from_a_model_directory_and_resumes_at_another_world_siz
 
     elastic = job(pretrained, {"strategy": "fsdp"}, 2, tmp_path / "runs", steps_=4)
     elastic["scaling"] = {"min_workers": 1, "max_workers": 2}
+    # Under FSDP the model is built without weights; each rank then reads only its shards.
+    assert all(p.is_meta for p in build_for_job(parse_spec(elastic)).parameters())
     run_distributed(train, 2, elastic, 2)
     run_distributed(train, 1, elastic)
     final = checkpoint.find_latest(tmp_path / "runs" / "run")
@@ -153,6 +155,27 @@ def test_training_starts_from_a_model_directory_and_resumes_at_another_world_siz
     finally:
         del MODELS["pretrained"]
     got = checkpoint.load_model(final).state_dict()
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=PARAM_TOL, msg=name)
+
+
+@pytest.mark.timeout(300)
+def test_a_model_directory_loads_shard_by_shard_under_fsdp_x_tensor_parallel(tmp_path: Path) -> None:
+    """Built on the meta device, sharded over a (dp 1, tp 2) mesh, then each rank reads its slices
+    of the safetensors files: training from there equals one process trained from the directory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(12)
+    keys = {k: v for k, v in LLAMA.items() if k != "architecture"}
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **keys)).save_pretrained(tmp_path / "llama")
+    MODELS["pretrained"] = {"name": "hf", "path": str(tmp_path / "llama"), "block_size": 16}
+    try:
+        run_distributed(train, 2, job(MODELS["pretrained"], {"strategy": "fsdp", "tp": 2}, 2, tmp_path / "runs"))
+        initial, expected = oracle("pretrained")
+    finally:
+        del MODELS["pretrained"]
+    assert max((expected[k] - initial[k]).abs().max().item() for k in initial) > 100 * PARAM_TOL
+    got = checkpoint.load_model(checkpoint.find_latest(tmp_path / "runs" / "run")).state_dict()
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=PARAM_TOL, msg=name)
 

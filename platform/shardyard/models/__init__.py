@@ -12,7 +12,7 @@ from torch import nn
 
 from shardyard.models.gpt import GPT, lm_loss
 from shardyard.models.mlp import MLP, mse_loss
-from shardyard.spec import CustomSpec, GPTSpec, HFSpec, MLPSpec
+from shardyard.spec import CustomSpec, GPTSpec, HFSpec, JobSpec, MLPSpec
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -30,6 +30,20 @@ def build_model(spec: GPTSpec | MLPSpec | HFSpec | CustomSpec, pretrained: bool 
     from shardyard.models.custom import build_custom
 
     return build_custom(spec)
+
+
+def build_for_job(spec: JobSpec) -> nn.Module:
+    """The model a job trains. A Hugging Face model directory under FSDP (or FSDP x TP) is built on
+    the meta device, with no weights: the engine shards it, then each rank reads only its shards
+    of the directory's weights (HFCausalLM.load_pretrained_in_place), so a model larger than one
+    rank's memory never materialises whole. Everything else is built whole, from the same seed
+    on every rank."""
+    model, par = spec.model, spec.parallelism
+    if (isinstance(model, HFSpec) and model.path is not None and par.strategy == "fsdp" and par.pp == 1
+            and spec.scaling.recovery != "hot"):
+        with torch.device("meta"):
+            return build_model(model, pretrained=False)
+    return build_model(model)
 
 
 def loss_fn_for(spec: GPTSpec | MLPSpec | HFSpec | CustomSpec) -> LossFn:
@@ -53,4 +67,4 @@ def repeated_blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:
     return found
 
 
-__all__ = ["GPT", "MLP", "LossFn", "build_model", "loss_fn_for", "repeated_blocks"]
+__all__ = ["GPT", "MLP", "LossFn", "build_for_job", "build_model", "loss_fn_for", "repeated_blocks"]

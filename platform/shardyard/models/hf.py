@@ -42,6 +42,19 @@ class HFCausalLM(nn.Module):
         # A pipeline stage after the first takes hidden states; one before the last returns them.
         self.takes_hidden = self.returns_hidden = False
 
+    def load_pretrained_in_place(self) -> None:
+        """Fill a model that was built on the meta device, sharded, and given storage (`to_empty`)
+        with its directory's weights, each rank reading only the slices it holds: DCP reads the
+        safetensors files straight into the (FSDP-sharded) state dict. Non-persistent buffers
+        (rotary frequencies) are not in the files; the model's own initialisation computes them."""
+        from torch.distributed.checkpoint import HuggingFaceStorageReader, load
+
+        self.hf.init_weights()  # buffers; the parameters it draws are overwritten next
+        reader = HuggingFaceStorageReader(self.spec.path)
+        stored = reader.read_metadata().state_dict_metadata
+        # A tied head is one tensor under two names; the files hold it once.
+        load({k: v for k, v in self.hf.state_dict().items() if k in stored}, storage_reader=reader)
+
     @property
     def block_tp_plan(self) -> dict[str, str]:
         """The model's own plan for tensor parallelism, per decoder layer (the spec has checked it

@@ -81,7 +81,12 @@ def build_engine(spec: JobSpec, model: nn.Module, device: torch.device, replica_
         return PipelineEngine(parts, optimizers, schedulers, schedule=schedule, mesh=mesh,
                               is_first=0 in ids, is_last=par.num_stages - 1 in ids, **common)
 
-    model = _data_parallel(_tensor_parallel(model.to(device), par, mesh), par, dp_mesh, device)
+    on_meta = any(p.is_meta for p in model.parameters())  # see models.build_for_job
+    model = _data_parallel(_tensor_parallel(model if on_meta else model.to(device), par, mesh), par, dp_mesh,
+                           device)
+    if on_meta:  # sharded while empty: now each rank allocates and reads only its shards
+        model.to_empty(device=device)
+        model.load_pretrained_in_place()
     if par.strategy == "fsdp" and par.mixed_precision and device.type == "cuda":
         common["amp_dtype"] = None  # FSDP's policy already computes in bf16
     # tensor: every rank holds a slice of every block; nothing else to synchronise.

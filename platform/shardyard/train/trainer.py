@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from shardyard.data import Dataset, GlobalSampleOrder, build_dataset, micro_batch_ids
-from shardyard.models import build_model
+from shardyard.models import build_for_job
 from shardyard.parallel import Engine, build_engine
 from shardyard.spec import LANGUAGE_MODELS, JobSpec
 from shardyard.train.checkpoint import CheckpointManager, TrainState
@@ -77,7 +77,7 @@ class Trainer:
         spec = written.at_world_size(world_size)
         # Same seed on every rank: identical initial weights, as a single process would build them.
         torch.manual_seed(spec.run.seed)
-        engine = build_engine(spec, build_model(spec.model), device, replica_id=replica_id)
+        engine = build_engine(spec, build_for_job(spec), device, replica_id=replica_id)
         checkpoints = CheckpointManager(spec.run_uri, spec.checkpoint.keep, asynchronous=spec.checkpoint.async_write,
                                         writer=checkpoint_writer, load_optimizer=spec.checkpoint.load_optimizer,
                                         on_commit=on_commit)
