@@ -260,6 +260,14 @@ def test_every_bad_input_gets_its_status_and_the_server_keeps_serving(server) ->
         assert answer.status_code == 422 and field in answer.json()["error"], (body, answer.text)
     wrong = requests.post(f"{server}/v1/predict", json={"inputs": [[1.0]]}, headers=HEADERS)
     assert wrong.status_code == 404 and "/v1/completions" in wrong.json()["error"]
+    not_finite = requests.post(f"{server}/v1/predict", data='{"inputs": [[NaN, Infinity]]}',
+                               headers={**HEADERS, "Content-Type": "application/json"})
+    assert not_finite.status_code == 422 and "inputs" in not_finite.json()["error"], not_finite.text
+    # Latency is labelled by route, never by the raw path: random paths add no series.
+    assert requests.get(f"{server}/no/such/path-x7q", headers=HEADERS).status_code == 404
+    metrics = requests.get(f"{server}/metrics", timeout=10).text
+    assert "path-x7q" not in metrics and 'route="unmatched"' in metrics
+    assert 'route="/v1/completions"' in metrics
     # 2048 tokens through 2 shards take far longer than the 2 s request timeout.
     slow = complete(server, prompt="a", max_tokens=2048)
     assert slow.status_code == 408 and "2.0 s" in slow.json()["error"]

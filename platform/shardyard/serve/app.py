@@ -23,7 +23,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 from fastapi import FastAPI, Request
@@ -55,7 +55,7 @@ class CompletionRequest(BaseModel):
 
 class PredictRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    inputs: list[list[float]] = Field(min_length=1)
+    inputs: list[list[Annotated[float, Field(allow_inf_nan=False)]]] = Field(min_length=1)  # JSON allows NaN
 
 
 @dataclass
@@ -131,10 +131,16 @@ async def _limits_and_metrics(request: Request, call_next) -> Response:
     response = _check_request(request, cfg, await request.body())
     if response is None:
         response = await call_next(request)
-    server.metrics.latency.labels(request.url.path, str(response.status_code)).observe(time.perf_counter() - start)
+    server.metrics.latency.labels(_route_label(request), str(response.status_code)).observe(time.perf_counter() - start)
     if response.status_code in REJECT_REASONS:
         server.metrics.rejected.labels(REJECT_REASONS[response.status_code]).inc()
     return response
+
+
+def _route_label(request: Request) -> str:
+    """The app's route a request went to (FastAPI records it in the request scope once matched),
+    or "unmatched": labels come from a fixed set, so random paths cannot grow the metrics."""
+    return getattr(request.scope.get("route"), "path", None) or "unmatched"
 
 
 def _check_request(request: Request, cfg: ServeConfig, body: bytes) -> Response | None:
