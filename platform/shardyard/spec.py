@@ -520,8 +520,11 @@ class JobSpec(_Section):
         par = self.parallelism
         if par.dp_size(world_size) is not None:
             return par
+        # Asked once (a custom module is built to answer it); only a mesh of 3+ stages has smaller
+        # pipelines to fall back to, and a validated pipeline spec's model can answer.
+        blocks = self.model.pipeline_blocks() if par.pp > 2 else 0
         for pp in range(par.pp - 1, 0, -1):
-            if world_size % (pp * par.tp) or (pp > 1 and self.model.pipeline_blocks() < pp * par.stages_per_rank):
+            if world_size % (pp * par.tp) or (pp > 1 and blocks < pp * par.stages_per_rank):
                 continue
             fields = par.model_dump() | {"pp": pp, "split_points": None}
             if pp == 1:  # no pipeline left: plain data parallel over the same ranks
