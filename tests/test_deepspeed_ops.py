@@ -23,6 +23,7 @@ from shardyard.parallel.deepspeed_ops import OP_NAME, extensions_root, stale_loc
 BUILD = "from shardyard.parallel.deepspeed_ops import ensure_deepspeed_ops; ensure_deepspeed_ops()"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_a_build_killed_mid_way_does_not_stop_the_next_start(tmp_path: Path) -> None:
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}

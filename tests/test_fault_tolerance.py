@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from shardyard.data.ledger import audit
-from shardyard.spec import load_spec
+from shardyard.localdist import run_distributed
 from shardyard.train.checkpoint import find_latest, load_model
-from shardyard.train.launcher import launch
 from shardyard.train.metrics import read_events
+from test_train_ray import train_locally
 
 SHARDYARD = str(Path(sys.executable).with_name("shardyard"))
 CONFIG = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "gpt_ddp.yaml"
@@ -42,10 +42,12 @@ def start_run(ray_cluster, run_dir: Path, extra_env: dict[str, str] | None = Non
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(ray_cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """The same job run straight through: what every interrupted run must end with."""
-    straight = launch(load_spec(CONFIG, job(tmp_path_factory.mktemp("straight"), "straight")))
-    return load_model(straight.checkpoint).state_dict()
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The same job run straight through, on local ranks (the same Trainer as on Ray Train's
+    workers): what every interrupted run must end with."""
+    storage = tmp_path_factory.mktemp("straight")
+    run_distributed(train_locally, 2, CONFIG, job(storage, "straight"))
+    return load_model(find_latest(storage / "straight")).state_dict()
 
 
 def assert_same_model(run_dir: Path, expected: dict[str, torch.Tensor]) -> None:

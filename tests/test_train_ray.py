@@ -1,6 +1,7 @@
 """Training on real Ray Train workers (the session's `ray start` cluster): a run writes
 checkpoints and metrics, and a run stopped after N steps resumes at N+1 and ends exactly where an
-uninterrupted run ends."""
+uninterrupted run ends. The uninterrupted run is the same Trainer on local gloo ranks: Ray adds
+a worker group (about half a minute a launch here), not different math."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardyard.localdist import run_distributed
 from shardyard.spec import load_spec
 from shardyard.train.checkpoint import TrainState, find_latest, load_model
 from shardyard.train.launcher import launch
 from shardyard.train.metrics import LOSS_PLOT, TENSORBOARD_DIR, read_metrics
+from shardyard.train.trainer import Trainer
 
 
 def tiny_job(storage: Path, name: str, steps: int) -> list[str]:
@@ -28,6 +31,11 @@ def tiny_job(storage: Path, name: str, steps: int) -> list[str]:
     ]
 
 
+def train_locally(rank: int, world: int, config: Path | None, overrides: list[str]) -> None:
+    """What a Ray Train worker of rank `rank` runs, on a local gloo rank: a reference run."""
+    Trainer.build(load_spec(config, overrides), rank, world, torch.device("cpu")).train()
+
+
 def logged_steps(run_dir: Path) -> list[int]:
     return [row["step"] for row in read_metrics(run_dir)]
 
@@ -38,40 +46,38 @@ def test_run_writes_outputs_and_a_stopped_run_resumes_at_the_next_step_identical
     # FSDP with asynchronous checkpoints (copied to memory before training goes on); synchronous
     # DDP checkpoints are resumed bitwise in test_fault_tolerance.py.
     extra = ["checkpoint.async_write=true", "parallelism.strategy=fsdp"]
-    straight = launch(load_spec(None, tiny_job(tmp_path, "straight", steps=7) + extra))
-    run_dir = straight.run_dir
-    # Checkpoints at steps 3, 6 and the last step 7; keep=2 prunes the oldest.
-    assert sorted(p.name for p in run_dir.glob("checkpoint_step_*")) == [
-        "checkpoint_step_00000006", "checkpoint_step_00000007"]
-    assert find_latest(run_dir).name == "checkpoint_step_00000007"
-    # A crash mid-write leaves a directory that rank 0 never committed.
-    partial = run_dir / "checkpoint_step_00000099"
-    partial.mkdir()
-    (partial / "trainer_state.pt").write_bytes(b"rank 0 wrote this, then the writing stopped")
-    assert find_latest(run_dir).name == "checkpoint_step_00000007"
-    assert (run_dir / LOSS_PLOT).stat().st_size > 0
-    # TensorBoard's event files carry the same loss as the metrics log.
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    board = EventAccumulator(str(run_dir / TENSORBOARD_DIR))
-    board.Reload()
-    assert [e.step for e in board.Scalars("train/loss")] == list(range(1, 8))
-    assert logged_steps(run_dir) == list(range(1, 8))
-    assert straight.summary["world_size"] == 2 and straight.summary["tokens_per_s"] > 0
+    run_distributed(train_locally, 2, None, tiny_job(tmp_path, "straight", steps=7) + extra)
+    expected = load_model(find_latest(tmp_path / "straight")).state_dict()
     # Trained weights differ from the initial ones: the checkpoint holds real training state.
     spec = load_spec(None, tiny_job(tmp_path, "straight", steps=7))
     torch.manual_seed(spec.run.seed)
     from shardyard.models import build_model
 
     initial = build_model(spec.model).state_dict()
-    expected = load_model(straight.checkpoint).state_dict()
     assert any(not torch.equal(initial[k], expected[k]) for k in initial)
 
     first = launch(load_spec(None, tiny_job(tmp_path, "resumed", steps=3) + extra))
-    assert first.summary["steps"] == 3
+    assert first.summary["steps"] == 3 and first.summary["world_size"] == 2
+    # A crash mid-write leaves a directory that rank 0 never committed: the next launch ignores it.
+    partial = first.run_dir / "checkpoint_step_00000099"
+    partial.mkdir()
+    (partial / "trainer_state.pt").write_bytes(b"rank 0 wrote this, then the writing stopped")
     second = launch(load_spec(None, tiny_job(tmp_path, "resumed", steps=7) + extra))
-    # The second launch picked up at step 4: every step logged exactly once across both launches.
-    assert logged_steps(second.run_dir) == list(range(1, 8))
+    run_dir = second.run_dir
+    # Checkpoints at steps 3, 6 and the last step 7; keep=2 prunes the oldest.
+    assert sorted(p.name for p in run_dir.glob("checkpoint_step_0000000*")) == [
+        "checkpoint_step_00000006", "checkpoint_step_00000007"]
+    assert find_latest(run_dir).name == "checkpoint_step_00000007"
+    assert second.summary["tokens_per_s"] > 0
+    assert (run_dir / LOSS_PLOT).stat().st_size > 0
+    # The second launch picked up at step 4: every step logged exactly once across both launches,
+    # in the metrics log and in TensorBoard's event files.
+    assert logged_steps(run_dir) == list(range(1, 8))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(run_dir / TENSORBOARD_DIR))
+    board.Reload()
+    assert sorted(e.step for e in board.Scalars("train/loss")) == list(range(1, 8))
     final = torch.load(Path(second.checkpoint) / "trainer_state.pt", weights_only=True)
     assert TrainState(final["step"], final["samples_seen"], final["world_size"]) == TrainState(7, 112, 2)
     got = load_model(second.checkpoint).state_dict()
