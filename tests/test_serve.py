@@ -4,6 +4,7 @@ status code, batches concurrent requests, and survives a shard killed under load
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -203,7 +204,16 @@ def server(ray_cluster, checkpoints):
 
 
 def complete(url: str, **body) -> requests.Response:
-    return requests.post(f"{url}/v1/completions", json=body, headers=HEADERS, timeout=60)
+    """POST /v1/completions, greedy unless the body says otherwise (OpenAI's default is 1.0)."""
+    return requests.post(f"{url}/v1/completions", json={"temperature": 0, **body}, headers=HEADERS, timeout=60)
+
+
+def text_of(answer: requests.Response) -> str:
+    return answer.json()["choices"][0]["text"]
+
+
+def error_of(answer: requests.Response) -> str:
+    return answer.json()["error"]["message"]
 
 
 def batch_sizes(url: str) -> tuple[float, float]:
@@ -223,46 +233,53 @@ def test_concurrent_requests_are_batched_and_each_gets_its_answer(server, checkp
     for prompt, answer in zip(prompts, answers):
         assert answer.status_code == 200, answer.text
         alone = generate(torch.no_grad()(model), [Completion(encode(prompt), 6)], model.spec.block_size)[0]
-        assert answer.json()["text"] == decode(alone)
+        assert text_of(answer) == decode(alone)
     ones, total = batch_sizes(server)
     assert total > ones, "no batch held more than one request"
 
 
 @pytest.mark.timeout(120)
-def test_a_streamed_completion_sends_a_token_per_event_and_equals_the_whole_answer(server) -> None:
-    whole = complete(server, prompt="stream me", max_tokens=8).json()
-    body = {"prompt": "stream me", "max_tokens": 8, "stream": True}
+def test_a_streamed_completion_sends_its_text_as_decoded_and_equals_the_whole_answer(server) -> None:
+    whole = text_of(complete(server, prompt="stream me", max_tokens=8))
+    body = {"prompt": "stream me", "max_tokens": 8, "stream": True, "temperature": 0}
     with requests.post(f"{server}/v1/completions", json=body, headers=HEADERS, stream=True, timeout=60) as answer:
         assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/event-stream")
-        events = [json.loads(line.removeprefix("data: ")) for line in answer.iter_lines(decode_unicode=True)
-                  if line.startswith("data: ")]
-    assert len([e for e in events if "token" in e]) == 8
-    assert events[-1]["done"] and events[-1]["tokens"] == 8
-    assert "".join(e["text"] for e in events) == whole["text"]
+        lines = [line.removeprefix("data: ") for line in answer.iter_lines(decode_unicode=True)
+                 if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(line) for line in lines[:-1]]
+    assert len(chunks) > 2 and all(c["object"] == "text_completion" for c in chunks)
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole
 
 
 @pytest.mark.timeout(240)
 def test_every_bad_input_gets_its_status_and_the_server_keeps_serving(server) -> None:
     url = f"{server}/v1/completions"
     bad_json = requests.post(url, data="{not json", headers={**HEADERS, "Content-Type": "application/json"})
-    assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]
+    assert bad_json.status_code == 400 and "not valid JSON" in error_of(bad_json)
     assert requests.post(url, json={"prompt": "hi"}).status_code == 401
     near = requests.post(url, json={"prompt": "hi"}, headers={"Authorization": f"Bearer {TOKEN[:-1]}"})
     assert near.status_code == 401  # compared whole (in constant time), not by prefix
     too_big = requests.post(url, data=json.dumps({"prompt": "x" * 5000}), headers=HEADERS)
-    assert too_big.status_code == 413 and "limit is 2048" in too_big.json()["error"]
+    assert too_big.status_code == 413 and "limit is 2048" in error_of(too_big)
     for body, field in [({"prompt": "hi", "max_tokens": 0}, "max_tokens"), ({"prompt": ""}, "prompt"),
                         ({"prompt": "hi", "temperature": "hot"}, "temperature"),
                         ({"prompt": "hi", "max_tokenz": 3}, "max_tokenz"), ({}, "prompt"),
                         ({"prompt": "hi", "max_tokens": 5000}, "max_tokens"),
-                        ({"prompt": "hi", "seed": 2**70}, "seed"), ({"prompt": "hi", "seed": -1}, "seed")]:
-        answer = complete(server, **body)
-        assert answer.status_code == 422 and field in answer.json()["error"], (body, answer.text)
+                        ({"prompt": "hi", "seed": 2**70}, "seed"), ({"prompt": "hi", "seed": -1}, "seed"),
+                        ({"prompt": "hi", "n": 2}, "n"), ({"prompt": "hi", "echo": True}, "echo"),
+                        ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+                        ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+                        ({"prompt": "hi", "top_p": 0}, "top_p")]:
+        answer = requests.post(url, json=body, headers=HEADERS, timeout=60)
+        assert answer.status_code == 422 and field in error_of(answer), (body, answer.text)
+        assert answer.json()["error"]["param"] == field and answer.json()["error"]["type"] == "invalid_request_error"
     wrong = requests.post(f"{server}/v1/predict", json={"inputs": [[1.0]]}, headers=HEADERS)
-    assert wrong.status_code == 404 and "/v1/completions" in wrong.json()["error"]
+    assert wrong.status_code == 404 and "/v1/completions" in error_of(wrong)
     not_finite = requests.post(f"{server}/v1/predict", data='{"inputs": [[NaN, Infinity]]}',
                                headers={**HEADERS, "Content-Type": "application/json"})
-    assert not_finite.status_code == 422 and "inputs" in not_finite.json()["error"], not_finite.text
+    assert not_finite.status_code == 422 and "inputs" in error_of(not_finite), not_finite.text
     # Latency is labelled by route, never by the raw path: random paths add no series.
     assert requests.get(f"{server}/no/such/path-x7q", headers=HEADERS).status_code == 404
     metrics = requests.get(f"{server}/metrics", timeout=10).text
@@ -270,12 +287,13 @@ def test_every_bad_input_gets_its_status_and_the_server_keeps_serving(server) ->
     assert 'route="/v1/completions"' in metrics
     # 2048 tokens through 2 shards take far longer than the 2 s request timeout.
     slow = complete(server, prompt="a", max_tokens=2048)
-    assert slow.status_code == 408 and "2.0 s" in slow.json()["error"]
+    assert slow.status_code == 408 and "2.0 s" in error_of(slow)
     # Overload: beyond the ongoing and queued limits Serve answers 503 with Retry-After at once.
-    with ThreadPoolExecutor(64) as pool:
-        flood = list(pool.map(lambda _: complete(server, prompt="b", max_tokens=2048), range(64)))
+    # (Three times what the app admits, so that even a slow client machine overflows it.)
+    with ThreadPoolExecutor(96) as pool:
+        flood = list(pool.map(lambda _: complete(server, prompt="b", max_tokens=2048), range(96)))
     rejected = [r for r in flood if r.status_code == 503]
-    assert rejected and all("Retry-After" in r.headers for r in rejected)
+    assert rejected and all("Retry-After" in r.headers for r in rejected), sorted(r.status_code for r in flood)
     assert {r.status_code for r in flood} <= {408, 503}
     assert complete(server, prompt="still there?", max_tokens=3).status_code == 200
     assert requests.get(f"{server}/healthz").json()["status"] == "ok"
@@ -300,6 +318,108 @@ def test_killed_shard_under_load_is_rebuilt_and_later_requests_succeed(server) -
         time.sleep(1)
     text = requests.get(f"{server}/metrics", timeout=10).text
     assert float(re.search(r"^shardyard_shard_group_rebuilds_total (\S+)", text, re.M).group(1)) >= 1
+
+
+@pytest.fixture(scope="module")
+def default_job_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """README's default GPT (a 64-token context: room for a chat template), as its job saves it."""
+    from test_serve_run import save_default_job_checkpoint
+
+    run_dir = tmp_path_factory.mktemp("default_job")
+    run_distributed(save_default_job_checkpoint, 1, str(run_dir))
+    return checkpoint.find_latest(run_dir)
+
+
+@pytest.fixture(scope="module")
+def engine_server(server, default_job_checkpoint):
+    """The default decoder, the engine (KV cache, continuous batching), beside the static app on
+    the module's Serve instance: 2 pipeline shards of 0.5 CPU (both apps fit the cluster's 4)."""
+    from ray import serve
+
+    from shardyard.serve.app import build_app
+
+    serve.run(build_app({"checkpoint": str(default_job_checkpoint), "num_shards": 2, "cpus_per_shard": 0.5,
+                         "max_batch_size": 4, "model_id": "tiny-gpt", "request_timeout_s": 60}),
+              name="engine_app", route_prefix="/e")
+    yield server.removesuffix("/t") + "/e"
+    serve.delete("engine_app")
+
+
+@pytest.mark.timeout(240)
+def test_the_openai_client_completes_chats_and_streams_against_the_engine(engine_server,
+                                                                         default_job_checkpoint) -> None:
+    from openai import AsyncOpenAI, BadRequestError, NotFoundError, OpenAI
+
+    model = checkpoint.load_model(default_job_checkpoint).eval()
+    client = OpenAI(base_url=f"{engine_server}/v1", api_key="none")
+    assert [m.id for m in client.models.list().data] == ["tiny-gpt"]
+
+    def alone(prompt: str, max_tokens: int) -> str:
+        return decode(generate(torch.no_grad()(model), [Completion(encode(prompt), max_tokens)], 64)[0])
+
+    whole = client.completions.create(model="tiny-gpt", prompt="def f(", max_tokens=8, temperature=0)
+    assert whole.object == "text_completion" and whole.choices[0].text == alone("def f(", 8)
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (6, 8)
+    several = client.completions.create(model="tiny-gpt", prompt=["ab", "import"], max_tokens=5, temperature=0)
+    assert [c.text for c in several.choices] == [alone("ab", 5), alone("import", 5)]
+    streamed = client.completions.create(model="tiny-gpt", prompt="def f(", max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == whole.choices[0].text
+    # A stop string ends the text before it, with finish_reason "stop", streamed or not.
+    text = whole.choices[0].text
+    stop = text[3:5]
+    cut = client.completions.create(model="tiny-gpt", prompt="def f(", max_tokens=8, temperature=0, stop=[stop])
+    assert (cut.choices[0].text, cut.choices[0].finish_reason) == (text[:text.index(stop)], "stop")
+    pieces = client.completions.create(model="tiny-gpt", prompt="def f(", max_tokens=8, temperature=0, stop=stop,
+                                       stream=True)
+    assert "".join(c.choices[0].text for c in pieces if c.choices) == cut.choices[0].text
+    # Chat: the plain template (the byte-level model has no chat template), streamed too.
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model="tiny-gpt", messages=messages, max_tokens=4, temperature=0)
+    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == alone("system: be brief\nuser: hi\nassistant:", 4)
+    chunks = list(client.chat.completions.create(model="tiny-gpt", messages=messages, max_tokens=4, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat.choices[0].message.content
+    # Mistakes come back as the client's typed errors, with the server's reason.
+    with pytest.raises(NotFoundError, match="not served here"):
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    with pytest.raises(BadRequestError, match="context of 64 tokens") as err:
+        client.completions.create(model="tiny-gpt", prompt="x" * 60, max_tokens=8)
+    assert err.value.code == "context_length_exceeded"
+
+    async def concurrently() -> list[str]:  # more requests than the engine's 4 rows: they queue
+        aclient = AsyncOpenAI(base_url=f"{engine_server}/v1", api_key="none")
+        answers = await asyncio.gather(*(aclient.completions.create(model="tiny-gpt", prompt=f"n{i}", max_tokens=6,
+                                                                    temperature=0) for i in range(10)))
+        return [a.choices[0].text for a in answers]
+
+    assert asyncio.run(concurrently()) == [alone(f"n{i}", 6) for i in range(10)]
+    metrics = requests.get(f"{engine_server}/metrics", timeout=10).text
+    assert float(re.search(r"^shardyard_time_to_first_token_seconds_count (\S+)", metrics, re.M).group(1)) >= 10
+
+
+@pytest.mark.timeout(300)
+def test_a_shard_killed_under_the_engine_is_rebuilt_without_a_500(engine_server) -> None:
+    from ray.util.state import list_actors
+
+    # The engine app's shards: those in its replica's placement group (the static app has its own).
+    replica = list_actors(filters=[("class_name", "=", "ServeReplica:engine_app:ModelServer"), ("state", "=", "ALIVE")])
+    group = replica[0]["placement_group_id"]
+    url = f"{engine_server}/v1/completions"
+
+    def ask(i: int) -> int:
+        body = {"prompt": f"k{i}", "max_tokens": 12, "temperature": 0}
+        return requests.post(url, json=body, timeout=120).status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        during = [pool.submit(ask, i) for i in range(24)]
+        time.sleep(0.3)
+        shards = list_actors(filters=[("class_name", "=", "PipelineShard"), ("state", "=", "ALIVE")])
+        os.kill(next(a for a in shards if a["placement_group_id"] == group)["pid"], signal.SIGKILL)
+        codes = [f.result() for f in during]  # every request answered, none hangs
+    assert set(codes) <= {200, 503}, codes
+    assert ask(99) == 200
 
 
 def test_serve_config_mistakes_are_named_before_anything_starts(ray_cluster, tmp_path: Path, checkpoints) -> None:
@@ -388,9 +508,9 @@ def test_a_hugging_face_model_answers_over_http(server, llama_checkpoint) -> Non
     serve.run(build_app({"checkpoint": str(llama_checkpoint), "num_shards": 1}), name="llama_app", route_prefix="/llama")
     try:
         url = server.removesuffix("/t") + "/llama"
-        answer = requests.post(f"{url}/v1/completions", json={"prompt": "def", "max_tokens": 10}, timeout=60)
+        answer = complete(url, prompt="def", max_tokens=10)
         assert answer.status_code == 200, answer.text
-        assert answer.json()["text"] == hf_greedy(checkpoint.load_model(llama_checkpoint).eval(), "def", 10)
+        assert text_of(answer) == hf_greedy(checkpoint.load_model(llama_checkpoint).eval(), "def", 10)
         wrong = requests.post(f"{url}/v1/predict", json={"inputs": [[1.0]]}, timeout=60)
         assert wrong.status_code == 404 and "/v1/completions" in wrong.text
     finally:

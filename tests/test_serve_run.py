@@ -72,11 +72,23 @@ def test_readme_serving_command_answers_http_on_a_two_core_machine(tmp_path: Pat
                 pass
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
             time.sleep(2)
-        assert answer.json()["tokens"] == 5
+        assert answer.json()["usage"]["completion_tokens"] == 5
         assert requests.get(f"{README_URL}/healthz", timeout=10).json()["status"] == "ok"
-        # The config file asks for adaptive batching: a batch size was measured and put in force.
+        # The official OpenAI client, as README shows it: completions, chat, streaming.
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"{README_URL}/v1", api_key="none")
+        assert [m.id for m in client.models.list().data] == ["gpt_ddp"]  # the run's name
+        whole = client.completions.create(model="gpt_ddp", prompt="def ", max_tokens=8, temperature=0)
+        assert whole.usage.completion_tokens == 8 and whole.choices[0].finish_reason == "length"
+        streamed = client.completions.create(model="gpt_ddp", prompt="def ", max_tokens=8, temperature=0, stream=True)
+        assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == whole.choices[0].text
+        chat = client.chat.completions.create(model="gpt_ddp", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=4, seed=1)
+        assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 4
+        # The config file asks for the engine: its prefill budget was measured and put in force.
         metrics = requests.get(f"{README_URL}/metrics", timeout=10).text
-        assert float(re.search(r"^shardyard_max_batch_size (\S+)", metrics, re.M).group(1)) >= 1
+        assert float(re.search(r"^shardyard_prefill_token_budget (\S+)", metrics, re.M).group(1)) >= 1
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)  # the user's Ctrl-C: serve run stops its local Ray

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardyard.models.kv_cache import KVCache
 from shardyard.models.stages import PipelineLayout
 from shardyard.spec import GPTSpec
 
@@ -34,13 +35,16 @@ class CausalSelfAttention(nn.Module):
         self.out_proj = nn.Linear(spec.n_embd, spec.n_embd)
         self.dropout = spec.dropout
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
+                cache: KVCache | None = None, layer: str = "") -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds n_head / tp of them.
         q, k, v = (
             proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
             for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
+        if cache is not None:  # decoding: attend over the cached past too
+            k, v, mask = cache.update(layer, k, v)
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=self.dropout if self.training else 0.0
         )
@@ -68,8 +72,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(spec.n_embd)
         self.mlp = FeedForward(spec)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), mask)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
+                cache: KVCache | None = None, layer: str = "") -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask, cache, layer)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -121,21 +126,27 @@ class GPT(nn.Module):
             stage.ln_f = stage.lm_head = None
         return stage
 
-    def forward(self, x: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pad: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, V); on a pipeline stage, hidden states in or out.
 
         `pad` (B,) counts the left-padding tokens of each row of a batch of ragged prompts: those
         positions are masked out and each row's positions start at its first real token, so a
         row's outputs equal those of the same prompt run alone.
+        `cache`: decoding with a KV cache (its current step says which rows and positions); the
+        caller begins and ends the step, once for all of a shard's blocks.
         """
         mask = None if pad is None else padding_mask(pad, x.shape[1])
         if self.tok_emb is not None:
-            positions = torch.arange(x.shape[1], device=x.device)
-            if pad is not None:
-                positions = (positions - pad[:, None]).clamp(min=0)
+            if cache is not None:
+                positions = cache.positions(x.shape[1], x.device)
+            else:
+                positions = torch.arange(x.shape[1], device=x.device)
+                if pad is not None:
+                    positions = (positions - pad[:, None]).clamp(min=0)
             x = self.drop(self.tok_emb(x) + self.pos_emb(positions))
-        for block in self.blocks.values():
-            x = block(x, mask)
+        for name, block in self.blocks.items():
+            x = block(x, mask, cache, name)
         if self.ln_f is not None:
             x = self.ln_f(x)
         if self.lm_head is not None:

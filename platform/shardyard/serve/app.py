@@ -1,19 +1,24 @@
-"""The HTTP app: a Ray Serve deployment (FastAPI ingress) over a model trained by shardyard.
+"""The HTTP app: a Ray Serve deployment (FastAPI ingress) over a model trained by shardyard,
+speaking OpenAI's API (serve/openai_api.py) so that its clients and tools work unchanged.
 
-    POST /v1/completions  {"prompt": str, "max_tokens": int, "temperature": float, "seed": int,
-                           "stream": bool}  (stream: server-sent events, one per token)
-    POST /v1/predict      {"inputs": [[float, ...], ...]}        (MLP checkpoints)
-    GET  /healthz         200 while every shard answers
-    GET  /metrics         Prometheus text: latency, queue time, batch size, rejections, tokens
+    POST /v1/completions       prompt (a string or a list), max_tokens, temperature, top_p, stop,
+                               seed, stream, n = 1                      -> text_completion
+    POST /v1/chat/completions  messages (the tokenizer's chat template, or a plain one) -> chat.completion
+    GET  /v1/models            the served model's id (a request naming another gets 404)
+    POST /v1/predict           {"inputs": [[float, ...], ...]}        (MLP checkpoints)
+    GET  /healthz              200 while every shard answers
+    GET  /metrics              Prometheus text: latency, queue time, tokens, engine state
 
-Concurrent completions are grouped by `@serve.batch` and decoded together (ragged prompts
-left-padded and masked, so each answer equals the unbatched one); the batch handler yields a token
-per request after every forward pass, which is what streaming sends. Batch size and wait are fixed
-or adaptive (serve/batching.py). A shard lost under a batch gets the shard group rebuilt and the
-batch resumed where it stopped. Every mistake a client can make
-gets a 4xx with a reason: malformed JSON 400, bad or missing credentials 401, body too large 413,
-invalid fields 422 (naming the field), too slow 408; a full queue is answered 503 with
-Retry-After by Serve itself (`max_queued_requests`).
+Language models are decoded by the engine (serve/engine.py: KV cache, continuous batching) when
+they have a KV cache, else by static batches grouped with `@serve.batch` (ragged prompts
+left-padded and masked, so each answer equals the unbatched one), fixed or adaptive in size
+(serve/batching.py). Streaming (`stream: true`) sends each token's text as it is decoded, as
+`data: {chunk}` lines ending with `data: [DONE]`. A shard lost under a batch gets the shard group
+rebuilt and the batch resumed where it stopped. Every mistake a client can make gets a 4xx in
+OpenAI's error shape with a reason: malformed JSON 400, a prompt beyond the context 400, bad or
+missing credentials 401, another model 404, body too large 413, invalid fields 422 (naming the
+field), too slow 408; a full queue is answered 503 with Retry-After by Serve itself
+(`max_queued_requests`).
 """
 
 
@@ -21,7 +26,7 @@ import asyncio
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -34,23 +39,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.config import BackpressureConfig
 
-from shardyard.serve.batching import AdaptiveBatchSize, calibrate
+from shardyard.serve import openai_api as oa
+from shardyard.serve.batching import AdaptiveBatchSize, calibrate, prefill_budget
 from shardyard.serve.config import ServeConfig, parse_config
+from shardyard.serve.engine import DecodingEngine
 from shardyard.serve.generation import Completion, TextCodec, TextStream, decode_steps
 from shardyard.serve.shards import SHARD_LOST, ShardedModel, check_room, shard_bundle
 from shardyard.spec import LANGUAGE_MODELS, SpecError
 from shardyard.train.checkpoint import load_model, read_spec
 
 api = FastAPI(title="shardyard")
-
-
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    prompt: str = Field(min_length=1)
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(0.0, ge=0.0, le=5.0)
-    seed: int | None = Field(None, ge=0, le=2**64 - 1)  # the range torch's generator takes
-    stream: bool = False
 
 
 class PredictRequest(BaseModel):
@@ -60,25 +58,34 @@ class PredictRequest(BaseModel):
 
 @dataclass
 class Ticket:
-    """One completion waiting in (or running in) a batch."""
+    """One completion waiting in (or running in) a static batch."""
     request: Completion
     arrived: float
     abandoned: bool = False  # its caller stopped waiting (timeout, disconnect)
 
 
+@dataclass
+class Generation:
+    """A request being decoded, by the engine or a static batch: its tokens as they come, and
+    how to tell the decoder that nobody waits for the rest."""
+    request: Completion
+    tokens: AsyncIterator[int]
+    abandon: Callable[[], None]
+
+
 class ClientError(Exception):
-    def __init__(self, status: int, reason: str, field: str | None = None) -> None:
+    def __init__(self, status: int, reason: str, field: str | None = None, code: str | None = None) -> None:
         super().__init__(reason)
-        self.status, self.reason, self.field = status, reason, field
+        self.status, self.reason, self.field, self.code = status, reason, field, code
 
 
-def _error(status: int, reason: str, **extra: Any) -> JSONResponse:
-    return JSONResponse({"error": reason, **extra}, status_code=status)
+def _error(status: int, reason: str, field: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(oa.error_body(status, reason, field, code), status_code=status)
 
 
-def _event(payload: dict[str, Any]) -> str:
+def _event(payload: dict[str, Any] | str) -> str:
     """One server-sent event."""
-    return f"data: {json.dumps(payload)}\n\n"
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
 @api.exception_handler(RequestValidationError)
@@ -86,15 +93,13 @@ async def _invalid_request(request: Request, exc: RequestValidationError) -> JSO
     errors = exc.errors()
     if any(e["type"] == "json_invalid" for e in errors):
         return _error(400, "request body is not valid JSON")
-    fields = [{"field": ".".join(str(p) for p in e["loc"] if p != "body") or "body", "message": e["msg"]}
-              for e in errors]
-    return _error(422, "; ".join(f"{f['field']}: {f['message']}" for f in fields), fields=fields)
+    fields = [(".".join(str(p) for p in e["loc"] if p != "body") or "body", e["msg"]) for e in errors]
+    return _error(422, "; ".join(f"{name}: {message}" for name, message in fields), fields[0][0])
 
 
 @api.exception_handler(ClientError)
 async def _client_error(request: Request, exc: ClientError) -> JSONResponse:
-    return _error(exc.status, exc.reason, **({"fields": [{"field": exc.field, "message": exc.reason}]}
-                                            if exc.field else {}))
+    return _error(exc.status, exc.reason, exc.field, exc.code)
 
 
 class Metrics:
@@ -115,12 +120,38 @@ class Metrics:
                                 registry=self.registry)
         self.max_batch_size = Gauge("shardyard_max_batch_size", "the batch size limit now in force",
                                     registry=self.registry)
+        self.ttft = Histogram("shardyard_time_to_first_token_seconds", "arrival to first token (engine)",
+                              registry=self.registry)
+        self.inter_token = Histogram("shardyard_inter_token_seconds", "between a request's tokens (engine)",
+                                     registry=self.registry, buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5))
+        self.running = Gauge("shardyard_running_requests", "requests decoding (engine)", registry=self.registry)
+        self.waiting = Gauge("shardyard_waiting_requests", "requests waiting for a cache row (engine)",
+                             registry=self.registry)
+        self.kv_rows = Gauge("shardyard_kv_cache_rows_used", "KV cache rows in use (engine)", registry=self.registry)
+        self.prefill_budget = Gauge("shardyard_prefill_token_budget", "prompt tokens one iteration may prefill",
+                                    registry=self.registry)
+
+    def read_engine(self, engine: DecodingEngine, counted: int) -> int:
+        """Bring the engine's figures in (at a scrape); returns its token count, to pass next time."""
+        stats = engine.stats
+        for value in stats.time_to_first_token_s[:]:
+            self.ttft.observe(value)
+        for value in stats.inter_token_s[:]:
+            self.inter_token.observe(value)
+        stats.time_to_first_token_s.clear()
+        stats.inter_token_s.clear()
+        self.tokens.inc(stats.tokens - counted)
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.kv_rows.set(stats.cache_rows_used)
+        self.prefill_budget.set(engine.budget.tokens)
+        return stats.tokens
 
 
 # The replica decodes and batches; its shards compute. Its bundle is small so that README's
 # default app (2 shards of 0.75) fits a 2-core machine.
 REPLICA_CPUS = 0.5
-REJECT_REASONS = {400: "malformed_json", 401: "unauthorized", 404: "wrong_model", 408: "timeout",
+REJECT_REASONS = {400: "bad_request", 401: "unauthorized", 404: "not_found", 408: "timeout",
                   413: "body_too_large", 422: "invalid_field", 503: "unavailable"}
 
 
@@ -148,7 +179,7 @@ def _check_request(request: Request, cfg: ServeConfig, body: bytes) -> Response 
         return None
     given = request.headers.get("authorization", "").encode()
     if cfg.bearer_token and not hmac.compare_digest(given, f"Bearer {cfg.bearer_token}".encode()):  # constant time
-        return _error(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
+        return _error(401, "missing or wrong bearer token (Authorization: Bearer <token>)", code="invalid_api_key")
     if len(body) > cfg.max_body_bytes:
         return _error(413, f"request body is {len(body)} bytes; the limit is {cfg.max_body_bytes}")
     return None
@@ -162,12 +193,17 @@ class ModelServer:
         self.config = parse_config(config)
         api.state.server = self
         self.metrics = Metrics()
+        self.started = int(time.time())
         model_spec = read_spec(self.config.checkpoint).model
         self.kind = model_spec.name
         self.generates = isinstance(model_spec, LANGUAGE_MODELS)  # else the MLP regressor
         self.adaptive: AdaptiveBatchSize | None = None
+        self.engine: DecodingEngine | None = None
+        self._engine_tokens = 0  # the engine's token count /metrics has read
         if self.generates:
-            self.codec = TextCodec(self._tokenizer(model_spec))
+            self.tokenizer = self._tokenizer(model_spec)
+            self.codec = TextCodec(self.tokenizer)
+            self.stop_token = getattr(self.tokenizer, "eos_token_id", None)
             self.block_size = model_spec.block_size
             self._start_model()
         else:  # the MLP: small, served whole by the replica
@@ -186,12 +222,22 @@ class ModelServer:
     def _shards(self, use_gpu: bool) -> ShardedModel:
         cfg = self.config
         return ShardedModel(cfg.checkpoint, cfg.num_shards, use_gpu, cfg.multi_node, cfg.sharding,
-                            cpus_per_shard=cfg.cpus_per_shard)
+                            cpus_per_shard=cfg.cpus_per_shard, cache_rows=cfg.cache_rows)
 
     def _start_model(self) -> None:
-        """Start the shard group, and set the batch size and wait: from the config, or measured
-        on each candidate device (adaptive), keeping the device that decodes fastest in time."""
+        """Start the shard group and the decoder: the engine (its prefill budget measured), or
+        static batches from the config, or measured on each candidate device (adaptive), keeping
+        the device that decodes fastest in time."""
         cfg = self.config
+        target = cfg.token_latency_target_ms / 1000
+        if cfg.batching == "continuous":
+            self.model = self._shards(cfg.use_gpu)
+            budget = prefill_budget(self.model.forward, self.block_size, cfg.cache_rows, target)
+            self.engine = DecodingEngine(self.model.forward, cfg.cache_rows, self.block_size, budget,
+                                         self._recover, SHARD_LOST)
+            print(f"shardyard: continuous batching, {cfg.cache_rows} requests at once, prefill budget "
+                  f"{budget.tokens} tokens per iteration", flush=True)
+            return
         if cfg.batching != "adaptive":
             self.model = self._shards(cfg.use_gpu)
             if cfg.batching == "none":
@@ -199,7 +245,6 @@ class ModelServer:
             else:
                 self._set_batching(cfg.max_batch_size, cfg.batch_wait_timeout_s)
             return
-        target = cfg.token_latency_target_ms / 1000
         # A GPU is not always faster: a small model's steps can be all transfer overhead.
         devices = [True, False] if cfg.use_gpu and cfg.device == "auto" else [cfg.use_gpu]
         calibrations, model = {}, None
@@ -233,57 +278,119 @@ class ModelServer:
     # ------------------------------------------------------------------ routes
 
     @api.post("/v1/completions")
-    async def completions(self, body: CompletionRequest) -> dict[str, Any]:
-        self._expect(generates=True)
+    async def completions(self, body: oa.CompletionRequest) -> Any:
+        self._expect(generates=True, model=body.model)
+        if body.stream and len(body.prompt) > 1:
+            raise ClientError(422, "stream one prompt per request", "prompt")
+        prompts = [self._prompt_tokens(p, body.max_tokens) for p in body.prompt]
+        return await self._answer(prompts, body, chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, body: oa.ChatRequest) -> Any:
+        self._expect(generates=True, model=body.model)
+        prompt = oa.render_chat(body.messages, self.tokenizer)
+        return await self._answer([self._prompt_tokens(prompt, body.max_tokens, "messages")], body, chat=True)
+
+    @api.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.config.model_id, "object": "model",
+                                            "created": self.started, "owned_by": "shardyard"}]}
+
+    def _prompt_tokens(self, text: str, max_tokens: int, field: str = "prompt") -> list[int]:
         cfg = self.config
-        if len(body.prompt) > cfg.max_prompt_chars:
-            raise ClientError(422, f"prompt is {len(body.prompt)} characters; the limit is "
-                                   f"{cfg.max_prompt_chars}", "prompt")
-        if body.max_tokens > cfg.max_tokens_limit:
+        if len(text) > cfg.max_prompt_chars:
+            raise ClientError(422, f"{field} is {len(text)} characters; the limit is {cfg.max_prompt_chars}", field)
+        if max_tokens > cfg.max_tokens_limit:
             raise ClientError(422, f"max_tokens may be at most {cfg.max_tokens_limit}", "max_tokens")
-        ticket = Ticket(Completion(self.codec.encode(body.prompt), body.max_tokens, body.temperature, body.seed),
-                        time.perf_counter())
+        tokens = self.codec.encode(text)
+        if not tokens:
+            raise ClientError(422, f"{field} encodes to no tokens", field)
+        if self.engine is not None and len(tokens) + max_tokens > self.block_size:
+            raise ClientError(400, f"the prompt's {len(tokens)} tokens plus max_tokens {max_tokens} exceed "
+                                   f"the model's context of {self.block_size} tokens", field,
+                              "context_length_exceeded")
+        return tokens
+
+    async def _answer(self, prompts: list[list[int]], body: oa.CompletionRequest | oa.ChatRequest,
+                      chat: bool) -> Any:
+        id_ = oa.completion_id(chat)
+        gens = [self._generate(Completion(p, body.max_tokens, body.temperature, body.seed, body.top_p, self.stop_token))
+                for p in prompts]
         if body.stream:
-            return StreamingResponse(self._events(ticket), media_type="text/event-stream")
-
-        async def drain() -> None:
-            async for _ in self._decode(ticket):
-                pass
-
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(self._stream(gens[0], body.stop, chat, id_, include_usage),
+                                     media_type="text/event-stream")
         try:
-            await asyncio.wait_for(drain(), cfg.request_timeout_s)
+            results = await asyncio.wait_for(asyncio.gather(*(self._collect(g, body.stop) for g in gens)),
+                                             self.config.request_timeout_s)
         except asyncio.TimeoutError:
-            ticket.abandoned = True  # its batch stops computing it
-            raise ClientError(408, f"not answered within {cfg.request_timeout_s} s") from None
-        except asyncio.CancelledError:  # the client went away: Serve cancels its request
-            ticket.abandoned = True
-            raise
-        except SHARD_LOST:
+            raise ClientError(408, f"not answered within {self.config.request_timeout_s} s") from None
+        except (*SHARD_LOST, RuntimeError):
             raise ClientError(503, "the model's shards were lost twice under this request; retry") from None
-        tokens = ticket.request.tokens
-        return {"text": self.codec.decode(tokens), "tokens": len(tokens)}
+        finally:  # answered, timed out or disconnected: its decoder stops computing it
+            for gen in gens:
+                gen.abandon()
+        choices = [oa.choice(i, text, reason, chat) for i, (text, reason) in enumerate(results)]
+        used = oa.usage(sum(len(p) for p in prompts), sum(len(g.request.tokens) for g in gens))
+        return oa.body(id_, self.config.model_id, choices, chat, usage=used)
 
-    async def _events(self, ticket: Ticket) -> AsyncIterator[str]:
-        """Server-sent events: {"token", "text"} per token, then {"done", "tokens"}, or {"error",
-        "status"} if the request times out. Text comes piece by piece: a character split over
-        several tokens appears with its last one."""
-        text = TextStream(self.codec)
-        deadline = ticket.arrived + self.config.request_timeout_s
-        tokens = self._decode(ticket)
+    async def _collect(self, gen: Generation, stops: list[str]) -> tuple[str, str]:
+        """A request's whole text, cut at a stop string, and why it ended."""
+        text, cut = TextStream(self.codec), oa.StopStrings(stops)
+        async for token in gen.tokens:
+            cut.push(text.push(token))
+            if cut.stopped:
+                gen.abandon()
+                break
+        if not cut.stopped:
+            cut.push(text.finish())
+        return cut.text, self._finish_reason(gen, cut)
+
+    def _finish_reason(self, gen: Generation, cut: oa.StopStrings) -> str:
+        return "stop" if cut.stopped or gen.request.stopped else "length"
+
+    async def _stream(self, gen: Generation, stops: list[str], chat: bool, id_: str,
+                      include_usage: bool) -> AsyncIterator[str]:
+        """OpenAI's stream: a chunk per piece of text, the last with its finish_reason, then
+        (if asked) one with the usage, then [DONE]. Text comes piece by piece: a character split
+        over several tokens appears with its last one, and nothing of a stop string is sent."""
+        text, cut = TextStream(self.codec), oa.StopStrings(stops)
+        model, deadline = self.config.model_id, time.perf_counter() + self.config.request_timeout_s
+
+        def chunk(piece: str, reason: str | None = None, first: bool = False) -> str:
+            return _event(oa.body(id_, model, [oa.choice(0, piece, reason, chat, delta=True, first=first)],
+                                  chat, chunk=True))
         try:
-            while True:
+            if chat:
+                yield chunk("", first=True)
+            while not cut.stopped:
                 try:
-                    token = await asyncio.wait_for(anext(tokens), deadline - time.perf_counter())
+                    token = await asyncio.wait_for(anext(gen.tokens), deadline - time.perf_counter())
                 except StopAsyncIteration:
                     break
-                yield _event({"token": token, "text": text.push(token)})
-            yield _event({"done": True, "tokens": len(ticket.request.tokens), "text": text.finish()})
+                piece = cut.push(text.push(token))
+                if piece:
+                    yield chunk(piece)
+            gen.abandon()
+            tail = cut.finish() if cut.stopped else cut.push(text.finish()) + cut.finish()
+            yield chunk(tail, self._finish_reason(gen, cut))
+            if include_usage:
+                used = oa.usage(len(gen.request.prompt), len(gen.request.tokens))
+                yield _event(oa.body(id_, model, [], chat, chunk=True, usage=used))
         except asyncio.TimeoutError:
-            yield _event({"error": f"not answered within {self.config.request_timeout_s} s", "status": 408})
-        except SHARD_LOST:
-            yield _event({"error": "the model's shards were lost twice under this request; retry", "status": 503})
-        finally:  # finished, timed out or disconnected: either way its batch stops computing it
-            ticket.abandoned = True
+            yield _event(oa.error_body(408, f"not answered within {self.config.request_timeout_s} s"))
+        except (*SHARD_LOST, RuntimeError):
+            yield _event(oa.error_body(503, "the model's shards were lost twice under this request; retry"))
+        finally:  # finished, timed out or disconnected: either way its decoder stops computing it
+            gen.abandon()
+        yield _event("[DONE]")
+
+    def _generate(self, request: Completion) -> Generation:
+        if self.engine is not None:
+            seq = self.engine.submit(request)
+            return Generation(request, self.engine.tokens(seq), lambda: setattr(seq, "abandoned", True))
+        ticket = Ticket(request, time.perf_counter())
+        return Generation(request, self._decode(ticket), lambda: setattr(ticket, "abandoned", True))
 
     @api.post("/v1/predict")
     async def predict(self, body: PredictRequest) -> dict[str, Any]:
@@ -304,6 +411,8 @@ class ModelServer:
 
     @api.get("/metrics")
     async def metrics_text(self) -> Response:
+        if self.engine is not None:
+            self._engine_tokens = self.metrics.read_engine(self.engine, self._engine_tokens)
         return Response(generate_latest(self.metrics.registry), media_type="text/plain; version=0.0.4")
 
     def check_health(self) -> None:
@@ -314,7 +423,7 @@ class ModelServer:
             if not self.model.healthy():
                 self._rebuild(seen)
 
-    # ------------------------------------------------------------------ batching
+    # ------------------------------------------------------------------ static batching
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01)
     async def _decode(self, tickets: list[Ticket]) -> AsyncIterator[list[Any]]:
@@ -351,10 +460,17 @@ class ModelServer:
         if self.model.rebuild(failed):
             self.metrics.rebuilds.inc()
 
-    def _expect(self, generates: bool) -> None:
+    def _recover(self) -> None:
+        """The engine's call after a shard died under an iteration (its caches are lost)."""
+        self._rebuild(self.model.rebuilds)
+
+    def _expect(self, generates: bool, model: str | None = None) -> None:
         if self.generates != generates:
             route = "/v1/completions" if self.generates else "/v1/predict"
             raise ClientError(404, f"this app serves a '{self.kind}' model: use {route}")
+        if model is not None and model != self.config.model_id:
+            raise ClientError(404, f"the model '{model}' is not served here; this app serves "
+                                   f"'{self.config.model_id}' (GET /v1/models)", "model", "model_not_found")
 
 
 def build_app(args: dict[str, Any]) -> "serve.Application":

@@ -1,4 +1,5 @@
-"""How many requests one decoding batch may hold, and how long a batch waits to fill.
+"""How many requests one decoding batch may hold, and how long a batch waits to fill; and for
+the engine, how many prompt tokens one iteration may prefill.
 
 `fixed` takes both from the config. `adaptive` measures, at start-up, how long one decode step
 takes at each batch size, picks the size with the most tokens per second whose step time stays
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardyard.serve.engine import TokenBudget
 from shardyard.serve.generation import Forward
 
 # Prompts of this many tokens stand for typical traffic while calibrating.
@@ -78,3 +80,23 @@ class AdaptiveBatchSize:
         elif batch_size >= self.size and step_s < 0.8 * self.step_target_s:
             self.size = min(self.limit, self.size + 1)  # full batches with headroom: try one more
         return self.size != before
+
+
+def prefill_budget(forward: Forward, block_size: int, rows: int, step_target_s: float) -> TokenBudget:
+    """The engine's starting budget: the prompt tokens that, prefilled beside a decode step over
+    every cache row, keep one iteration within the per-token target (measured, without a cache,
+    as one prompt of typical length and one step over `rows` sequences of one token)."""
+    width = min(CALIBRATION_PROMPT, block_size)
+
+    def median_s(tokens: torch.Tensor) -> float:
+        forward(tokens, None)  # warm-up
+        times = []
+        for _ in range(CALIBRATION_REPEATS):
+            start = time.perf_counter()
+            forward(tokens, None)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    per_token = median_s(torch.randint(0, 256, (1, width))) / width
+    step = median_s(torch.randint(0, 256, (rows, 1)))
+    return TokenBudget(int((step_target_s - step) / per_token), step_target_s, increment=width)

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shardyard.serve.shards import sharding_problem
+from shardyard.serve.shards import sharding_problem, supports_kv_cache
 from shardyard.spec import LANGUAGE_MODELS, validate
 from shardyard.train.checkpoint import committed_record, find_latest, is_hf_directory, read_spec
 
@@ -26,10 +26,18 @@ class ServeConfig(BaseModel):
     multi_node: bool = Field(False, description="PACK shards across nodes instead of STRICT_PACK on one")
     cpus_per_shard: float = Field(1.0, gt=0, description="Ray CPUs each shard's bundle reserves (beside a GPU "
                                   "each on GPUs); the replica's own bundle reserves 0.5")
-    batching: Literal["none", "fixed", "adaptive"] = Field(
-        "adaptive", description="none: one request per batch; fixed: max_batch_size and "
-        "batch_wait_timeout_s as given; adaptive: measured at start, adjusted while serving")
-    max_batch_size: int = Field(16, ge=1, description="the batch size (fixed) or its upper bound (adaptive)")
+    batching: Literal["auto", "continuous", "none", "fixed", "adaptive"] = Field(
+        "auto", description="continuous: the decoding engine (KV cache, requests join and leave "
+        "every token); none: one request per batch; fixed: max_batch_size and batch_wait_timeout_s "
+        "as given; adaptive: measured at start, adjusted while serving; auto: continuous for models "
+        "with a KV cache (the GPT), else adaptive")
+    max_batch_size: int = Field(16, ge=1, description="the batch size (fixed), its upper bound (adaptive), "
+                                "or the requests decoded at once (continuous)")
+    max_kv_tokens: int | None = Field(None, ge=1, description="continuous: tokens the KV cache holds, "
+                                      "a context window per running request (default max_batch_size x "
+                                      "the context); beyond it requests wait")
+    model_id: str | None = Field(None, min_length=1, max_length=128, description="the id /v1/models lists "
+                                 "and requests name (default: the run's name or the model directory's)")
     batch_wait_timeout_s: float = Field(0.01, ge=0, description="fixed batching: longest wait to fill a batch")
     token_latency_target_ms: float = Field(
         100.0, gt=0, description="adaptive batching: the longest one decoding step (a token for "
@@ -51,11 +59,33 @@ class ServeConfig(BaseModel):
         if self.max_replicas is not None and self.max_replicas < self.num_replicas:
             raise ValueError(f"max_replicas ({self.max_replicas}) is below num_replicas ({self.num_replicas})")
         self.checkpoint = str(resolve_checkpoint(self.checkpoint))
-        model = read_spec(self.checkpoint).model
+        spec = read_spec(self.checkpoint)
+        model = spec.model
         problem = sharding_problem(model, self.num_shards, self.sharding) if isinstance(model, LANGUAGE_MODELS) else None
         if problem:
             raise ValueError(problem)
+        cached = isinstance(model, LANGUAGE_MODELS) and supports_kv_cache(model)
+        if self.batching == "auto":
+            self.batching = "continuous" if cached else "adaptive"
+        elif self.batching == "continuous" and not cached:
+            raise ValueError(f"batching: continuous needs a model with a KV cache (the GPT); a '{model.name}' "
+                             f"model is served with batching: adaptive, fixed or none")
+        if self.batching == "continuous":
+            context = model.block_size
+            self.max_kv_tokens = self.max_kv_tokens or self.max_batch_size * context
+            if self.max_kv_tokens < context:
+                raise ValueError(f"max_kv_tokens ({self.max_kv_tokens}) is below one context window "
+                                 f"({context} tokens): no request could run")
+        if self.model_id is None:
+            self.model_id = Path(self.checkpoint).name if is_hf_directory(self.checkpoint) else spec.run.name
         return self
+
+    @property
+    def cache_rows(self) -> int:
+        """Requests the KV cache holds at once (continuous batching), else 0."""
+        if self.batching != "continuous":
+            return 0
+        return self.max_kv_tokens // read_spec(self.checkpoint).model.block_size
 
     @property
     def use_gpu(self) -> bool:

@@ -26,6 +26,8 @@ class Completion:
     max_tokens: int
     temperature: float = 0.0
     seed: int | None = None
+    top_p: float = 1.0
+    stop_token: int | None = None  # the tokenizer's end of sequence, if it has one
     tokens: list[int] = field(default_factory=list)
     generator: torch.Generator | None = field(init=False, repr=False)
 
@@ -33,8 +35,12 @@ class Completion:
         self.generator = torch.Generator().manual_seed(self.seed) if self.seed is not None else None
 
     @property
+    def stopped(self) -> bool:
+        return bool(self.tokens) and self.tokens[-1] == self.stop_token
+
+    @property
     def done(self) -> bool:
-        return len(self.tokens) >= self.max_tokens
+        return len(self.tokens) >= self.max_tokens or self.stopped
 
 
 def encode(text: str) -> list[int]:
@@ -106,7 +112,7 @@ def decode_steps(forward: Forward, requests: Sequence[Completion], block_size: i
     while rows:
         overflow = max(0, tokens.shape[1] - block_size)  # crop to the context window
         logits = forward(tokens[:, overflow:], (pad - overflow).clamp(min=0))[:, -1, :].float()
-        chosen = [_pick(logits[k], requests[row].temperature, requests[row].generator)
+        chosen = [pick(logits[k], requests[row].temperature, requests[row].generator, requests[row].top_p)
                   for k, row in enumerate(rows)]
         for row, token in zip(rows, chosen):
             requests[row].tokens.append(token)
@@ -126,8 +132,14 @@ def generate(forward: Forward, requests: Sequence[Completion], block_size: int) 
     return [r.tokens for r in requests]
 
 
-def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None, top_p: float = 1.0) -> int:
+    """The next token: the most likely at temperature 0; else sampled at `temperature` from the
+    smallest set of tokens whose probabilities reach `top_p` (nucleus sampling)."""
     if temperature <= 0:
         return int(logits.argmax())
     probs = F.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        ordered, order = probs.sort(descending=True)
+        outside = ordered.cumsum(-1) - ordered >= top_p  # the mass before it already reaches top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, ordered.masked_fill(outside, 0.0))
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -38,6 +38,7 @@ from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from shardyard.models import build_model, repeated_blocks
+from shardyard.models.kv_cache import CacheStep, KVCache
 from shardyard.parallel.pipeline import balanced_split
 from shardyard.parallel.tensor import apply_tensor_parallel
 from shardyard.runtime import select_device
@@ -50,6 +51,25 @@ Sharding = Literal["pipeline", "tensor"]
 COLLECTIVE_TIMEOUT = timedelta(seconds=30)
 # What a forward pass raises when a shard has died: a task on a dead actor, a closed channel.
 SHARD_LOST = (ray.exceptions.RayActorError, ray.exceptions.RayChannelError)
+# A forward pass's second argument: left padding per row (a batch of ragged prompts, no cache),
+# or a step of KV-cached decoding.
+Extra = torch.Tensor | CacheStep | None
+
+
+def run_model(model: torch.nn.Module, x: torch.Tensor, extra: Extra, cache: KVCache | None) -> torch.Tensor:
+    """`model` on `x` (moved to the model's device), as `extra` says; the output on the CPU."""
+    if not isinstance(extra, CacheStep):
+        return model(x, extra)
+    cache.begin(extra)
+    out = model(x, cache=cache)
+    cache.end(x.shape[1])
+    return out
+
+
+def supports_kv_cache(spec: GPTSpec | HFSpec | CustomSpec) -> bool:
+    """Whether the engine can decode this model with a KV cache (models/kv_cache.py): the own GPT
+    for now; others are served by static batching, recomputing the sequence every token."""
+    return isinstance(spec, GPTSpec)
 
 
 @ray.remote
@@ -57,18 +77,21 @@ class PipelineShard:
     """Blocks [start, end) of the model in `checkpoint_dir` (the whole model when `whole`), on
     this actor's device."""
 
-    def __init__(self, checkpoint_dir: str, start: int, end: int, whole: bool, use_gpu: bool) -> None:
+    def __init__(self, checkpoint_dir: str, start: int, end: int, whole: bool, use_gpu: bool,
+                 cache_rows: int) -> None:
         full = load_model(checkpoint_dir)  # read on the host once; only this shard's part stays
         self.device = select_device(0) if use_gpu else torch.device("cpu")
         stage = full if whole else full.pipeline_stage(start, end)
         self.stage = stage.to(self.device).eval()
         del full
         self.blocks = (start, end)
+        # This shard's layers' keys and values (allocated at their first use).
+        self.cache = KVCache(cache_rows, read_spec(checkpoint_dir).model.block_size) if cache_rows else None
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
-        out = self.stage(x.to(self.device), None if pad is None else pad.to(self.device))
-        return out.cpu()
+    def forward(self, x: torch.Tensor, extra: Extra) -> torch.Tensor:
+        extra = extra.to(self.device) if isinstance(extra, torch.Tensor) else extra
+        return run_model(self.stage, x.to(self.device), extra, self.cache).cpu()
 
     def describe(self) -> dict:
         return {"blocks": self.blocks, "device": str(self.device),
@@ -79,10 +102,12 @@ class PipelineShard:
 class TensorShard:
     """Rank `rank` of `num_shards`: its slice of every block's linears, the small rest whole."""
 
-    def __init__(self, checkpoint_dir: str, rank: int, num_shards: int, use_gpu: bool) -> None:
+    def __init__(self, checkpoint_dir: str, rank: int, num_shards: int, use_gpu: bool, cache_rows: int) -> None:
         self.checkpoint_dir, self.rank, self.num_shards = checkpoint_dir, rank, num_shards
         self.device = select_device(0) if use_gpu else torch.device("cpu")
         self.model: torch.nn.Module | None = None
+        # Keys and values of this rank's heads only.
+        self.cache = KVCache(cache_rows, read_spec(checkpoint_dir).model.block_size) if cache_rows else None
 
     def rendezvous_address(self) -> str:
         """Where the other shards find this one (rank 0) to form their process group."""
@@ -102,8 +127,9 @@ class TensorShard:
         self.model = apply_tensor_parallel(full, mesh)
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor | None:
-        out = self.model(x.to(self.device), None if pad is None else pad.to(self.device))
+    def forward(self, x: torch.Tensor, extra: Extra) -> torch.Tensor | None:
+        extra = extra.to(self.device) if isinstance(extra, torch.Tensor) else extra
+        out = run_model(self.model, x.to(self.device), extra, self.cache)
         return out.cpu() if self.rank == 0 else None  # the same logits on every rank: send one
 
     def describe(self) -> dict:
@@ -196,10 +222,12 @@ class ShardedModel:
 
     def __init__(self, checkpoint_dir: str, num_shards: int, use_gpu: bool = False,
                  multi_node: bool = False, sharding: Sharding = "pipeline", compiled: bool = True,
-                 cpus_per_shard: float = 1.0) -> None:
+                 cpus_per_shard: float = 1.0, cache_rows: int = 0) -> None:
+        """`cache_rows`: sequences each shard's KV cache holds (0: no cache; forward passes then
+        take left padding, not cache steps)."""
         self.checkpoint_dir, self.num_shards, self.use_gpu = checkpoint_dir, num_shards, use_gpu
         self.bundle = shard_bundle(use_gpu, cpus_per_shard)
-        self.multi_node, self.sharding = multi_node, sharding
+        self.multi_node, self.sharding, self.cache_rows = multi_node, sharding, cache_rows
         self.compiled = compiled and sharding == "pipeline"  # tensor shards talk over torch.distributed
         self.graph = None
         spec = read_spec(checkpoint_dir).model
@@ -235,16 +263,16 @@ class ShardedModel:
 
         if self.sharding == "pipeline":
             self.shards = [PipelineShard.options(**in_bundle(i)).remote(self.checkpoint_dir, start, end, self.whole,
-                                                                          self.use_gpu)
+                                                                          self.use_gpu, self.cache_rows)
                            for i, (start, end) in enumerate(self.ranges)]
         else:
             self.shards = [TensorShard.options(**in_bundle(i)).remote(
-                self.checkpoint_dir, i, self.num_shards, self.use_gpu) for i in range(self.num_shards)]
+                self.checkpoint_dir, i, self.num_shards, self.use_gpu, self.cache_rows) for i in range(self.num_shards)]
             address = ray.get(self.shards[0].rendezvous_address.remote())
             ray.get([s.join.remote(address) for s in self.shards])
         ray.get([s.describe.remote() for s in self.shards])  # loaded and ready
         if self.compiled:
-            with InputNode() as given:  # given[0]: tokens, given[1]: padding counts
+            with InputNode() as given:  # given[0]: tokens, given[1]: padding counts or a cache step
                 node = given[0]
                 for shard in self.shards:
                     node = shard.forward.bind(node, given[1])
@@ -277,22 +305,23 @@ class ShardedModel:
         for shard in self.shards:
             ray.kill(shard, no_restart=True)
 
-    def forward(self, tokens: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, extra: Extra = None) -> torch.Tensor:
         """Logits of the whole model. Pipeline: each shard's output goes to the next as a Ray
-        reference. Tensor: every shard gets the same input and rank 0 returns the logits."""
+        reference. Tensor: every shard gets the same input and rank 0 returns the logits.
+        `extra`: left padding per row, or a KV-cache step (every shard applies it to its cache)."""
         with self._lock:  # waits out a rebuild instead of using a half-built group
-            return self._forward(tokens, pad)
+            return self._forward(tokens, extra)
 
-    def _forward(self, tokens: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, tokens: torch.Tensor, extra: Extra) -> torch.Tensor:
         if self.graph is not None:
-            return ray.get(self.graph.execute(tokens, pad))
+            return ray.get(self.graph.execute(tokens, extra))
         if self.sharding == "pipeline":
             ref = tokens
             for shard in self.shards:
-                ref = shard.forward.remote(ref, pad)
+                ref = shard.forward.remote(ref, extra)
             return ray.get(ref)
-        tokens_ref, pad_ref = ray.put(tokens), ray.put(pad)
-        refs = [shard.forward.remote(tokens_ref, pad_ref) for shard in self.shards]
+        tokens_ref, extra_ref = ray.put(tokens), ray.put(extra)
+        refs = [shard.forward.remote(tokens_ref, extra_ref) for shard in self.shards]
         pending = refs
         while pending:  # a dead shard raises at once, not after its peers' collective times out
             done, pending = ray.wait(pending, num_returns=1)

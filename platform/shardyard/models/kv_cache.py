@@ -1,0 +1,111 @@
+"""The keys and values of every sequence being decoded, so that a new token attends to the past
+without recomputing it: the cost of a decode step no longer grows with the context (beyond
+attention reading the cached keys).
+
+One preallocated slab per attention layer, (rows, heads, max_len, head_dim): row r holds one
+sequence. Rows [0, active) are in use and always contiguous, so a decode step over every
+running sequence reads the slab's first `active` rows in place, with no gather. Releasing a row
+moves the last active row into it; the engine that schedules the sequences applies the same
+moves to its own list (`compact`), and so does every shard of a sharded model, each for its own
+layers (pipeline) or its own heads (tensor): they all see the same steps in the same order.
+
+Memory is fixed at start: rows x max_len tokens, the bound the serving engine admits against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableSequence
+from dataclasses import dataclass, field
+from typing import Literal, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class CacheStep:
+    """What one forward pass does with the cache. `prefill`: a new sequence's prompt (1, T) goes
+    into row `active` (the next free row). `decode`: one token (rows, 1) for each of rows
+    [0, rows). `release`: rows freed before the pass, applied as `compact` applies them."""
+    kind: Literal["prefill", "decode"]
+    rows: int = 1
+    release: tuple[int, ...] = ()
+
+
+def compact(rows: MutableSequence[T], release: tuple[int, ...]) -> None:
+    """Free `release` from `rows`, moving the last row into each freed one (highest first, so a
+    moved row is never one being freed)."""
+    for row in sorted(release, reverse=True):
+        last = rows.pop()
+        if row < len(rows):
+            rows[row] = last
+
+
+@dataclass
+class KVCache:
+    rows: int     # sequences held at once
+    max_len: int  # tokens per sequence: the model's context window
+    keys: dict[str, torch.Tensor] = field(default_factory=dict)    # layer name -> slab
+    values: dict[str, torch.Tensor] = field(default_factory=dict)
+    lengths: list[int] = field(default_factory=list)               # tokens held, per active row
+    step: CacheStep | None = None
+
+    @property
+    def active(self) -> int:
+        return len(self.lengths)
+
+    def begin(self, step: CacheStep) -> None:
+        """Start a forward pass: free the released rows, then check the step fits."""
+        if step.release:
+            for row in sorted(step.release, reverse=True):
+                last = self.active - 1
+                if row < last:
+                    for slab in (*self.keys.values(), *self.values.values()):
+                        slab[row] = slab[last]
+            compact(self.lengths, step.release)
+        if step.kind == "prefill" and self.active >= self.rows:
+            raise RuntimeError(f"the KV cache's {self.rows} rows are all in use")
+        if step.kind == "decode" and step.rows != self.active:
+            raise RuntimeError(f"a decode step over {step.rows} rows, but {self.active} are in use")
+        self.step = step
+
+    def positions(self, seq: int, device: torch.device) -> torch.Tensor:
+        """Position ids of this pass's tokens: (1, seq) from 0 for a prefill, (rows, 1) after
+        each row's past for a decode step."""
+        if self.step.kind == "prefill":
+            return torch.arange(seq, device=device)[None]
+        return torch.tensor(self.lengths, device=device)[:, None]
+
+    def update(self, layer: str, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Store this pass's keys and values (B, heads, T, head_dim) for `layer`; return the keys
+        and values to attend over, and the attention mask (None: plain causal)."""
+        if layer not in self.keys:  # the layer's (local) head count is known at its first call
+            shape = (self.rows, k.shape[1], self.max_len, k.shape[3])
+            self.keys[layer] = torch.zeros(shape, dtype=k.dtype, device=k.device)
+            self.values[layer] = torch.zeros(shape, dtype=v.dtype, device=v.device)
+        keys, values = self.keys[layer], self.values[layer]
+        if self.step.kind == "prefill":
+            row, length = self.active, k.shape[2]
+            if length > self.max_len:
+                raise RuntimeError(f"a prompt of {length} tokens exceeds the context of {self.max_len}")
+            keys[row, :, :length], values[row, :, :length] = k[0], v[0]
+            return k, v, None
+        rows = self.step.rows
+        at = torch.tensor(self.lengths, device=k.device)  # each row's next position
+        if int(at.max()) >= self.max_len:
+            raise RuntimeError(f"a sequence reached the context of {self.max_len} tokens")
+        index = torch.arange(rows, device=k.device)
+        keys[index, :, at], values[index, :, at] = k[:, :, 0], v[:, :, 0]
+        width = int(at.max()) + 1
+        mask = torch.arange(width, device=k.device)[None, :] <= at[:, None]  # each row's own past
+        return keys[:rows, :, :width], values[:rows, :, :width], mask[:, None, None, :]
+
+    def end(self, prompt_len: int) -> None:
+        """Finish a forward pass: the rows now hold one more token (decode) or a prompt (prefill)."""
+        if self.step.kind == "prefill":
+            self.lengths.append(prompt_len)
+        else:
+            self.lengths = [n + 1 for n in self.lengths]
+        self.step = None

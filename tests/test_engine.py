@@ -1,0 +1,149 @@
+"""The decoding engine (KV cache, continuous batching) against decoding each request alone with no
+cache: requests joining and leaving mid-way, more requests than cache rows, abandoned requests,
+and a lost cache (a shard group rebuilt) all give every request exactly the tokens it gets alone.
+In one process, on a checkpoint training wrote: Ray adds nothing to this math (test_serve.py runs
+the engine behind HTTP on sharded models)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from shardyard.models.kv_cache import CacheStep, KVCache
+from shardyard.serve.engine import DecodingEngine, TokenBudget
+from shardyard.serve.generation import Completion, encode, generate
+from shardyard.serve.shards import run_model
+from shardyard.train import checkpoint
+from test_serve import checkpoints  # noqa: F401 - the fixture
+
+
+class CacheLost(Exception):
+    """What a dead shard's forward pass raises, here on purpose."""
+
+
+class CachedModel:
+    """A whole model with its KV cache, as one pipeline shard holds it; can lose its cache."""
+
+    def __init__(self, model: torch.nn.Module, rows: int, fail_at_call: int | None = None) -> None:
+        self.model, self.rows, self.fail_at_call = model, rows, fail_at_call
+        self.cache = KVCache(rows, model.spec.block_size)
+        self.calls, self.most_active = 0, 0
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, step: CacheStep) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.fail_at_call:
+            raise CacheLost
+        out = run_model(self.model, x, step, self.cache)
+        self.most_active = max(self.most_active, self.cache.active)
+        return out
+
+    def recover(self) -> None:
+        self.cache = KVCache(self.rows, self.model.spec.block_size)
+
+
+def fresh() -> list[Completion]:
+    """Greedy, sampled and nucleus-sampled requests; prompt + max_tokens within the 16-token context."""
+    return [Completion(encode("def f(x):"), 7), Completion(encode("import"), 10, 0.8, seed=3),
+            Completion(encode("x = 1"), 9, 1.2, seed=7, top_p=0.9), Completion(encode("class"), 11, 0.7, seed=11),
+            Completion(encode("#"), 4)]
+
+
+def alone(model: torch.nn.Module) -> list[list[int]]:
+    """Each request decoded by itself, recomputing the whole sequence every token (no cache)."""
+    forward = torch.no_grad()(model)
+    return [generate(forward, [r], model.spec.block_size)[0] for r in fresh()]
+
+
+async def serve_all(engine: DecodingEngine, requests: list[Completion], join_after: int,
+                    abandon: int | None = None) -> list[list[int]]:
+    """The first two requests at once; the rest once the first has `join_after` tokens (mid-way
+    through its decoding); request `abandon` is given up after its second token."""
+    got: list[list[int]] = [[] for _ in requests]
+    started = asyncio.Event()
+
+    async def run(i: int) -> None:
+        if i >= 2:
+            await started.wait()
+        seq = engine.submit(requests[i])
+        async for token in engine.tokens(seq):
+            got[i].append(token)
+            if i == 0 and len(got[0]) == join_after:
+                started.set()
+            if i == abandon and len(got[i]) == 2:
+                seq.abandoned = True
+                break
+
+    await asyncio.wait_for(asyncio.gather(*(run(i) for i in range(len(requests)))), 120)
+    return got
+
+
+def engine_for(model: CachedModel, budget: int = 8) -> DecodingEngine:
+    return DecodingEngine(model.forward, model.rows, model.model.spec.block_size,
+                          TokenBudget(budget, step_target_s=60.0, increment=4), model.recover, (CacheLost,))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rows", [2, 8])
+def test_the_engine_gives_each_request_its_tokens_alone(checkpoints, rows: int) -> None:  # noqa: F811
+    model = checkpoint.load_model(checkpoints["ddp"]).eval()
+    expected = alone(model)
+    cached = CachedModel(model, rows)
+    got = asyncio.run(serve_all(engine_for(cached), fresh(), join_after=3, abandon=3))
+    assert got[3] == expected[3][:2]  # abandoned after two tokens: its row went to others
+    del got[3], expected[3]
+    assert got == expected
+    assert cached.most_active <= rows  # more requests than rows: the rest waited their turn
+    if rows == 2:
+        assert cached.most_active == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_lost_cache_is_prefilled_again_and_decoding_goes_on_exactly(checkpoints) -> None:  # noqa: F811
+    model = checkpoint.load_model(checkpoints["ddp"]).eval()
+    expected = alone(model)
+    cached = CachedModel(model, rows=4, fail_at_call=9)  # mid-way, with requests running
+    engine = engine_for(cached)
+    got = asyncio.run(serve_all(engine, fresh(), join_after=2))
+    assert got == expected
+    assert engine.stats.rebuilds == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_decode_step_costs_about_the_same_early_and_late_in_the_context() -> None:
+    """With the cache a step computes one token; without it, the whole sequence. A model with a
+    1024-token context: the cached step at position 1000 within 3x of the one at position 10
+    (attention still reads the cached keys), while recomputing costs far more. Ratios, measured
+    in one process, not absolute times."""
+    from shardyard.models.gpt import GPT
+    from shardyard.spec import GPTSpec
+
+    torch.manual_seed(0)
+    model = GPT(GPTSpec(name="gpt", n_layer=2, n_head=4, n_embd=64, block_size=1024)).eval()
+
+    def cached_step_s(context: int) -> float:
+        cache = KVCache(1, 1024)
+        with torch.no_grad():
+            run_model(model, torch.randint(0, 256, (1, context)), CacheStep("prefill"), cache)
+            times = []
+            for _ in range(20):
+                start = time.perf_counter()
+                run_model(model, torch.randint(0, 256, (1, 1)), CacheStep("decode"), cache)
+                times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    def uncached_step_s(context: int) -> float:
+        with torch.no_grad():
+            tokens = torch.randint(0, 256, (1, context))
+            model(tokens)
+            start = time.perf_counter()
+            for _ in range(5):
+                model(tokens)
+        return (time.perf_counter() - start) / 5
+
+    early, late = cached_step_s(10), cached_step_s(1000)
+    assert late < 3 * early, (early, late)
+    assert uncached_step_s(1000) > 5 * late
