@@ -74,6 +74,27 @@ def test_sharded_outputs_equal_unsharded(ray_cluster, checkpoints, sharding: str
         sharded.close()
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sharding", ["pipeline", "tensor"])
+def test_the_engine_over_sharded_caches_gives_each_request_its_tokens_alone(ray_cluster, checkpoints,
+                                                                             sharding: str) -> None:
+    """Each pipeline shard caches its own layers, each tensor shard its own heads: the engine over
+    two shards gives every request what decoding it alone without a cache gives."""
+    from shardyard.serve.engine import DecodingEngine, TokenBudget
+    from shardyard.serve.shards import SHARD_LOST, ShardedModel
+    from test_engine import alone, fresh, serve_all
+
+    model = checkpoint.load_model(checkpoints["ddp"]).eval()
+    sharded = ShardedModel(str(checkpoints["ddp"]), 2, sharding=sharding, cache_rows=3)
+    try:
+        engine = DecodingEngine(sharded.forward, 3, model.spec.block_size, TokenBudget(8, 60.0, 4),
+                                lambda: sharded.rebuild(), SHARD_LOST)
+        got = asyncio.run(serve_all(engine, fresh(), join_after=3))
+    finally:
+        sharded.close()
+    assert got == alone(model)
+
+
 def test_batched_generation_equals_one_request_at_a_time_and_resumes_exactly(checkpoints) -> None:
     model = checkpoint.load_model(checkpoints["ddp"]).eval()
     forward = torch.no_grad()(model)
