@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import re
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,22 @@ def save_untrained(rank: int, world: int, out: str) -> None:
     torch.manual_seed(spec.run.seed)
     engine = build_engine(spec, build_model(spec.model), torch.device("cpu"))
     checkpoint.CheckpointManager(out, keep=1).save(engine, TrainState(0, 0, world), spec, metrics={})
+
+
+@contextlib.contextmanager
+def local_serve() -> Iterator[tuple[int, str]]:
+    """A local Ray with Serve on a free port, and the default job's GPT saved untrained:
+    (the port, the checkpoint directory)."""
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            run_distributed(save_untrained, 1, tmp)
+            yield port, str(Path(tmp, "checkpoint_step_00000000"))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 # ----------------------------------------------------------------------------- load generators
@@ -235,18 +253,11 @@ def main() -> None:
                         help="open-loop arrival rates as multiples of the closed-loop peak")
     args = parser.parse_args()
 
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    with tempfile.TemporaryDirectory() as tmp:
-        run_distributed(save_untrained, 1, tmp)
-        checkpoint_dir = str(Path(tmp, "checkpoint_step_00000000"))
+    with local_serve() as (port, checkpoint_dir):
         rows = []
         for name in args.configs:
             rows += sweep(name, CONFIGS[name], checkpoint_dir, port, args.duration, args.concurrency, args.overload)
         hops = hop_costs(checkpoint_dir)
-    serve.shutdown()
-    ray.shutdown()
 
     print_table("serving under load (answered requests' latency; codes: status:count, 0 = no answer)", rows)
     print_table("cost of sharding (forward pass, batch 1, 32 tokens; added time per extra shard)", hops)
