@@ -6,7 +6,6 @@ machine README documents); a real HTTP client against it."""
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import socket
@@ -27,6 +26,7 @@ from shardyard.parallel import build_engine
 from shardyard.spec import load_spec
 from shardyard.train import checkpoint
 from shardyard.train.checkpoint import TrainState
+from test_serve import metric
 
 SERVE = str(Path(sys.executable).with_name("serve"))
 README_URL = "http://127.0.0.1:8000"  # serve_apps/config.yaml's address, as README gives it
@@ -87,8 +87,7 @@ def test_readme_serving_command_answers_http_on_a_two_core_machine(tmp_path: Pat
                                               max_tokens=4, seed=1)
         assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 4
         # The config file asks for the engine: its prefill budget was measured and put in force.
-        metrics = requests.get(f"{README_URL}/metrics", timeout=10).text
-        assert float(re.search(r"^shardyard_prefill_token_budget (\S+)", metrics, re.M).group(1)) >= 1
+        metric(README_URL, "ray_shardyard_prefill_token_budget", "shardyard", lambda n: n >= 1)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)  # the user's Ctrl-C: serve run stops its local Ray

@@ -34,7 +34,6 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.config import BackpressureConfig
@@ -44,6 +43,7 @@ from shardyard.serve.batching import AdaptiveBatchSize, calibrate, prefill_budge
 from shardyard.serve.config import ServeConfig, parse_config
 from shardyard.serve.engine import DecodingEngine
 from shardyard.serve.generation import Completion, TextCodec, TextStream, decode_steps
+from shardyard.serve.metrics import ServingMetrics, scrape_cluster
 from shardyard.serve.shards import SHARD_LOST, ShardedModel, check_room, shard_bundle
 from shardyard.spec import LANGUAGE_MODELS, SpecError
 from shardyard.train.checkpoint import load_model, read_spec
@@ -102,76 +102,19 @@ async def _client_error(request: Request, exc: ClientError) -> JSONResponse:
     return _error(exc.status, exc.reason, exc.field, exc.code)
 
 
-class Metrics:
-    """Per replica, in Prometheus' text format at /metrics."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.latency = Histogram("shardyard_request_latency_seconds", "request latency", ["route", "status"],
-                                 registry=self.registry)
-        self.queue = Histogram("shardyard_queue_seconds", "arrival to batch start", registry=self.registry)
-        self.compute = Histogram("shardyard_batch_compute_seconds", "one batch's model time",
-                                 registry=self.registry)
-        self.batch_size = Histogram("shardyard_batch_size", "requests per batch", registry=self.registry,
-                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128))
-        self.rejected = Counter("shardyard_rejected_total", "requests refused", ["reason"], registry=self.registry)
-        self.tokens = Counter("shardyard_generated_tokens_total", "tokens generated", registry=self.registry)
-        self.rebuilds = Counter("shardyard_shard_group_rebuilds_total", "shard groups rebuilt",
-                                registry=self.registry)
-        self.max_batch_size = Gauge("shardyard_max_batch_size", "the batch size limit now in force",
-                                    registry=self.registry)
-        self.ttft = Histogram("shardyard_time_to_first_token_seconds", "arrival to first token (engine)",
-                              registry=self.registry)
-        self.inter_token = Histogram("shardyard_inter_token_seconds", "between a request's tokens (engine)",
-                                     registry=self.registry, buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5))
-        self.running = Gauge("shardyard_running_requests", "requests decoding (engine)", registry=self.registry)
-        self.waiting = Gauge("shardyard_waiting_requests", "requests waiting for a cache row (engine)",
-                             registry=self.registry)
-        self.kv_rows = Gauge("shardyard_kv_cache_rows_used", "KV cache rows in use (engine)", registry=self.registry)
-        self.prefill_budget = Gauge("shardyard_prefill_token_budget", "prompt tokens one iteration may prefill",
-                                    registry=self.registry)
-
-    def read_engine(self, engine: DecodingEngine, counted: int) -> int:
-        """Bring the engine's figures in (at a scrape); returns its token count, to pass next time."""
-        stats = engine.stats
-        for value in stats.time_to_first_token_s[:]:
-            self.ttft.observe(value)
-        for value in stats.inter_token_s[:]:
-            self.inter_token.observe(value)
-        stats.time_to_first_token_s.clear()
-        stats.inter_token_s.clear()
-        self.tokens.inc(stats.tokens - counted)
-        self.running.set(stats.running)
-        self.waiting.set(stats.waiting)
-        self.kv_rows.set(stats.cache_rows_used)
-        self.prefill_budget.set(engine.budget.tokens)
-        return stats.tokens
-
-
 # The replica decodes and batches; its shards compute. Its bundle is small so that README's
 # default app (2 shards of 0.75) fits a 2-core machine.
 REPLICA_CPUS = 0.5
-REJECT_REASONS = {400: "bad_request", 401: "unauthorized", 404: "not_found", 408: "timeout",
-                  413: "body_too_large", 422: "invalid_field", 503: "unavailable"}
+# How often the replica re-publishes its gauges: Ray's exporter drops a gauge not set lately.
+PUBLISH_EVERY_S = 1.0
 
 
 @api.middleware("http")
-async def _limits_and_metrics(request: Request, call_next) -> Response:
+async def _limits(request: Request, call_next) -> Response:
     server = request.app.state.server  # the replica (ModelServer) serving this process
-    cfg, start = server.config, time.perf_counter()
-    response = _check_request(request, cfg, await request.body())
-    if response is None:
-        response = await call_next(request)
-    server.metrics.latency.labels(_route_label(request), str(response.status_code)).observe(time.perf_counter() - start)
-    if response.status_code in REJECT_REASONS:
-        server.metrics.rejected.labels(REJECT_REASONS[response.status_code]).inc()
-    return response
-
-
-def _route_label(request: Request) -> str:
-    """The app's route a request went to (FastAPI records it in the request scope once matched),
-    or "unmatched": labels come from a fixed set, so random paths cannot grow the metrics."""
-    return getattr(request.scope.get("route"), "path", None) or "unmatched"
+    server.publish_metrics()
+    response = _check_request(request, server.config, await request.body())
+    return response if response is not None else await call_next(request)
 
 
 def _check_request(request: Request, cfg: ServeConfig, body: bytes) -> Response | None:
@@ -192,14 +135,14 @@ class ModelServer:
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = parse_config(config)
         api.state.server = self
-        self.metrics = Metrics()
+        self.metrics = ServingMetrics()
+        self._publisher: asyncio.Task | None = None
         self.started = int(time.time())
         model_spec = read_spec(self.config.checkpoint).model
         self.kind = model_spec.name
         self.generates = isinstance(model_spec, LANGUAGE_MODELS)  # else the MLP regressor
         self.adaptive: AdaptiveBatchSize | None = None
         self.engine: DecodingEngine | None = None
-        self._engine_tokens = 0  # the engine's token count /metrics has read
         if self.generates:
             self.tokenizer = self._tokenizer(model_spec)
             self.codec = TextCodec(self.tokenizer)
@@ -273,7 +216,7 @@ class ModelServer:
     def _set_batching(self, max_batch_size: int, wait_timeout_s: float) -> None:
         self._decode.set_max_batch_size(max_batch_size)
         self._decode.set_batch_wait_timeout_s(wait_timeout_s)
-        self.metrics.max_batch_size.set(max_batch_size)
+        self.batch_limit = max_batch_size
 
     # ------------------------------------------------------------------ routes
 
@@ -411,9 +354,21 @@ class ModelServer:
 
     @api.get("/metrics")
     async def metrics_text(self) -> Response:
-        if self.engine is not None:
-            self._engine_tokens = self.metrics.read_engine(self.engine, self._engine_tokens)
-        return Response(generate_latest(self.metrics.registry), media_type="text/plain; version=0.0.4")
+        """Every replica's series (and Serve's own), from every node's metrics export endpoint."""
+        return Response(await asyncio.to_thread(scrape_cluster), media_type="text/plain; version=0.0.4")
+
+    def publish_metrics(self) -> None:
+        """Start (once, on the replica's event loop) the task that keeps the gauges current."""
+        if self._publisher is None:
+            self._publisher = asyncio.get_running_loop().create_task(self._publish())
+
+    async def _publish(self) -> None:
+        while True:
+            if self.engine is not None:
+                self.metrics.read_engine(self.engine)
+            elif self.generates:
+                self.metrics.max_batch_size.set(self.batch_limit)
+            await asyncio.sleep(PUBLISH_EVERY_S)
 
     def check_health(self) -> None:
         """Serve's periodic health check: a dead shard gets the whole group rebuilt; only a group
@@ -454,7 +409,7 @@ class ModelServer:
         self.metrics.compute.observe(elapsed)
         if self.adaptive and steps and self.adaptive.observe(len(live), elapsed / steps):
             self._decode.set_max_batch_size(self.adaptive.size)
-            self.metrics.max_batch_size.set(self.adaptive.size)
+            self.batch_limit = self.adaptive.size
 
     def _rebuild(self, failed: int) -> None:
         if self.model.rebuild(failed):

@@ -1,0 +1,87 @@
+"""The app's metrics, through Ray Serve's metrics API.
+
+Each replica records; Ray's metrics agent on every node exports what its replicas recorded, each
+series tagged with its application, deployment and replica, so one scrape covers every replica of
+every app (a registry inside the replica would show whichever replica the proxy picked). Serve
+already exports request counts, latency by route and status, its queue and its 503s
+(`ray_serve_*`); these are what only the app sees: the decoding itself.
+
+`GET /metrics` on the app answers with the `ray_serve_*` and `ray_shardyard_*` series of every
+live node's export endpoint (Prometheus text), so a user without a Prometheus server still sees
+them all. The agents publish every few seconds: a value appears there a little after it happened.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+
+import ray
+from ray.serve import metrics
+
+from shardyard.serve.engine import DecodingEngine
+
+# Seconds: from a few milliseconds (a decode step on a GPU) to a long queue.
+LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+EXPORTED_PREFIXES = ("ray_serve_", "ray_shardyard_")
+
+
+class ServingMetrics:
+    def __init__(self) -> None:
+        self.tokens = metrics.Counter("shardyard_generated_tokens", "tokens generated")
+        self.rebuilds = metrics.Counter("shardyard_shard_group_rebuilds", "shard groups rebuilt after a shard died")
+        # The engine (continuous batching).
+        self.ttft = metrics.Histogram("shardyard_time_to_first_token_seconds", "arrival to first token",
+                                      boundaries=LATENCY_BUCKETS)
+        self.inter_token = metrics.Histogram("shardyard_inter_token_seconds", "between a request's tokens",
+                                             boundaries=LATENCY_BUCKETS)
+        self.running = metrics.Gauge("shardyard_running_requests", "requests decoding")
+        self.waiting = metrics.Gauge("shardyard_waiting_requests", "requests waiting for a KV cache row")
+        self.kv_rows = metrics.Gauge("shardyard_kv_cache_rows_used", "KV cache rows in use")
+        self.kv_rows_total = metrics.Gauge("shardyard_kv_cache_rows", "KV cache rows (requests decoded at once)")
+        self.prefill_budget = metrics.Gauge("shardyard_prefill_token_budget", "prompt tokens one iteration may prefill")
+        # Static batches.
+        self.queue = metrics.Histogram("shardyard_queue_seconds", "arrival to batch start", boundaries=LATENCY_BUCKETS)
+        self.compute = metrics.Histogram("shardyard_batch_compute_seconds", "one batch's model time",
+                                         boundaries=LATENCY_BUCKETS)
+        self.batch_size = metrics.Histogram("shardyard_batch_size", "requests per batch",
+                                            boundaries=[1, 2, 4, 8, 16, 32, 64, 128])
+        self.max_batch_size = metrics.Gauge("shardyard_max_batch_size", "the batch size limit in force")
+        self._engine_tokens = 0
+
+    def read_engine(self, engine: DecodingEngine) -> None:
+        """Bring in what the engine measured since the last call (it keeps plain numbers, so it
+        runs without Ray in tests)."""
+        stats = engine.stats
+        ttft, stats.time_to_first_token_s = stats.time_to_first_token_s, []
+        gaps, stats.inter_token_s = stats.inter_token_s, []
+        for value in ttft:
+            self.ttft.observe(value)
+        for value in gaps:
+            self.inter_token.observe(value)
+        if stats.tokens > self._engine_tokens:
+            self.tokens.inc(stats.tokens - self._engine_tokens)
+            self._engine_tokens = stats.tokens
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.kv_rows.set(stats.cache_rows_used)
+        self.kv_rows_total.set(engine.rows)
+        self.prefill_budget.set(engine.budget.tokens)
+
+
+def scrape_cluster(timeout_s: float = 5.0) -> str:
+    """The Serve and shardyard series of every live node's metrics export endpoint."""
+    lines: list[str] = []
+    for node in ray.nodes():
+        port = node.get("MetricsExportPort")
+        if not node["Alive"] or not port:
+            continue
+        try:
+            with urllib.request.urlopen(f"http://{node['NodeManagerAddress']}:{port}/metrics", timeout=timeout_s) as r:
+                text = r.read().decode()
+        except OSError:  # a node going away: the others still answer
+            continue
+        for line in text.splitlines():
+            name = line.split(" ", 3)[2] if line.startswith("# ") and len(line.split(" ")) > 2 else line
+            if name.startswith(EXPORTED_PREFIXES):
+                lines.append(line)
+    return "\n".join(lines) + "\n"
