@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -27,8 +28,9 @@ class CacheLost(Exception):
 class CachedModel:
     """A whole model with its KV cache, as one pipeline shard holds it; can lose its cache."""
 
-    def __init__(self, model: torch.nn.Module, rows: int, fail_at_call: int | None = None) -> None:
-        self.model, self.rows, self.fail_at_call = model, rows, fail_at_call
+    def __init__(self, model: torch.nn.Module, rows: int, fail_at_call: int | None = None,
+                 error_at_call: int | None = None) -> None:
+        self.model, self.rows, self.fail_at_call, self.error_at_call = model, rows, fail_at_call, error_at_call
         self.cache = KVCache(rows, model.spec.block_size)
         self.calls, self.most_active = 0, 0
 
@@ -37,6 +39,9 @@ class CachedModel:
         self.calls += 1
         if self.calls == self.fail_at_call:
             raise CacheLost
+        if self.calls == self.error_at_call:  # after the step began: the cache is half updated
+            self.cache.begin(step)
+            raise ValueError("a bug in a step")
         out = run_model(self.model, x, step, self.cache)
         self.most_active = max(self.most_active, self.cache.active)
         return out
@@ -59,9 +64,10 @@ def alone(model: torch.nn.Module) -> list[list[int]]:
 
 
 async def serve_all(engine: DecodingEngine, requests: list[Completion], join_after: int,
-                    abandon: int | None = None) -> list[list[int]]:
+                    abandon: int | None = None, midway: Callable[[], None] | None = None) -> list[list[int]]:
     """The first two requests at once; the rest once the first has `join_after` tokens (mid-way
-    through its decoding); request `abandon` is given up after its second token."""
+    through its decoding), after `midway` ran (in a thread); request `abandon` is given up after
+    its second token."""
     got: list[list[int]] = [[] for _ in requests]
     started = asyncio.Event()
 
@@ -72,6 +78,8 @@ async def serve_all(engine: DecodingEngine, requests: list[Completion], join_aft
         async for token in engine.tokens(seq):
             got[i].append(token)
             if i == 0 and len(got[0]) == join_after:
+                if midway is not None:
+                    await asyncio.to_thread(midway)
                 started.set()
             if i == abandon and len(got[i]) == 2:
                 seq.abandoned = True
@@ -110,6 +118,32 @@ def test_a_lost_cache_is_prefilled_again_and_decoding_goes_on_exactly(checkpoint
     got = asyncio.run(serve_all(engine, fresh(), join_after=2))
     assert got == expected
     assert engine.stats.rebuilds == 1
+
+
+@pytest.mark.timeout(120)
+def test_an_unexpected_error_fails_the_running_requests_and_the_engine_goes_on(checkpoints) -> None:  # noqa: F811
+    """A step that raises something unforeseen leaves the caches untrustworthy: the requests
+    running then get the error, the caches start over, and every later request is exact."""
+    model = checkpoint.load_model(checkpoints["ddp"]).eval()
+    expected = alone(model)
+    cached = CachedModel(model, rows=2, error_at_call=4)
+
+    async def scenario() -> tuple[list[BaseException | list[int]], list[list[int]]]:
+        engine = engine_for(cached)
+
+        async def collect(request: Completion) -> BaseException | list[int]:
+            try:
+                return [t async for t in engine.tokens(engine.submit(request))]
+            except ValueError as err:
+                return err
+
+        first = await asyncio.gather(*(collect(r) for r in fresh()[:2]))
+        later = await asyncio.gather(*(collect(r) for r in fresh()))
+        return first, later
+
+    first, later = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert all(isinstance(f, ValueError) for f in first), first
+    assert later == expected
 
 
 @pytest.mark.timeout(120)

@@ -81,20 +81,22 @@ def test_sharded_outputs_equal_unsharded(ray_cluster, checkpoints, sharding: str
 def test_the_engine_over_sharded_caches_gives_each_request_its_tokens_alone(ray_cluster, checkpoints,
                                                                              sharding: str) -> None:
     """Each pipeline shard caches its own layers, each tensor shard its own heads: the engine over
-    two shards gives every request what decoding it alone without a cache gives."""
+    two shards gives every request what decoding it alone without a cache gives, even when the
+    group is rebuilt mid-way behind its back (as Serve's health check does after a shard died)."""
     from shardyard.serve.engine import DecodingEngine, TokenBudget
-    from shardyard.serve.shards import SHARD_LOST, ShardedModel
+    from shardyard.serve.shards import SHARD_LOST, CachesLost, ShardedModel
     from test_engine import alone, fresh, serve_all
 
     model = checkpoint.load_model(checkpoints["ddp"]).eval()
     sharded = ShardedModel(str(checkpoints["ddp"]), 2, sharding=sharding, cache_rows=3)
     try:
         engine = DecodingEngine(sharded.forward, 3, model.spec.block_size, TokenBudget(8, 60.0, 4),
-                                lambda: sharded.rebuild(), SHARD_LOST)
-        got = asyncio.run(serve_all(engine, fresh(), join_after=3))
+                                lambda: sharded.healthy() or sharded.rebuild(), (*SHARD_LOST, CachesLost))
+        got = asyncio.run(serve_all(engine, fresh(), join_after=3, midway=sharded.rebuild))
     finally:
         sharded.close()
     assert got == alone(model)
+    assert sharded.rebuilds == 1 and engine.stats.rebuilds == 1  # replaced once; the engine prefilled again
 
 
 def test_batched_generation_equals_one_request_at_a_time_and_resumes_exactly(checkpoints) -> None:

@@ -27,8 +27,9 @@ T = TypeVar("T")
 class CacheStep:
     """What one forward pass does with the cache. `prefill`: a new sequence's prompt (1, T) goes
     into row `active` (the next free row). `decode`: one token (rows, 1) for each of rows
-    [0, rows). `release`: rows freed before the pass, applied as `compact` applies them."""
-    kind: Literal["prefill", "decode"]
+    [0, rows). `release`: rows freed before the pass, applied as `compact` applies them.
+    `reset`: every row freed, nothing computed (a caller starting over after an error)."""
+    kind: Literal["prefill", "decode", "reset"]
     rows: int = 1
     release: tuple[int, ...] = ()
 
@@ -57,6 +58,9 @@ class KVCache:
 
     def begin(self, step: CacheStep) -> None:
         """Start a forward pass: free the released rows, then check the step fits."""
+        if step.kind == "reset":
+            self.lengths = []
+            return
         if step.release:
             for row in sorted(step.release, reverse=True):
                 last = self.active - 1

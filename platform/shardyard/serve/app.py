@@ -44,7 +44,7 @@ from shardyard.serve.config import ServeConfig, parse_config
 from shardyard.serve.engine import DecodingEngine
 from shardyard.serve.generation import Completion, TextCodec, TextStream, decode_steps
 from shardyard.serve.metrics import ServingMetrics, scrape_cluster
-from shardyard.serve.shards import SHARD_LOST, ShardedModel, check_room, shard_bundle
+from shardyard.serve.shards import SHARD_LOST, CachesLost, ShardedModel, check_room, shard_bundle
 from shardyard.spec import LANGUAGE_MODELS, SpecError
 from shardyard.train.checkpoint import load_model, read_spec
 
@@ -177,7 +177,7 @@ class ModelServer:
             self.model = self._shards(cfg.use_gpu)
             budget = prefill_budget(self.model.forward, self.block_size, cfg.cache_rows, target)
             self.engine = DecodingEngine(self.model.forward, cfg.cache_rows, self.block_size, budget,
-                                         self._recover, SHARD_LOST)
+                                         self._recover, (*SHARD_LOST, CachesLost))
             print(f"shardyard: continuous batching, {cfg.cache_rows} requests at once, prefill budget "
                   f"{budget.tokens} tokens per iteration", flush=True)
             return
@@ -416,8 +416,11 @@ class ModelServer:
             self.metrics.rebuilds.inc()
 
     def _recover(self) -> None:
-        """The engine's call after a shard died under an iteration (its caches are lost)."""
-        self._rebuild(self.model.rebuilds)
+        """The engine's call after its caches were lost: a group with a dead shard is rebuilt (one
+        another caller has already replaced is kept)."""
+        seen = self.model.rebuilds
+        if not self.model.healthy():
+            self._rebuild(seen)
 
     def _expect(self, generates: bool, model: str | None = None) -> None:
         if self.generates != generates:

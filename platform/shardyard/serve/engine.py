@@ -131,6 +131,9 @@ class DecodingEngine:
             except self.lost:
                 await self._recover()
                 continue
+            except Exception as err:  # noqa: BLE001 - a request's error must not stop the loop
+                await self._recover(failed=err)
+                continue
             self.budget.observe(time.perf_counter() - started, prefilled)
             self.stats.iterations += 1
             self.stats.waiting, self.stats.running = len(self.waiting), len(self.running)
@@ -186,19 +189,25 @@ class DecodingEngine:
             seq.finished = True
             seq.out.put_nowait(None)
 
-    async def _recover(self) -> None:
-        """The shard group died with its caches: rebuild it, then prefill every running request
-        again (first in line), or fail those caught twice."""
-        await asyncio.to_thread(self.recover)
+    async def _recover(self, failed: Exception | None = None) -> None:
+        """The caches are gone (a shard died, the group was replaced) or can no longer be trusted
+        (`failed`: an unexpected error mid-step): get a working group with empty caches, then
+        prefill every running request again (first in line), or fail those caught twice, or all
+        of them with `failed`. Waiting requests are untouched."""
+        try:
+            await asyncio.to_thread(self.recover)
+            await asyncio.to_thread(self.forward, torch.zeros((1, 1), dtype=torch.long), CacheStep("reset"))
+        except self.lost:
+            pass  # the next iteration finds out and recovers again
         self.stats.rebuilds += 1
         again = []
         for seq in self.running:
             if seq.leaving:
                 continue
             seq.losses += 1
-            if seq.losses > 1:
+            if failed is not None or seq.losses > 1:
                 seq.abandoned = True
-                seq.out.put_nowait(RuntimeError("the model's shards were lost twice under this request"))
+                seq.out.put_nowait(failed or RuntimeError("the model's shards were lost twice under this request"))
             else:
                 again.append(seq)
         self.running = []

@@ -56,11 +56,18 @@ SHARD_LOST = (ray.exceptions.RayActorError, ray.exceptions.RayChannelError)
 Extra = torch.Tensor | CacheStep | None
 
 
+class CachesLost(RuntimeError):
+    """The shard group was replaced (by another caller's rebuild) since the last cache step: the
+    sequences cached in the old group are gone."""
+
+
 def run_model(model: torch.nn.Module, x: torch.Tensor, extra: Extra, cache: KVCache | None) -> torch.Tensor:
-    """`model` on `x` (moved to the model's device), as `extra` says; the output on the CPU."""
+    """`model` on `x`, as `extra` says: left padding, or a step of KV-cached decoding."""
     if not isinstance(extra, CacheStep):
         return model(x, extra)
     cache.begin(extra)
+    if extra.kind == "reset":
+        return x
     out = model(x, cache=cache)
     cache.end(x.shape[1])
     return out
@@ -249,6 +256,7 @@ class ShardedModel:
         # replaced; a caller passes the count it saw fail, so a group already replaced is kept.
         self._lock = threading.RLock()
         self.rebuilds = 0
+        self._cache_group: int | None = None  # the group the last cache step ran on
         try:
             self._start_shards()
         except BaseException:
@@ -310,6 +318,11 @@ class ShardedModel:
         reference. Tensor: every shard gets the same input and rank 0 returns the logits.
         `extra`: left padding per row, or a KV-cache step (every shard applies it to its cache)."""
         with self._lock:  # waits out a rebuild instead of using a half-built group
+            if isinstance(extra, CacheStep):
+                if extra.kind != "reset" and self._cache_group not in (None, self.rebuilds):
+                    self._cache_group = None
+                    raise CachesLost("the shard group was rebuilt: its KV caches start empty")
+                self._cache_group = self.rebuilds
             return self._forward(tokens, extra)
 
     def _forward(self, tokens: torch.Tensor, extra: Extra) -> torch.Tensor:
