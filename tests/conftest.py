@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from shardyard.localdist import free_port
 
@@ -30,6 +31,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "ray_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread_beside_the_cluster(request: pytest.FixtureRequest):
+    """A test on the cluster computes its expected values in this process while Ray's processes
+    hold the 2 cores: torch's second intra-op thread then waits at every parallel region for a
+    core the cluster has (an 8-token greedy decode took 20 s instead of milliseconds). One thread."""
+    if "ray_cluster" not in request.fixturenames:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @dataclass

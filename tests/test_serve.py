@@ -472,6 +472,10 @@ def test_serve_config_mistakes_are_named_before_anything_starts(ray_cluster, tmp
         parse_config({"num_shard": 2})
     with pytest.raises(SpecError, match="bearer_token"):  # empty: refused, not "no auth"
         parse_config({"checkpoint": trained, "bearer_token": ""})
+    with pytest.raises(SpecError, match=r"max_kv_tokens \(8\) is below one context window \(16 tokens\)"):
+        parse_config({"checkpoint": trained, "max_kv_tokens": 8})
+    assert parse_config({"checkpoint": trained}).batching == "continuous"  # auto: the GPT has a KV cache
+    assert parse_config({"checkpoint": trained, "max_kv_tokens": 40}).cache_rows == 2
     assert build_app({"checkpoint": trained, "num_shards": 4, "cpus_per_shard": 0.75})
 
 
@@ -538,6 +542,8 @@ def test_a_hugging_face_model_answers_over_http(server, llama_checkpoint) -> Non
 
     with pytest.raises(SpecError, match="cannot split 2 blocks into 3 pipeline shards"):
         build_app({"checkpoint": str(llama_checkpoint), "num_shards": 3})
+    with pytest.raises(SpecError, match="batching: continuous needs a model with a KV cache"):
+        build_app({"checkpoint": str(llama_checkpoint), "batching": "continuous"})
     with pytest.raises(SpecError, match=r"num_key_value_heads \(2\) must be divisible by num_shards \(4\)"):
         build_app({"checkpoint": str(llama_checkpoint), "num_shards": 4, "sharding": "tensor"})
     serve.run(build_app({"checkpoint": str(llama_checkpoint), "num_shards": 1}), name="llama_app", route_prefix="/llama")
