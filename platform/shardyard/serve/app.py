@@ -374,9 +374,7 @@ class ModelServer:
         """Serve's periodic health check: a dead shard gets the whole group rebuilt; only a group
         that cannot be rebuilt fails the replica (Serve then replaces it)."""
         if self.generates:
-            seen = self.model.rebuilds
-            if not self.model.healthy():
-                self._rebuild(seen)
+            self._recover()
 
     # ------------------------------------------------------------------ static batching
 
@@ -416,8 +414,8 @@ class ModelServer:
             self.metrics.rebuilds.inc()
 
     def _recover(self) -> None:
-        """The engine's call after its caches were lost: a group with a dead shard is rebuilt (one
-        another caller has already replaced is kept)."""
+        """A group with a dead shard is rebuilt (one another caller has already replaced is kept):
+        Serve's health check, and the engine's call after its caches were lost."""
         seen = self.model.rebuilds
         if not self.model.healthy():
             self._rebuild(seen)

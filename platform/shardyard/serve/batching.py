@@ -49,21 +49,23 @@ class Calibration:
         return self.step_s[1] if size > 1 else 0.0
 
 
+def median_forward_s(forward: Forward, tokens: torch.Tensor, pad: torch.Tensor | None) -> float:
+    """Median seconds of one forward pass over `tokens`, after a warm-up (first calls allocate)."""
+    forward(tokens, pad)
+    times = []
+    for _ in range(CALIBRATION_REPEATS):
+        start = time.perf_counter()
+        forward(tokens, pad)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def calibrate(forward: Forward, block_size: int, limit: int) -> Calibration:
     """Median time of one forward pass over a batch of typical prompts, for each candidate size."""
     width = min(CALIBRATION_PROMPT, block_size)
-    step_s = {}
-    for size in candidate_sizes(limit):
-        tokens = torch.randint(0, 256, (size, width))
-        pad = torch.zeros(size, dtype=torch.long)
-        forward(tokens, pad)  # warm-up: first calls allocate
-        times = []
-        for _ in range(CALIBRATION_REPEATS):
-            start = time.perf_counter()
-            forward(tokens, pad)
-            times.append(time.perf_counter() - start)
-        step_s[size] = statistics.median(times)
-    return Calibration(step_s)
+    return Calibration({size: median_forward_s(forward, torch.randint(0, 256, (size, width)),
+                                               torch.zeros(size, dtype=torch.long))
+                        for size in candidate_sizes(limit)})
 
 
 class AdaptiveBatchSize:
@@ -87,16 +89,6 @@ def prefill_budget(forward: Forward, block_size: int, rows: int, step_target_s: 
     every cache row, keep one iteration within the per-token target (measured, without a cache,
     as one prompt of typical length and one step over `rows` sequences of one token)."""
     width = min(CALIBRATION_PROMPT, block_size)
-
-    def median_s(tokens: torch.Tensor) -> float:
-        forward(tokens, None)  # warm-up
-        times = []
-        for _ in range(CALIBRATION_REPEATS):
-            start = time.perf_counter()
-            forward(tokens, None)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
-    per_token = median_s(torch.randint(0, 256, (1, width))) / width
-    step = median_s(torch.randint(0, 256, (rows, 1)))
+    per_token = median_forward_s(forward, torch.randint(0, 256, (1, width)), None) / width
+    step = median_forward_s(forward, torch.randint(0, 256, (rows, 1)), None)
     return TokenBudget(int((step_target_s - step) / per_token), step_target_s, increment=width)
