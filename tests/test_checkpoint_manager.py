@@ -78,7 +78,8 @@ def _write_events(run_dir: str, writer: int) -> None:
 
 @pytest.mark.timeout(120)
 def test_events_from_concurrent_writers_are_all_kept(tmp_path: Path) -> None:
-    writers = [multiprocessing.get_context("spawn").Process(target=_write_events, args=(str(tmp_path), w))
+    # Forked: the writers only append to files, and a spawned one would spend seconds importing torch.
+    writers = [multiprocessing.get_context("fork").Process(target=_write_events, args=(str(tmp_path), w))
                for w in range(4)]
     for w in writers:
         w.start()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,16 @@ from shardyard.serve.engine import DecodingEngine, TokenBudget
 from shardyard.serve.generation import Completion, encode, generate
 from shardyard.serve.shards import run_model
 from shardyard.train import checkpoint
-from test_serve import checkpoints  # noqa: F401 - the fixture
+from shardyard.localdist import run_distributed
+from test_serve import train_and_save
+
+
+@pytest.fixture(scope="module")
+def ddp_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-block GPT trained 2 steps with DDP on 2 ranks, as training writes it."""
+    out = tmp_path_factory.mktemp("checkpoint")
+    run_distributed(train_and_save, 2, str(out), ("ddp",))
+    return out / "ddp" / "run" / "checkpoint_step_00000002"
 
 
 class CacheLost(Exception):
@@ -96,8 +106,8 @@ def engine_for(model: CachedModel, budget: int = 8) -> DecodingEngine:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("rows", [2, 8])
-def test_the_engine_gives_each_request_its_tokens_alone(checkpoints, rows: int) -> None:  # noqa: F811
-    model = checkpoint.load_model(checkpoints["ddp"]).eval()
+def test_the_engine_gives_each_request_its_tokens_alone(ddp_checkpoint: Path, rows: int) -> None:
+    model = checkpoint.load_model(ddp_checkpoint).eval()
     expected = alone(model)
     cached = CachedModel(model, rows)
     got = asyncio.run(serve_all(engine_for(cached), fresh(), join_after=3, abandon=3))
@@ -110,8 +120,8 @@ def test_the_engine_gives_each_request_its_tokens_alone(checkpoints, rows: int) 
 
 
 @pytest.mark.timeout(120)
-def test_a_lost_cache_is_prefilled_again_and_decoding_goes_on_exactly(checkpoints) -> None:  # noqa: F811
-    model = checkpoint.load_model(checkpoints["ddp"]).eval()
+def test_a_lost_cache_is_prefilled_again_and_decoding_goes_on_exactly(ddp_checkpoint: Path) -> None:
+    model = checkpoint.load_model(ddp_checkpoint).eval()
     expected = alone(model)
     cached = CachedModel(model, rows=4, fail_at_call=9)  # mid-way, with requests running
     engine = engine_for(cached)
@@ -121,10 +131,10 @@ def test_a_lost_cache_is_prefilled_again_and_decoding_goes_on_exactly(checkpoint
 
 
 @pytest.mark.timeout(120)
-def test_an_unexpected_error_fails_the_running_requests_and_the_engine_goes_on(checkpoints) -> None:  # noqa: F811
+def test_an_unexpected_error_fails_the_running_requests_and_the_engine_goes_on(ddp_checkpoint: Path) -> None:
     """A step that raises something unforeseen leaves the caches untrustworthy: the requests
     running then get the error, the caches start over, and every later request is exact."""
-    model = checkpoint.load_model(checkpoints["ddp"]).eval()
+    model = checkpoint.load_model(ddp_checkpoint).eval()
     expected = alone(model)
     cached = CachedModel(model, rows=2, error_at_call=4)
 

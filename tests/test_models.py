@@ -95,7 +95,6 @@ def oracle(model: str, steps_: int = STEPS) -> tuple[dict[str, torch.Tensor], di
     return initial, engine.model.state_dict()
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("model, strategy", CASES, ids=[f"{m}-{s}" for m, s in CASES])
 def test_model_under_strategy_matches_single_process(model: str, strategy: str, trained) -> None:

@@ -28,10 +28,10 @@ from test_strategies import job, train, with_storage
 STRATEGIES = ("ddp", "fsdp", "zero2")
 
 
-def train_and_save(rank: int, world: int, out: str) -> None:
+def train_and_save(rank: int, world: int, out: str, strategies: tuple[str, ...] = STRATEGIES) -> None:
     """Each strategy in turn, in one pair of processes (a launch costs seconds here): the
     Trainer stopped after its committed checkpoint of step 2."""
-    for strategy in STRATEGIES:
+    for strategy in strategies:
         train(rank, world, with_storage(job({"strategy": strategy}, 2, 4), Path(out, strategy)), until=2)
 
 
