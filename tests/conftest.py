@@ -8,10 +8,14 @@ machine.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +25,7 @@ import torch
 from shardyard.localdist import free_port
 
 REPO = Path(__file__).resolve().parents[1]
+RAY = str(Path(sys.executable).with_name("ray"))
 # Ray 2.59+ clusters use token auth; clients (ray job submit, ray.init) must opt in to send it.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 
@@ -59,12 +64,11 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory):
 
     port, dashboard = free_port(), free_port()
     log = tmp_path_factory.mktemp("ray") / "ray_start.log"
-    ray_bin = Path(sys.executable).with_name("ray")
     # With token auth on, `ray start` needs a token and makes none (a fresh machine has none):
     # the command Ray's own error message gives creates ~/.ray/auth_token once, if missing.
-    subprocess.run([str(ray_bin), "get-auth-token", "--generate"], check=True, capture_output=True, timeout=60)
+    subprocess.run([RAY, "get-auth-token", "--generate"], check=True, capture_output=True, timeout=60)
     proc = subprocess.Popen(
-        [str(ray_bin), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+        [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1",
          f"--port={port}", f"--dashboard-port={dashboard}", "--include-dashboard=true",
          "--dashboard-host=127.0.0.1", "--num-cpus=4", "--disable-usage-stats"],
         stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
@@ -99,3 +103,55 @@ def _wait_for_dashboard(url: str, proc: subprocess.Popen, log: Path, timeout_s: 
             pass
         time.sleep(1)
     raise TimeoutError(f"Ray dashboard did not come up at {url}:\n{log.read_text()}")
+
+
+def user_environment(ray_tmp: str) -> dict[str, str]:
+    """The user's shell on this machine, for README's commands: the venv's scripts on PATH, no Ray
+    address or auth mode from this test session, and Ray's files in a directory of their own, so a
+    command cannot find the session's cluster (ray.init() joins the newest cluster started on the
+    machine) and starts or joins only its own, as on a machine with none."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    return {**env, "RAY_TMPDIR": ray_tmp, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"}
+
+
+@contextmanager
+def ray_files_of_their_own() -> Iterator[str]:
+    """A RAY_TMPDIR for one README command; short, since Ray's socket paths live under it. Every
+    process whose command line names it (and their children: workers, job drivers) is killed on
+    the way out: `ray stop` would stop the session's cluster too."""
+    import psutil
+
+    ray_tmp = tempfile.mkdtemp(prefix="sy-", dir="/tmp")
+    try:
+        yield ray_tmp
+    finally:
+        owned: list[psutil.Process] = []
+        for proc in psutil.process_iter(["cmdline"]):
+            if any(ray_tmp in arg for arg in proc.info["cmdline"] or ()):
+                owned += [proc, *proc.children(recursive=True)]
+        for proc in owned:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(owned, timeout=30)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+@contextmanager
+def readme_ray_cluster(cwd: Path) -> Iterator[dict[str, str]]:
+    """README's local cluster, exactly: `ray get-auth-token --generate`, `export RAY_AUTH_MODE=token`,
+    `ray start --head --node-ip-address=127.0.0.1` (this machine's real CPUs, Ray's default ports).
+    Yields the user's environment for the commands that follow (`ray job submit`, ...)."""
+    import socket
+
+    for port in (6379, 8265):  # what README's `ray start` and `ray job submit` use
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", port)) != 0, f"port {port} (Ray's default) is taken"
+    with ray_files_of_their_own() as ray_tmp:
+        env = {**user_environment(ray_tmp), "RAY_AUTH_MODE": "token"}
+        for command in (["get-auth-token", "--generate"], ["start", "--head", "--node-ip-address=127.0.0.1"]):
+            started = subprocess.run([RAY, *command], cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
+            assert started.returncode == 0, f"ray {' '.join(command)}:\n{started.stdout}{started.stderr}"
+        yield env
+

@@ -1,35 +1,42 @@
-"""End to end, as a user runs it: `ray start --head` (the session cluster), then
-`ray job submit --working-dir . -- python jobs/train.py --config ...`, then `ray job status`;
-and a job stopped mid-run (`ray job stop`) and submitted again resumes where it stopped."""
+"""End to end, as README's "On a Ray cluster" gives it and a user on this 2-core machine runs it:
+`ray start --head --node-ip-address=127.0.0.1` (Ray's default ports, the machine's real CPUs, no
+cluster of the test session's), then `ray job submit --working-dir . -- python jobs/train.py
+--config ...`, `ray job status`, `ray job logs`; a job stopped mid-run (`ray job stop`) and
+submitted again resumes where it stopped."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, RAY, readme_ray_cluster
 from shardyard.train.callbacks import HOLD_ENV
 from shardyard.train.checkpoint import find_latest
 from shardyard.train.metrics import read_events, read_metrics
 
-RAY = str(Path(sys.executable).with_name("ray"))
+pytestmark = pytest.mark.ray
 
 
-def ray_job(cluster, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [RAY, "job", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "RAY_ADDRESS": cluster.dashboard_url, "RAY_AUTH_MODE": "token"},
-    )
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[dict[str, str]]:
+    """The user's environment on README's cluster."""
+    with readme_ray_cluster(REPO) as env:
+        yield env
 
 
-def submit(cluster, overrides: list[str], env: dict[str, str] | None = None) -> str:
+def ray_job(cluster: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`ray job ...` from the checkout, as README writes it (no address: the local cluster's)."""
+    return subprocess.run([RAY, "job", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env=cluster)
+
+
+def submit(cluster: dict[str, str], overrides: list[str], env: dict[str, str] | None = None) -> str:
     runtime = ["--runtime-env-json", json.dumps({"env_vars": env})] if env else []
     answer = ray_job(cluster, "submit", "--no-wait", "--working-dir", ".", *runtime, "--",
                      "python", "jobs/train.py", "--config", "jobs/configs/gpt_ddp.yaml",
@@ -38,7 +45,7 @@ def submit(cluster, overrides: list[str], env: dict[str, str] | None = None) -> 
     return re.search(r"raysubmit_\w+", answer.stdout + answer.stderr).group(0)
 
 
-def wait_until_done(cluster, job_id: str, timeout_s: float = 360) -> tuple[str, str]:
+def wait_until_done(cluster: dict[str, str], job_id: str, timeout_s: float = 360) -> tuple[str, str]:
     """(status line, logs) once the job has succeeded, failed or been stopped."""
     deadline = time.monotonic() + timeout_s
     status = ""
@@ -52,26 +59,26 @@ def wait_until_done(cluster, job_id: str, timeout_s: float = 360) -> tuple[str, 
 
 
 @pytest.mark.timeout(480)
-def test_submitted_job_stopped_and_submitted_again_resumes_and_writes_outputs(ray_cluster, tmp_path: Path) -> None:
+def test_submitted_job_stopped_and_submitted_again_resumes_and_writes_outputs(cluster, tmp_path: Path) -> None:
     overrides = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
                  "data.name=synthetic", "run.steps=400", "run.log_every=50",
                  "checkpoint.every_n_steps=50", f"checkpoint.storage_path={tmp_path}", "run.name=again"]
     run_dir = tmp_path / "again"
     # The first job waits at its checkpoint of step 100 (until a release that never comes): it is
     # stopped mid-run whatever this machine's speed.
-    first = submit(ray_cluster, overrides, {HOLD_ENV: "100"})
+    first = submit(cluster, overrides, {HOLD_ENV: "100"})
     deadline = time.monotonic() + 240
     while not any(e["event"] == "held" for e in read_events(run_dir)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert find_latest(run_dir) is not None, ray_job(ray_cluster, "logs", first).stdout[-3000:]
-    stop = ray_job(ray_cluster, "stop", first)
+    assert find_latest(run_dir) is not None, ray_job(cluster, "logs", first).stdout[-3000:]
+    stop = ray_job(cluster, "stop", first)
     assert stop.returncode == 0, stop.stderr + stop.stdout
-    status, _ = wait_until_done(ray_cluster, first, 120)
+    status, _ = wait_until_done(cluster, first, 120)
     assert re.search(r"stopped", status, re.IGNORECASE), status
     stopped_at = int(find_latest(run_dir).name.rsplit("_", 1)[1])
     assert stopped_at == 100
 
-    status, logs = wait_until_done(ray_cluster, submit(ray_cluster, overrides))
+    status, logs = wait_until_done(cluster, submit(cluster, overrides))
     assert re.search(r"succeeded", status, re.IGNORECASE), f"{status}\n{logs[-3000:]}"
     starts = [e for e in read_events(run_dir) if e["event"] == "start"]
     assert len(starts) == 2 and starts[1]["restored_step"] == stopped_at, starts

@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pytest
 import requests
 import torch
 
-from conftest import REPO
+from conftest import REPO, ray_files_of_their_own, user_environment
 from shardyard.localdist import run_distributed
 from shardyard.models import build_model
 from shardyard.parallel import build_engine
@@ -41,14 +40,6 @@ def save_default_job_checkpoint(rank: int, world: int, run_dir: str) -> None:
     checkpoint.CheckpointManager(run_dir, keep=1).save(engine, TrainState(0, 0, world), spec, metrics={})
 
 
-def user_environment(ray_tmp: str) -> dict[str, str]:
-    """The user's shell: no Ray address or auth mode from this test session, and Ray's files in a
-    directory of their own, so `serve run` cannot find the session's cluster (ray.init() joins the
-    newest cluster started on the machine) and starts its own, as on a machine with none."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
-    return {**env, "RAY_TMPDIR": ray_tmp, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"}
-
-
 @pytest.mark.ray
 @pytest.mark.timeout(420)
 def test_readme_serving_command_answers_http_on_a_two_core_machine(tmp_path: Path) -> None:
@@ -57,8 +48,12 @@ def test_readme_serving_command_answers_http_on_a_two_core_machine(tmp_path: Pat
     # The checkout as README leaves it: serve_apps/ and the default job's run directory.
     shutil.copytree(REPO / "serve_apps", tmp_path / "serve_apps", ignore=shutil.ignore_patterns("__pycache__"))
     run_distributed(save_default_job_checkpoint, 1, str(tmp_path / "runs" / "gpt_ddp"))
-    ray_tmp = tempfile.mkdtemp(prefix="sy-", dir="/tmp")  # short: Ray's socket paths live under it
-    proc = subprocess.Popen([SERVE, "run", "serve_apps/config.yaml"], cwd=tmp_path, start_new_session=True,
+    with ray_files_of_their_own() as ray_tmp:
+        answer_readme_requests(tmp_path, ray_tmp)
+
+
+def answer_readme_requests(checkout: Path, ray_tmp: str) -> None:
+    proc = subprocess.Popen([SERVE, "run", "serve_apps/config.yaml"], cwd=checkout, start_new_session=True,
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=user_environment(ray_tmp))
     try:
         deadline = time.monotonic() + 240
@@ -96,4 +91,3 @@ def test_readme_serving_command_answers_http_on_a_two_core_machine(tmp_path: Pat
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
