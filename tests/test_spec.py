@@ -3,6 +3,7 @@ message that names the key and the valid choices."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -111,6 +112,13 @@ def test_missing_sections_take_defaults() -> None:
         (["parallelism.strategy=fsdp", "parallelism.tp=2", "scaling.num_workers=4",
           "batch.global_batch_size=24", "batch.micro_batch_size=16"],
          ["batch.global_batch_size (24)", "world size 4 (16 x 2 = 32)"]),
+        # prepared data and validation
+        (["data.name=shards"], ["data.name 'shards' needs data.path"]),
+        (["eval.every_n_steps=10"], ["eval.every_n_steps needs data.name 'shards'"]),
+        (["data.name=shards", "data.path=/d", "eval.every_n_steps=10", "parallelism.strategy=parameter_server"],
+         ["not supported with parallelism.strategy 'parameter_server'"]),
+        (["data.validation_path=/v"], ["data.validation_path applies to data.name 'shards' only"]),
+        (["eval.batchez=2"], ["unknown key 'eval.batchez'", "every_n_steps"]),
     ],
 )
 def test_bad_specs_are_named(overrides: list[str], expected: list[str]) -> None:
@@ -196,3 +204,28 @@ def test_cli_main_returns_2_on_bad_spec(tmp_path: Path, capsys: pytest.CaptureFi
     path = write(tmp_path, {"batch": {"global_batch_size": 30}, "data": {"name": "synthetic"}})
     assert main(["train", str(path)]) == 2
     assert "batch.global_batch_size (30)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["source.path=/x", "output.path=/o", "source.fromat=jsonl"], "unknown key 'source.fromat'"),
+    (["source.path=/x"], "output"),
+    (["source.path=/x", "output.path=/o", "tokenizer.name=bytes", "tokenizer.train.vocab_size=500"],
+     "give one of tokenizer.name, tokenizer.path, tokenizer.train"),
+    (["source.path=/x", "output.path=/o", "source.format=csv"], "'parquet'"),
+    (["source.path=/x", "output.path=/o", "output.validation_fraction=1.5"], "output.validation_fraction"),
+])
+def test_bad_data_specs_are_named(overrides: list[str], message: str) -> None:
+    from shardyard.data.prepare import load_prepare_spec
+
+    with pytest.raises(SpecError, match=re.escape(message)):
+        load_prepare_spec(None, overrides)
+
+
+@pytest.mark.timeout(120)
+def test_prepare_refuses_bad_input_with_exit_2_and_no_traceback(tmp_path: Path) -> None:
+    spec = tmp_path / "data.yaml"
+    spec.write_text(f"source: {{path: {tmp_path / 'missing'}}}\noutput: {{path: {tmp_path / 'out'}}}\n")
+    done = run_entrypoint([SHARDYARD, "prepare", str(spec)])
+    assert done.returncode == 2 and "matches no text files" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    done = run_entrypoint([SHARDYARD, "prepare", str(spec), "--set", "output.shard_tokens=5"])
+    assert done.returncode == 2 and "output.shard_tokens" in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -1,6 +1,7 @@
 """`shardyard` command line.
 
     shardyard train CONFIG.yaml [--set key=value ...]
+    shardyard prepare DATA_SPEC.yaml [--set key=value ...]
     shardyard export CHECKPOINT_OR_RUN_DIR OUT.safetensors
     shardyard export CHECKPOINT_OR_RUN_DIR --format hf OUT_DIR
     shardyard plan CONFIG.yaml [--gpus N --gpu-memory 80GB --nodes M] [--set key=value ...]
@@ -99,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train a model from a job spec on Ray Train")
     add_spec_arguments(train, config_flag=False)
+    prepare = commands.add_parser("prepare", help="raw text (files, JSON Lines, Parquet) to token shards for "
+                                                   "data.name 'shards', as a Ray Data job")
+    add_spec_arguments(prepare, config_flag=False)
     export = commands.add_parser("export", help="checkpoint -> one safetensors state_dict file, or a "
                                                  "Hugging Face model directory")
     export.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its latest)")
@@ -116,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "plan":
         return run_plan(args)
+    if args.command == "prepare":
+        from shardyard.data.prepare import main as run_prepare  # imports Ray Data: only when asked for
+
+        return run_prepare(args.config, args.overrides)
     if args.command == "export":
         return run_export(args.checkpoint, args.out, args.fmt)
     # Local Ray unless RAY_ADDRESS names a cluster.

@@ -20,12 +20,12 @@ class SpecError(ValueError):
     """A job spec that cannot run. The message is meant for the user, not a traceback."""
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
     # extra="forbid" is what turns a misspelled key into an error instead of a silent default.
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class GPTSpec(_Section):
+class GPTSpec(Section):
     name: Literal["gpt"] = "gpt"
     n_layer: int = Field(4, ge=1)
     n_head: int = Field(4, ge=1)
@@ -58,7 +58,7 @@ class GPTSpec(_Section):
                              f"attention heads")
 
 
-class MLPSpec(_Section):
+class MLPSpec(Section):
     name: Literal["mlp"] = "mlp"
     in_dim: int = Field(32, ge=1)
     hidden_dim: int = Field(64, ge=1)
@@ -78,7 +78,7 @@ class MLPSpec(_Section):
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
-class HFSpec(_Section):
+class HFSpec(Section):
     """A Hugging Face causal LM: a local model directory to fine-tune, or a config to pretrain."""
 
     name: Literal["hf"] = "hf"
@@ -179,7 +179,7 @@ class HFSpec(_Section):
         return block_plan
 
 
-class CustomSpec(_Section):
+class CustomSpec(Section):
     """The user's own `nn.Module`: `factory` returns it, given this section."""
 
     name: Literal["custom"] = "custom"
@@ -235,16 +235,28 @@ ModelSpec = Annotated[Union[GPTSpec, MLPSpec, HFSpec, CustomSpec], Field(discrim
 LANGUAGE_MODELS = (GPTSpec, HFSpec, CustomSpec)
 
 
-class DataSpec(_Section):
-    name: Literal["corpus", "synthetic"] = "corpus"
+class DataSpec(Section):
+    name: Literal["corpus", "synthetic", "shards"] = "corpus"
     path: str | None = Field(
-        None, description="text file or folder for `corpus`; default: the Python stdlib sources"
+        None, description="text file or folder for `corpus` (default: the Python stdlib sources); the "
+                          "directory `shardyard prepare` wrote for `shards` (local or object storage)"
     )
     max_bytes: int = Field(4_000_000, ge=1024, description="cap on corpus size read into memory")
     num_samples: int = Field(4096, ge=1, description="size of the `synthetic` dataset")
+    validation_path: str | None = Field(
+        None, description="`shards`: another prepared directory to validate on (default: data.path's validation split)"
+    )
+    cache_dir: str | None = Field(None, description="`shards` in object storage: local download folder")
+    cache_bytes: int = Field(2 << 30, ge=1 << 20, description="`shards` in object storage: local cache cap per rank")
+
+    @model_validator(mode="after")
+    def _shards_have_a_path(self) -> DataSpec:
+        if self.name == "shards" and not self.path:
+            raise ValueError("data.name 'shards' needs data.path: the directory `shardyard prepare` wrote")
+        return self
 
 
-class OptimSpec(_Section):
+class OptimSpec(Section):
     name: Literal["adamw", "sgd"] = "adamw"
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -256,7 +268,7 @@ class OptimSpec(_Section):
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
 
 
-class BatchSpec(_Section):
+class BatchSpec(Section):
     global_batch_size: int = Field(32, ge=1, description="samples per optimizer step, all ranks")
     micro_batch_size: int = Field(8, ge=1, description="samples per forward pass on one rank")
     allow_global_batch_change: bool = Field(
@@ -270,7 +282,7 @@ Strategy = Literal["ddp", "fsdp", "zero1", "zero2", "zero3", "pipeline", "tensor
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 
 
-class ParallelismSpec(_Section):
+class ParallelismSpec(Section):
     """How the world is split: a (pp, dp, tp) DeviceMesh with dp = world / (pp * tp).
 
     `strategy` names the data-parallel flavour over dp and turns on the model-parallel parts:
@@ -333,7 +345,7 @@ class ParallelismSpec(_Section):
         return None if world_size % model_parallel else world_size // model_parallel
 
 
-class ScalingSpec(_Section):
+class ScalingSpec(Section):
     num_workers: int | None = Field(None, ge=1)
     min_workers: int | None = Field(None, ge=1)
     max_workers: int | None = Field(None, ge=1)
@@ -384,7 +396,7 @@ class ScalingSpec(_Section):
         return range(1, self.world_sizes.stop) if self.recovery == "hot" else self.world_sizes
 
 
-class CheckpointSpec(_Section):
+class CheckpointSpec(Section):
     storage_path: str = Field(
         "runs", description="where runs live; relative paths resolve against the current directory"
     )
@@ -397,7 +409,12 @@ class CheckpointSpec(_Section):
                           "data position only (when the optimizer changed, e.g. adamw -> sgd)")
 
 
-class RunSpec(_Section):
+class EvalSpec(Section):
+    every_n_steps: int | None = Field(None, ge=1, description="validation loss every N steps (and at the last)")
+    batches: int = Field(4, ge=1, description="global batches of validation samples per evaluation")
+
+
+class RunSpec(Section):
     name: str = Field("gpt_ddp", pattern=r"^[A-Za-z0-9_.-]+$")
     steps: int = Field(200, ge=1)
     seed: int = 0
@@ -410,7 +427,7 @@ class RunSpec(_Section):
     )
 
 
-class JobSpec(_Section):
+class JobSpec(Section):
     model: ModelSpec = Field(default_factory=GPTSpec)
     data: DataSpec = Field(default_factory=DataSpec)
     optim: OptimSpec = Field(default_factory=OptimSpec)
@@ -419,6 +436,7 @@ class JobSpec(_Section):
     scaling: ScalingSpec = Field(default_factory=ScalingSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     run: RunSpec = Field(default_factory=RunSpec)
+    eval: EvalSpec = Field(default_factory=EvalSpec)
 
     @model_validator(mode="before")
     @classmethod
@@ -436,8 +454,14 @@ class JobSpec(_Section):
                 and not getattr(self.model, "brings_tokenizer", False)):
             raise ValueError(f"data.name 'corpus' yields byte ids 0-255 for a model without a tokenizer: "
                              f"the model's vocab_size ({self.model.vocab_size}) must be at least 256")
-        if self.data.path is not None and self.data.name != "corpus":
-            raise ValueError("data.path applies to data.name 'corpus' only")
+        if self.eval.every_n_steps is not None and self.parallelism.strategy == "parameter_server":
+            raise ValueError("eval.every_n_steps is not supported with parallelism.strategy 'parameter_server'")
+        if self.eval.every_n_steps is not None and self.data.name != "shards":
+            raise ValueError("eval.every_n_steps needs data.name 'shards' (a validation split, or data.validation_path)")
+        if self.data.validation_path is not None and self.data.name != "shards":
+            raise ValueError("data.validation_path applies to data.name 'shards' only")
+        if self.data.path is not None and self.data.name == "synthetic":
+            raise ValueError("data.path applies to data.name 'corpus' and 'shards', not 'synthetic'")
         par = self.parallelism
         if par.strategy == "tensor" and any(ws != par.tp for ws in self.scaling.world_sizes):
             raise ValueError(f"parallelism.strategy 'tensor' shards over every rank: parallelism.tp "
@@ -572,24 +596,32 @@ class JobSpec(_Section):
 # ----------------------------------------------------------------------------- loading
 
 
-def load_spec(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
-    """Read a YAML job spec (or start from defaults), apply `key.path=value` overrides, validate."""
+def read_yaml(path: str | Path | None, overrides: list[str] | tuple[str, ...], what: str) -> dict[str, Any]:
+    """A YAML spec file as a mapping (empty without a file), with `key.path=value` overrides applied."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise SpecError(f"job spec {str(path)!r} does not exist")
+            raise SpecError(f"{what} {str(path)!r} does not exist")
         try:
             raw = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as err:
-            raise SpecError(f"job spec {str(path)!r} is not valid YAML: {err}") from None
+            raise SpecError(f"{what} {str(path)!r} is not valid YAML: {err}") from None
         if not isinstance(raw, dict):
-            raise SpecError(f"job spec {str(path)!r} must be a mapping of sections, not {type(raw).__name__}")
+            raise SpecError(f"{what} {str(path)!r} must be a mapping of sections, not {type(raw).__name__}")
     for item in overrides:
         apply_override(raw, item)
-    spec = parse_spec(raw)
-    # Absolute, so that Ray Train workers and the serving side agree on where runs live.
+    return raw
+
+
+def load_spec(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
+    """Read a YAML job spec (or start from defaults), apply `key.path=value` overrides, validate."""
+    spec = parse_spec(read_yaml(path, overrides, "job spec"))
+    # Absolute, so that Ray Train workers and the serving side agree on where runs and data live.
     spec.checkpoint.storage_path = _absolute_storage(spec.checkpoint.storage_path)
+    for key in ("path", "validation_path"):
+        if getattr(spec.data, key) is not None:
+            setattr(spec.data, key, _absolute_storage(getattr(spec.data, key)))
     return spec
 
 

@@ -6,8 +6,9 @@ from typing import Protocol
 
 import torch
 
-from shardyard.data.corpus import TextCorpus
-from shardyard.data.sampler import GlobalSampleOrder, micro_batch_ids
+from shardyard.data.corpus import corpus_windows
+from shardyard.data.sampler import GlobalSampleOrder, SequentialOrder, micro_batch_ids
+from shardyard.data.shards import open_split, validation_source
 from shardyard.data.synthetic import SyntheticRegression, SyntheticTokens
 from shardyard.spec import LANGUAGE_MODELS, JobSpec
 
@@ -26,10 +27,22 @@ def build_dataset(spec: JobSpec) -> Dataset:
             from shardyard.models.hf import load_tokenizer  # imports transformers: only when asked for
 
             tokenizer = load_tokenizer(model)
-        return TextCorpus.from_path(data.path, model.block_size, data.max_bytes, tokenizer)
+        return corpus_windows(data.path, model.block_size, data.max_bytes, tokenizer)
+    if data.name == "shards":
+        return open_split(data.path, "train", model.block_size, data.cache_dir, data.cache_bytes)
     if isinstance(model, LANGUAGE_MODELS):
         return SyntheticTokens(data.num_samples, model.block_size, model.vocab_size, spec.run.seed)
     return SyntheticRegression(data.num_samples, model.in_dim, model.out_dim, spec.run.seed)
 
 
-__all__ = ["Dataset", "GlobalSampleOrder", "build_dataset", "micro_batch_ids"]
+def build_validation(spec: JobSpec) -> Dataset | None:
+    """The validation samples (`eval.every_n_steps`), or None when the run does not validate."""
+    data = spec.data
+    if spec.eval.every_n_steps is None:
+        return None
+    path, split = validation_source(data.path, data.validation_path)
+    return open_split(path, split, spec.model.block_size, data.cache_dir, data.cache_bytes)
+
+
+__all__ = ["Dataset", "GlobalSampleOrder", "SequentialOrder", "build_dataset", "build_validation",
+           "micro_batch_ids"]

@@ -1,8 +1,9 @@
 """Text corpus: any text file or folder, or by default the Python stdlib's own sources, as token
 ids: its UTF-8 bytes (the byte-level models), or the ids of the tokenizer a model brings.
 
-Samples are non-overlapping windows of `block_size + 1` tokens (inputs and next-token targets),
-so a sample is named by one integer and every rank can fetch any sample without coordination.
+The text is held in memory as one token array and read through the same windows as prepared
+shards (data/shards.py): non-overlapping samples of `block_size + 1` tokens, each named by one
+integer, so every rank can fetch any sample without coordination.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
+
+from shardyard.data.shards import TokenWindows
 
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst"}
 
@@ -50,27 +53,11 @@ def read_corpus(path: str | None, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-class TextCorpus:
-    def __init__(self, tokens: torch.Tensor, block_size: int) -> None:
-        if len(tokens) < block_size + 1:
-            raise ValueError(f"corpus has {len(tokens)} tokens, fewer than one sample of {block_size + 1}")
-        self.tokens = tokens
-        self.block_size = block_size
-        self.window = torch.arange(block_size + 1)
-
-    @classmethod
-    def from_path(cls, path: str | None, block_size: int, max_bytes: int, tokenizer: Any = None) -> TextCorpus:
-        """The first `max_bytes` of the text, as bytes, or as `tokenizer`'s ids (a transformers
-        tokenizer: every rank tokenizes the same text the same way)."""
-        data = read_corpus(path, max_bytes)
-        if tokenizer is None:
-            return cls(torch.frombuffer(bytearray(data), dtype=torch.uint8), block_size)
-        ids = tokenizer(data.decode("utf-8", errors="replace"), add_special_tokens=False, verbose=False)["input_ids"]
-        return cls(torch.tensor(ids, dtype=torch.int32), block_size)
-
-    def __len__(self) -> int:
-        return (len(self.tokens) - 1) // self.block_size
-
-    def batch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self.tokens[ids[:, None] * self.block_size + self.window].long()
-        return rows[:, :-1], rows[:, 1:]
+def corpus_windows(path: str | None, block_size: int, max_bytes: int, tokenizer: Any = None) -> TokenWindows:
+    """The first `max_bytes` of the text as samples, through the shard reader: its bytes, or
+    `tokenizer`'s ids (a transformers tokenizer: every rank tokenizes the same text the same way)."""
+    data = read_corpus(path, max_bytes)
+    if tokenizer is None:
+        return TokenWindows.in_memory(np.frombuffer(data, dtype=np.uint8), block_size)
+    ids = tokenizer(data.decode("utf-8", errors="replace"), add_special_tokens=False, verbose=False)["input_ids"]
+    return TokenWindows.in_memory(np.array(ids, dtype=np.int32), block_size)

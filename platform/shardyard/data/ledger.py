@@ -31,10 +31,13 @@ class SampleLedger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.attempt = attempt
 
-    def training(self, step: int, world_size: int, ids: list[torch.Tensor], quorum: int | None) -> None:
-        """Before the step: the ids this writer contributes to `step` (numbered from 1), with the
-        number of data-parallel ranks sharing the step."""
-        self._append({"step": step, "world_size": world_size, "ids": torch.cat(ids).tolist()}, quorum)
+    def training(self, step: int, world_size: int, ids: list[torch.Tensor], quorum: int | None,
+                 dp_rank: int = 0) -> None:
+        """Before the step: the ids this writer contributes to `step` (numbered from 1), one list
+        per micro-step, with the number of data-parallel ranks sharing the step and this writer's
+        data-parallel rank (together they place each id in the global sample order)."""
+        self._append({"step": step, "world_size": world_size, "dp_rank": dp_rank,
+                      "ids": [micro.tolist() for micro in ids]}, quorum)
 
     def committed(self, step: int, quorum: int | None) -> None:
         self._append({"step": step, "commit": True}, quorum)
@@ -69,9 +72,13 @@ def audit(run_dir: str | Path, num_samples: int) -> LedgerAudit:
             rounds.setdefault(e["step"], set()).add((e["attempt"], -1 if e["quorum"] is None else e["quorum"]))
     chosen = {step: max(keys) for step, keys in rounds.items()}
     diverged = sum(len([k for k in keys if k[0] == chosen[step][0]]) - 1 for step, keys in rounds.items())
-    final = sorted((e for e in entries if "ids" in e and chosen.get(e["step"]) ==
-                    (e["attempt"], -1 if e["quorum"] is None else e["quorum"])), key=lambda e: e["step"])
-    seen = [i for e in final for i in e["ids"]]
+    final = [e for e in entries if "ids" in e and chosen.get(e["step"]) ==
+             (e["attempt"], -1 if e["quorum"] is None else e["quorum"])]
+    # In global order: a step deals micro-step by micro-step, rank by rank (data/sampler.py), so
+    # a step that crosses an epoch's end is cut where the order crosses it.
+    placed = sorted((e["step"], micro * e["world_size"] + e["dp_rank"], ids)
+                    for e in final for micro, ids in enumerate(e["ids"]))
+    seen = [i for _, _, ids in placed for i in ids]
     epochs = len(seen) // num_samples
     duplicates = missing = 0
     for epoch in range(epochs):

@@ -36,7 +36,17 @@ class GlobalSampleOrder:
         return torch.cat(out)
 
 
-def micro_batch_ids(order: GlobalSampleOrder, samples_seen: int, rank: int, world_size: int,
+class SequentialOrder:
+    """Validation: samples 0, 1, 2, ... in order, the same ones at every evaluation."""
+
+    def __init__(self, num_samples: int) -> None:
+        self.num_samples = num_samples
+
+    def ids(self, start: int, count: int) -> torch.Tensor:
+        return torch.arange(start, start + count) % self.num_samples
+
+
+def micro_batch_ids(order: GlobalSampleOrder | SequentialOrder, samples_seen: int, rank: int, world_size: int,
                     micro_batch_size: int, accum_steps: int) -> list[torch.Tensor]:
     """This rank's sample ids for each micro-step of the optimizer step starting at `samples_seen`."""
     step = order.ids(samples_seen, accum_steps * world_size * micro_batch_size)

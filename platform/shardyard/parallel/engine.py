@@ -91,6 +91,18 @@ class Engine:
             total += loss.detach()
         return total
 
+    @torch.no_grad()
+    def eval_loss(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
+        """This rank's mean loss over its micro-batches of one global batch, in eval mode (no
+        dropout) and without gradients: validation. Zero where the rank holds no loss."""
+        with evaluating(self.parts):
+            total = torch.zeros((), device=self.device)
+            for inputs, targets in micro_batches:
+                with autocast(self.device, self.amp_dtype):
+                    outputs = self.model(inputs.to(self.device, non_blocking=True))
+                total += self.loss_fn(outputs, targets.to(self.device, non_blocking=True)) / len(micro_batches)
+        return total
+
     def train_step(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
         """One optimizer step; returns this rank's mean loss (zero where it holds none)."""
         loss = self.forward_backward(micro_batches)
@@ -131,3 +143,15 @@ class Engine:
         for same_kind in kinds.values():  # DTensors of different meshes cannot be scaled in one call
             torch.nn.utils.clip_grads_with_norm_(same_kind, max_norm, total, foreach=True)
         return total
+
+
+@contextlib.contextmanager
+def evaluating(parts: Sequence[nn.Module]):
+    """Eval mode for the duration, then training mode again."""
+    for part in parts:
+        part.eval()
+    try:
+        yield
+    finally:
+        for part in parts:
+            part.train()

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from shardyard.parallel.engine import Engine, MicroBatch
+from shardyard.parallel.engine import Engine, MicroBatch, evaluating
 from shardyard.runtime import autocast
 from shardyard.spec import ParallelismSpec
 
@@ -70,13 +70,21 @@ class PipelineEngine(Engine):
         return self.mesh["pp"].get_group()
 
     def forward_backward(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
+        return self._run(self.schedule.step, micro_batches)
+
+    @torch.no_grad()
+    def eval_loss(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
+        with evaluating(self.parts):
+            return self._run(self.schedule.eval, micro_batches)  # the same schedule, forward only
+
+    def _run(self, schedule_step, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
         inputs = torch.cat([x for x, _ in micro_batches]).to(self.device)
         targets = torch.cat([y for _, y in micro_batches]).to(self.device)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.is_first else ()
         kwargs = {"target": targets, "losses": losses} if self.is_last else {}
         with autocast(self.device, self.amp_dtype):
-            self.schedule.step(*args, **kwargs)
+            schedule_step(*args, **kwargs)
         if not self.is_last:
             return torch.zeros((), device=self.device)
         return torch.stack([loss.detach() for loss in losses]).mean()

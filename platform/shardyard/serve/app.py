@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.config import BackpressureConfig
 
+from shardyard.data.tokenizer import run_tokenizer
 from shardyard.serve import openai_api as oa
 from shardyard.serve.batching import AdaptiveBatchSize, calibrate, prefill_budget
 from shardyard.serve.config import ServeConfig, parse_config
@@ -153,14 +154,14 @@ class ModelServer:
             self.mlp = load_model(self.config.checkpoint).eval()
             self.in_dim = model_spec.in_dim
 
-    @staticmethod
-    def _tokenizer(model_spec: Any) -> Any:
-        """The tokenizer a Hugging Face model directory brings; None: UTF-8 bytes are the tokens."""
-        if not getattr(model_spec, "brings_tokenizer", False):
-            return None
-        from shardyard.models.hf import load_tokenizer
+    def _tokenizer(self, model_spec: Any) -> Any:
+        """The tokenizer a Hugging Face model directory brings, or else the one the run's data was
+        prepared with (kept in the run directory); None: UTF-8 bytes are the tokens."""
+        if getattr(model_spec, "brings_tokenizer", False):
+            from shardyard.models.hf import load_tokenizer
 
-        return load_tokenizer(model_spec)
+            return load_tokenizer(model_spec)
+        return run_tokenizer(self.config.checkpoint)
 
     def _shards(self, use_gpu: bool) -> ShardedModel:
         cfg = self.config

@@ -58,7 +58,8 @@ class LedgerCallback(Callback):
 
     def on_step_start(self, trainer: Trainer, ids: list[torch.Tensor]) -> None:
         if trainer.engine.data_owner:
-            self.ledger.training(trainer.state.step + 1, trainer.engine.dp_size, ids, trainer.engine.step_round)
+            self.ledger.training(trainer.state.step + 1, trainer.engine.dp_size, ids, trainer.engine.step_round,
+                                 trainer.engine.dp_rank)
 
     def on_step_end(self, trainer: Trainer) -> None:
         if trainer.engine.data_owner:

@@ -9,7 +9,6 @@ so one replica writes checkpoints and nothing waits on Ray's report barrier.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 import time
@@ -20,6 +19,8 @@ from ray.train import CheckpointUploadMode, FailureConfig, LoggingConfig, RunCon
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from shardyard.data.corpus import corpus_files
+from shardyard.data.shards import TOKENIZER_DIR, open_split, read_index, tokenizer_files, validation_source
+from shardyard.cluster import connect_ray
 from shardyard.runtime import select_device
 from shardyard.spec import ZERO_STAGES, JobSpec, SpecError, parse_spec
 from shardyard.train.callbacks import (
@@ -36,10 +37,6 @@ from shardyard.train.metrics import RunResult, finish_run, log_event
 from shardyard.train.trainer import Callback, Trainer
 
 log = logging.getLogger("shardyard")
-
-# torchft's Lighthouse (hot recovery) logs every quorum at INFO, several lines per step.
-QUIET = {"env_vars": {"RUST_LOG": os.environ.get("RUST_LOG", "warn")}}
-
 
 def report_checkpoint(url: str, metrics: dict[str, Any]) -> None:
     """Tell Ray Train of a committed checkpoint, already in the run's storage (public API:
@@ -82,30 +79,6 @@ class FailureLog(UserCallback):
         log_event(self.run_uri, "failure", ranks=sorted(errors), errors=errors)
 
 
-def connect_ray(spec: JobSpec, attach_to_running: bool = False) -> None:
-    """Attach to the cluster in RAY_ADDRESS (set inside `ray job submit` jobs), optionally to one
-    already running on this machine, or else start a local Ray instance for this run."""
-    if ray.is_initialized():
-        return
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=QUIET)
-        return
-    if attach_to_running:
-        try:
-            ray.init(address="auto", runtime_env=QUIET)
-            return
-        except ConnectionError:
-            pass
-    # address="local": a new instance even if an earlier cluster left its address behind.
-    # It gets at least enough logical CPUs for the largest worker group, so a 4-worker job still
-    # runs (oversubscribed, slower) on a 2-core laptop. No dashboard: on a small machine its
-    # processes cost ~10% of training throughput (benchmarks/ddp_overhead.py); for the dashboard,
-    # `ray start --head` and point RAY_ADDRESS at it.
-    largest = spec.scaling.world_sizes[-1] * spec.scaling.resources_per_worker.get("CPU", 1.0)
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(largest)), include_dashboard=False,
-             runtime_env=QUIET)
-
-
 def preflight(spec: JobSpec) -> None:
     """Checks that need this machine, the cluster or the run's storage, done before any worker
     starts."""
@@ -117,6 +90,49 @@ def preflight(spec: JobSpec) -> None:
             raise SpecError(str(err)) from None
     if spec.data.name == "corpus" and getattr(spec.model, "vocab_size", 256) < 256:
         raise SpecError("data.name 'corpus' is byte-level: model.vocab_size must be at least 256")
+    if spec.data.name == "shards":
+        check_shards(spec)
+
+
+def check_shards(spec: JobSpec) -> None:
+    """The prepared directory's index is readable, matches its shards (local ones: their sizes)
+    and its tokenizer's ids fit the model's embedding."""
+    path = spec.data.path
+    try:
+        index = read_index(path)
+        open_split(path, "train", spec.model.block_size, spec.data.cache_dir, spec.data.cache_bytes)
+    except ValueError as err:  # ShardIndexError, or too few tokens for one sample
+        raise SpecError(f"data.path {path!r}: {err}") from None
+    if spec.eval.every_n_steps is not None:
+        try:
+            where, split = validation_source(path, spec.data.validation_path)
+            validation = open_split(where, split, spec.model.block_size, spec.data.cache_dir, spec.data.cache_bytes)
+        except ValueError as err:
+            raise SpecError(f"eval.every_n_steps: {err}") from None
+        if len(validation) < spec.batch.global_batch_size:
+            raise SpecError(f"eval.every_n_steps: {where}'s {split} split holds {len(validation)} samples of "
+                            f"{spec.model.block_size + 1} tokens, fewer than one global batch "
+                            f"({spec.batch.global_batch_size}): prepare with a larger output.validation_fraction")
+    vocab = getattr(spec.model, "vocab_size", None)
+    if vocab is not None and index["vocab_size"] > vocab:
+        raise SpecError(f"data.path {path!r} was tokenized with {index['vocab_size']} ids, more than "
+                        f"model.vocab_size ({vocab}): set model.vocab_size to at least {index['vocab_size']}")
+    adopt_tokenizer(spec)
+
+
+def adopt_tokenizer(spec: JobSpec) -> None:
+    """The data's tokenizer goes into the run directory (`tokenizer/`) at the run's first launch:
+    serving and exports find it there, wherever the data goes later. A later launch on data of
+    another tokenizer is refused: the model's ids would mean other text."""
+    files = tokenizer_files(spec.data.path)
+    storage = RunStorage(spec.run_uri)
+    if storage.exists(TOKENIZER_DIR, "tokenizer.json"):
+        if storage.read_bytes(TOKENIZER_DIR, "tokenizer.json") != files.get("tokenizer.json"):
+            raise SpecError(f"run '{spec.run.name}' was trained with the tokenizer in {storage.url(TOKENIZER_DIR)}; "
+                            f"data.path {spec.data.path!r} was tokenized with another: use another run.name")
+        return
+    for name, data in files.items():
+        storage.write_bytes(data, TOKENIZER_DIR, name)
 
 
 def check_resume(spec: JobSpec) -> None:
@@ -197,7 +213,8 @@ def torch_config(spec: JobSpec) -> TorchConfig | None:
 def launch(spec: JobSpec, attach_to_running: bool = False) -> RunResult:
     preflight(spec)
     fault_injection = {"crash_at_checkpoint": injected_crash_step(), "hold_at": hold_steps()}
-    connect_ray(spec, attach_to_running)
+    largest = spec.scaling.world_sizes[-1] * spec.scaling.resources_per_worker.get("CPU", 1.0)
+    connect_ray(largest, attach_to_running)
     if spec.parallelism.strategy == "parameter_server":  # its own actors, not a Ray Train group
         from shardyard.train.parameter_server import run
 

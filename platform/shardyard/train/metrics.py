@@ -43,9 +43,9 @@ class Throughput:
     """Samples, tokens and seconds since the last read."""
 
     def __init__(self) -> None:
-        self._reset()
+        self.restart()
 
-    def _reset(self) -> None:
+    def restart(self) -> None:
         self._start = time.perf_counter()
         self._steps = self._samples = self._tokens = 0
 
@@ -58,7 +58,7 @@ class Throughput:
         elapsed = max(time.perf_counter() - self._start, 1e-9)
         out = {"samples_per_s": self._samples / elapsed, "tokens_per_s": self._tokens / elapsed,
                "step_time_s": elapsed / max(self._steps, 1)}
-        self._reset()
+        self.restart()
         return out
 
 
@@ -79,6 +79,8 @@ class Progress:
         text = (f"step {metrics['step']}/{self.total} | loss {metrics['loss']:.4f} | "
                 f"{metrics['tokens_per_s']:,.0f} tok/s | {metrics['samples_per_s']:,.1f} samples/s"
                 f" | world {metrics['world_size']}")
+        if "val_loss" in metrics:
+            text += f" | val loss {metrics['val_loss']:.4f}"
         if self._bar is None:
             print(text, flush=True)
         else:
@@ -152,6 +154,7 @@ class MetricsLog:
     TensorBoard event files under the run directory (local storage)."""
 
     SCALARS = ("loss", "lr", "tokens_per_s", "samples_per_s", "step_time_s", "world_size")
+    VALIDATION = ("val_loss", "val_perplexity")
 
     def __init__(self, run_dir: str | Path, resume_step: int) -> None:
         self.file = JsonLines(RunStorage(run_dir), METRICS_FILE)
@@ -168,6 +171,9 @@ class MetricsLog:
             for key in self.SCALARS:
                 if isinstance(row.get(key), (int, float)):
                     self._tensorboard.add_scalar(f"train/{key}", row[key], row["step"])
+            for key in self.VALIDATION:
+                if key in row:
+                    self._tensorboard.add_scalar(f"validation/{key.removeprefix('val_')}", row[key], row["step"])
             self._tensorboard.flush()
 
     def close(self) -> None:
@@ -209,9 +215,13 @@ def plot_loss(rows: list[dict[str, Any]], title: str) -> bytes:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker=".")
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker=".", label="training")
+    validated = [r for r in rows if "val_loss" in r]
+    if validated:
+        ax.plot([r["step"] for r in validated], [r["val_loss"] for r in validated], marker="o", label="validation")
+        ax.legend()
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
+    ax.set_ylabel("loss")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -230,10 +240,14 @@ def summarize(run_dir: str | Path, title: str, wall_s: float) -> dict[str, Any]:
     storage.write_bytes(plot_loss(rows, title), LOSS_PLOT)
     # The first interval includes start-up and warm-up; leave it out of the steady-state rate.
     steady = rows[1:] or rows
+    validated = [r for r in rows if "val_loss" in r]
+    last_validation = {"val_loss": validated[-1]["val_loss"], "val_perplexity": validated[-1]["val_perplexity"],
+                       "best_val_loss": min(r["val_loss"] for r in validated)} if validated else {}
     return {
         "steps": rows[-1]["step"],
         "final_loss": rows[-1]["loss"],
         "best_loss": min(r["loss"] for r in rows),
+        **last_validation,
         "tokens_per_s": sum(r["tokens_per_s"] for r in steady) / len(steady),
         "samples_per_s": sum(r["samples_per_s"] for r in steady) / len(steady),
         "world_size": rows[-1]["world_size"],

@@ -11,6 +11,7 @@ ledger, the event log, fault injection.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,7 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardyard.data import Dataset, GlobalSampleOrder, build_dataset, micro_batch_ids
+from shardyard.data import (Dataset, GlobalSampleOrder, SequentialOrder, build_dataset, build_validation,
+                            micro_batch_ids)
 from shardyard.models import build_for_job
 from shardyard.parallel import Engine, build_engine
 from shardyard.spec import LANGUAGE_MODELS, JobSpec
@@ -50,11 +52,13 @@ class Callback:
 class Trainer:
     def __init__(self, spec: JobSpec, written: JobSpec, engine: Engine, dataset: Dataset,
                  checkpoints: CheckpointManager, rank: int, world_size: int,
-                 callbacks: Sequence[Callback] = (), progress_bar: bool = False) -> None:
+                 callbacks: Sequence[Callback] = (), progress_bar: bool = False,
+                 validation: Dataset | None = None) -> None:
         self.spec = spec            # the spec as it runs at this world size
         self.written = written      # the spec as the user wrote it: what checkpoints record
         self.engine = engine
         self.dataset = dataset
+        self.validation = validation  # evaluated every eval.every_n_steps, when given
         self.checkpoints = checkpoints
         self.rank, self.world_size = rank, world_size
         self.callbacks = list(callbacks)
@@ -82,7 +86,7 @@ class Trainer:
                                         writer=checkpoint_writer, load_optimizer=spec.checkpoint.load_optimizer,
                                         on_commit=on_commit)
         return cls(spec, written, engine, build_dataset(spec), checkpoints, rank, world_size, callbacks,
-                   progress_bar)
+                   progress_bar, build_validation(spec))
 
     @property
     def global_batch(self) -> int:
@@ -140,11 +144,16 @@ class Trainer:
             throughput.add(self.global_batch, self.global_batch * self.tokens_per_sample)
             step = self.state.step
             save_now = step == self.spec.run.steps or step % self.spec.checkpoint.every_n_steps == 0
-            if not (save_now or step % self.spec.run.log_every == 0):
+            every_eval = self.spec.eval.every_n_steps
+            eval_now = self.validation is not None and (step == self.spec.run.steps or step % every_eval == 0)
+            if not (save_now or eval_now or step % self.spec.run.log_every == 0):
                 continue
             metrics = {**self._mean_loss(since_report), "lr": self.engine.lr, "world_size": self.world_size,
                        "global_batch": self.global_batch, "samples_seen": self.state.samples_seen,
                        "epoch": self.state.samples_seen / len(self.dataset), **throughput.read()}
+            if eval_now:
+                metrics |= self.evaluate()
+                throughput.restart()  # the evaluation's time is not training time
             if is_logger:  # before the checkpoint commits: a run resumed from it has this row
                 log.append(metrics)
                 progress.update(since_report, metrics)
@@ -163,6 +172,24 @@ class Trainer:
             progress.close()
             log.close()
         return self.state
+
+    def evaluate(self) -> dict[str, float]:
+        """Collective: the mean loss over the first `eval.batches` global batches of validation
+        samples (as many whole ones as there are, if fewer), dealt to ranks as training batches
+        are; the same samples at every evaluation and any world size."""
+        micro = self.spec.batch.micro_batch_size
+        accum = self.global_batch // (micro * self.engine.dp_size)
+        batches = min(self.spec.eval.batches, len(self.validation) // self.global_batch)
+        order = SequentialOrder(len(self.validation))
+        total = torch.zeros((), device=self.engine.device)
+        for batch in range(batches):
+            ids = micro_batch_ids(order, batch * self.global_batch, self.engine.dp_rank, self.engine.dp_size,
+                                  micro, accum)
+            total += self.engine.eval_loss([self.validation.batch(i) for i in ids])
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        loss = total.item() / (batches * self.engine.loss_ranks)
+        return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0))}
 
     def _mean_loss(self, steps: int) -> dict[str, Any]:
         """The global mean loss of the last `steps` steps: one small all-reduce per report."""

@@ -1,0 +1,36 @@
+"""Connecting to Ray: the cluster a submitted job runs in, one already running on this machine, or
+a local instance started for this command."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import ray
+
+# torchft's Lighthouse (hot recovery) logs every quorum at INFO, several lines per step.
+QUIET = {"env_vars": {"RUST_LOG": os.environ.get("RUST_LOG", "warn")}}
+
+
+def connect_ray(min_cpus: float, attach_to_running: bool = False) -> None:
+    """Attach to the cluster in RAY_ADDRESS (set inside `ray job submit` jobs), optionally to one
+    already running on this machine, or else start a local Ray instance with at least `min_cpus`
+    logical CPUs."""
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=QUIET)
+        return
+    if attach_to_running:
+        try:
+            ray.init(address="auto", runtime_env=QUIET)
+            return
+        except ConnectionError:
+            pass
+    # address="local": a new instance even if an earlier cluster left its address behind. At
+    # least `min_cpus` logical CPUs, so a 4-worker job still runs (oversubscribed, slower) on a
+    # 2-core laptop. No dashboard: on a small machine its processes cost ~10% of training
+    # throughput (benchmarks/ddp_overhead.py); for the dashboard, `ray start --head` and point
+    # RAY_ADDRESS at it.
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(min_cpus)), include_dashboard=False,
+             runtime_env=QUIET)
