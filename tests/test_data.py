@@ -126,12 +126,16 @@ def test_an_index_that_does_not_match_its_shards_is_named(tmp_path: Path) -> Non
     ("jsonl", "text", r"docs\.jsonl: the first record has no field 'text'"),
     ("parquet", "text", r"docs\.parquet: no column 'text'"),
     ("text", "text", r"matches no text files"),
+    ("parquet-damaged", "text", r"docs\.parquet cannot be read as parquet"),
 ])
 def test_bad_sources_are_refused_naming_the_file_before_ray(tmp_path: Path, fmt: str, field: str,
                                                             message: str) -> None:
     sources = write_sources(tmp_path)
-    path = sources[fmt] if fmt != "text" else tmp_path / "empty"
+    path = sources[fmt] if fmt in ("jsonl", "parquet") else tmp_path / "empty"
     (tmp_path / "empty").mkdir()
+    if fmt == "parquet-damaged":
+        fmt, path = "parquet", sources["parquet"]
+        path.write_bytes(b"not parquet at all")
     spec = load_prepare_spec(None, [f"source.path={path}", f"source.format={fmt}", f"source.field={field}",
                                     f"output.path={tmp_path / 'out'}"])
     with pytest.raises(PrepareError, match=message):
@@ -189,6 +193,22 @@ def test_training_on_shards_resumes_at_another_world_size_using_each_sample_once
         torch.testing.assert_close(got[name], value, rtol=0, atol=PARAM_TOL, msg=name)
 
 
+@pytest.mark.timeout(60)
+def test_shards_whose_tokenizer_outgrows_the_model_are_refused_before_training(tmp_path: Path) -> None:
+    from shardyard.spec import SpecError, load_spec
+    from shardyard.train.launcher import preflight
+
+    writer = SplitWriter(tmp_path, "train", np.dtype("<u2"), shard_tokens=1024)
+    writer.add(np.arange(3000, dtype=np.uint32) % 320)
+    write_index(tmp_path, np.dtype("<u2"), 320, {"train": writer.close()})
+    spec = load_spec(None, ["data.name=shards", f"data.path={tmp_path}", f"checkpoint.storage_path={tmp_path}/runs"])
+    with pytest.raises(SpecError, match=r"tokenized with 320 ids, more than model.vocab_size \(256\)"):
+        preflight(spec)
+    with pytest.raises(SpecError, match="no 'validation' split"):
+        preflight(load_spec(None, ["data.name=shards", f"data.path={tmp_path}", "model.vocab_size=320",
+                                   "eval.every_n_steps=5", f"checkpoint.storage_path={tmp_path}/runs"]))
+
+
 # ----------------------------------------------------------------------------- with Ray Data
 
 
@@ -217,6 +237,15 @@ def test_prepare_reads_each_source_kind_into_the_same_tokens(ray_cluster, tmp_pa
     (sources["text"] / "doc000.txt").write_text("changed\n")
     assert prepare(spec)["documents"] == len(TEXTS)
     assert stream(tmp_path / "out-text")[:8].tolist() == list(b"changed\n")
+
+    # A model's own tokenizer, from its directory.
+    info, tokenizer = train_bpe(iter(TEXTS), vocab_size=300)
+    tokenizer.save_pretrained(tmp_path / "model_tokenizer")
+    out = tmp_path / "out-model-tokenizer"
+    prepare(load_prepare_spec(None, [f"source.path={sources['parquet']}", "source.format=parquet",
+                                     "source.field=body", f"tokenizer.path={tmp_path / 'model_tokenizer'}",
+                                     f"output.path={out}", "workers=2"]))
+    assert np.array_equal(stream(out), np.concatenate(encode_documents(info, TEXTS)))
 
 
 @pytest.mark.timeout(420)
@@ -337,3 +366,19 @@ def test_validation_loss_equals_one_process_evaluating_the_checkpoint(tmp_path: 
     assert rows[-1]["val_loss"] == pytest.approx(expected, rel=1e-5)
     assert rows[-1]["val_perplexity"] == pytest.approx(np.exp(expected), rel=1e-5)
     assert rows[1]["val_loss"] != rows[-1]["val_loss"]  # evaluated on the weights of its own step
+
+
+@pytest.mark.timeout(60)
+def test_each_epoch_is_a_permutation_computed_without_storing_one() -> None:
+    from shardyard.data.sampler import GlobalSampleOrder
+
+    for n in (1, 2, 3, 7, 100, 4097):
+        order = GlobalSampleOrder(n, seed=5)
+        epochs = [order.ids(e * n, n).tolist() for e in range(3)]
+        assert all(sorted(e) == list(range(n)) for e in epochs), n
+        if n >= 100:
+            assert len({tuple(e) for e in epochs}) == 3 and epochs[0] != list(range(n))  # shuffled, anew each epoch
+    # A dataset of 31 billion samples (4 TB of 64-token samples): any position, in microseconds,
+    # with no per-epoch array (which would need 248 GB).
+    ids = GlobalSampleOrder(31_000_000_000, seed=1).ids(123_456_789_000, 64)
+    assert len(set(ids.tolist())) == 64 and int(ids.max()) < 31_000_000_000

@@ -283,6 +283,7 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, st
     return out, run_distributed(resume_every_pair, 4, str(out))[0]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("pair", list(PAIRS))
 def test_a_checkpoint_resumes_under_another_strategy_at_another_world_size(pair: str, matrix) -> None:
