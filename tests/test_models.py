@@ -11,6 +11,7 @@ resumes at another world size; bad model sections are refused before anything st
 
 from __future__ import annotations
 
+import shutil
 import traceback
 from pathlib import Path
 
@@ -123,6 +124,20 @@ def test_export_to_a_directory_transformers_loads_with_equal_logits(model: str, 
     trained_model = checkpoint.load_model(checkpoint.find_latest(run_dir))
     tokens = torch.randint(0, 256, (2, 16))
     torch.testing.assert_close(exported(input_ids=tokens).logits, trained_model(tokens), rtol=0, atol=1e-6)
+    # A run on prepared data keeps its data's tokenizer; the export carries that one.
+    from transformers import AutoTokenizer
+
+    from shardyard.data.tokenizer import train_bpe
+
+    _, tokenizer = train_bpe(iter(["def f(x): return x\n"] * 20), vocab_size=270)
+    tokenizer.save_pretrained(tmp_path / "bpe")
+    shutil.copytree(tmp_path / "bpe", run_dir / "tokenizer")
+    try:
+        assert shardyard(["export", str(run_dir), "--format", "hf", str(tmp_path / "with_bpe")]) == 0
+    finally:
+        shutil.rmtree(run_dir / "tokenizer")
+    assert (tmp_path / "with_bpe" / "tokenizer.json").read_bytes() == (tmp_path / "bpe" / "tokenizer.json").read_bytes()
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "with_bpe")) == len(tokenizer)
 
 
 @pytest.mark.timeout(300)

@@ -58,9 +58,11 @@ def run_export(checkpoint: str, out: str, fmt: str) -> int:
         print(f"shardyard: --format hf writes Hugging Face models; {checkpoint!r} holds model.name "
               f"'{model_name}' (use --format safetensors)", file=sys.stderr)
         return 2
+    from shardyard.data.shards import TOKENIZER_DIR
     from shardyard.models.hf import export_hf_directory
 
-    print(export_hf_directory(load_model(path), out))
+    run_tokenizer = path.parent / TOKENIZER_DIR  # the tokenizer the run's prepared data used, if any
+    print(export_hf_directory(load_model(path), out, run_tokenizer if run_tokenizer.is_dir() else None))
     return 0
 
 

@@ -134,15 +134,17 @@ class SparseLayers(nn.Module):
         return list(self._modules.values())[index]
 
 
-def export_hf_directory(model: HFCausalLM, out: str | Path) -> Path:
+def export_hf_directory(model: HFCausalLM, out: str | Path, tokenizer_dir: Path | None = None) -> Path:
     """Write `model` as a Hugging Face model directory (config.json, safetensors weights, and the
-    tokenizer files of the directory it was loaded from, if any)."""
+    tokenizer files of `tokenizer_dir` (the run's data was tokenized with it) or else of the
+    directory the model was loaded from, if any)."""
     out = Path(out)
     model.hf.save_pretrained(out)
-    if model.spec.path is not None:
+    source = tokenizer_dir or (Path(model.spec.path) if model.spec.path is not None else None)
+    if source is not None:
         for name in COMPANION_FILES:
-            if (Path(model.spec.path) / name).is_file():
-                shutil.copy2(Path(model.spec.path) / name, out / name)
+            if (source / name).is_file():
+                shutil.copy2(source / name, out / name)
     return out
 
 
