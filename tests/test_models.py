@@ -175,9 +175,12 @@ def test_training_starts_from_a_model_directory_and_resumes_at_another_world_siz
 
 
 @pytest.mark.timeout(300)
-def test_a_model_directory_loads_shard_by_shard_under_fsdp_x_tensor_parallel(tmp_path: Path) -> None:
-    """Built on the meta device, sharded over a (dp 1, tp 2) mesh, then each rank reads its slices
-    of the safetensors files: training from there equals one process trained from the directory."""
+@pytest.mark.parametrize("parallelism", [{"strategy": "fsdp", "tp": 2}, {"strategy": "tensor", "tp": 2},
+                                         {"strategy": "pipeline", "pp": 2}], ids=["fsdp-x-tensor", "tensor", "pipeline"])
+def test_a_model_directory_loads_shard_by_shard(tmp_path: Path, parallelism: dict) -> None:
+    """Built on the meta device, sharded over a (dp 1, tp 2) mesh or split into 2 stages, then
+    each rank reads only its slices or layers of the safetensors files: training from there equals
+    one process trained from the directory."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(12)
@@ -185,7 +188,9 @@ def test_a_model_directory_loads_shard_by_shard_under_fsdp_x_tensor_parallel(tmp
     AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **keys)).save_pretrained(tmp_path / "llama")
     MODELS["pretrained"] = {"name": "hf", "path": str(tmp_path / "llama"), "block_size": 16}
     try:
-        run_distributed(train, 2, job(MODELS["pretrained"], {"strategy": "fsdp", "tp": 2}, 2, tmp_path / "runs"))
+        spec = job(MODELS["pretrained"], parallelism, 2, tmp_path / "runs")
+        assert all(p.is_meta for p in build_for_job(parse_spec(spec)).parameters())
+        run_distributed(train, 2, spec)
         initial, expected = oracle("pretrained")
     finally:
         del MODELS["pretrained"]

@@ -33,17 +33,26 @@ def build_model(spec: GPTSpec | MLPSpec | HFSpec | CustomSpec, pretrained: bool 
 
 
 def build_for_job(spec: JobSpec) -> nn.Module:
-    """The model a job trains. A Hugging Face model directory under FSDP (or FSDP x TP) is built on
-    the meta device, with no weights: the engine shards it, then each rank reads only its shards
-    of the directory's weights (HFCausalLM.load_pretrained_in_place), so a model larger than one
-    rank's memory never materialises whole. Everything else is built whole, from the same seed
-    on every rank."""
+    """The model a job trains. A Hugging Face model directory under a strategy that splits the
+    model (FSDP, tensor parallelism, pipeline stages, and their combinations) is built on the meta
+    device, with no weights: the engine shards or splits it, then each rank reads only its part of
+    the directory's weights (`materialise`), so a model larger than one rank's memory never
+    materialises whole. Everything else is built whole, from the same seed on every rank (DDP and
+    ZeRO-1/2 hold the whole model on every rank anyway)."""
     model, par = spec.model, spec.parallelism
-    if (isinstance(model, HFSpec) and model.path is not None and par.strategy == "fsdp" and par.pp == 1
-            and spec.scaling.recovery != "hot"):
+    splits = par.pp > 1 or par.strategy in ("fsdp", "tensor")
+    if isinstance(model, HFSpec) and model.path is not None and splits and spec.scaling.recovery != "hot":
         with torch.device("meta"):
             return build_model(model, pretrained=False)
     return build_model(model)
+
+
+def materialise(part: nn.Module, device: torch.device) -> nn.Module:
+    """Storage on `device` for a part built on the meta device (build_for_job) once it is sharded
+    or split off, then its weights: each rank reads only the tensors (or slices) it holds."""
+    part.to_empty(device=device)
+    part.load_pretrained_in_place()
+    return part
 
 
 def loss_fn_for(spec: GPTSpec | MLPSpec | HFSpec | CustomSpec) -> LossFn:

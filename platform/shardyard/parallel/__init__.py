@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardyard.models import loss_fn_for
+from shardyard.models import loss_fn_for, materialise
 from shardyard.parallel.ddp import DDPEngine, apply_ddp
 from shardyard.parallel.engine import Engine, MicroBatch
 from shardyard.parallel.fsdp import FSDPEngine, apply_activation_checkpointing, apply_fsdp
@@ -85,8 +85,7 @@ def build_engine(spec: JobSpec, model: nn.Module, device: torch.device, replica_
     model = _data_parallel(_tensor_parallel(model if on_meta else model.to(device), par, mesh), par, dp_mesh,
                            device)
     if on_meta:  # sharded while empty: now each rank allocates and reads only its shards
-        model.to_empty(device=device)
-        model.load_pretrained_in_place()
+        materialise(model, device)
     if par.strategy == "fsdp" and par.mixed_precision and device.type == "cuda":
         common["amp_dtype"] = None  # FSDP's policy already computes in bf16
     # tensor: every rank holds a slice of every block; nothing else to synchronise.

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from shardyard.models import materialise
 from shardyard.parallel.engine import Engine, MicroBatch, evaluating
 from shardyard.runtime import autocast
 from shardyard.spec import ParallelismSpec
@@ -95,7 +96,10 @@ def build_stages(model: nn.Module, par: ParallelismSpec, mesh: DeviceMesh,
     points = par.split_points or balanced_split(model, par.num_stages)
     bounds = [0, *points, len(model.pipeline_layout().blocks)]
     ids = stage_ids(mesh["pp"].get_local_rank(), par)
-    return [model.pipeline_stage(bounds[i], bounds[i + 1]).to(device) for i in ids], ids
+    stages = [model.pipeline_stage(bounds[i], bounds[i + 1]) for i in ids]
+    # A model built on the meta device (models.build_for_job): each rank reads only its stages' weights.
+    return [materialise(s, device) if any(p.is_meta for p in s.parameters()) else s.to(device)
+            for s in stages], ids
 
 
 def build_schedule(parts: list[nn.Module], ids: list[int], par: ParallelismSpec, mesh: DeviceMesh,
