@@ -169,13 +169,15 @@ def test_a_hugging_face_model_is_served_sharded_and_decodes_as_transformers_does
     from shardyard.serve.shards import ShardedModel
 
     model = checkpoint.load_model(llama_checkpoint).eval()
-    prompts = ["def", "import os", "x ="]  # + 10 new tokens stay within block_size 16
+    # 7 new tokens keep the longest prompt (9) within block_size 16: past it the served decoding
+    # slides its window while `generate` keeps the whole context, and they may rightly differ.
+    prompts = ["def", "import os", "x ="]
     sharded = ShardedModel(str(llama_checkpoint), num_shards, sharding=sharding)
     try:
-        answers = generate(sharded.forward, [Completion(encode(p), 10) for p in prompts], sharded.block_size)
+        answers = generate(sharded.forward, [Completion(encode(p), 7) for p in prompts], sharded.block_size)
     finally:
         sharded.close()
-    assert [decode(a) for a in answers] == [hf_greedy(model, p, 10) for p in prompts]
+    assert [decode(a) for a in answers] == [hf_greedy(model, p, 7) for p in prompts]
 
 
 @pytest.mark.timeout(300)

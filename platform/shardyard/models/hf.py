@@ -49,11 +49,17 @@ class HFCausalLM(nn.Module):
         (rotary frequencies) are not in the files; the model's own initialisation computes them."""
         from torch.distributed.checkpoint import HuggingFaceStorageReader, load
 
-        self.hf.init_weights()  # buffers; the parameters it draws are overwritten next
+        self.compute_buffers()
         reader = HuggingFaceStorageReader(self.spec.path)
         stored = reader.read_metadata().state_dict_metadata
         # A tied head is one tensor under two names; the files hold it once.
         load({k: v for k, v in self.hf.state_dict().items() if k in stored}, storage_reader=reader)
+
+    def compute_buffers(self) -> None:
+        """Non-persistent buffers (rotary frequencies), which neither the directory nor a
+        checkpoint holds, for a model given storage by `to_empty`: the model's own initialisation
+        computes them (the parameters it draws are overwritten by the load that follows)."""
+        self.hf.init_weights()
 
     @property
     def block_tp_plan(self) -> dict[str, str]:

@@ -18,7 +18,8 @@ Hugging Face model's `base_model_tp_plan`, over a process group of the shard act
 all shards run each forward pass together and combine partial results with an all-reduce per
 attention and per MLP, over torch.distributed rather than through Ray.
 
-Any training checkpoint loads here, whatever strategy wrote it (checkpoint.load_model).
+Any training checkpoint loads here, whatever strategy wrote it, and each shard reads only its part
+of it (checkpoint.load_model_part): a model too large for one device never materialises whole.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from shardyard.parallel.pipeline import balanced_split
 from shardyard.parallel.tensor import apply_tensor_parallel
 from shardyard.runtime import select_device
 from shardyard.spec import LANGUAGE_MODELS, CustomSpec, GPTSpec, HFSpec
-from shardyard.train.checkpoint import load_model, read_spec
+from shardyard.train.checkpoint import load_model_part, read_spec
 
 
 Sharding = Literal["pipeline", "tensor"]
@@ -86,11 +87,10 @@ class PipelineShard:
 
     def __init__(self, checkpoint_dir: str, start: int, end: int, whole: bool, use_gpu: bool,
                  cache_rows: int) -> None:
-        full = load_model(checkpoint_dir)  # read on the host once; only this shard's part stays
         self.device = select_device(0) if use_gpu else torch.device("cpu")
-        stage = full if whole else full.pipeline_stage(start, end)
-        self.stage = stage.to(self.device).eval()
-        del full
+        # Only this shard's blocks are read and held, never the whole model.
+        self.stage = load_model_part(checkpoint_dir, lambda m: m if whole else m.pipeline_stage(start, end),
+                                     self.device).eval()
         self.blocks = (start, end)
         # This shard's layers' keys and values (allocated at their first use).
         self.cache = KVCache(cache_rows, read_spec(checkpoint_dir).model.block_size) if cache_rows else None
@@ -130,8 +130,9 @@ class TensorShard:
         dist.init_process_group(backend, init_method=address, rank=self.rank, world_size=self.num_shards,
                                 timeout=COLLECTIVE_TIMEOUT)
         mesh = init_device_mesh(self.device.type, (self.num_shards,))
-        full = load_model(self.checkpoint_dir).to(self.device).eval()
-        self.model = apply_tensor_parallel(full, mesh)
+        # Sharded while empty, then each rank reads only its slices (every rank at once).
+        self.model = load_model_part(self.checkpoint_dir, lambda m: apply_tensor_parallel(m, mesh), self.device,
+                                     collective=True).eval()
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, extra: Extra) -> torch.Tensor | None:

@@ -53,9 +53,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from shardyard.models import build_model
+from shardyard.models import build_model, materialise
 from shardyard.parallel import Engine
-from shardyard.spec import DataSpec, HFSpec, JobSpec
+from shardyard.spec import CustomSpec, DataSpec, HFSpec, JobSpec
 
 STATE_FILE = "trainer_state.pt"
 SPEC_FILE = "spec.json"
@@ -642,6 +642,40 @@ def load_model(checkpoint_dir: str | Path) -> nn.Module:
         dcp.load(state, checkpoint_id=str(checkpoint_dir), no_dist=True)
     model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
     return model
+
+
+def load_model_part(checkpoint_dir: str | Path, part: Callable[[nn.Module], nn.Module], device: torch.device,
+                    collective: bool = False) -> nn.Module:
+    """What `part` makes of a checkpoint's model (a pipeline stage, the model sharded for tensor
+    parallelism), reading only that part's tensors or slices: the model is built on the meta
+    device, `part` taken from it, given storage on `device`, and the checkpoint (DCP) or the
+    model directory (its safetensors) fills it. `collective`: every rank of the current process
+    group loads its own part at once (tensor-parallel slices). A ZeRO checkpoint (DeepSpeed's
+    converter gathers every weight anyway) and a custom module (its buffers are unknown here)
+    load whole first."""
+    checkpoint_dir = Path(checkpoint_dir)
+    spec = read_spec(checkpoint_dir).model
+    hf_directory = is_hf_directory(checkpoint_dir)
+    record = None if hf_directory else committed_record(checkpoint_dir)
+    if isinstance(spec, CustomSpec) or (record is not None and record["format"] != DCPFormat.name):
+        return part(load_model(checkpoint_dir).to(device))
+    with torch.device("meta"):
+        piece = part(build_model(spec, pretrained=False))
+    if hf_directory:
+        return materialise(piece, device)
+    if record is None:
+        raise FileNotFoundError(f"{checkpoint_dir} is not a committed checkpoint")
+    piece.to_empty(device=device)
+    if hasattr(piece, "compute_buffers"):
+        piece.compute_buffers()
+    state = {f"model.{k}": v for k, v in piece.state_dict().items()}
+    if collective:
+        dcp.load(state, checkpoint_id=str(checkpoint_dir))
+    else:
+        with single_process_io():
+            dcp.load(state, checkpoint_id=str(checkpoint_dir), no_dist=True)
+    piece.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
+    return piece
 
 
 def export_safetensors(checkpoint_dir: str | Path, out: str | Path) -> Path:
