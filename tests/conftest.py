@@ -67,9 +67,12 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory):
     # With token auth on, `ray start` needs a token and makes none (a fresh machine has none):
     # the command Ray's own error message gives creates ~/.ray/auth_token once, if missing.
     subprocess.run([RAY, "get-auth-token", "--generate"], check=True, capture_output=True, timeout=60)
+    # Every port Ray would otherwise take at a fixed default (the client server's 10001, the
+    # dashboard agent's 52365) is a free one: README's `ray start --head` runs beside this cluster.
     proc = subprocess.Popen(
         [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-         f"--port={port}", f"--dashboard-port={dashboard}", "--include-dashboard=true",
+         f"--port={port}", f"--dashboard-port={dashboard}", f"--ray-client-server-port={free_port()}",
+         f"--dashboard-agent-listen-port={free_port()}", "--include-dashboard=true",
          "--dashboard-host=127.0.0.1", "--num-cpus=4", "--disable-usage-stats"],
         stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
         # As for a user with the venv activated: jobs' `python` is this interpreter.
@@ -145,7 +148,7 @@ def readme_ray_cluster(cwd: Path) -> Iterator[dict[str, str]]:
     Yields the user's environment for the commands that follow (`ray job submit`, ...)."""
     import socket
 
-    for port in (6379, 8265):  # what README's `ray start` and `ray job submit` use
+    for port in (6379, 8265, 10001, 52365):  # the fixed defaults README's `ray start` binds
         with socket.socket() as probe:
             assert probe.connect_ex(("127.0.0.1", port)) != 0, f"port {port} (Ray's default) is taken"
     with ray_files_of_their_own() as ray_tmp:

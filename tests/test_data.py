@@ -21,7 +21,9 @@ TEXTS = [f"def f{i}(x):\n    return x * {i} + {i * i}  # é{'z' * (i % 7)}\n" * 
 
 
 def write_sources(root: Path) -> dict[str, Path]:
-    """The same documents as a folder of text files, a JSON Lines file and a Parquet file."""
+    """The same documents as a folder of text files, a JSON Lines file, a Parquet file and a
+    Hugging Face dataset saved to disk."""
+    import datasets
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -32,7 +34,9 @@ def write_sources(root: Path) -> dict[str, Path]:
         for text in TEXTS:
             f.write(json.dumps({"body": text, "id": 1}) + "\n")
     pq.write_table(pa.table({"body": TEXTS}), root / "docs.parquet", row_group_size=16)
-    return {"text": root / "text", "jsonl": root / "docs.jsonl", "parquet": root / "docs.parquet"}
+    datasets.Dataset.from_dict({"body": TEXTS}).save_to_disk(root / "dataset")
+    return {"text": root / "text", "jsonl": root / "docs.jsonl", "parquet": root / "docs.parquet",
+            "hf": root / "dataset"}
 
 
 def stream(path: Path, split: str = "train") -> np.ndarray:
@@ -127,11 +131,12 @@ def test_an_index_that_does_not_match_its_shards_is_named(tmp_path: Path) -> Non
     ("parquet", "text", r"docs\.parquet: no column 'text'"),
     ("text", "text", r"matches no text files"),
     ("parquet-damaged", "text", r"docs\.parquet cannot be read as parquet"),
+    ("hf", "text", r"dataset: no column 'text' \(it has \['body'\]\)"),
 ])
 def test_bad_sources_are_refused_naming_the_file_before_ray(tmp_path: Path, fmt: str, field: str,
                                                             message: str) -> None:
     sources = write_sources(tmp_path)
-    path = sources[fmt] if fmt in ("jsonl", "parquet") else tmp_path / "empty"
+    path = sources[fmt] if fmt in ("jsonl", "parquet", "hf") else tmp_path / "empty"
     (tmp_path / "empty").mkdir()
     if fmt == "parquet-damaged":
         fmt, path = "parquet", sources["parquet"]

@@ -38,9 +38,15 @@ def ray_job(cluster: dict[str, str], *args: str, timeout: float = 120) -> subpro
 
 def submit(cluster: dict[str, str], overrides: list[str], env: dict[str, str] | None = None) -> str:
     runtime = ["--runtime-env-json", json.dumps({"env_vars": env})] if env else []
-    answer = ray_job(cluster, "submit", "--no-wait", "--working-dir", ".", *runtime, "--",
-                     "python", "jobs/train.py", "--config", "jobs/configs/gpt_ddp.yaml",
-                     *[arg for o in overrides for arg in ("--set", o)])
+    deadline = time.monotonic() + 60
+    while True:
+        answer = ray_job(cluster, "submit", "--no-wait", "--working-dir", ".", *runtime, "--",
+                         "python", "jobs/train.py", "--config", "jobs/configs/gpt_ddp.yaml",
+                         *[arg for o in overrides for arg in ("--set", o)])
+        # Right after `ray start` the node's job agent may not be up yet; Ray says to try again.
+        if "No available agent" not in answer.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(2)
     assert answer.returncode == 0, answer.stderr + answer.stdout
     return re.search(r"raysubmit_\w+", answer.stdout + answer.stderr).group(0)
 

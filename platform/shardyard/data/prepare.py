@@ -31,9 +31,11 @@ SUFFIXES = {"text": TEXT_SUFFIXES, "jsonl": {".jsonl", ".json"}, "parquet": {".p
 
 
 class SourceSpec(Section):
-    path: str = Field(description="a file, folder or glob; local or object storage (s3://, gs://, ...)")
-    format: Literal["text", "jsonl", "parquet"] = "text"
-    field: str = Field("text", description="the JSON field or Parquet column holding the text")
+    path: str = Field(description="a file, folder or glob; local or object storage (s3://, gs://, ...); "
+                                  "`hf`: a local dataset directory")
+    format: Literal["text", "jsonl", "parquet", "hf"] = "text"
+    field: str = Field("text", description="the JSON field, Parquet or dataset column holding the text")
+    split: str = Field("train", description="`hf`: the dataset's split to read")
 
 
 class TrainTokenizerSpec(Section):
@@ -79,21 +81,25 @@ def load_prepare_spec(path: str | Path | None, overrides: list[str]) -> PrepareS
 
 def source_files(source: SourceSpec) -> list[tuple[str, int, float]]:
     """(url or path, size, modification time) of every input file, in a fixed order; the
-    fingerprint is made of these."""
+    fingerprint is made of these (for a Hugging Face dataset directory, every file in it)."""
     import fsspec
 
+    if source.format == "hf" and (is_remote(source.path) or not Path(source.path).is_dir()):
+        raise PrepareError(f"source.path {source.path!r}: source.format 'hf' reads a local dataset directory")
     fs, _, _ = fsspec.get_fs_token_paths(source.path)
     protocol = source.path.split("://")[0] + "://" if is_remote(source.path) else ""
     matches = fs.glob(source.path) if any(c in source.path for c in "*?[") else [source.path]
     files: list[str] = []
     for match in matches:
         if fs.isdir(match):
-            files += [f for f in fs.find(match) if Path(f).suffix in SUFFIXES[source.format]]
+            files += [f for f in fs.find(match)
+                      if source.format == "hf" or Path(f).suffix in SUFFIXES[source.format]]
         elif fs.isfile(match):
             files.append(match)
     if not files:
-        raise PrepareError(f"source.path {source.path!r} matches no {source.format} files "
-                           f"({', '.join(sorted(SUFFIXES[source.format]))})")
+        kinds = "files" if source.format == "hf" else \
+            f"{source.format} files ({', '.join(sorted(SUFFIXES[source.format]))})"
+        raise PrepareError(f"source.path {source.path!r} matches no {kinds}")
     out = []
     for f in sorted(set(files)):
         info = fs.info(f)
@@ -103,10 +109,36 @@ def source_files(source: SourceSpec) -> list[tuple[str, int, float]]:
     return out
 
 
+def hf_dataset(source: SourceSpec):
+    """The split of a local dataset directory, as Hugging Face `datasets` reads it: one saved with
+    `save_to_disk`, or a dataset repository's files (`load_dataset`). Memory-mapped Arrow."""
+    import datasets
+
+    try:
+        if (Path(source.path) / "state.json").is_file() or (Path(source.path) / "dataset_dict.json").is_file():
+            loaded = datasets.load_from_disk(source.path)
+        else:
+            loaded = datasets.load_dataset(source.path, split=source.split)
+        if isinstance(loaded, datasets.DatasetDict):
+            if source.split not in loaded:
+                raise PrepareError(f"{source.path}: no split {source.split!r} (it has {sorted(loaded)})")
+            loaded = loaded[source.split]
+    except PrepareError:
+        raise
+    except Exception as err:  # noqa: BLE001 - datasets raises many kinds; the user needs the message
+        raise PrepareError(f"{source.path} cannot be read by Hugging Face datasets: {err}") from None
+    if source.field not in loaded.column_names:
+        raise PrepareError(f"{source.path}: no column {source.field!r} (it has {loaded.column_names})")
+    return loaded
+
+
 def check_readable(files: list[str], source: SourceSpec) -> None:
     """Each file opens and holds the field: a clear error before any Ray work starts."""
     import fsspec
 
+    if source.format == "hf":
+        hf_dataset(source)
+        return
     for f in files:
         try:
             with fsspec.open(f, "rb") as handle:
@@ -136,6 +168,10 @@ def read_documents(files: list[str], source: SourceSpec):
 
     if source.format == "text":
         return ray.data.read_binary_files(files, include_paths=True).map_batches(_decode, batch_format="numpy")
+    if source.format == "hf":
+        ds = ray.data.from_huggingface(hf_dataset(source).select_columns([source.field]))
+        return ds.map_batches(_pick_field, fn_kwargs={"field": source.field, "path": source.path},
+                              batch_format="numpy")
     if source.format == "jsonl":
         ds = ray.data.read_json(files, lines=True, include_paths=True)
     else:
@@ -148,14 +184,16 @@ def _decode(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {"text": np.array(texts, dtype=object), "path": batch["path"]}
 
 
-def _pick_field(batch: dict[str, np.ndarray], field: str) -> dict[str, np.ndarray]:
+def _pick_field(batch: dict[str, np.ndarray], field: str, path: str | None = None) -> dict[str, np.ndarray]:
+    """`path`: where every row comes from, for sources whose rows carry no path (a dataset)."""
     if field not in batch:
-        raise PrepareError(f"{batch['path'][0]}: no field {field!r}")
+        raise PrepareError(f"{path or batch['path'][0]}: no field {field!r}")
     texts = batch[field]
-    for text, path in zip(texts, batch["path"]):
+    paths = batch["path"] if path is None else np.full(len(texts), path, dtype=object)
+    for text, where in zip(texts, paths):
         if not isinstance(text, str):
-            raise PrepareError(f"{path}: a record's {field!r} is {type(text).__name__}, not text")
-    return {"text": texts, "path": batch["path"]}
+            raise PrepareError(f"{where}: a record's {field!r} is {type(text).__name__}, not text")
+    return {"text": texts, "path": paths}
 
 
 def validation_share(text: str) -> float:
