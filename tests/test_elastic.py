@@ -178,34 +178,34 @@ def assert_matches_single_process(run_dir: Path, total_steps: int, loss_rtol: fl
 def test_run_grows_when_a_node_joins_and_shrinks_when_one_dies(ray_cluster, tmp_path: Path) -> None:
     first = WorkerNode(ray_cluster.gcs_address, 3, tmp_path / "node_a.log")
     second = None
-    # The run waits at the checkpoints of steps 100 and 200 until released: whatever this
+    # The run waits at the checkpoints of steps 50 and 75 until released: whatever this
     # machine's speed, the node joins and dies while the run is in flight.
-    proc = start_run(ray_cluster, tmp_path, "ddp", 400, hold_at=(100, 200))
+    proc = start_run(ray_cluster, tmp_path, "ddp", 100, hold_at=(50, 75))
     run_dir = tmp_path / "ddp"
     try:
         # min 2, max 4 on a cluster with room for 3: starts at 3 ...
-        wait_for(lambda: held(run_dir, 100) or proc.poll() is not None, 240, "the run never reached step 100")
-        assert held(run_dir, 100)["world_size"] == 3, events(run_dir)
+        wait_for(lambda: held(run_dir, 50) or proc.poll() is not None, 240, "the run never reached step 50")
+        assert held(run_dir, 50)["world_size"] == 3, events(run_dir)
         second = WorkerNode(ray_cluster.gcs_address, 1, tmp_path / "node_b.log")
         # ... grows to 4 when a node joins (Ray Train's resize monitor, every 2 s here), from the
-        # checkpoint of step 100 ...
+        # checkpoint of step 50 ...
         wait_for(lambda: any(e.get("world_size") == 4 for e in events(run_dir)) or proc.poll() is not None,
                  120, "the run did not grow")
-        release(run_dir, 100)
-        wait_for(lambda: held(run_dir, 200) or proc.poll() is not None, 180, "the run never reached step 200")
-        assert held(run_dir, 200)["world_size"] == 4, events(run_dir)
+        release(run_dir, 50)
+        wait_for(lambda: held(run_dir, 75) or proc.poll() is not None, 180, "the run never reached step 75")
+        assert held(run_dir, 75)["world_size"] == 4, events(run_dir)
         # ... and finishes on 3 when that node and its worker die.
         second.kill()
-        release(run_dir, 200)
+        release(run_dir, 75)
         assert_succeeds(proc, 240)
     finally:
-        release(run_dir, 100, 200)
+        release(run_dir, 50, 75)
         clean_up(proc, first, second)
     failures = [e for e in events(run_dir) if e["event"] == "failure"]
     assert failures, events(run_dir)
-    check_run(run_dir, [3, 4, 3], 400)
+    check_run(run_dir, [3, 4, 3], 100)
     restart = [e for e in events(run_dir) if e["event"] == "start"][-1]
-    assert restart["restored_step"] == 200 and restart["downtime_s"] > 0  # failure -> this start
+    assert restart["restored_step"] == 75 and restart["downtime_s"] > 0  # failure -> this start
 
 
 @pytest.mark.timeout(480)

@@ -95,7 +95,7 @@ async def serve_all(engine: DecodingEngine, requests: list[Completion], join_aft
                 seq.abandoned = True
                 break
 
-    await asyncio.wait_for(asyncio.gather(*(run(i) for i in range(len(requests)))), 120)
+    await asyncio.wait_for(asyncio.gather(*(run(i) for i in range(len(requests)))), 60)
     return got
 
 
@@ -120,10 +120,13 @@ def test_the_engine_gives_each_request_its_tokens_alone(ddp_checkpoint: Path, ro
 
 
 @pytest.mark.timeout(120)
-def test_a_lost_cache_is_prefilled_again_and_decoding_goes_on_exactly(ddp_checkpoint: Path) -> None:
+@pytest.mark.parametrize("fail_at_call", [1, 9])
+def test_a_lost_cache_is_prefilled_again_and_decoding_goes_on_exactly(ddp_checkpoint: Path, fail_at_call: int) -> None:
+    """Lost under the first prefill (the request being prefilled is neither running nor waiting
+    then: it must not be dropped) or mid-way, with requests running."""
     model = checkpoint.load_model(ddp_checkpoint).eval()
     expected = alone(model)
-    cached = CachedModel(model, rows=4, fail_at_call=9)  # mid-way, with requests running
+    cached = CachedModel(model, rows=4, fail_at_call=fail_at_call)
     engine = engine_for(cached)
     got = asyncio.run(serve_all(engine, fresh(), join_after=2))
     assert got == expected

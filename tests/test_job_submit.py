@@ -67,12 +67,12 @@ def wait_until_done(cluster: dict[str, str], job_id: str, timeout_s: float = 360
 @pytest.mark.timeout(480)
 def test_submitted_job_stopped_and_submitted_again_resumes_and_writes_outputs(cluster, tmp_path: Path) -> None:
     overrides = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
-                 "data.name=synthetic", "run.steps=200", "run.log_every=50",
-                 "checkpoint.every_n_steps=50", f"checkpoint.storage_path={tmp_path}", "run.name=again"]
+                 "data.name=synthetic", "run.steps=40", "run.log_every=10",
+                 "checkpoint.every_n_steps=10", f"checkpoint.storage_path={tmp_path}", "run.name=again"]
     run_dir = tmp_path / "again"
-    # The first job waits at its checkpoint of step 100 (until a release that never comes): it is
+    # The first job waits at its checkpoint of step 20 (until a release that never comes): it is
     # stopped mid-run whatever this machine's speed.
-    first = submit(cluster, overrides, {HOLD_ENV: "100"})
+    first = submit(cluster, overrides, {HOLD_ENV: "20"})
     deadline = time.monotonic() + 240
     while not any(e["event"] == "held" for e in read_events(run_dir)) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -82,14 +82,14 @@ def test_submitted_job_stopped_and_submitted_again_resumes_and_writes_outputs(cl
     status, _ = wait_until_done(cluster, first, 120)
     assert re.search(r"stopped", status, re.IGNORECASE), status
     stopped_at = int(find_latest(run_dir).name.rsplit("_", 1)[1])
-    assert stopped_at == 100
+    assert stopped_at == 20
 
     status, logs = wait_until_done(cluster, submit(cluster, overrides))
     assert re.search(r"succeeded", status, re.IGNORECASE), f"{status}\n{logs[-3000:]}"
     starts = [e for e in read_events(run_dir) if e["event"] == "start"]
     assert len(starts) == 2 and starts[1]["restored_step"] == stopped_at, starts
-    assert "step 200/200" in logs and "shardyard run 'again'" in logs
-    assert (run_dir / "checkpoint_step_00000200" / "trainer_state.pt").is_file()
+    assert "step 40/40" in logs and "shardyard run 'again'" in logs
+    assert (run_dir / "checkpoint_step_00000040" / "trainer_state.pt").is_file()
     logged = [row["step"] for row in read_metrics(run_dir)]
-    assert logged == list(range(50, 201, 50)), logged  # each step once, across both jobs
+    assert logged == list(range(10, 41, 10)), logged  # each step once, across both jobs
     assert (run_dir / "loss_curve.png").is_file()

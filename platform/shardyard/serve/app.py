@@ -178,7 +178,7 @@ class ModelServer:
             self.model = self._shards(cfg.use_gpu)
             budget = prefill_budget(self.model.forward, self.block_size, cfg.cache_rows, target)
             self.engine = DecodingEngine(self.model.forward, cfg.cache_rows, self.block_size, budget,
-                                         self._recover, (*SHARD_LOST, CachesLost))
+                                         lambda: self._heal(rebuild_if_slow=True), (*SHARD_LOST, CachesLost))
             print(f"shardyard: continuous batching, {cfg.cache_rows} requests at once, prefill budget "
                   f"{budget.tokens} tokens per iteration", flush=True)
             return
@@ -375,7 +375,7 @@ class ModelServer:
         """Serve's periodic health check: a dead shard gets the whole group rebuilt; only a group
         that cannot be rebuilt fails the replica (Serve then replaces it)."""
         if self.generates:
-            self._recover()
+            self._heal()
 
     # ------------------------------------------------------------------ static batching
 
@@ -414,12 +414,12 @@ class ModelServer:
         if self.model.rebuild(failed):
             self.metrics.rebuilds.inc()
 
-    def _recover(self) -> None:
-        """A group with a dead shard is rebuilt (one another caller has already replaced is kept):
-        Serve's health check, and the engine's call after its caches were lost."""
-        seen = self.model.rebuilds
-        if not self.model.healthy():
-            self._rebuild(seen)
+    def _heal(self, rebuild_if_slow: bool = False) -> None:
+        """A group with a dead shard is rebuilt (one being rebuilt, or already replaced, is kept):
+        Serve's health check, and the engine's call after a forward pass failed (then a shard
+        that does not answer counts as lost too)."""
+        if self.model.heal(rebuild_if_slow):
+            self.metrics.rebuilds.inc()
 
     def _expect(self, generates: bool, model: str | None = None) -> None:
         if self.generates != generates:

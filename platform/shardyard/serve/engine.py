@@ -161,8 +161,10 @@ class DecodingEngine:
             if in_use >= self.rows or (prefilled and prefilled + len(prompt) > self.budget.tokens):
                 break
             self.waiting.popleft()
-            logits = await self._step("prefill", prompt)
-            self.running.append(seq)
+            try:
+                logits = await self._step("prefill", prompt)
+            finally:  # running even when the step failed under it: recovered with the others, not lost
+                self.running.append(seq)
             prefilled += len(prompt)
             if not seq.leaving:
                 self._emit(seq, logits[0])

@@ -48,6 +48,7 @@ from shardyard.train.checkpoint import load_model_part, read_spec
 
 
 Sharding = Literal["pipeline", "tensor"]
+Health = Literal["ok", "dead", "slow", "rebuilding"]
 # A collective waiting on a dead peer gives up after this (gloo's default is 30 minutes).
 COLLECTIVE_TIMEOUT = timedelta(seconds=30)
 # What a forward pass raises when a shard has died: a task on a dead actor, a closed channel.
@@ -255,7 +256,10 @@ class ShardedModel:
         # One rebuild at a time, and none under a forward pass: Serve's health check and a batch
         # that lost a shard can both see the failure at once. `rebuilds` counts the groups
         # replaced; a caller passes the count it saw fail, so a group already replaced is kept.
+        # `_swapping` is held for a whole rebuild (never by a forward pass): a health probe that
+        # cannot take it knows a rebuild is under way, and never probes a half-started group.
         self._lock = threading.RLock()
+        self._swapping = threading.Lock()
         self.rebuilds = 0
         self._cache_group: int | None = None  # the group the last cache step ran on
         try:
@@ -287,19 +291,45 @@ class ShardedModel:
                     node = shard.forward.bind(node, given[1])
             self.graph = node.experimental_compile()
 
-    def healthy(self, timeout_s: float = 5.0) -> bool:
+    def probe(self, timeout_s: float = 5.0) -> tuple[Health, int]:
+        """How the group is: every shard answers (ok), one has died (dead), one does not answer
+        within `timeout_s` (slow), or a rebuild is under way (rebuilding); and the `rebuilds`
+        count of the group probed."""
+        if not self._swapping.acquire(blocking=False):
+            return "rebuilding", self.rebuilds
         try:
-            ray.get([s.describe.remote() for s in self.shards], timeout=timeout_s)
-            return True
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            return False
+            shards, group = list(self.shards), self.rebuilds
+        finally:
+            self._swapping.release()
+        try:
+            ray.get([s.describe.remote() for s in shards], timeout=timeout_s)
+            return "ok", group
+        except ray.exceptions.RayActorError:
+            return "dead", group
+        except ray.exceptions.GetTimeoutError:
+            return "slow", group
+
+    def healthy(self, timeout_s: float = 5.0) -> bool:
+        return self.probe(timeout_s)[0] == "ok"
+
+    def heal(self, rebuild_if_slow: bool = False, timeout_s: float = 5.0) -> bool:
+        """Rebuild the group if a shard of it has died (or, with `rebuild_if_slow`, does not
+        answer: a forward pass has already failed on it). A group being rebuilt, or replaced
+        since it was probed, is left alone. Returns whether this call rebuilt.
+
+        Serve's health check heals without `rebuild_if_slow`: on a loaded machine a shard may
+        answer late, and replacing a working group would cost every running request its cache."""
+        health, group = self.probe(timeout_s)
+        if health == "dead" or (health == "slow" and rebuild_if_slow):
+            return self.rebuild(group)
+        return False
 
     def rebuild(self, failed: int | None = None) -> bool:
         """Replace every shard (a dead one's part must be reloaded; the rest restart with it so
         no half-old group serves). `failed`: the `rebuilds` count of the group the caller saw
         fail; if another caller has replaced that group meanwhile, nothing is done. Returns
         whether this call rebuilt."""
-        with self._lock:
+        with self._lock, self._swapping:
             if failed is not None and failed != self.rebuilds:
                 return False
             self._stop_shards()
