@@ -13,7 +13,7 @@ import argparse
 import sys
 
 try:
-    from shardyard.cli import add_spec_arguments, run_train
+    from shardyard.cli import add_train_arguments, run_train
 except ImportError:
     sys.exit("shardyard is not installed in this Python: run `pip install -e .` in the checkout "
              "(on a cluster, cluster.yaml's setup_commands do this on every node)")
@@ -21,9 +21,9 @@ except ImportError:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_spec_arguments(parser, config_flag=True)
+    add_train_arguments(parser, config_flag=True)
     args = parser.parse_args()
-    return run_train(args.config, args.overrides, attach_to_running=True)
+    return run_train(args.config, args.overrides, attach_to_running=True, take_over=args.take_over)
 
 
 if __name__ == "__main__":

@@ -68,7 +68,8 @@ def test_missing_sections_take_defaults() -> None:
         (["model.n_head=3"], ["model.n_embd (128)", "model.n_head (3)"]),
         (["model.name=mlp", "model.n_head=2"], ["unknown key 'model.n_head'", "hidden_dim"]),
         (["checkpoint.every_n_steps=0"], ["checkpoint.every_n_steps"]),
-        (["run.name=../escape"], ["run.name", "pattern"]),
+        (["run.name=../escape"], ["run.name: must be one directory name"]),
+        (["run.name=.."], ["run.name: must be one directory name", "not only dots"]),
         (["optim"], ["override 'optim' must look like section.key=value"]),
         # parallelism: mesh shapes, schedules, models that cannot be split
         (["parallelism.strategy=fsdp", "parallelism.tp=2", "scaling.num_workers=3"],

@@ -1,6 +1,6 @@
 """`shardyard` command line.
 
-    shardyard train CONFIG.yaml [--set key=value ...]
+    shardyard train CONFIG.yaml [--set key=value ...] [--take-over]
     shardyard prepare DATA_SPEC.yaml [--set key=value ...]
     shardyard export CHECKPOINT_OR_RUN_DIR OUT.safetensors
     shardyard export CHECKPOINT_OR_RUN_DIR --format hf OUT_DIR
@@ -25,13 +25,20 @@ def add_spec_arguments(parser: argparse.ArgumentParser, config_flag: bool) -> No
                         help="override one key, e.g. --set optim.lr=3e-4 (repeatable)")
 
 
-def run_train(config: str, overrides: list[str], attach_to_running: bool) -> int:
+def add_train_arguments(parser: argparse.ArgumentParser, config_flag: bool) -> None:
+    add_spec_arguments(parser, config_flag)
+    parser.add_argument("--take-over", action="store_true",
+                        help="train the run even if another launch's lease on it has not expired "
+                             "(that launch is gone, on another host)")
+
+
+def run_train(config: str, overrides: list[str], attach_to_running: bool, take_over: bool = False) -> int:
     """Validate, then train. A bad spec is a message and exit code 2, never a traceback."""
     try:
         spec = load_spec(config, overrides)
         from shardyard.train.launcher import launch  # imports Ray: only once the spec is valid
 
-        launch(spec, attach_to_running=attach_to_running)
+        launch(spec, attach_to_running=attach_to_running, take_over=take_over)
     except SpecError as err:
         print(f"shardyard: {err}", file=sys.stderr)
         return 2
@@ -101,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardyard", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train a model from a job spec on Ray Train")
-    add_spec_arguments(train, config_flag=False)
+    add_train_arguments(train, config_flag=False)
     prepare = commands.add_parser("prepare", help="raw text (files, JSON Lines, Parquet) to token shards for "
                                                    "data.name 'shards', as a Ray Data job")
     add_spec_arguments(prepare, config_flag=False)
@@ -129,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export":
         return run_export(args.checkpoint, args.out, args.fmt)
     # Local Ray unless RAY_ADDRESS names a cluster.
-    return run_train(args.config, args.overrides, attach_to_running=False)
+    return run_train(args.config, args.overrides, attach_to_running=False, take_over=args.take_over)
 
 
 if __name__ == "__main__":

@@ -7,13 +7,14 @@ and impossible combinations raise `SpecError` with a message naming the key and 
 from __future__ import annotations
 
 import importlib
+import re
 import types
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class SpecError(ValueError):
@@ -415,7 +416,7 @@ class EvalSpec(Section):
 
 
 class RunSpec(Section):
-    name: str = Field("gpt_ddp", pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str = Field("gpt_ddp", description="the run's directory under checkpoint.storage_path")
     steps: int = Field(200, ge=1)
     seed: int = 0
     log_every: int = Field(10, ge=1)
@@ -425,6 +426,14 @@ class RunSpec(Section):
     sample_ledger: bool = Field(
         False, description="record every step's sample ids per rank under <run>/ledger (audits)"
     )
+
+    @field_validator("name")
+    @classmethod
+    def _one_path_component(cls, name: str) -> str:
+        # "." or ".." (or a "/") would put the run's directory outside checkpoint.storage_path.
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or set(name) == {"."}:
+            raise ValueError("must be one directory name: letters, digits, '_', '.', '-', and not only dots")
+        return name
 
 
 class JobSpec(Section):
@@ -672,8 +681,9 @@ def explain_errors(err: ValidationError, root: type[BaseModel], title: str) -> s
         if e["type"] == "extra_forbidden":
             valid = ", ".join(sorted(cls.model_fields)) if cls else "?"
             lines.append(f"unknown key {where!r}; valid keys here: {valid}")
-        elif e["type"] == "value_error":
-            lines.append(e["msg"].removeprefix("Value error, "))
+        elif e["type"] == "value_error":  # a section's own check names its keys; a field's does not
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"{where}: {msg}" if "." in where else msg)
         else:
             got = e.get("input")
             shown = "" if isinstance(got, dict) or got is None else f" (got {got!r})"

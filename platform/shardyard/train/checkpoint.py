@@ -535,12 +535,16 @@ class CheckpointManager:
             format_for(engine).load(engine, self.storage, name, record, stored, self.load_optimizer)
         scheduler_state = meta.pop("scheduler")
         for scheduler in engine.schedulers:
+            # The schedule resumes at its step, with this spec's optim.lr (the stored base rate
+            # would silently override a changed one).
+            base_lrs = list(scheduler.base_lrs)
             scheduler.load_state_dict(scheduler_state)
+            scheduler.base_lrs = base_lrs
             # A restored schedule sets the learning rate only at its next step; the step about
             # to run needs it now (formats that do not carry the optimizer's settings, and
-            # `load_optimizer: false`, would otherwise train one step at the base rate).
-            for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
-                group["lr"] = lr
+            # `load_optimizer: false`, would otherwise train one step at the stored rate).
+            for group, base, factor in zip(scheduler.optimizer.param_groups, base_lrs, scheduler.lr_lambdas):
+                group["lr"] = base * factor(scheduler.last_epoch)
         return TrainState(**meta)
 
     # -- save

@@ -33,6 +33,7 @@ from shardyard.train.callbacks import (
     injected_crash_step,
 )
 from shardyard.train.checkpoint import SPEC_FILE, RunStorage
+from shardyard.train.lease import RunLease
 from shardyard.train.metrics import RunResult, finish_run, log_event
 from shardyard.train.trainer import Callback, Trainer
 
@@ -135,20 +136,42 @@ def adopt_tokenizer(spec: JobSpec) -> None:
         storage.write_bytes(data, TOKENIZER_DIR, name)
 
 
+# What a resumed run may not change: the stored weights, or the stored data position (a place in
+# one seed's order over one dataset), would then mean something else.
+FIXED_ON_RESUME = ("model.", "data.name", "data.path", "data.max_bytes", "data.num_samples", "run.seed")
+
+
+def spec_changes(stored: JobSpec, spec: JobSpec) -> dict[str, list[Any]]:
+    """Every setting whose value differs, by dotted key (`optim.lr`), as [stored, new]."""
+    def flat(value: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(value, dict):
+            return {k: v for key, item in value.items() for k, v in flat(item, f"{prefix}{key}.").items()}
+        return {prefix.rstrip("."): value}
+
+    old, new = flat(stored.model_dump(mode="json")), flat(spec.model_dump(mode="json"))
+    return {key: [old.get(key), new.get(key)] for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)}
+
+
 def check_resume(spec: JobSpec) -> None:
-    """A run that resumes must be able to load its newest committed checkpoint: the same model,
-    and optimizer state of the same optimizer unless the spec leaves it behind."""
+    """A run that resumes is compared with the spec of its newest committed checkpoint before any
+    worker starts: a change that cannot apply (model, data source, seed) is refused naming each
+    key; the rest (steps, lr and schedule, world size, strategy, cadence...) apply and are recorded
+    in the run's events. Optimizer state must be loadable unless the spec leaves it behind."""
     storage = RunStorage(spec.run_uri)
     name = storage.newest_committed()
     if name is None:
         return
     where = storage.url(name)
     stored = JobSpec.model_validate_json(storage.read_bytes(name, SPEC_FILE))
-    if stored.model != spec.model:
-        changed = sorted(k for k, v in spec.model.model_dump().items() if stored.model.model_dump().get(k) != v)
-        raise SpecError(f"run '{spec.run.name}' resumes from {where}, whose model differs in "
-                        f"{', '.join(f'model.{k}' for k in changed)}: use another run.name (or storage path) "
-                        f"for a different model")
+    changes = spec_changes(stored, spec)
+    fixed = [key for key in changes if key.startswith(FIXED_ON_RESUME)]
+    if fixed:
+        listed = ", ".join(f"{key} ({changes[key][0]!r} -> {changes[key][1]!r})" for key in fixed)
+        raise SpecError(f"run '{spec.run.name}' resumes from {where}, which was trained with other settings that "
+                        f"cannot change on resume: {listed}. Set them back, or use another run.name (or "
+                        f"storage path) for a new run")
+    if changes:
+        log_event(spec.run_uri, "spec_changed", checkpoint=name, changes=changes)
     if not spec.checkpoint.load_optimizer:
         return
     written_at = storage.committed(name)["world_size"]
@@ -210,7 +233,14 @@ def torch_config(spec: JobSpec) -> TorchConfig | None:
     return TorchftConfig(lighthouse_kwargs={"min_replicas": 1})
 
 
-def launch(spec: JobSpec, attach_to_running: bool = False) -> RunResult:
+def launch(spec: JobSpec, attach_to_running: bool = False, take_over: bool = False) -> RunResult:
+    """Train `spec` to its end (resuming its newest committed checkpoint), holding the run's lease
+    throughout: a second launch of the same run is refused (`take_over`: see train/lease.py)."""
+    with RunLease(spec.run_uri, spec.run.name).held(take_over):
+        return _launch(spec, attach_to_running)
+
+
+def _launch(spec: JobSpec, attach_to_running: bool) -> RunResult:
     preflight(spec)
     fault_injection = {"crash_at_checkpoint": injected_crash_step(), "hold_at": hold_steps()}
     largest = spec.scaling.world_sizes[-1] * spec.scaling.resources_per_worker.get("CPU", 1.0)

@@ -1,0 +1,164 @@
+"""Drills: a user's or a neighbour's mistake with a run, and what shardyard must do about it.
+
+Each drill is one scenario with its expected outcome, declared on its `drill` marker: `refused`
+(a message and exit code 2 before any worker starts, no traceback) or `recovered`, and the work it may lose
+(`lost`). `benchmarks/drills.py` runs them and prints the table README reports. These need no
+Ray: every refusal here comes before Ray is started.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardyard.cli import run_train
+from shardyard.models import build_model
+from shardyard.parallel import single_process
+from shardyard.spec import parse_spec
+from shardyard.train.checkpoint import CheckpointManager, TrainState
+from shardyard.train.lease import LEASE_FILE, LeaseHeld, RunLease
+from shardyard.train.metrics import read_events
+from shardyard.train.optim import lr_factor
+
+HOLD = """
+import sys, time
+from shardyard.train.lease import RunLease
+RunLease(sys.argv[1], "run").acquire()
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def job(storage: Path, **sections: dict) -> dict:
+    raw = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 8},
+           "data": {"name": "synthetic", "num_samples": 64}, "scaling": {"num_workers": 1},
+           "batch": {"global_batch_size": 8, "micro_batch_size": 8},
+           "checkpoint": {"storage_path": str(storage)}, "run": {"name": "run", "steps": 4}}
+    for key, value in sections.items():
+        raw[key] = {**raw.get(key, {}), **value}
+    return raw
+
+
+def train(tmp_path: Path, raw: dict, capsys: pytest.CaptureFixture) -> tuple[int, str]:
+    """What `shardyard train CONFIG` exits with and prints on stderr (run in this process: the
+    command's own function, without a new interpreter's imports)."""
+    config = tmp_path / f"job_{time.monotonic_ns()}.yaml"
+    config.write_text(json.dumps(raw))  # JSON is YAML
+    code = run_train(str(config), [], attach_to_running=False)
+    return code, capsys.readouterr().err
+
+
+def write_checkpoint(raw: dict) -> None:
+    """A committed checkpoint at step 2 of `raw`, as a run that trained 2 steps leaves it."""
+    spec = parse_spec(raw)
+    torch.manual_seed(spec.run.seed)
+    engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
+    CheckpointManager(spec.run_uri, keep=2).save(engine, TrainState(2, 16, 1), spec, metrics={})
+
+
+@pytest.mark.drill(outcome="refused", lost="nothing")
+@pytest.mark.timeout(120)
+def test_a_second_launch_of_a_run_in_training_is_refused_naming_the_first(tmp_path: Path, capsys) -> None:
+    """Two launches with the same run.name and storage would resume from, overwrite and prune each
+    other's checkpoints: the second is refused while the first holds the run."""
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        code, err = train(tmp_path, job(tmp_path), capsys)
+        assert code == 2 and "is being trained by another launch (host" in err, err
+        assert f"pid {holder.pid}" in err and "--take-over" in err
+        assert sorted(p.name for p in run_dir.iterdir()) == [LEASE_FILE]  # the first's run untouched
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.drill(outcome="recovered", lost="nothing")
+@pytest.mark.timeout(120)
+def test_a_lease_left_by_a_killed_launch_is_taken_over_at_once(tmp_path: Path) -> None:
+    """`ray job stop` or a kill leaves the driver's lease behind: on its host, a launch sees that
+    the process is gone and takes the run over without waiting for the lease to expire."""
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    holder.kill()
+    holder.wait()
+    with RunLease(str(run_dir), "run").held() as lease:
+        assert lease.read()["id"] == lease.id
+    assert not run_dir.exists()  # released, and the run directory it made is gone with it
+
+
+@pytest.mark.drill(outcome="refused", lost="nothing")
+@pytest.mark.timeout(60)
+def test_a_lease_held_on_another_host_is_refused_until_it_expires_or_is_taken_over(tmp_path: Path) -> None:
+    """Another host's process cannot be asked: its lease counts until it expires (it stops being
+    renewed when that launch dies), or until the user says that launch is gone (--take-over)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    record = {"id": "elsewhere", "host": "another-node", "pid": 1, "started": 0.0, "expires": time.time() + 300}
+    (run_dir / LEASE_FILE).write_text(json.dumps(record))
+    with pytest.raises(LeaseHeld, match="host another-node, pid 1"):
+        RunLease(str(run_dir), "run").acquire()
+    with RunLease(str(run_dir), "run").held(take_over=True) as lease:
+        assert lease.read()["id"] == lease.id
+    run_dir.mkdir()  # the released lease took the empty run directory with it
+    (run_dir / LEASE_FILE).write_text(json.dumps({**record, "expires": time.time() - 1}))
+    with RunLease(str(run_dir), "run").held() as lease:  # expired: taken over
+        assert lease.read()["id"] == lease.id
+
+
+@pytest.mark.drill(outcome="refused", lost="nothing")
+@pytest.mark.timeout(120)
+def test_a_run_name_that_leaves_the_storage_path_is_refused(tmp_path: Path, capsys) -> None:
+    storage = tmp_path / "runs"
+    code, err = train(tmp_path, job(storage, run={"name": ".."}), capsys)
+    assert code == 2 and "run.name: must be one directory name" in err, err
+    assert not storage.exists() and not (tmp_path / LEASE_FILE).exists()
+
+
+@pytest.mark.drill(outcome="refused", lost="nothing")
+@pytest.mark.timeout(120)
+def test_resuming_with_another_seed_dataset_or_model_is_refused_naming_each_key(tmp_path: Path, capsys) -> None:
+    """The stored data position is a place in one seed's order over one dataset, and the stored
+    weights fit one model: a resume that changes them is refused, each key named with both values,
+    and nothing is written to the run."""
+    raw = job(tmp_path)
+    write_checkpoint(raw)
+    before = sorted(p.name for p in (tmp_path / "run").rglob("*"))
+    code, err = train(tmp_path, job(tmp_path, run={"seed": 7}, data={"num_samples": 128}, model={"n_embd": 32}),
+                      capsys)
+    assert code == 2, err
+    for change in ("data.num_samples (64 -> 128)", "model.n_embd (16 -> 32)", "run.seed (0 -> 7)"):
+        assert change in err, err
+    assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == before
+
+
+@pytest.mark.drill(outcome="recovered", lost="nothing")
+@pytest.mark.timeout(60)
+def test_resuming_with_a_new_learning_rate_and_length_applies_them_and_records_the_change(tmp_path: Path) -> None:
+    """The restored LR schedule used to bring the stored optim.lr back, silently: the new rate now
+    applies at the restored step of the new schedule, and the run's events say what changed."""
+    from shardyard.train.launcher import check_resume
+
+    spec = parse_spec(job(tmp_path, run={"steps": 200}))
+    trained = single_process(spec, build_model(spec.model), torch.device("cpu"))
+    for _ in range(3):  # the schedule at step 3 (no gradients: the weights stay)
+        trained.optimizers[0].step()
+        trained.schedulers[0].step()
+    CheckpointManager(spec.run_uri, keep=2).save(trained, TrainState(3, 24, 1), spec, metrics={})
+
+    changed = parse_spec(job(tmp_path, optim={"lr": 2e-3}, run={"steps": 500}))
+    check_resume(changed)
+    recorded = [e["changes"] for e in read_events(changed.run_uri) if e["event"] == "spec_changed"]
+    assert recorded == [{"optim.lr": [1e-3, 2e-3], "run.steps": [200, 500]}]
+    engine = single_process(changed, build_model(changed.model), torch.device("cpu"))
+    CheckpointManager(changed.run_uri, keep=2).restore(engine)
+    expected = 2e-3 * lr_factor(3, changed.optim, 500)
+    assert all(g["lr"] == pytest.approx(expected, rel=1e-9) for g in engine.optimizers[0].param_groups)
