@@ -42,7 +42,7 @@ from shardyard.data.tokenizer import run_tokenizer
 from shardyard.serve import openai_api as oa
 from shardyard.serve.batching import AdaptiveBatchSize, calibrate, prefill_budget
 from shardyard.serve.config import ServeConfig, parse_config
-from shardyard.serve.engine import DecodingEngine
+from shardyard.serve.engine import DecodingEngine, LostTwice
 from shardyard.serve.generation import Completion, TextCodec, TextStream, decode_steps
 from shardyard.serve.metrics import ServingMetrics, scrape_cluster
 from shardyard.serve.shards import SHARD_LOST, CachesLost, ShardedModel, check_room, shard_bundle
@@ -269,8 +269,10 @@ class ModelServer:
                                              self.config.request_timeout_s)
         except asyncio.TimeoutError:
             raise ClientError(408, f"not answered within {self.config.request_timeout_s} s") from None
-        except (*SHARD_LOST, RuntimeError):
+        except (*SHARD_LOST, LostTwice):
             raise ClientError(503, "the model's shards were lost twice under this request; retry") from None
+        except RuntimeError as err:  # this request alone failed (the others in its steps go on)
+            raise ClientError(500, f"this request could not be decoded: {err}") from None
         finally:  # answered, timed out or disconnected: its decoder stops computing it
             for gen in gens:
                 gen.abandon()
@@ -323,8 +325,10 @@ class ModelServer:
                 yield _event(oa.body(id_, model, [], chat, chunk=True, usage=used))
         except asyncio.TimeoutError:
             yield _event(oa.error_body(408, f"not answered within {self.config.request_timeout_s} s"))
-        except (*SHARD_LOST, RuntimeError):
+        except (*SHARD_LOST, LostTwice):
             yield _event(oa.error_body(503, "the model's shards were lost twice under this request; retry"))
+        except RuntimeError as err:
+            yield _event(oa.error_body(500, f"this request could not be decoded: {err}"))
         finally:  # finished, timed out or disconnected: either way its decoder stops computing it
             gen.abandon()
         yield _event("[DONE]")

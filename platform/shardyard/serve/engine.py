@@ -36,6 +36,10 @@ from shardyard.serve.generation import Completion, pick
 CachedForward = Callable[[torch.Tensor, CacheStep], torch.Tensor]
 
 
+class LostTwice(RuntimeError):
+    """A request caught in a second loss of the shard group (the caller may retry it)."""
+
+
 @dataclass
 class Sequence:
     """One request inside the engine."""
@@ -180,7 +184,12 @@ class DecodingEngine:
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> None:
         request = seq.request
-        token = pick(logits, request.temperature, request.generator, request.top_p)
+        try:
+            token = pick(logits, request.temperature, request.generator, request.top_p)
+        except RuntimeError as err:  # this request's sampling alone: the others in the step go on
+            seq.abandoned = True
+            seq.out.put_nowait(err)
+            return
         request.tokens.append(token)
         self.stats.tokens += 1
         if seq.first_token_at is None:
@@ -209,7 +218,7 @@ class DecodingEngine:
             seq.losses += 1
             if failed is not None or seq.losses > 1:
                 seq.abandoned = True
-                seq.out.put_nowait(failed or RuntimeError("the model's shards were lost twice under this request"))
+                seq.out.put_nowait(failed or LostTwice("the model's shards were lost twice under this request"))
             else:
                 again.append(seq)
         self.running = []

@@ -135,9 +135,16 @@ def generate(forward: Forward, requests: Sequence[Completion], block_size: int) 
 def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None, top_p: float = 1.0) -> int:
     """The next token: the most likely at temperature 0; else sampled at `temperature` from the
     smallest set of tokens whose probabilities reach `top_p` (nucleus sampling)."""
+    if torch.isnan(logits).any():
+        raise RuntimeError("the model's logits hold NaN: no token can be chosen")
     if temperature <= 0:
         return int(logits.argmax())
-    probs = F.softmax(logits / temperature, dim=-1)
+    scaled = logits / temperature
+    # A temperature so small that the scaled logits overflow is, in the limit, greedy decoding
+    # (the softmax of an infinity is not a distribution: sampling from it would raise).
+    if torch.isposinf(scaled).any():
+        return int(logits.argmax())
+    probs = F.softmax(scaled, dim=-1)
     if top_p < 1.0:
         ordered, order = probs.sort(descending=True)
         outside = ordered.cumsum(-1) - ordered >= top_p  # the mass before it already reaches top_p

@@ -147,7 +147,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                408: "timeout", 413: "invalid_request_error", 422: "invalid_request_error",
-               503: "service_unavailable"}
+               500: "server_error", 503: "service_unavailable"}
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:

@@ -1,0 +1,78 @@
+"""Serving drills: one client's request must not cost the others theirs. The decoding engine in
+one process, on a GPT with random weights (what it decodes does not matter, only that every
+request gets what decoding it alone gives); test_serve.py runs the same engine behind HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from shardyard.models import build_model
+from shardyard.serve.generation import Completion, encode, generate
+from shardyard.spec import GPTSpec
+from test_engine import CachedModel, engine_for, serve_all
+
+
+def requests() -> list[Completion]:
+    """Ordinary requests, and one whose temperature (1e-45, within the API's bounds) makes
+    logits / temperature overflow: sampling from the softmax of an infinity used to raise inside
+    the shared step, and the engine then failed every running request with that error."""
+    return [Completion(encode("def f(x):"), 6), Completion(encode("import"), 8, 0.8, seed=3),
+            Completion(encode("x = 1"), 7, 1e-45, seed=5), Completion(encode("class"), 5, 0.7, seed=11)]
+
+
+@pytest.mark.drill(outcome="answered", lost="nothing")
+@pytest.mark.timeout(120)
+def test_a_request_whose_temperature_overflows_the_arithmetic_leaves_the_others_untouched() -> None:
+    torch.manual_seed(0)
+    model = build_model(GPTSpec(n_layer=2, n_head=2, n_embd=32, block_size=16)).eval()
+    forward = torch.no_grad()(model)
+    expected = [generate(forward, [r], 16)[0] for r in requests()]
+    greedy = generate(forward, [Completion(encode("x = 1"), 7)], 16)[0]
+    assert expected[2] == greedy  # a vanishing temperature decodes greedily, its limit
+    got = asyncio.run(serve_all(engine_for(CachedModel(model, rows=4)), requests(), join_after=2))
+    assert got == expected
+
+
+POISON = encode("~")[0]
+
+
+class PoisonedPrompts(CachedModel):
+    """The model, except that a prompt holding '~' comes out of its prefill as NaN logits (as a
+    numerical fault in one request's row would)."""
+
+    def forward(self, x: torch.Tensor, step) -> torch.Tensor:
+        out = super().forward(x, step)
+        if step.kind == "prefill" and bool((x == POISON).any()):
+            out = torch.full_like(out, float("nan"))
+        return out
+
+
+@pytest.mark.drill(outcome="that request fails alone", lost="nothing")
+@pytest.mark.timeout(120)
+def test_a_request_that_fails_in_a_shared_step_fails_alone() -> None:
+    """One request's token cannot be chosen: that request gets the error; the others running in
+    the same steps get exactly their tokens (the engine used to fail them all with its error)."""
+    torch.manual_seed(0)
+    model = build_model(GPTSpec(n_layer=2, n_head=2, n_embd=32, block_size=16)).eval()
+    forward = torch.no_grad()(model)
+    mixed = requests()
+    mixed.insert(1, Completion(encode("a~b"), 6))
+    expected = [generate(forward, [r], 16)[0] for r in requests()]
+    engine = engine_for(PoisonedPrompts(model, rows=4))
+
+    async def each(request: Completion) -> list[int] | Exception:
+        seq = engine.submit(request)
+        try:
+            return [token async for token in engine.tokens(seq)]
+        except RuntimeError as err:
+            return err
+
+    async def all_of_them() -> list:
+        return await asyncio.wait_for(asyncio.gather(*(each(r) for r in mixed)), 60)
+
+    got = asyncio.run(all_of_them())
+    assert isinstance(got[1], RuntimeError) and "NaN" in str(got[1]), got[1]
+    assert got[:1] + got[2:] == expected
