@@ -76,3 +76,38 @@ def test_a_request_that_fails_in_a_shared_step_fails_alone() -> None:
     got = asyncio.run(all_of_them())
     assert isinstance(got[1], RuntimeError) and "NaN" in str(got[1]), got[1]
     assert got[:1] + got[2:] == expected
+
+
+@pytest.mark.ray
+@pytest.mark.drill(outcome="recovered", lost="nothing")
+@pytest.mark.timeout(180)
+def test_shards_served_from_a_run_directory_follow_it_past_pruning(ray_cluster, tmp_path) -> None:
+    """Served from a run directory that training goes on writing: the served checkpoint is pruned
+    (checkpoint.keep), then a shard dies. The rebuilt group loads the run's newest committed
+    checkpoint; it used to reload the pruned one, and every rebuild (and new replica) failed."""
+    from shardyard.parallel import single_process
+    from shardyard.serve.shards import ShardedModel
+    from shardyard.spec import parse_spec
+    from shardyard.train.checkpoint import CheckpointManager, TrainState
+    from test_run_drills import job
+
+    spec = parse_spec(job(tmp_path))
+    torch.manual_seed(0)
+    engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
+    manager = CheckpointManager(spec.run_uri, keep=1)
+    manager.save(engine, TrainState(2, 16, 1), spec, metrics={})
+    sharded = ShardedModel(spec.run_uri, 2)
+    try:
+        tokens = torch.tensor([[5, 6, 7, 8]])
+        with torch.no_grad():
+            for p in engine.model.parameters():  # training goes on: other weights at step 4
+                p.add_(0.01 * torch.randn_like(p))
+        manager.save(engine, TrainState(4, 32, 1), spec, metrics={})  # keep 1: step 2 is pruned
+        assert [p.name for p in (tmp_path / "run").glob("checkpoint_step_*")] == ["checkpoint_step_00000004"]
+        sharded.rebuild()
+        assert sharded.checkpoint_dir.endswith("checkpoint_step_00000004")
+        with torch.no_grad():
+            expected = engine.model.eval()(tokens)
+        torch.testing.assert_close(sharded.forward(tokens), expected, rtol=0, atol=1e-5)
+    finally:
+        sharded.close()

@@ -165,7 +165,7 @@ class ModelServer:
 
     def _shards(self, use_gpu: bool) -> ShardedModel:
         cfg = self.config
-        return ShardedModel(cfg.checkpoint, cfg.num_shards, use_gpu, cfg.multi_node, cfg.sharding,
+        return ShardedModel(cfg.source, cfg.num_shards, use_gpu, cfg.multi_node, cfg.sharding,
                             cpus_per_shard=cfg.cpus_per_shard, cache_rows=cfg.cache_rows)
 
     def _start_model(self) -> None:
@@ -460,4 +460,6 @@ def build_app(args: dict[str, Any]) -> "serve.Application":
             raise SpecError(f"invalid serve config: {err}") from None
         options["placement_group_bundles"] = bundles
         options["placement_group_strategy"] = "PACK" if cfg.multi_node else "STRICT_PACK"
-    return ModelServer.options(**options).bind(cfg.model_dump())
+    # The checkpoint as given: a replica started later (autoscaling, a replacement) loads the
+    # run's newest committed checkpoint then.
+    return ModelServer.options(**options).bind({**cfg.model_dump(), "checkpoint": cfg.source})

@@ -6,17 +6,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from shardyard.serve.shards import sharding_problem, supports_kv_cache
 from shardyard.spec import LANGUAGE_MODELS, validate
-from shardyard.train.checkpoint import committed_record, find_latest, is_hf_directory, read_spec
+from shardyard.train.checkpoint import is_hf_directory, read_spec, servable
 
 DEFAULT_CHECKPOINT = "runs/gpt_ddp"  # where README's default training job writes
 
 
 class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    _source: str = PrivateAttr("")
 
     checkpoint: str = Field(DEFAULT_CHECKPOINT, description="a checkpoint, a run directory (its latest), or a Hugging Face model directory")
     num_shards: int = Field(1, ge=1, description="shard actors the model is split across")
@@ -58,6 +59,7 @@ class ServeConfig(BaseModel):
     def _check(self) -> ServeConfig:
         if self.max_replicas is not None and self.max_replicas < self.num_replicas:
             raise ValueError(f"max_replicas ({self.max_replicas}) is below num_replicas ({self.num_replicas})")
+        self._source = self.checkpoint
         self.checkpoint = str(resolve_checkpoint(self.checkpoint))
         spec = read_spec(self.checkpoint)
         model = spec.model
@@ -81,6 +83,12 @@ class ServeConfig(BaseModel):
         return self
 
     @property
+    def source(self) -> str:
+        """The checkpoint as given: a run directory stays one, so replicas and shard rebuilds load
+        its newest committed checkpoint when they start, not one training has since pruned."""
+        return self._source
+
+    @property
     def cache_rows(self) -> int:
         """Requests the KV cache holds at once (continuous batching), else 0."""
         if self.batching != "continuous":
@@ -101,17 +109,13 @@ class ServeConfig(BaseModel):
 
 
 def resolve_checkpoint(path: str) -> Path:
-    """A committed checkpoint directory or a Hugging Face model directory as given, or a run
-    directory's newest committed checkpoint."""
-    given = Path(path).expanduser().resolve()
-    if committed_record(given) is not None or is_hf_directory(given):
-        return given
-    latest = find_latest(given) if given.is_dir() else None
-    if latest is None:
-        raise ValueError(f"no checkpoint at {str(given)!r}: train one first with `shardyard train "
-                         f"jobs/configs/gpt_ddp.yaml` (it writes {DEFAULT_CHECKPOINT}/), or pass "
-                         f"checkpoint=PATH")
-    return latest
+    """What `servable` finds at `path`, or a ValueError that says how to get a checkpoint."""
+    found = servable(path)
+    if found is None:
+        raise ValueError(f"no checkpoint at {str(Path(path).expanduser().resolve())!r}: train one first with "
+                         f"`shardyard train jobs/configs/gpt_ddp.yaml` (it writes {DEFAULT_CHECKPOINT}/), or "
+                         f"pass checkpoint=PATH")
+    return found
 
 
 def parse_config(args: dict[str, Any]) -> ServeConfig:

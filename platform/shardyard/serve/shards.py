@@ -44,7 +44,7 @@ from shardyard.parallel.pipeline import balanced_split
 from shardyard.parallel.tensor import apply_tensor_parallel
 from shardyard.runtime import select_device
 from shardyard.spec import LANGUAGE_MODELS, CustomSpec, GPTSpec, HFSpec
-from shardyard.train.checkpoint import load_model_part, read_spec
+from shardyard.train.checkpoint import load_model_part, read_spec, servable
 
 
 Sharding = Literal["pipeline", "tensor"]
@@ -229,19 +229,25 @@ def sharding_problem(spec: GPTSpec | HFSpec | CustomSpec, num_shards: int, shard
 class ShardedModel:
     """The caller's handle on a group of shards; rebuilds the group when a shard dies."""
 
-    def __init__(self, checkpoint_dir: str, num_shards: int, use_gpu: bool = False,
+    def __init__(self, source: str, num_shards: int, use_gpu: bool = False,
                  multi_node: bool = False, sharding: Sharding = "pipeline", compiled: bool = True,
                  cpus_per_shard: float = 1.0, cache_rows: int = 0) -> None:
-        """`cache_rows`: sequences each shard's KV cache holds (0: no cache; forward passes then
-        take left padding, not cache steps)."""
-        self.checkpoint_dir, self.num_shards, self.use_gpu = checkpoint_dir, num_shards, use_gpu
+        """`source`: a checkpoint, a model directory, or a run directory, whose newest committed
+        checkpoint each (re)build loads (training may have pruned the one loaded before; a run
+        keeps its model, so the split stays valid). `cache_rows`: sequences each shard's KV cache
+        holds (0: no cache; forward passes then take left padding, not cache steps)."""
+        self.source, self.num_shards, self.use_gpu = source, num_shards, use_gpu
+        found = servable(source)
+        if found is None:
+            raise ValueError(f"no checkpoint at {source!r}")
+        self.checkpoint_dir = str(found)
         self.bundle = shard_bundle(use_gpu, cpus_per_shard)
         self.multi_node, self.sharding, self.cache_rows = multi_node, sharding, cache_rows
         self.compiled = compiled and sharding == "pipeline"  # tensor shards talk over torch.distributed
         self.graph = None
-        spec = read_spec(checkpoint_dir).model
+        spec = read_spec(self.checkpoint_dir).model
         if not isinstance(spec, LANGUAGE_MODELS):
-            raise ValueError(f"{checkpoint_dir} holds a '{spec.name}' model; sharded serving is for language models")
+            raise ValueError(f"{self.checkpoint_dir} holds a '{spec.name}' model; sharded serving is for language models")
         problem = sharding_problem(spec, num_shards, sharding)
         if problem:
             raise ValueError(problem)
@@ -269,6 +275,7 @@ class ShardedModel:
             raise
 
     def _start_shards(self) -> None:
+        self.checkpoint_dir = str(servable(self.source) or self.checkpoint_dir)
         p = self.placement
 
         def in_bundle(i: int) -> dict:

@@ -157,6 +157,15 @@ def is_hf_directory(path: str | Path) -> bool:
     return (Path(path) / "config.json").is_file() and not (Path(path) / SPEC_FILE).is_file()
 
 
+def servable(path: str | Path) -> Path | None:
+    """What serving loads from `path` now: a committed checkpoint or a Hugging Face model directory
+    as given, or a run directory's newest committed checkpoint (None when it has none yet)."""
+    given = Path(path).expanduser().resolve()
+    if committed_record(given) is not None or is_hf_directory(given):
+        return given
+    return find_latest(given) if given.is_dir() else None
+
+
 def read_spec(checkpoint_dir: str | Path) -> JobSpec:
     """The spec a checkpoint was trained with. A Hugging Face model directory has none: it gets
     one that loads it as it is, with the model's whole context window (for serving it)."""
