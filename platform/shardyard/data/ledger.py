@@ -9,9 +9,8 @@ servers.
 
 Why two lines: a step counts once any replica applied it, and then it holds the gradients of every
 rank of its round, including one that died or failed before it could commit (an all-reduce that
-completed anywhere summed every input). The audit keeps, for each step, the ids of the latest
-round that committed it: the trajectory that produced the final model. A step committed by two
-rounds of the same attempt means replicas diverged; the audit counts those.
+completed anywhere summed every input). The audit keeps, for each step, the ids of the round the
+final model descends from (`final_rounds`), and counts the steps at which replicas diverged.
 """
 
 from __future__ import annotations
@@ -63,17 +62,49 @@ class LedgerAudit:
         return self.duplicates == 0 and self.missing == 0 and self.diverged_steps == 0
 
 
-def audit(run_dir: str | Path, num_samples: int) -> LedgerAudit:
-    entries = [json.loads(line) for f in sorted((Path(run_dir) / "ledger").glob("*.jsonl"))
-               for line in f.read_text().splitlines() if line.strip()]
-    rounds: dict[int, set[tuple[float, int]]] = {}  # step -> the rounds that committed it
+Round = tuple[float, int]  # (attempt, quorum or -1)
+
+
+def _round(entry: dict) -> Round:
+    return entry["attempt"], -1 if entry["quorum"] is None else entry["quorum"]
+
+
+def final_rounds(entries: list[dict]) -> tuple[dict[int, Round], int]:
+    """For each step, the round whose commit the final model descends from; and the steps at
+    which replicas diverged for good.
+
+    A later attempt (a restart from a checkpoint) replaces an earlier one. Within an attempt,
+    TorchFT may briefly run two quorums at once (a replica busy writing a checkpoint forms one with
+    a replacement while the others go on): both commit the step, and the branch that did not go
+    on is healed away (its replicas jump ahead from a live peer). So, walking back from the last
+    step, a step's round is the one that went on to the next step's round: a writer (one file;
+    lines in order) committed this step in it and later the next step in that one. Two rounds
+    that both went on mean replicas with different states trained on together: divergence."""
+    commits: dict[int, dict[Round, list[tuple[str, int]]]] = {}  # step -> round -> (writer, line)
     for e in entries:
         if e.get("commit"):
-            rounds.setdefault(e["step"], set()).add((e["attempt"], -1 if e["quorum"] is None else e["quorum"]))
-    chosen = {step: max(keys) for step, keys in rounds.items()}
-    diverged = sum(len([k for k in keys if k[0] == chosen[step][0]]) - 1 for step, keys in rounds.items())
-    final = [e for e in entries if "ids" in e and chosen.get(e["step"]) ==
-             (e["attempt"], -1 if e["quorum"] is None else e["quorum"])]
+            commits.setdefault(e["step"], {}).setdefault(_round(e), []).append((e["_writer"], e["_line"]))
+    chosen: dict[int, Round] = {}
+    diverged = 0
+    for step in sorted(commits, reverse=True):
+        rounds = commits[step]
+        attempt = max(r[0] for r in rounds)
+        candidates = [r for r in rounds if r[0] == attempt]
+        after = chosen.get(step + 1)
+        later = commits[step + 1][after] if after is not None and after[0] == attempt else []
+        went_on = [r for r in candidates
+                   if any(w == w2 and l2 > l for w, l in rounds[r] for w2, l2 in later)]
+        diverged += max(0, len(went_on) - 1)
+        chosen[step] = max(went_on or candidates)
+    return chosen, diverged
+
+
+def audit(run_dir: str | Path, num_samples: int) -> LedgerAudit:
+    entries = [{**json.loads(line), "_writer": f.name, "_line": i}
+               for f in sorted((Path(run_dir) / "ledger").glob("*.jsonl"))
+               for i, line in enumerate(f.read_text().splitlines()) if line.strip()]
+    chosen, diverged = final_rounds(entries)
+    final = [e for e in entries if "ids" in e and chosen.get(e["step"]) == _round(e)]
     # In global order: a step deals micro-step by micro-step, rank by rank (data/sampler.py), so
     # a step that crosses an epoch's end is cut where the order crosses it.
     placed = sorted((e["step"], micro * e["world_size"] + e["dp_rank"], ids)
