@@ -206,9 +206,12 @@ def test_a_hugging_face_model_directory_is_served_as_it_is(ray_cluster, tmp_path
 
 
 def server_args(checkpoints: dict[str, Path], request_timeout_s: float = 2.0) -> dict:
+    token_file = checkpoints["ddp"].parents[2] / "token"  # the token is never a deployment argument
+    token_file.write_text(TOKEN + "\n")
     return {"checkpoint": str(checkpoints["ddp"]), "num_shards": 2, "batching": "fixed", "max_batch_size": 8,
             "batch_wait_timeout_s": 0.05, "max_queued_requests": 16, "request_timeout_s": request_timeout_s,
-            "max_body_bytes": 2048, "max_tokens_limit": 2048, "bearer_token": TOKEN}
+            "max_body_bytes": 2048, "max_tokens_limit": 2048,
+            "bearer_token_file": str(token_file)}
 
 
 def metric(url: str, series: str, app: str, until: Callable[[float], bool] = lambda v: True,
@@ -296,6 +299,8 @@ def test_every_bad_input_gets_its_status_and_the_server_keeps_serving(server) ->
     assert near.status_code == 401  # compared whole (in constant time), not by prefix
     too_big = requests.post(url, data=json.dumps({"prompt": "x" * 5000}), headers=HEADERS)
     assert too_big.status_code == 413 and "limit is 2048" in error_of(too_big)
+    chunked = requests.post(url, data=iter([b'{"prompt": "', b"x" * 3000, b'"}']), headers=HEADERS)
+    assert chunked.status_code == 413 and "over 2048 bytes" in error_of(chunked)  # no Content-Length
     for body, field in [({"prompt": "hi", "max_tokens": 0}, "max_tokens"), ({"prompt": ""}, "prompt"),
                         ({"prompt": "hi", "temperature": "hot"}, "temperature"),
                         ({"prompt": "hi", "max_tokenz": 3}, "max_tokenz"), ({}, "prompt"),
@@ -314,7 +319,8 @@ def test_every_bad_input_gets_its_status_and_the_server_keeps_serving(server) ->
                                headers={**HEADERS, "Content-Type": "application/json"})
     assert not_finite.status_code == 422 and "inputs" in error_of(not_finite), not_finite.text
     # Latency is labelled by route, never by the raw path: random paths add no series.
-    assert requests.get(f"{server}/no/such/path-x7q", headers=HEADERS).status_code == 404
+    no_route = requests.get(f"{server}/no/such/path-x7q", headers=HEADERS)
+    assert no_route.status_code == 404 and "no route GET" in error_of(no_route)  # the one error shape
     metric(server, "ray_serve_num_http_requests_total", "test_app", lambda n: n >= 10)
     assert "path-x7q" not in requests.get(f"{server}/metrics", timeout=30).text
     # 2048 tokens through 2 shards take far longer than the 2 s request timeout.
@@ -473,8 +479,9 @@ def test_serve_config_mistakes_are_named_before_anything_starts(ray_cluster, tmp
         parse_config({"checkpoint": str(tmp_path / "nothing")})
     with pytest.raises(SpecError, match="unknown key 'num_shard'"):
         parse_config({"num_shard": 2})
-    with pytest.raises(SpecError, match="bearer_token"):  # empty: refused, not "no auth"
-        parse_config({"checkpoint": trained, "bearer_token": ""})
+    (tmp_path / "empty_token").write_text("\n")
+    with pytest.raises(SpecError, match="is empty"):  # refused, not read as "no auth"
+        parse_config({"checkpoint": trained, "bearer_token_file": str(tmp_path / "empty_token")})
     with pytest.raises(SpecError, match=r"max_kv_tokens \(8\) is below one context window \(16 tokens\)"):
         parse_config({"checkpoint": trained, "max_kv_tokens": 8})
     assert parse_config({"checkpoint": trained}).batching == "continuous"  # auto: the GPT has a KV cache

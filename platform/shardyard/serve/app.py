@@ -16,14 +16,14 @@ left-padded and masked, so each answer equals the unbatched one), fixed or adapt
 `data: {chunk}` lines ending with `data: [DONE]`. A shard lost under a batch gets the shard group
 rebuilt and the batch resumed where it stopped. Every mistake a client can make gets a 4xx in
 OpenAI's error shape with a reason: malformed JSON 400, a prompt beyond the context 400, bad or
-missing credentials 401, another model 404, body too large 413, invalid fields 422 (naming the
-field), too slow 408; a full queue is answered 503 with Retry-After by Serve itself
-(`max_queued_requests`).
+missing credentials 401 (checked first, before the body is read), another model or route 404,
+body too large 413 (checked before reading it), invalid fields 422 (naming the field), too slow
+408; a full queue is answered 503 with Retry-After by Serve itself (`max_queued_requests`). Every
+error, an unhandled one (500) included, is counted by status and route (serve/guard.py).
 """
 
 
 import asyncio
-import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -31,18 +31,17 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 import torch
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.config import BackpressureConfig
 
-from shardyard.data.tokenizer import run_tokenizer
 from shardyard.serve import openai_api as oa
 from shardyard.serve.batching import AdaptiveBatchSize, calibrate, prefill_budget
-from shardyard.serve.config import ServeConfig, parse_config
+from shardyard.serve.config import parse_config
 from shardyard.serve.engine import DecodingEngine, LostTwice
+from shardyard.serve.guard import ClientError, GuardSettings, error_response, install
 from shardyard.serve.generation import Completion, TextCodec, TextStream, decode_steps
 from shardyard.serve.metrics import ServingMetrics, scrape_cluster
 from shardyard.serve.shards import SHARD_LOST, CachesLost, ShardedModel, check_room, shard_bundle
@@ -50,6 +49,7 @@ from shardyard.spec import LANGUAGE_MODELS, SpecError
 from shardyard.train.checkpoint import load_model, read_spec
 
 api = FastAPI(title="shardyard")
+install(api)  # auth and body limits before anything else; one error shape (serve/guard.py)
 
 
 class PredictRequest(BaseModel):
@@ -74,33 +74,9 @@ class Generation:
     abandon: Callable[[], None]
 
 
-class ClientError(Exception):
-    def __init__(self, status: int, reason: str, field: str | None = None, code: str | None = None) -> None:
-        super().__init__(reason)
-        self.status, self.reason, self.field, self.code = status, reason, field, code
-
-
-def _error(status: int, reason: str, field: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse(oa.error_body(status, reason, field, code), status_code=status)
-
-
 def _event(payload: dict[str, Any] | str) -> str:
     """One server-sent event."""
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
-
-
-@api.exception_handler(RequestValidationError)
-async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = exc.errors()
-    if any(e["type"] == "json_invalid" for e in errors):
-        return _error(400, "request body is not valid JSON")
-    fields = [(".".join(str(p) for p in e["loc"] if p != "body") or "body", e["msg"]) for e in errors]
-    return _error(422, "; ".join(f"{name}: {message}" for name, message in fields), fields[0][0])
-
-
-@api.exception_handler(ClientError)
-async def _client_error(request: Request, exc: ClientError) -> JSONResponse:
-    return _error(exc.status, exc.reason, exc.field, exc.code)
 
 
 # The replica decodes and batches; its shards compute. Its bundle is small so that README's
@@ -110,33 +86,15 @@ REPLICA_CPUS = 0.5
 PUBLISH_EVERY_S = 1.0
 
 
-@api.middleware("http")
-async def _limits(request: Request, call_next) -> Response:
-    server = request.app.state.server  # the replica (ModelServer) serving this process
-    server.publish_metrics()
-    response = _check_request(request, server.config, await request.body())
-    return response if response is not None else await call_next(request)
-
-
-def _check_request(request: Request, cfg: ServeConfig, body: bytes) -> Response | None:
-    if request.method != "POST":
-        return None
-    given = request.headers.get("authorization", "").encode()
-    if cfg.bearer_token and not hmac.compare_digest(given, f"Bearer {cfg.bearer_token}".encode()):  # constant time
-        return _error(401, "missing or wrong bearer token (Authorization: Bearer <token>)", code="invalid_api_key")
-    if len(body) > cfg.max_body_bytes:
-        return _error(413, f"request body is {len(body)} bytes; the limit is {cfg.max_body_bytes}")
-    return None
-
-
 # Everything ModelServer uses must be defined above it: Serve pickles the class when it is decorated.
 @serve.deployment
 @serve.ingress(api)
 class ModelServer:
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = parse_config(config)
-        api.state.server = self
         self.metrics = ServingMetrics()
+        api.state.guard = GuardSettings(self.config.max_body_bytes, self.config.bearer_token,
+                                        self.metrics.count_error, self.publish_metrics)
         self._publisher: asyncio.Task | None = None
         self.started = int(time.time())
         model_spec = read_spec(self.config.checkpoint).model
@@ -145,7 +103,7 @@ class ModelServer:
         self.adaptive: AdaptiveBatchSize | None = None
         self.engine: DecodingEngine | None = None
         if self.generates:
-            self.tokenizer = self._tokenizer(model_spec)
+            self.tokenizer = self.config.tokenizer
             self.codec = TextCodec(self.tokenizer)
             self.stop_token = getattr(self.tokenizer, "eos_token_id", None)
             self.block_size = model_spec.block_size
@@ -153,15 +111,6 @@ class ModelServer:
         else:  # the MLP: small, served whole by the replica
             self.mlp = load_model(self.config.checkpoint).eval()
             self.in_dim = model_spec.in_dim
-
-    def _tokenizer(self, model_spec: Any) -> Any:
-        """The tokenizer a Hugging Face model directory brings, or else the one the run's data was
-        prepared with (kept in the run directory); None: UTF-8 bytes are the tokens."""
-        if getattr(model_spec, "brings_tokenizer", False):
-            from shardyard.models.hf import load_tokenizer
-
-            return load_tokenizer(model_spec)
-        return run_tokenizer(self.config.checkpoint)
 
     def _shards(self, use_gpu: bool) -> ShardedModel:
         cfg = self.config
@@ -355,7 +304,7 @@ class ModelServer:
     async def healthz(self) -> Response:
         if not self.generates or await asyncio.to_thread(self.model.healthy):
             return JSONResponse({"status": "ok", "model": self.kind})
-        return _error(503, "a model shard is not answering; the shard group is being rebuilt")
+        return error_response(503, "a model shard is not answering; the shard group is being rebuilt")
 
     @api.get("/metrics")
     async def metrics_text(self) -> Response:

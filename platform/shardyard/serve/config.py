@@ -3,11 +3,13 @@ file's `args:`. Validated strictly (Serve's own schema would drop a misspelled k
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from shardyard.data.tokenizer import run_tokenizer
 from shardyard.serve.shards import sharding_problem, supports_kv_cache
 from shardyard.spec import LANGUAGE_MODELS, validate
 from shardyard.train.checkpoint import is_hf_directory, read_spec, servable
@@ -18,6 +20,8 @@ DEFAULT_CHECKPOINT = "runs/gpt_ddp"  # where README's default training job write
 class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     _source: str = PrivateAttr("")
+    _tokenizer: Any = PrivateAttr(None)  # language models: the serving tokenizer (None: UTF-8 bytes)
+    _token: str | None = PrivateAttr(None)  # read where the config is parsed; never in the bound arguments
 
     checkpoint: str = Field(DEFAULT_CHECKPOINT, description="a checkpoint, a run directory (its latest), or a Hugging Face model directory")
     num_shards: int = Field(1, ge=1, description="shard actors the model is split across")
@@ -52,11 +56,21 @@ class ServeConfig(BaseModel):
     max_body_bytes: int = Field(16_384, ge=256, description="larger bodies get 413")
     max_prompt_chars: int = Field(4096, ge=1)
     max_tokens_limit: int = Field(256, ge=1, description="largest max_tokens a request may ask for")
-    bearer_token: str | None = Field(None, min_length=1, description="when set, requests need Authorization: "
-                                     "Bearer <token> (an empty token is refused, not read as no auth)")
+    bearer_token_env: str | None = Field(None, min_length=1, description="the environment variable that holds "
+                                         "the token requests need (Authorization: Bearer <token>)")
+    bearer_token_file: str | None = Field(None, min_length=1, description="or the file that holds it")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_token_in_arguments(cls, args: Any) -> Any:
+        if isinstance(args, dict) and "bearer_token" in args:
+            raise ValueError("bearer_token: deployment arguments are shown by Serve's dashboard and API; put the "
+                             "token in an environment variable (bearer_token_env=NAME) or a file (bearer_token_file=PATH)")
+        return args
 
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:
+        self._token = read_token(self.bearer_token_env, self.bearer_token_file)
         if self.max_replicas is not None and self.max_replicas < self.num_replicas:
             raise ValueError(f"max_replicas ({self.max_replicas}) is below num_replicas ({self.num_replicas})")
         self._source = self.checkpoint
@@ -66,6 +80,9 @@ class ServeConfig(BaseModel):
         problem = sharding_problem(model, self.num_shards, self.sharding) if isinstance(model, LANGUAGE_MODELS) else None
         if problem:
             raise ValueError(problem)
+        if isinstance(model, LANGUAGE_MODELS):
+            self._tokenizer = serving_tokenizer(self.checkpoint, model)
+            check_vocabulary(model, self._tokenizer)
         cached = isinstance(model, LANGUAGE_MODELS) and supports_kv_cache(model)
         if self.batching == "auto":
             self.batching = "continuous" if cached else "adaptive"
@@ -89,6 +106,17 @@ class ServeConfig(BaseModel):
         return self._source
 
     @property
+    def tokenizer(self) -> Any:
+        """What turns text into the model's tokens: the tokenizer a Hugging Face model directory
+        brings, or the one the run's data was prepared with; None: UTF-8 bytes are the tokens."""
+        return self._tokenizer
+
+    @property
+    def bearer_token(self) -> str | None:
+        """The token requests need, or None: no auth."""
+        return self._token
+
+    @property
     def cache_rows(self) -> int:
         """Requests the KV cache holds at once (continuous batching), else 0."""
         if self.batching != "continuous":
@@ -98,8 +126,6 @@ class ServeConfig(BaseModel):
     @property
     def use_gpu(self) -> bool:
         if self.device == "auto":
-            import os
-
             import ray
 
             if not ray.is_initialized():  # `serve run` builds the app before it connects
@@ -116,6 +142,45 @@ def resolve_checkpoint(path: str) -> Path:
                          f"`shardyard train jobs/configs/gpt_ddp.yaml` (it writes {DEFAULT_CHECKPOINT}/), or "
                          f"pass checkpoint=PATH")
     return found
+
+
+def serving_tokenizer(checkpoint: str, model: Any) -> Any:
+    if getattr(model, "brings_tokenizer", False):
+        from shardyard.models.hf import load_tokenizer
+
+        return load_tokenizer(model)
+    return run_tokenizer(checkpoint)
+
+
+def check_vocabulary(model: Any, tokenizer: Any) -> None:
+    """Every id the tokenizer can produce must have a row in the model's embedding: else every
+    request would fail (on CUDA, an out-of-range index also breaks the device for good)."""
+    ids, kind = (256, "UTF-8 bytes (ids 0-255)") if tokenizer is None else (len(tokenizer), "its tokenizer")
+    if ids > model.vocab_size:
+        raise ValueError(f"the model's vocabulary has {model.vocab_size} ids but the text is tokenized with {kind}, "
+                         f"which has {ids}: this checkpoint was not trained on text this server can encode "
+                         f"(a model trained on synthetic token ids cannot serve text)")
+
+
+def read_token(env: str | None, file: str | None) -> str | None:
+    """The bearer token from its variable or file (surrounding whitespace dropped); one that is
+    missing or empty is an error, never "no auth"."""
+    if env and file:
+        raise ValueError("give bearer_token_env or bearer_token_file, not both")
+    if env:
+        if env not in os.environ:
+            raise ValueError(f"bearer_token_env: the environment variable {env} is not set")
+        token, where = os.environ[env].strip(), f"the environment variable {env}"
+    elif file:
+        try:
+            token, where = Path(file).expanduser().read_text().strip(), f"the file {file}"
+        except OSError as err:
+            raise ValueError(f"bearer_token_file: cannot read {file}: {err.strerror}") from None
+    else:
+        return None
+    if not token:
+        raise ValueError(f"bearer token: {where} is empty (an empty token would let every request in)")
+    return token
 
 
 def parse_config(args: dict[str, Any]) -> ServeConfig:

@@ -46,7 +46,14 @@ class ServingMetrics:
         self.batch_size = metrics.Histogram("shardyard_batch_size", "requests per batch",
                                             boundaries=[1, 2, 4, 8, 16, 32, 64, 128])
         self.max_batch_size = metrics.Gauge("shardyard_max_batch_size", "the batch size limit in force")
+        # Every error response, those Serve never sees as errors (a 401 or 413 from the guard,
+        # an unhandled exception answered 500) included; the route is a template, never a raw path.
+        self.errors = metrics.Counter("shardyard_http_errors", "error responses by status and route",
+                                      tag_keys=("status", "route"))
         self._engine_tokens = 0
+
+    def count_error(self, status: int, route: str) -> None:
+        self.errors.inc(tags={"status": str(status), "route": route})
 
     def read_engine(self, engine: DecodingEngine) -> None:
         """Bring in what the engine measured since the last call (it keeps plain numbers, so it

@@ -1,0 +1,169 @@
+"""What every HTTP request meets before the app's routes see it, and how every error leaves.
+
+- Auth first: a request without the bearer token is refused (401) before its body is read, the
+  token compared in constant time. `GET /healthz` and `GET /metrics` stay open for load balancers
+  and Prometheus.
+- Then size: a Content-Length over the limit is refused (413) before the body is read, and a body
+  sent in chunks (no Content-Length) is read only up to the limit.
+- Every error, whichever layer makes it (a route's ClientError, FastAPI's parsing, Starlette's 404
+  and 405, an unhandled exception), leaves in OpenAI's error shape and is counted by status and
+  route template: never by the raw path, which a client chooses, so random paths add no series.
+
+The guard is plain ASGI middleware: Starlette's `@app.middleware("http")` kind reads the whole
+body before a limit could apply.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from shardyard.serve.openai_api import error_body
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+OPEN_PATHS = ("/healthz", "/metrics")  # GET without a token
+UNMATCHED = "unmatched"  # the route label of a request that matched no route
+
+
+class ClientError(Exception):
+    """A request the app refuses: its status, the reason, and the field at fault."""
+
+    def __init__(self, status: int, reason: str, field: str | None = None, code: str | None = None) -> None:
+        super().__init__(reason)
+        self.status, self.reason, self.field, self.code = status, reason, field, code
+
+
+@dataclass
+class GuardSettings:
+    max_body_bytes: int
+    token: str | None = None  # None: no auth
+    count_error: Callable[[int, str], None] = lambda status, route: None
+    on_request: Callable[[], None] = lambda: None  # e.g. start the replica's metrics publisher
+    _expected: bytes = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._expected = f"Bearer {self.token}".encode()
+
+    def authorized(self, scope: Scope) -> bool:
+        if self.token is None:
+            return True
+        given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+        return hmac.compare_digest(given, self._expected)  # constant time: no prefix oracle
+
+
+def error_response(status: int, reason: str, field: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, reason, field, code), status_code=status)
+
+
+def route_label(scope: Scope) -> str:
+    """The template of the route the request matched (Starlette records it in the scope)."""
+    route = scope.get("route")
+    return getattr(route, "path", UNMATCHED)
+
+
+class RequestGuard:
+    """ASGI middleware; its settings are the app's `state.guard`, set when the replica starts."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        settings: GuardSettings = scope["app"].state.guard
+        settings.on_request()
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                settings.count_error(message["status"], route_label(scope))
+            await send(message)
+
+        try:
+            refusal, receive = await self._admit(scope, receive, settings)
+            if refusal is not None:
+                await refusal(scope, receive, counted)
+            elif receive is not None:  # None: the client left while sending its body
+                await self.app(scope, receive, counted)
+        except Exception:
+            settings.count_error(500, route_label(scope))
+            raise  # Starlette's outermost middleware answers it with the app's handler (below)
+
+    async def _admit(self, scope: Scope, receive: Receive,
+                     settings: GuardSettings) -> tuple[JSONResponse | None, Receive | None]:
+        """A refusal, or a receive that replays the body read within the limit."""
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if not (scope["method"] == "GET" and path in OPEN_PATHS) and not settings.authorized(scope):
+            return error_response(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
+                                  code="invalid_api_key"), receive
+        limit = settings.max_body_bytes
+        declared = next((value for name, value in scope["headers"] if name == b"content-length"), None)
+        if declared is not None and int(declared) > limit:  # the HTTP server has checked it is a number
+            return error_response(413, f"request body is {int(declared)} bytes; the limit is {limit}"), receive
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None, None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return error_response(413, f"request body is over {limit} bytes; the limit is {limit}"), receive
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:  # after the body, what the server says next (a disconnect)
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return None, replay
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    reason = {404: f"no route {request.method} {request.url.path}",
+              405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+    return error_response(exc.status_code, reason)
+
+
+async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    if any(e["type"] == "json_invalid" for e in errors):
+        return error_response(400, "request body is not valid JSON")
+    fields = [(".".join(str(p) for p in e["loc"] if p != "body") or "body", e["msg"]) for e in errors]
+    return error_response(422, "; ".join(f"{name}: {message}" for name, message in fields), fields[0][0])
+
+
+async def _client_error(request: Request, exc: ClientError) -> JSONResponse:
+    return error_response(exc.status, exc.reason, exc.field, exc.code)
+
+
+async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
+    # The exception itself goes to the replica's log (Starlette re-raises it after answering).
+    return error_response(500, "internal server error; the server's log has the details")
+
+
+def install(app: FastAPI, settings: GuardSettings | None = None) -> None:
+    """Put the guard in front of `app` and route every error through one shape. Settings may come
+    later (`app.state.guard = ...`), before the first request."""
+    app.add_middleware(RequestGuard)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _invalid_request)
+    app.add_exception_handler(ClientError, _client_error)
+    app.add_exception_handler(Exception, _unhandled)
+    if settings is not None:
+        app.state.guard = settings

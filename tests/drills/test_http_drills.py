@@ -1,0 +1,164 @@
+"""HTTP drills: what a hostile or careless client sends, and what the app's guard (serve/guard.py)
+must answer. The guard in front of a small FastAPI app served by uvicorn on a real socket, without
+Ray (test_serve.py runs the same guard in the Serve app): auth before the body is read, body
+limits before and while reading, one JSON error shape for every error, unhandled ones included,
+each counted by route template."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+import uvicorn
+from fastapi import FastAPI, Request
+
+from shardyard.localdist import free_port
+from shardyard.serve.guard import GuardSettings, install
+from shardyard.spec import SpecError
+
+TOKEN = "s3cret-token"
+LIMIT = 1024
+
+
+class App:
+    """The guarded app, what its routes saw and what the guard counted."""
+
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+        self.errors: list[tuple[int, str]] = []
+        self.api = FastAPI()
+        install(self.api, GuardSettings(LIMIT, TOKEN, lambda status, route: self.errors.append((status, route))))
+
+        @self.api.post("/v1/echo")
+        async def echo(request: Request) -> dict:
+            self.bodies.append(await request.body())
+            return {"bytes": len(self.bodies[-1])}
+
+        @self.api.get("/v1/items/{item}")
+        async def boom(item: str) -> dict:
+            raise KeyError(item)  # a bug in a route: must still leave as the JSON error shape
+
+        @self.api.get("/healthz")
+        async def healthz() -> dict:
+            return {"status": "ok"}
+
+
+@pytest.fixture(scope="module")
+def app() -> Iterator[tuple[App, str]]:
+    app, port = App(), free_port()
+    server = uvicorn.Server(uvicorn.Config(app.api, host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield app, f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def head_only(url: str, headers: dict[str, str]) -> tuple[int, dict]:
+    """Send a POST's head, declaring a body that never comes, and read the answer: a guard that
+    reads the body first would wait for it (and the socket's timeout would fail the drill)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        sock.sendall(f"POST /v1/echo HTTP/1.1\r\nHost: {host}\r\n{head}\r\n".encode())
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+    status_line, _, rest = answer.partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
+def assert_error_shape(body: dict, status_type: str) -> str:
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["type"] == status_type
+    return body["error"]["message"]
+
+
+@pytest.mark.drill(outcome="401 before the body is read", lost="nothing")
+@pytest.mark.timeout(60)
+def test_a_request_without_the_token_is_refused_before_its_body_is_read(app) -> None:
+    app, url = app
+    status, body = head_only(url, {"Content-Length": str(10**9), "Content-Type": "application/json"})
+    assert status == 401 and "bearer token" in assert_error_shape(body, "authentication_error")
+    near = requests.post(f"{url}/v1/echo", data=b"{}", headers={"Authorization": f"Bearer {TOKEN[:-1]}"})
+    assert near.status_code == 401  # compared whole, not by prefix
+    missing_route = requests.get(f"{url}/no/such/route")
+    assert missing_route.status_code == 401  # auth comes before routing too
+    assert requests.get(f"{url}/healthz").status_code == 200  # open for load balancers
+    assert app.bodies == []
+
+
+@pytest.mark.drill(outcome="413 before or while reading", lost="nothing")
+@pytest.mark.timeout(60)
+def test_a_body_over_the_limit_is_refused_declared_or_chunked(app) -> None:
+    app, url = app
+    status, body = head_only(url, {**AUTH, "Content-Length": str(10**9)})
+    assert status == 413 and f"the limit is {LIMIT}" in assert_error_shape(body, "invalid_request_error")
+
+    def chunks():  # no Content-Length: requests sends Transfer-Encoding: chunked
+        for _ in range(64):
+            yield b"x" * 512
+
+    chunked = requests.post(f"{url}/v1/echo", data=chunks(), headers=AUTH, timeout=30)
+    assert chunked.status_code == 413 and f"over {LIMIT} bytes" in chunked.json()["error"]["message"]
+    assert requests.post(f"{url}/v1/echo", data=b"x" * LIMIT, headers=AUTH).json() == {"bytes": LIMIT}
+    small_chunks = requests.post(f"{url}/v1/echo", data=iter([b"ab", b"cd"]), headers=AUTH)
+    assert small_chunks.json() == {"bytes": 4}  # a chunked body within the limit reaches the route whole
+    assert app.bodies == [b"x" * LIMIT, b"abcd"]
+
+
+@pytest.mark.drill(outcome="one JSON error shape, counted by route", lost="nothing")
+@pytest.mark.timeout(60)
+def test_every_error_leaves_in_one_json_shape_and_is_counted_by_route_template(app) -> None:
+    app, url = app
+    app.errors.clear()
+    not_found = requests.get(f"{url}/no/such/path-x7q", headers=AUTH)
+    assert not_found.status_code == 404 and "/no/such/path-x7q" in assert_error_shape(not_found.json(), "not_found_error")
+    wrong_method = requests.get(f"{url}/v1/echo", headers=AUTH)
+    assert wrong_method.status_code == 405
+    assert "GET is not allowed" in assert_error_shape(wrong_method.json(), "invalid_request_error")
+    crashed = requests.get(f"{url}/v1/items/q93", headers=AUTH)
+    assert crashed.status_code == 500 and crashed.headers["content-type"] == "application/json"
+    assert "internal server error" in assert_error_shape(crashed.json(), "server_error")
+    assert "q93" not in crashed.text  # no internals leak to the client
+    # Labels come from the routes' templates: a client's random paths add no label.
+    assert app.errors == [(404, "unmatched"), (405, "/v1/echo"), (500, "/v1/items/{item}")]
+    assert requests.post(f"{url}/v1/echo", data=b"{}", headers=AUTH).status_code == 200  # still serving
+
+
+@pytest.mark.drill(outcome="refused with a message", lost="nothing")
+@pytest.mark.timeout(60)
+def test_the_bearer_token_never_travels_in_deployment_arguments_and_is_never_empty(tmp_path: Path, monkeypatch) -> None:
+    """Serve's dashboard shows deployment arguments: the token is read from a variable or a file
+    where the config is parsed; an empty one would let every request in, so it is refused."""
+    from shardyard.serve.config import parse_config, read_token
+
+    with pytest.raises(SpecError, match="bearer_token: deployment arguments are shown by Serve's dashboard"):
+        parse_config({"bearer_token": TOKEN})
+    monkeypatch.setenv("SHARDYARD_TEST_TOKEN", f" {TOKEN}\n")
+    assert read_token("SHARDYARD_TEST_TOKEN", None) == TOKEN
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    assert read_token(None, str(tmp_path / "token")) == TOKEN
+    monkeypatch.setenv("SHARDYARD_EMPTY_TOKEN", "  ")
+    with pytest.raises(ValueError, match="SHARDYARD_EMPTY_TOKEN is empty"):
+        read_token("SHARDYARD_EMPTY_TOKEN", None)
+    with pytest.raises(ValueError, match="SHARDYARD_NO_SUCH_VARIABLE is not set"):
+        read_token("SHARDYARD_NO_SUCH_VARIABLE", None)
+    with pytest.raises(ValueError, match="cannot read"):
+        read_token(None, str(tmp_path / "missing"))
