@@ -28,7 +28,7 @@ def test_a_branch_healed_away_is_not_the_trajectory_and_is_not_divergence(tmp_pa
     quorum 6 and commit step 2 again; rank0 then heals from rank1 at step 3 and all go on. The
     final model descends from quorum 4's step 2 (the audit used to take the latest quorum, 6, and
     count a divergence)."""
-    ledgers = {name: SampleLedger(tmp_path, name, attempt=0.0) for name in ("rank0", "rank1", "rank2")}
+    ledgers = {name: SampleLedger(str(tmp_path), name, attempt=0.0) for name in ("rank0", "rank1", "rank2")}
     step(ledgers, ["rank0", "rank1", "rank2"], 1, quorum=3, world=1)  # every replica alone: 4 samples each
     step(ledgers, ["rank1", "rank2"], 2, quorum=4)
     step(ledgers, ["rank1", "rank2"], 3, quorum=4)

@@ -516,9 +516,10 @@ def test_stopping_the_app_drains_requests_in_flight(server, checkpoints) -> None
     # the answers, however slow this machine decodes.
     serve.run(build_app(server_args(checkpoints, request_timeout_s=120.0)), name="test_app", route_prefix="/t")
     decoding = [threading.Event() for _ in range(4)]
+    ended = [threading.Event() for _ in range(4)]
 
-    def streamed(i: int) -> tuple[list[str], float]:
-        body = {"prompt": f"drain {i}", "max_tokens": 120, "temperature": 0, "stream": True}
+    def streamed(i: int) -> list[str]:
+        body = {"prompt": f"drain {i}", "max_tokens": 400, "temperature": 0, "stream": True}
         lines = []
         with requests.post(f"{server}/v1/completions", json=body, headers=HEADERS, stream=True, timeout=120) as answer:
             assert answer.status_code == 200, answer.text
@@ -526,18 +527,19 @@ def test_stopping_the_app_drains_requests_in_flight(server, checkpoints) -> None
                 if line.startswith("data: "):
                     lines.append(line.removeprefix("data: "))
                     decoding[i].set()
-        return lines, time.monotonic()
+        ended[i].set()
+        return lines
 
     with ThreadPoolExecutor(4) as pool:
         running = [pool.submit(streamed, i) for i in range(4)]
         for event in decoding:  # every request is being decoded (its first text has come)
             assert event.wait(60), "the requests were never decoded"
-        stop_requested = time.monotonic()
-        serve.delete("test_app")
+        in_flight = [not e.is_set() for e in ended]  # being answered as the stop is asked for
+        serve.delete("test_app")  # returns once the app is gone: its replica drained first
         answers = [f.result() for f in running]
-    for lines, _ in answers:  # each ran to its end: 120 tokens, no error, the stream closed
+    assert any(in_flight), "every request had ended before the stop: nothing was drained"
+    for lines in answers:  # each ran to its end: 400 tokens, no error, the stream closed
         assert lines[-1] == "[DONE]" and json.loads(lines[-2])["choices"][0]["finish_reason"] == "length", lines[-3:]
-    assert any(done > stop_requested for _, done in answers), "every request finished before the stop"
 
 
 @pytest.mark.timeout(300)

@@ -23,7 +23,7 @@ from shardyard.parallel import single_process
 from shardyard.spec import parse_spec
 from shardyard.train.checkpoint import CheckpointManager, TrainState
 from shardyard.train.lease import LEASE_FILE, LeaseHeld, RunLease
-from shardyard.train.metrics import read_events
+from shardyard.train.metrics import log_event, read_events
 from shardyard.train.optim import lr_factor
 
 HOLD = """
@@ -162,3 +162,173 @@ def test_resuming_with_a_new_learning_rate_and_length_applies_them_and_records_t
     CheckpointManager(changed.run_uri, keep=2).restore(engine)
     expected = 2e-3 * lr_factor(3, changed.optim, 500)
     assert all(g["lr"] == pytest.approx(expected, rel=1e-9) for g in engine.optimizers[0].param_groups)
+
+
+CUT_OFF = '{"step": 5, "killed_mid_li'  # what a writer killed in the middle of a line (or a full disk) leaves
+
+
+def train_ranks(rank: int, world: int, raw: dict, attempt: float, until: int | None = None) -> None:
+    """The Trainer on this rank, recording its samples (what the launcher adds for run.sample_ledger)."""
+    from shardyard.train.callbacks import LedgerCallback
+    from shardyard.train.trainer import Trainer
+
+    spec = parse_spec(raw)
+    ledger = LedgerCallback(spec.run_uri, rank, attempt)
+    Trainer.build(spec, rank, world, torch.device("cpu"), callbacks=[ledger]).train(until)
+
+
+@pytest.mark.drill(outcome="recovered", lost="nothing")
+@pytest.mark.timeout(180)
+def test_logs_cut_off_by_a_killed_writer_neither_stop_the_restart_nor_lose_a_sample(tmp_path: Path) -> None:
+    """The restarted writer used to append after the cut-off line, which was then in the middle
+    of the file: every later read (the metrics, the events, the sample audit) failed, so every
+    later restart failed too. A writer now ends its file's cut-off tail before its first line."""
+    from shardyard.data.ledger import audit
+    from shardyard.localdist import run_distributed
+    from shardyard.train.metrics import read_metrics
+
+    raw = job(tmp_path, scaling={"num_workers": 2}, batch={"global_batch_size": 8, "micro_batch_size": 4},
+              checkpoint={"every_n_steps": 4}, run={"steps": 8, "log_every": 1, "sample_ledger": True})
+    run_distributed(train_ranks, 2, raw, 1.0, 4)  # to the checkpoint of step 4, then killed mid-write:
+    run = tmp_path / "run"
+    for log in run.rglob("*.jsonl"):  # every log file of the run ends in a cut-off line
+        with log.open("a") as f:
+            f.write(CUT_OFF)
+    run_distributed(train_ranks, 2, raw, 2.0)  # the restarted run, in new processes as a restart is
+    assert [row["step"] for row in read_metrics(run)] == list(range(1, 9))
+    assert [log.name for log in run.rglob("*.jsonl") if CUT_OFF in log.read_text()] == []  # ended, not left in the middle
+    (run / "events").mkdir(exist_ok=True)  # a launcher's event file, cut off when it was killed
+    (run / "events" / "gone-host-1.jsonl").write_text('{"event": "started", "time": 1}\n' + CUT_OFF)
+    log_event(run, "resumed")
+    assert [e["event"] for e in read_events(run)] == ["started", "resumed"]
+    samples = audit(run, num_samples=64)  # 8 steps of 8: one whole epoch
+    assert (samples.steps, samples.complete_epochs, samples.duplicates, samples.missing) == (8, 1, 0, 0)
+
+
+@pytest.mark.drill(outcome="fails with the server's error", lost="nothing since the last checkpoint")
+@pytest.mark.timeout(60)
+def test_a_parameter_server_that_fails_at_every_restart_fails_the_run_instead_of_hanging_it() -> None:
+    """The driver waited for a lost server to answer again, forever: a server whose every restart
+    fails (its constructor raising) hung the run. A restart that answers is still waited for."""
+    import ray
+
+    from shardyard.train.parameter_server import _once_servers_answer
+
+    answers = iter([ray.exceptions.ActorUnavailableError("restarting", b"\0" * 16), None])
+
+    def restarting() -> str:
+        lost = next(answers)
+        if lost is not None:
+            raise lost
+        return "answered"
+
+    assert _once_servers_answer(restarting, timeout_s=30) == "answered"
+
+    def never_comes_back() -> None:
+        raise ray.exceptions.ActorDiedError()
+
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"has not answered for 1 s: it fails each time it restarts \(ActorDiedError"):
+        _once_servers_answer(never_comes_back, timeout_s=1)
+    assert time.monotonic() - started < 10
+
+
+READ = """
+import sys, time
+from shardyard.train.lease import holding
+with holding(sys.argv[1], sys.argv[2]):
+    print("holding", flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.drill(outcome="recovered", lost="nothing")
+@pytest.mark.timeout(120)
+def test_a_checkpoint_being_read_is_not_pruned_under_its_reader(tmp_path: Path) -> None:
+    """Rank 0 prunes as it commits; a replacement rank loading the checkpoint it found (hot
+    recovery), or a serving group, lost it mid-read. A reader holds it: pruning keeps it until
+    the reader is done, and a hold whose reader was killed does not keep it for ever."""
+    from shardyard.train.lease import holding
+    from test_serving_drills import checkpoints
+
+    spec = parse_spec(job(tmp_path))
+    engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
+    manager = CheckpointManager(spec.run_uri, keep=1)
+    manager.save(engine, TrainState(2, 16, 1), spec, metrics={})
+    with holding(spec.run_uri, "checkpoint_step_00000002"):
+        manager.save(engine, TrainState(4, 32, 1), spec, metrics={})
+        assert checkpoints(tmp_path) == [2, 4]
+        assert manager.load(engine, "checkpoint_step_00000002").step == 2  # whole while it is read
+    manager.save(engine, TrainState(6, 48, 1), spec, metrics={})
+    assert checkpoints(tmp_path) == [6]
+    reader = subprocess.Popen([sys.executable, "-c", READ, spec.run_uri, "checkpoint_step_00000006"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline().strip() == "holding"
+        manager.save(engine, TrainState(8, 64, 1), spec, metrics={})
+        assert checkpoints(tmp_path) == [6, 8]  # held by another process
+    finally:
+        reader.kill()
+        reader.wait()
+    manager.save(engine, TrainState(10, 80, 1), spec, metrics={})  # its reader was killed holding it
+    assert checkpoints(tmp_path) == [10]
+
+
+FULL_AT = "checkpoint_step_00000004"
+
+
+def register_full_disk() -> None:
+    """`fulldisk://PATH`: the local disk, except that it is full for the step-4 checkpoint's model
+    and optimizer shards, which DCP writes in the background (an object store refusing uploads
+    fails the same way)."""
+    import errno
+
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    class FullDisk(LocalFileSystem):
+        protocol = ("fulldisk",)
+
+        def __init__(self, **kwargs) -> None:
+            super().__init__(auto_mkdir=True, **kwargs)  # as an object store: no directories to make
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            return super()._strip_protocol(str(path).removeprefix("fulldisk://"))
+
+        def _open(self, path, mode="rb", **kwargs):
+            if "w" in mode and FULL_AT in str(path) and str(path).endswith(".distcp"):  # the background write
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            return super()._open(path, mode, **kwargs)
+
+    fsspec.register_implementation("fulldisk", FullDisk, clobber=True)
+
+
+def train_on_full_disk(rank: int, world: int, raw: dict) -> str:
+    """The Trainer's error on this rank, as a Ray Train worker would raise it."""
+    register_full_disk()
+    try:
+        train_ranks(rank, world, raw, attempt=1.0)
+    except Exception as err:  # noqa: BLE001 - the drill reports what surfaced
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+@pytest.mark.drill(outcome="fails with the storage error", lost="nothing since the last checkpoint")
+@pytest.mark.timeout(180)
+def test_an_asynchronous_checkpoint_that_cannot_be_written_fails_the_run_with_the_storage_error(tmp_path: Path) -> None:
+    """A checkpoint written in the background (checkpoint.async_write) whose storage refuses it:
+    the run fails with the storage's error at its next checkpoint or its end, the failed step is
+    never committed, and the run resumes from the checkpoint before it."""
+    from shardyard.localdist import run_distributed
+    from shardyard.train.storage import RunStorage
+
+    raw = job(tmp_path, scaling={"num_workers": 2}, batch={"global_batch_size": 8, "micro_batch_size": 4},
+              checkpoint={"every_n_steps": 2, "async_write": True, "storage_path": f"fulldisk://{tmp_path}"},
+              run={"steps": 6})
+    errors = run_distributed(train_on_full_disk, 2, raw)
+    assert all(e.startswith(f"CheckpointWriteError: checkpoint fulldisk://{tmp_path}/run/{FULL_AT} could not be "
+                            "written") and "OSError: [Errno 28] No space left on device" in e for e in errors), errors
+    storage = RunStorage(str(tmp_path / "run"))
+    assert storage.newest_committed() == "checkpoint_step_00000002"
+    assert storage.committed(FULL_AT) is None

@@ -78,13 +78,19 @@ def test_a_request_that_fails_in_a_shared_step_fails_alone() -> None:
     assert got[:1] + got[2:] == expected
 
 
+def checkpoints(storage) -> list[int]:
+    return sorted(int(p.name.rsplit("_", 1)[1]) for p in (storage / "run").glob("checkpoint_step_*"))
+
+
 @pytest.mark.ray
 @pytest.mark.drill(outcome="recovered", lost="nothing")
 @pytest.mark.timeout(180)
 def test_shards_served_from_a_run_directory_follow_it_past_pruning(ray_cluster, tmp_path) -> None:
-    """Served from a run directory that training goes on writing: the served checkpoint is pruned
-    (checkpoint.keep), then a shard dies. The rebuilt group loads the run's newest committed
-    checkpoint; it used to reload the pruned one, and every rebuild (and new replica) failed."""
+    """Served from a run directory that training goes on writing (checkpoint.keep 1): the group
+    holds the checkpoint it serves, so training keeps it; when a shard dies, the rebuilt group
+    loads the run's newest committed checkpoint and releases the old one, which the next commit
+    prunes. A rebuild used to reload the served checkpoint, which training had pruned, and every
+    rebuild (and new replica) failed."""
     from shardyard.parallel import single_process
     from shardyard.serve.shards import ShardedModel
     from shardyard.spec import parse_spec
@@ -102,12 +108,32 @@ def test_shards_served_from_a_run_directory_follow_it_past_pruning(ray_cluster, 
         with torch.no_grad():
             for p in engine.model.parameters():  # training goes on: other weights at step 4
                 p.add_(0.01 * torch.randn_like(p))
-        manager.save(engine, TrainState(4, 32, 1), spec, metrics={})  # keep 1: step 2 is pruned
-        assert [p.name for p in (tmp_path / "run").glob("checkpoint_step_*")] == ["checkpoint_step_00000004"]
+        manager.save(engine, TrainState(4, 32, 1), spec, metrics={})  # keep 1, but the group holds step 2
+        assert checkpoints(tmp_path) == [2, 4]
         sharded.rebuild()
         assert sharded.checkpoint_dir.endswith("checkpoint_step_00000004")
+        manager.save(engine, TrainState(6, 48, 1), spec, metrics={})  # released by the rebuild: pruned now
+        assert checkpoints(tmp_path) == [4, 6]
         with torch.no_grad():
             expected = engine.model.eval()(tokens)
         torch.testing.assert_close(sharded.forward(tokens), expected, rtol=0, atol=1e-5)
     finally:
         sharded.close()
+
+
+@pytest.mark.drill(outcome="refused with a message", lost="nothing")
+@pytest.mark.timeout(120)
+def test_a_checkpoint_whose_vocabulary_cannot_hold_the_served_text_is_refused_at_start(tmp_path) -> None:
+    """A GPT trained on synthetic ids 0-63 served as text (UTF-8 bytes up to 255): every request
+    used to fail on an out-of-range embedding index (on CUDA, breaking the device for good while
+    health checks passed). The server refuses to start instead, saying why."""
+    from shardyard.serve.config import parse_config
+    from shardyard.spec import SpecError
+    from test_run_drills import job, write_checkpoint
+
+    small = job(tmp_path / "small", model={"vocab_size": 64})
+    write_checkpoint(small)
+    with pytest.raises(SpecError, match=r"vocabulary has 64 ids but the text is tokenized with UTF-8 bytes"):
+        parse_config({"checkpoint": str(tmp_path / "small" / "run")})
+    write_checkpoint(job(tmp_path / "bytes"))  # 256 ids: every byte has its row
+    assert parse_config({"checkpoint": str(tmp_path / "bytes" / "run")}).tokenizer is None

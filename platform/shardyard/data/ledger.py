@@ -1,7 +1,9 @@
 """A sample ledger: which sample ids each rank trained on at each step, across restarts.
 
-Turned on by `run.sample_ledger` (local or shared-filesystem storage). Each writer (a rank, or a
-parameter-server worker) appends to `<run_dir>/ledger/<writer>.jsonl` two kinds of line per step: the ids it is about to train on
+Turned on by `run.sample_ledger`. Each writer (a rank, or a parameter-server worker) appends to
+`<run>/ledger/<writer>.jsonl` in the run's storage (on an object store, which cannot append, the
+writer rewrites its file whole: affordable for audits, not for long runs) two kinds of line per
+step: the ids it is about to train on
 (before its gradients leave it), then a commit line once the step is applied. Both carry a round:
 the worker group's attempt (its start time, the same on every rank) and, where the group changes
 within an attempt, the round: the TorchFT quorum under hot recovery, the generation for parameter
@@ -15,7 +17,6 @@ final model descends from (`final_rounds`), and counts the steps at which replic
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -23,11 +24,15 @@ from pathlib import Path
 
 import torch
 
+from shardyard.train.metrics import JsonLines
+from shardyard.train.storage import RunStorage
+
+LEDGER_DIR = "ledger"
+
 
 class SampleLedger:
-    def __init__(self, run_dir: str | Path, writer: str, attempt: float) -> None:
-        self.path = Path(run_dir) / "ledger" / f"{writer}.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+    def __init__(self, run_uri: str, writer: str, attempt: float) -> None:
+        self.file = JsonLines(RunStorage(run_uri), LEDGER_DIR, f"{writer}.jsonl")
         self.attempt = attempt
 
     def training(self, step: int, world_size: int, ids: list[torch.Tensor], quorum: int | None,
@@ -43,8 +48,7 @@ class SampleLedger:
 
     def _append(self, entry: dict, quorum: int | None) -> None:
         # A line is written whole before the process can go on, so it survives a SIGKILL after it.
-        with self.path.open("a") as f:
-            f.write(json.dumps({"attempt": self.attempt, "quorum": quorum, "time": time.time(), **entry}) + "\n")
+        self.file.append({"attempt": self.attempt, "quorum": quorum, "time": time.time(), **entry})
 
 
 @dataclass
@@ -100,9 +104,11 @@ def final_rounds(entries: list[dict]) -> tuple[dict[int, Round], int]:
 
 
 def audit(run_dir: str | Path, num_samples: int) -> LedgerAudit:
-    entries = [{**json.loads(line), "_writer": f.name, "_line": i}
-               for f in sorted((Path(run_dir) / "ledger").glob("*.jsonl"))
-               for i, line in enumerate(f.read_text().splitlines()) if line.strip()]
+    storage = RunStorage(str(run_dir))
+    writers = sorted(p.rsplit("/", 1)[-1] for p in storage.fs.ls(storage.path(LEDGER_DIR), detail=False)
+                     if p.endswith(".jsonl")) if storage.exists(LEDGER_DIR) else []
+    entries = [{**row, "_writer": name, "_line": i}
+               for name in writers for i, row in enumerate(JsonLines(storage, LEDGER_DIR, name).read())]
     chosen, diverged = final_rounds(entries)
     final = [e for e in entries if "ids" in e and chosen.get(e["step"]) == _round(e)]
     # In global order: a step deals micro-step by micro-step, rank by rank (data/sampler.py), so

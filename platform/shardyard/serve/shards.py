@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import socket
 import threading
+from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 import ray
 import torch
@@ -44,13 +46,17 @@ from shardyard.parallel.pipeline import balanced_split
 from shardyard.parallel.tensor import apply_tensor_parallel
 from shardyard.runtime import select_device
 from shardyard.spec import LANGUAGE_MODELS, CustomSpec, GPTSpec, HFSpec
-from shardyard.train.checkpoint import load_model_part, read_spec, servable
+from shardyard.train.checkpoint import committed_record, load_model_part, read_spec, servable
+from shardyard.train.lease import holding
 
 
 Sharding = Literal["pipeline", "tensor"]
 Health = Literal["ok", "dead", "slow", "rebuilding"]
 # A collective waiting on a dead peer gives up after this (gloo's default is 30 minutes).
 COLLECTIVE_TIMEOUT = timedelta(seconds=30)
+# Loading a shard of a large model from remote storage takes minutes; one that has not answered
+# in this long is not coming.
+SHARD_START_S = 600.0
 # What a forward pass raises when a shard has died: a task on a dead actor, a closed channel.
 SHARD_LOST = (ray.exceptions.RayActorError, ray.exceptions.RayChannelError)
 # A forward pass's second argument: left padding per row (a batch of ragged prompts, no cache),
@@ -245,6 +251,7 @@ class ShardedModel:
         self.multi_node, self.sharding, self.cache_rows = multi_node, sharding, cache_rows
         self.compiled = compiled and sharding == "pipeline"  # tensor shards talk over torch.distributed
         self.graph = None
+        self._hold = ExitStack()  # the served checkpoint, held while a group serves it
         spec = read_spec(self.checkpoint_dir).model
         if not isinstance(spec, LANGUAGE_MODELS):
             raise ValueError(f"{self.checkpoint_dir} holds a '{spec.name}' model; sharded serving is for language models")
@@ -275,7 +282,7 @@ class ShardedModel:
             raise
 
     def _start_shards(self) -> None:
-        self.checkpoint_dir = str(servable(self.source) or self.checkpoint_dir)
+        self._hold_served()
         p = self.placement
 
         def in_bundle(i: int) -> dict:
@@ -288,15 +295,37 @@ class ShardedModel:
         else:
             self.shards = [TensorShard.options(**in_bundle(i)).remote(
                 self.checkpoint_dir, i, self.num_shards, self.use_gpu, self.cache_rows) for i in range(self.num_shards)]
-            address = ray.get(self.shards[0].rendezvous_address.remote())
-            ray.get([s.join.remote(address) for s in self.shards])
-        ray.get([s.describe.remote() for s in self.shards])  # loaded and ready
+            address = self._started(self.shards[0].rendezvous_address.remote(), "give its rendezvous address")
+            self._started([s.join.remote(address) for s in self.shards], "form their process group")
+        self._started([s.describe.remote() for s in self.shards], f"load {self.checkpoint_dir}")  # loaded and ready
         if self.compiled:
             with InputNode() as given:  # given[0]: tokens, given[1]: padding counts or a cache step
                 node = given[0]
                 for shard in self.shards:
                     node = shard.forward.bind(node, given[1])
             self.graph = node.experimental_compile()
+
+    def _hold_served(self) -> None:
+        """Find what to serve (a run directory's newest committed checkpoint, or the checkpoint as
+        given) and hold it for this group's life: training does not prune it under the group, whose
+        shards read it now and whose rebuild may read it again."""
+        while True:
+            found = servable(self.source) or Path(self.checkpoint_dir)
+            if committed_record(found) is None:  # a Hugging Face model directory: not training's to prune
+                break
+            self._hold.enter_context(holding(str(found.parent), found.name))
+            if committed_record(found) is not None:  # still there once held: pruning now keeps it
+                break
+            self._hold.close()  # pruned between finding and holding it: find the newest again
+        self.checkpoint_dir = str(found)
+
+    def _started(self, refs: Any, what: str) -> Any:
+        """A start-up call's result; a shard that never answers (a hung load, a node gone) is an
+        error that says what it was doing, not a replica that waits forever."""
+        try:
+            return ray.get(refs, timeout=SHARD_START_S)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"the shards did not {what} within {SHARD_START_S:g} s") from None
 
     def probe(self, timeout_s: float = 5.0) -> tuple[Health, int]:
         """How the group is: every shard answers (ok), one has died (dead), one does not answer
@@ -350,6 +379,7 @@ class ShardedModel:
             self.graph = None
         for shard in self.shards:
             ray.kill(shard, no_restart=True)
+        self._hold.close()
 
     def forward(self, tokens: torch.Tensor, extra: Extra = None) -> torch.Tensor:
         """Logits of the whole model. Pipeline: each shard's output goes to the next as a Ray

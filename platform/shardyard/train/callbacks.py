@@ -6,14 +6,14 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from shardyard.data.ledger import SampleLedger
 from shardyard.spec import SpecError
-from shardyard.train.checkpoint import RunStorage, checkpoint_name
+from shardyard.train.checkpoint import checkpoint_name
+from shardyard.train.storage import RunStorage
 from shardyard.train.metrics import log_event, read_events
 from shardyard.train.trainer import Callback, Trainer
 
@@ -53,8 +53,8 @@ class LedgerCallback(Callback):
     the step's gradients leave the rank, a commit line once it is applied. `attempt` names this
     worker group (the same on every rank)."""
 
-    def __init__(self, run_dir: str | Path, rank: int, attempt: float) -> None:
-        self.ledger = SampleLedger(run_dir, f"rank{rank}", attempt)
+    def __init__(self, run_uri: str, rank: int, attempt: float) -> None:
+        self.ledger = SampleLedger(run_uri, f"rank{rank}", attempt)
 
     def on_step_start(self, trainer: Trainer, ids: list[torch.Tensor]) -> None:
         if trainer.engine.data_owner:

@@ -41,10 +41,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -56,11 +56,11 @@ from torch.distributed.checkpoint.state_dict import (
 from shardyard.models import build_model, materialise
 from shardyard.parallel import Engine
 from shardyard.spec import CustomSpec, DataSpec, HFSpec, JobSpec
+from shardyard.train.lease import holding, live_holds
+from shardyard.train.storage import COMMIT_FILE, DIR_PREFIX, RunStorage
 
 STATE_FILE = "trainer_state.pt"
 SPEC_FILE = "spec.json"
-COMMIT_FILE = "COMMITTED"
-DIR_PREFIX = "checkpoint_step_"
 ZERO_DIR = "zero"
 
 
@@ -76,68 +76,6 @@ def checkpoint_name(step: int) -> str:
 
 
 # ----------------------------------------------------------------------------- storage
-
-
-class RunStorage:
-    """A run directory on a local path or an object store, through fsspec."""
-
-    def __init__(self, run_dir: str | Path) -> None:
-        self.uri = str(run_dir)
-        self.fs, self.root = fsspec.core.url_to_fs(self.uri)
-        self.remote = "://" in self.uri
-
-    def url(self, *parts: str) -> str:
-        """What DCP and users are given: a local path, or the URI for object storage."""
-        return "/".join([self.uri.rstrip("/"), *parts])
-
-    def path(self, *parts: str) -> str:
-        return "/".join([self.root.rstrip("/"), *parts])
-
-    def exists(self, *parts: str) -> bool:
-        return self.fs.exists(self.path(*parts))
-
-    def read_bytes(self, *parts: str) -> bytes:
-        return self.fs.cat_file(self.path(*parts))
-
-    def write_bytes(self, data: bytes, *parts: str) -> None:
-        """Written whole under a temporary name, then renamed: a reader never sees half of it."""
-        final = self.path(*parts)
-        self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
-        partial = f"{final}.partial-{os.getpid()}"
-        self.fs.pipe_file(partial, data)
-        self.fs.mv(partial, final)
-
-    def delete(self, *parts: str) -> None:
-        if self.exists(*parts):
-            self.fs.rm(self.path(*parts), recursive=True)
-
-    def checkpoint_names(self) -> list[str]:
-        if not self.fs.exists(self.root):
-            return []
-        names = (p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False))
-        return sorted(n for n in names if n.startswith(DIR_PREFIX))
-
-    def committed(self, name: str) -> dict[str, Any] | None:
-        """The commit record of checkpoint `name`, or None while it is not committed."""
-        if not self.exists(name, COMMIT_FILE):
-            return None
-        return json.loads(self.read_bytes(name, COMMIT_FILE))
-
-    def newest_committed(self) -> str | None:
-        for name in reversed(self.checkpoint_names()):  # newest first: stop at the first found
-            if self.exists(name, COMMIT_FILE):
-                return name
-        return None
-
-    @contextmanager
-    def local_copy(self, *parts: str) -> Iterator[Path]:
-        """A local directory with the files at `parts` (the directory itself when local)."""
-        if not self.remote:
-            yield Path(self.path(*parts))
-            return
-        with tempfile.TemporaryDirectory(prefix="shardyard-download-") as tmp:
-            self.fs.get(self.path(*parts), tmp, recursive=True)
-            yield Path(tmp)
 
 
 def find_latest(run_dir: str | Path) -> Path | None:
@@ -285,6 +223,22 @@ def _fields(key: str) -> tuple[str, str] | None:
     return None  # param_groups: the running optimizer's own settings stay
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint that storage refused (a full disk, an object store's error): the run stops
+    with the storage's own error; its last committed checkpoint is untouched."""
+
+
+@contextmanager
+def storage_errors(url: str) -> Iterator[None]:
+    """DCP reports a failed write as a CheckpointException, a BaseException that `except
+    Exception` handlers let through, holding each rank's error: raise the storage's error, named."""
+    try:
+        yield
+    except CheckpointException as err:
+        reasons = "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in sorted(err.failures.items()))
+        raise CheckpointWriteError(f"checkpoint {url} could not be written ({reasons})") from None
+
+
 class DCPFormat:
     """Every strategy but ZeRO: DCP shards keyed by full parameter names."""
 
@@ -293,7 +247,8 @@ class DCPFormat:
     def save(self, engine: Engine, url: str, group: dist.ProcessGroup | None) -> Future | None:
         state = _merged(_dcp_state(engine, _FLAT))
         if group is None:
-            dcp.save(state, checkpoint_id=url)
+            with storage_errors(url):
+                dcp.save(state, checkpoint_id=url)
             return None
         return dcp.async_save(state, checkpoint_id=url, process_group=group)
 
@@ -535,6 +490,10 @@ class CheckpointManager:
         return self.load(engine, name) if name else None
 
     def load(self, engine: Engine, name: str) -> TrainState:
+        with holding(self.storage.uri, name):  # not pruned under this rank while it reads
+            return self._load(engine, name)
+
+    def _load(self, engine: Engine, name: str) -> TrainState:
         record = self.storage.committed(name)
         if record is None:
             raise FileNotFoundError(f"checkpoint {self.storage.url(name)} is not committed")
@@ -597,7 +556,8 @@ class CheckpointManager:
         if future is None:
             _barrier()  # every rank's state is written
         else:
-            future.result()  # rank 0's completes once every rank's is written (DCP's metadata)
+            with storage_errors(self.storage.url(name)):  # a background write's error surfaces here
+                future.result()  # rank 0's completes once every rank's is written (DCP's metadata)
         if _rank() == 0:
             record = {**info["record"], "time": time.time()}
             self.storage.write_bytes(json.dumps(record).encode(), name, COMMIT_FILE)
@@ -617,6 +577,11 @@ class CheckpointManager:
         committed = [n for n in names if self.storage.exists(n, COMMIT_FILE)]
         uncommitted = [n for n in names if n < newest and n not in committed]
         for name in committed[:-self.keep] + uncommitted:
+            holders = live_holds(self.storage, name)
+            if holders:  # pruned at a later commit, once its readers are done
+                print(f"shardyard: keeping {self.storage.url(name)} for now: read by "
+                      + ", ".join(f"host {h['host']} pid {h['pid']}" for h in holders), flush=True)
+                continue
             self.storage.delete(name)
 
     def _delete_uncommitted(self, before: str | None) -> None:

@@ -32,7 +32,8 @@ from shardyard.train.callbacks import (
     hold_steps,
     injected_crash_step,
 )
-from shardyard.train.checkpoint import SPEC_FILE, RunStorage
+from shardyard.train.checkpoint import SPEC_FILE
+from shardyard.train.storage import RunStorage
 from shardyard.train.lease import RunLease
 from shardyard.train.metrics import RunResult, finish_run, log_event
 from shardyard.train.trainer import Callback, Trainer
@@ -58,7 +59,7 @@ def train_worker(config: dict[str, Any]) -> None:
     if spec.run.sample_ledger:
         # Hot-recovery replicas are not one group, and replacements join a running step
         # sequence: one attempt id for all of them.
-        callbacks.append(LedgerCallback(spec.run_dir, rank, 0.0 if hot else group_attempt()))
+        callbacks.append(LedgerCallback(spec.run_uri, rank, 0.0 if hot else group_attempt()))
     if config["crash_at_checkpoint"] is not None:
         callbacks.append(CrashAtCheckpoint(config["crash_at_checkpoint"]))
     if config["hold_at"]:

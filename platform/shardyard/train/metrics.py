@@ -18,13 +18,14 @@ import json
 import math
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from shardyard.spec import JobSpec
-from shardyard.train.checkpoint import RunStorage
+from shardyard.train.storage import RunStorage
 
 METRICS_FILE = "metrics.jsonl"
 EVENTS_DIR = "events"
@@ -108,6 +109,22 @@ def parse_lines(data: bytes, where: str) -> list[dict[str, Any]]:
     return rows
 
 
+_TAILS_ENDED: set[Path] = set()  # files this process has appended to
+_TAILS_LOCK = threading.Lock()
+
+
+def end_cut_off_tail(path: Path) -> None:
+    """Drop the cut-off last line a killed writer left in its file, before its successor (a
+    restarted rank 0, the same rank of the next attempt) appends: appended after it, the cut-off
+    line would be in the middle, which readers must treat as damage."""
+    if not path.is_file():
+        return
+    with path.open("rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
 class JsonLines:
     """One writer's JSON-lines file in the run's storage: whole lines appended locally; on object
     storage the writer's own rows rewritten whole (no other writer shares the file)."""
@@ -126,6 +143,10 @@ class JsonLines:
         if not self.storage.remote:
             path = Path(self.storage.path(*self.parts))
             path.parent.mkdir(parents=True, exist_ok=True)
+            with _TAILS_LOCK:  # before this process's first line: no line of its own is being written
+                if path not in _TAILS_ENDED:
+                    end_cut_off_tail(path)
+                    _TAILS_ENDED.add(path)
             with path.open("a") as f:  # one write of a whole line
                 f.write(line)
             return

@@ -286,7 +286,7 @@ class PSWorker:
         self.dataset = build_dataset(self.spec)
         self.order = GlobalSampleOrder(len(self.dataset), self.spec.run.seed)
         self.accum = worker_batch(self.spec) // self.spec.batch.micro_batch_size
-        self.ledger = SampleLedger(self.spec.run_dir, f"ps-{name}", attempt) if self.spec.run.sample_ledger else None
+        self.ledger = SampleLedger(self.spec.run_uri, f"ps-{name}", attempt) if self.spec.run.sample_ledger else None
 
     def run(self) -> int:
         ray.get(self.coordinator.join.remote(self.name))
@@ -342,7 +342,7 @@ class ParameterServerRun:
         self.checkpoints = CheckpointManager(spec.run_uri, spec.checkpoint.keep,
                                              load_optimizer=spec.checkpoint.load_optimizer)
         self.attempt = time.time()
-        self.ledger = SampleLedger(spec.run_dir, "ps-driver", self.attempt) if spec.run.sample_ledger else None
+        self.ledger = SampleLedger(spec.run_uri, "ps-driver", self.attempt) if spec.run.sample_ledger else None
         self.generation = 0
         self.state = TrainState(world_size=self.slots)
         self.running: dict[ray.ObjectRef, tuple[str, Any]] = {}
@@ -358,31 +358,35 @@ class ParameterServerRun:
             self.state = TrainState(restored.step, restored.samples_seen, self.slots)
         decays = decayed(self.engine.model)
         self.servers = [ParameterServer.remote(self.raw, names, decays) for names in self.parts]
-        self._load_servers()
-        cut_every = self.spec.checkpoint.every_n_steps * self.global_batch
-        self.coordinator = Coordinator.remote(self.state.samples_seen, self.spec.run.steps * self.global_batch,
-                                              worker_batch(self.spec), cut_every, self.spec.parallelism.max_staleness,
-                                              self.spec.scaling.world_sizes[0])
-        self._log("start", restored_step=self.state.step, old_world_size=restored.world_size if restored else None,
-                  world_size=self.slots, min_workers=self.spec.scaling.world_sizes[0],
-                  num_servers=len(self.servers), max_staleness=self.spec.parallelism.max_staleness)
+        self.coordinator = None
         try:
+            self._load_servers()
+            cut_every = self.spec.checkpoint.every_n_steps * self.global_batch
+            self.coordinator = Coordinator.remote(self.state.samples_seen, self.spec.run.steps * self.global_batch,
+                                                  worker_batch(self.spec), cut_every,
+                                                  self.spec.parallelism.max_staleness, self.spec.scaling.world_sizes[0])
+            self._log("start", restored_step=self.state.step,
+                      old_world_size=restored.world_size if restored else None, world_size=self.slots,
+                      min_workers=self.spec.scaling.world_sizes[0], num_servers=len(self.servers),
+                      max_staleness=self.spec.parallelism.max_staleness)
             for _ in range(self.slots):
                 self._start_worker()
             self._train()
         finally:
             # Pending workers never started, the others are done: nothing of the run stays behind.
             for actor in [*self.servers, self.coordinator, *(actor for _, actor in self.running.values())]:
-                ray.kill(actor)
+                if actor is not None:  # the coordinator, when the servers failed before it started
+                    ray.kill(actor)
         return finish_run(self.spec, f"shardyard run '{self.spec.run.name}' (parameter_server)", start_time)
 
     def _load_servers(self) -> None:
         """Every server takes its partition of the driver's model and optimizer state."""
         optimizer_state = self.engine.optimizers[0].state
         version = self.state.step * self.slots
-        ray.get([server.load.remote([self.params[n].detach() for n in names],
-                                    [optimizer_state.get(self.params[n], {}) for n in names], version, self.generation)
-                 for server, names in zip(self.servers, self.parts)])
+        _once_servers_answer(lambda: ray.get([
+            server.load.remote([self.params[n].detach() for n in names],
+                               [optimizer_state.get(self.params[n], {}) for n in names], version, self.generation)
+            for server, names in zip(self.servers, self.parts)]))
 
     def _start_worker(self) -> None:
         # Every slot gets an actor at once: one that finds no resources is pending and joins
@@ -519,12 +523,21 @@ class ParameterServerRun:
         return _once_servers_answer(lambda: ray.get([s.status.remote() for s in self.servers]))
 
 
-def _once_servers_answer(call: Callable[[], Any]) -> Any:
-    """`call()`, again and again while a server is being restarted, until it succeeds."""
+# A restarted server answers within seconds; one that has not for this long fails each restart
+# (a fault of its own, such as its constructor raising), and waiting on would hang the run.
+SERVER_RECOVERY_S = 120.0
+
+
+def _once_servers_answer(call: Callable[[], Any], timeout_s: float = SERVER_RECOVERY_S) -> Any:
+    """`call()`, again while a server is being restarted, until it succeeds or `timeout_s` pass."""
+    deadline = time.monotonic() + timeout_s
     while True:
         try:
             return call()
-        except SERVER_LOST:
+        except SERVER_LOST as err:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"a parameter server has not answered for {timeout_s:g} s: it fails "
+                                   f"each time it restarts ({type(err).__name__}: {err})") from None
             time.sleep(0.5)
 
 
