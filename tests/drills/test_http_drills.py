@@ -19,6 +19,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 
 from shardyard.localdist import free_port
+from shardyard.serve.app import PredictRequest
 from shardyard.serve.guard import GuardSettings, install
 from shardyard.spec import SpecError
 
@@ -43,6 +44,10 @@ class App:
         @self.api.get("/v1/items/{item}")
         async def boom(item: str) -> dict:
             raise KeyError(item)  # a bug in a route: must still leave as the JSON error shape
+
+        @self.api.post("/v1/predict")
+        async def predict(body: PredictRequest) -> dict:  # the app's own request model
+            return {"rows": len(body.inputs)}
 
         @self.api.get("/healthz")
         async def healthz() -> dict:
@@ -137,8 +142,14 @@ def test_every_error_leaves_in_one_json_shape_and_is_counted_by_route_template(a
     assert crashed.status_code == 500 and crashed.headers["content-type"] == "application/json"
     assert "internal server error" in assert_error_shape(crashed.json(), "server_error")
     assert "q93" not in crashed.text  # no internals leak to the client
+    json_body = {**AUTH, "Content-Type": "application/json"}
+    malformed = requests.post(f"{url}/v1/predict", data="{not json", headers=json_body)
+    assert malformed.status_code == 400 and "not valid JSON" in assert_error_shape(malformed.json(), "invalid_request_error")
+    not_finite = requests.post(f"{url}/v1/predict", data='{"inputs": [[1.0, NaN, Infinity]]}', headers=json_body)
+    assert not_finite.status_code == 422 and not_finite.json()["error"]["param"].startswith("inputs")
     # Labels come from the routes' templates: a client's random paths add no label.
-    assert app.errors == [(404, "unmatched"), (405, "/v1/echo"), (500, "/v1/items/{item}")]
+    assert app.errors == [(404, "unmatched"), (405, "/v1/echo"), (500, "/v1/items/{item}"), (400, "/v1/predict"),
+                          (422, "/v1/predict")]
     assert requests.post(f"{url}/v1/echo", data=b"{}", headers=AUTH).status_code == 200  # still serving
 
 
@@ -151,9 +162,14 @@ def test_the_bearer_token_never_travels_in_deployment_arguments_and_is_never_emp
 
     with pytest.raises(SpecError, match="bearer_token: deployment arguments are shown by Serve's dashboard"):
         parse_config({"bearer_token": TOKEN})
+    from test_run_drills import job, write_checkpoint
+
+    write_checkpoint(job(tmp_path))
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    cfg = parse_config({"checkpoint": str(tmp_path / "run"), "bearer_token_file": str(tmp_path / "token")})
+    assert cfg.bearer_token == TOKEN and TOKEN not in json.dumps(cfg.model_dump())  # what Serve is given
     monkeypatch.setenv("SHARDYARD_TEST_TOKEN", f" {TOKEN}\n")
     assert read_token("SHARDYARD_TEST_TOKEN", None) == TOKEN
-    (tmp_path / "token").write_text(TOKEN + "\n")
     assert read_token(None, str(tmp_path / "token")) == TOKEN
     monkeypatch.setenv("SHARDYARD_EMPTY_TOKEN", "  ")
     with pytest.raises(ValueError, match="SHARDYARD_EMPTY_TOKEN is empty"):
