@@ -332,3 +332,20 @@ def test_an_asynchronous_checkpoint_that_cannot_be_written_fails_the_run_with_th
     storage = RunStorage(str(tmp_path / "run"))
     assert storage.newest_committed() == "checkpoint_step_00000002"
     assert storage.committed(FULL_AT) is None
+
+
+@pytest.mark.drill(outcome="recovered", lost="nothing")
+@pytest.mark.timeout(60)
+def test_a_committed_checkpoint_is_never_deleted_to_be_written_again(tmp_path: Path) -> None:
+    """A save of a step whose checkpoint an earlier attempt committed used to delete it and write
+    it again: a crash (here, a full disk) in between lost the step. The committed one is kept."""
+    from shardyard.train.storage import RunStorage
+
+    register_full_disk()
+    spec = parse_spec(job(tmp_path))
+    engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
+    CheckpointManager(spec.run_uri, keep=2).save(engine, TrainState(4, 32, 1), spec, metrics={})
+    again = parse_spec(job(tmp_path, checkpoint={"storage_path": f"fulldisk://{tmp_path}"}))
+    CheckpointManager(again.run_uri, keep=2).save(engine, TrainState(4, 32, 1), again, metrics={})
+    assert RunStorage(spec.run_uri).newest_committed() == FULL_AT
+    assert CheckpointManager(spec.run_uri, keep=2).restore(engine).step == 4

@@ -137,3 +137,28 @@ def test_a_checkpoint_whose_vocabulary_cannot_hold_the_served_text_is_refused_at
         parse_config({"checkpoint": str(tmp_path / "small" / "run")})
     write_checkpoint(job(tmp_path / "bytes"))  # 256 ids: every byte has its row
     assert parse_config({"checkpoint": str(tmp_path / "bytes" / "run")}).tokenizer is None
+
+
+@pytest.mark.ray
+@pytest.mark.drill(outcome="fails with a message", lost="nothing")
+@pytest.mark.timeout(120)
+def test_a_shard_group_that_finds_no_free_room_gives_up_and_leaves_no_pending_group(ray_cluster) -> None:
+    """The cluster has the room, but others hold it: the shard group waits its timeout, then fails
+    saying so and removes its placement group (left pending, it would take the resources whenever
+    they freed up, for a group nobody uses)."""
+    import ray
+    from ray.util import placement_group, placement_group_table, remove_placement_group
+
+    from shardyard.serve.shards import place_shards
+
+    node_cpus = max(node["Resources"].get("CPU", 0) for node in ray.nodes() if node["Alive"])
+    neighbour = placement_group([{"CPU": 0.5}])  # another team's work on the node
+    ray.get(neighbour.ready(), timeout=60)
+    before = {pg_id for pg_id, pg in placement_group_table().items() if pg["state"] != "REMOVED"}
+    try:
+        with pytest.raises(RuntimeError, match=r"the cluster has no room for 1 shards .* after 2 s"):
+            place_shards(1, {"CPU": node_cpus}, timeout_s=2)  # the whole node: fits an idle one
+    finally:
+        remove_placement_group(neighbour)
+    left = {pg_id for pg_id, pg in placement_group_table().items() if pg["state"] != "REMOVED"} - before
+    assert left == set(), placement_group_table()

@@ -57,6 +57,8 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=30)
 # Loading a shard of a large model from remote storage takes minutes; one that has not answered
 # in this long is not coming.
 SHARD_START_S = 600.0
+# Room the cluster has (check_room) but that others hold: wait this long for them to free it.
+PLACEMENT_TIMEOUT_S = 120.0
 # What a forward pass raises when a shard has died: a task on a dead actor, a closed channel.
 SHARD_LOST = (ray.exceptions.RayActorError, ray.exceptions.RayChannelError)
 # A forward pass's second argument: left padding per row (a batch of ragged prompts, no cache),
@@ -198,7 +200,8 @@ def _resources(amounts: dict[str, float]) -> str:
     return ", ".join(f"{amount:g} {key}" for key, amount in sorted(amounts.items())) or "nothing"
 
 
-def place_shards(num_shards: int, bundle: dict[str, float], multi_node: bool = False) -> ShardPlacement:
+def place_shards(num_shards: int, bundle: dict[str, float], multi_node: bool = False,
+                 timeout_s: float = PLACEMENT_TIMEOUT_S) -> ShardPlacement:
     """One bundle per shard: inside a Serve replica that asked for `1 + num_shards` bundles, its
     own placement group; otherwise a new one (STRICT_PACK on one node, PACK across nodes)."""
     current = get_current_placement_group()
@@ -207,12 +210,12 @@ def place_shards(num_shards: int, bundle: dict[str, float], multi_node: bool = F
     check_room([bundle] * num_shards, multi_node, f"{num_shards} shards")
     group = placement_group([bundle] * num_shards, strategy="PACK" if multi_node else "STRICT_PACK")
     try:
-        ray.get(group.ready(), timeout=120)
+        ray.get(group.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         # A pending group is not forgotten: it would take the resources whenever they free up.
         ray.util.remove_placement_group(group)
         raise RuntimeError(f"the cluster has no room for {num_shards} shards of {bundle} "
-                           f"({'PACK' if multi_node else 'STRICT_PACK'}) after 120 s") from None
+                           f"({'PACK' if multi_node else 'STRICT_PACK'}) after {timeout_s:g} s") from None
     return ShardPlacement(group, 0, owned=True)
 
 

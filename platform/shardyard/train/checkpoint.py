@@ -524,6 +524,10 @@ class CheckpointManager:
             return
         self.wait()
         name = checkpoint_name(state.step)
+        if self.storage.committed(name) is not None:
+            # This step's state is in storage already (an earlier attempt committed it): deleting
+            # it to write it again would lose it to a crash in between. Every rank reads the same.
+            return
         fmt = format_for(engine)
         if _rank() == 0:
             # Left by a write that a failure cut short: the step is written again from scratch.
