@@ -76,8 +76,8 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(ray_cluster, un
     assert proc.returncode == 0, output[-4000:]
 
     events = read_events(run_dir)
-    assert [e["event"] for e in events] == ["start", "injected_crash", "failure", "start"], events
-    crash, restart = events[1], events[3]
+    assert [e["event"] for e in events] == ["launch", "start", "injected_crash", "failure", "start"], events
+    crash, restart = events[2], events[4]
     assert crash["step"] == 200 and crash["latest_complete"] is not None
     # The newest complete checkpoint when the crash happened, never the partial one.
     assert crash["latest_complete"] == "checkpoint_step_00000150"

@@ -36,9 +36,13 @@ def run_train(config: str, overrides: list[str], attach_to_running: bool, take_o
     """Validate, then train. A bad spec is a message and exit code 2, never a traceback."""
     try:
         spec = load_spec(config, overrides)
-        from shardyard.train.launcher import launch  # imports Ray: only once the spec is valid
+        from shardyard.train.launcher import RunGaveUp, launch  # imports Ray: only once the spec is valid
 
-        launch(spec, attach_to_running=attach_to_running, take_over=take_over)
+        try:
+            launch(spec, attach_to_running=attach_to_running, take_over=take_over)
+        except RunGaveUp as err:  # a deterministic error, its message already in the worker logs
+            print(f"shardyard: {err}", file=sys.stderr)
+            return 1
     except SpecError as err:
         print(f"shardyard: {err}", file=sys.stderr)
         return 2

@@ -349,3 +349,48 @@ def test_a_committed_checkpoint_is_never_deleted_to_be_written_again(tmp_path: P
     CheckpointManager(again.run_uri, keep=2).save(engine, TrainState(4, 32, 1), again, metrics={})
     assert RunStorage(spec.run_uri).newest_committed() == FULL_AT
     assert CheckpointManager(spec.run_uri, keep=2).restore(engine).step == 4
+
+
+def failure(step: int | None, error: str, from_code: bool = True) -> list[dict]:
+    return [{"event": "start", "restored_step": step}, {"event": "failure", "errors": {"0": error, "1": error},
+                                                        "from_code": from_code}]
+
+
+@pytest.mark.timeout(30)
+def test_only_the_same_error_from_the_same_step_twice_counts_as_deterministic() -> None:
+    from shardyard.train.launcher import repeated_failure
+
+    launch = [{"event": "launch", "id": "this"}]
+    bad = "ValueError: bad header"
+    assert repeated_failure(launch + failure(4, bad) + failure(4, bad), "this") is not None
+    assert repeated_failure(launch + failure(4, bad), "this") is None  # once: retried
+    assert repeated_failure(launch + failure(4, bad) + failure(8, bad), "this") is None  # progress between
+    assert repeated_failure(launch + failure(4, bad) + failure(4, "OSError: disk"), "this") is None
+    lost = "ActorDiedError: the actor died"  # Ray's report of a lost process: always retried
+    assert repeated_failure(launch + failure(4, lost, False) + failure(4, lost, False), "this") is None
+    # A new launch (the user fixed the cause) starts counting afresh.
+    assert repeated_failure(failure(4, bad) + failure(4, bad) + [{"event": "launch", "id": "next"}], "next") is None
+
+
+@pytest.mark.ray
+@pytest.mark.drill(outcome="fails after 2 tries, not max_failures + 1", lost="nothing")
+@pytest.mark.timeout(300)
+def test_a_deterministic_error_is_not_retried_until_max_failures_runs_out(ray_cluster, tmp_path: Path) -> None:
+    """A Hugging Face model directory whose weights file is corrupt: every worker group fails
+    loading it. With scaling.max_failures 5 the run used to start 6 groups that all failed the same
+    way; it stops after the second, saying why (exit 1, no traceback)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardyard.train.metrics import read_events
+    from test_models import LLAMA
+
+    keys = {k: v for k, v in LLAMA.items() if k != "architecture"}
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **keys)).save_pretrained(tmp_path / "llama")
+    (tmp_path / "llama" / "model.safetensors").write_bytes(b"\xff" * 64)  # a download cut short
+    raw = job(tmp_path, scaling={"num_workers": 1, "max_failures": 5})
+    raw["model"] = {"name": "hf", "path": str(tmp_path / "llama"), "block_size": 8}
+    config = tmp_path / "job.yaml"
+    config.write_text(json.dumps(raw))
+    code = run_train(str(config), [], attach_to_running=True)
+    events = [e["event"] for e in read_events(tmp_path / "run")]
+    assert code == 1 and events.count("failure") == 2 and "gave_up" in events, events

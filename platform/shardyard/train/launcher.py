@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import time
+import uuid
 from typing import Any
 
 import ray
@@ -35,7 +36,7 @@ from shardyard.train.callbacks import (
 from shardyard.train.checkpoint import SPEC_FILE
 from shardyard.train.storage import RunStorage
 from shardyard.train.lease import RunLease
-from shardyard.train.metrics import RunResult, finish_run, log_event
+from shardyard.train.metrics import RunResult, finish_run, log_event, read_events
 from shardyard.train.trainer import Callback, Trainer
 
 log = logging.getLogger("shardyard")
@@ -54,6 +55,11 @@ def train_worker(config: dict[str, Any]) -> None:
     spec = parse_spec(config["spec"])
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
+    reason = repeated_failure(read_events(spec.run_uri), config["launch_id"])
+    if reason is not None:  # every rank reads the same events: all of them end here
+        if rank == 0:
+            log_event(spec.run_uri, "gave_up", launch=config["launch_id"], reason=reason)
+        return
     hot = spec.scaling.recovery == "hot"
     callbacks: list[Callback] = [RunEvents()]
     if spec.run.sample_ledger:
@@ -78,7 +84,33 @@ class FailureLog(UserCallback):
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         errors = {r: f"{type(e).__name__}: {e}"[:300] for r, e in sorted(worker_exceptions.items())}
-        log_event(self.run_uri, "failure", ranks=sorted(errors), errors=errors)
+        # Raised by the training code (a bug, bad data, a model that cannot fit), not Ray's own
+        # report of a process or node lost: only such errors can repeat deterministically.
+        from_code = all(not type(e).__module__.startswith("ray.") for e in worker_exceptions.values())
+        log_event(self.run_uri, "failure", ranks=sorted(errors), errors=errors, from_code=from_code)
+
+
+class RunGaveUp(RuntimeError):
+    """The run failed the same way twice from the same checkpoint: retrying would repeat it."""
+
+
+def repeated_failure(events: list[dict[str, Any]], launch_id: str) -> str | None:
+    """Why this launch should not start another worker group: its last two failed groups raised
+    the same errors from their training code after restoring the same step. A deterministic error
+    fails again however often `scaling.max_failures` retries it; a lost process or node (Ray's
+    errors) and an error after progress are retried as before."""
+    start = max((i for i, e in enumerate(events) if e["event"] == "launch" and e.get("id") == launch_id), default=0)
+    step, failed = None, []
+    for event in events[start:]:
+        if event["event"] == "start":
+            step = event["restored_step"]
+        elif event["event"] == "failure":
+            failed.append((step, sorted(set(event["errors"].values())), event.get("from_code", False)))
+    if len(failed) < 2 or failed[-1] != failed[-2] or not failed[-1][2]:
+        return None
+    step, errors, _ = failed[-1]
+    return (f"the same error twice from {f'step {step}' if step else 'the start'} with no progress, so not "
+            f"retried again (scaling.max_failures): {'; '.join(errors)}")
 
 
 def preflight(spec: JobSpec) -> None:
@@ -251,11 +283,13 @@ def _launch(spec: JobSpec, attach_to_running: bool) -> RunResult:
 
         return run(spec)
     tune_ray_train(spec)
+    launch_id = uuid.uuid4().hex
+    log_event(spec.run_uri, "launch", id=launch_id)
     trainer = TorchTrainer(
         train_worker,
         torch_config=torch_config(spec),
         train_loop_config={"spec": spec.model_dump(mode="json"), "progress_bar": sys.stdout.isatty(),
-                           **fault_injection},
+                           "launch_id": launch_id, **fault_injection},
         scaling_config=scaling_config(spec),
         run_config=RunConfig(
             # Same name + storage path as an earlier run: the workers resume from its newest
@@ -270,4 +304,7 @@ def _launch(spec: JobSpec, attach_to_running: bool) -> RunResult:
     )
     start = time.perf_counter()
     trainer.fit()
+    gave_up = [e for e in read_events(spec.run_uri) if e["event"] == "gave_up" and e["launch"] == launch_id]
+    if gave_up:
+        raise RunGaveUp(f"run '{spec.run.name}' stopped: {gave_up[-1]['reason']}")
     return finish_run(spec, f"shardyard run '{spec.run.name}' ({spec.parallelism.strategy})", start)
