@@ -31,8 +31,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test on the session's Ray cluster is marked `ray`: `pytest -m "not ray and not slow"`
-    runs the parallel math, checkpoint and spec tests alone, in a few minutes."""
+    """Every test on the session's Ray cluster is marked `ray`: `pytest -m "not ray"` runs the
+    parallel math, checkpoint, spec and drill tests alone, in a few minutes."""
     for item in items:
         if "ray_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)
