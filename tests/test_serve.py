@@ -164,17 +164,28 @@ def hf_greedy(model, prompt: str, max_tokens: int) -> str:
 def test_a_hugging_face_model_is_served_sharded_and_decodes_as_transformers_does(
         ray_cluster, llama_checkpoint, sharding: str, num_shards: int) -> None:
     """Whole on one shard, or over two split by decoder layers (its `base_model_pp_plan`) or by
-    its own tensor-parallel plan: a ragged batch decodes, token for token, what `generate` gives
-    each prompt alone."""
-    from shardyard.serve.shards import ShardedModel
+    its own tensor-parallel plan, decoded by the engine through the KV cache (each pipeline shard
+    caching its layers, each tensor shard its heads' share; 3 requests for 2 rows, so one waits
+    for a row): every request gets, token for token, what `generate` gives its prompt alone."""
+    from shardyard.serve.engine import DecodingEngine, TokenBudget
+    from shardyard.serve.shards import SHARD_LOST, CachesLost, ShardedModel
 
     model = checkpoint.load_model(llama_checkpoint).eval()
-    # 7 new tokens keep the longest prompt (9) within block_size 16: past it the served decoding
-    # slides its window while `generate` keeps the whole context, and they may rightly differ.
+    # 7 new tokens keep the longest prompt (9) within block_size 16, the context served.
     prompts = ["def", "import os", "x ="]
-    sharded = ShardedModel(str(llama_checkpoint), num_shards, sharding=sharding)
+    sharded = ShardedModel(str(llama_checkpoint), num_shards, sharding=sharding, cache_rows=2)
+
+    async def decode_all() -> list[list[int]]:
+        engine = DecodingEngine(sharded.forward, 2, sharded.block_size, TokenBudget(8, 60.0, 4), sharded.heal,
+                                (*SHARD_LOST, CachesLost))
+
+        async def one(prompt: str) -> list[int]:
+            return [t async for t in engine.tokens(engine.submit(Completion(encode(prompt), 7)))]
+
+        return await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), 120)
+
     try:
-        answers = generate(sharded.forward, [Completion(encode(p), 7) for p in prompts], sharded.block_size)
+        answers = asyncio.run(decode_all())
     finally:
         sharded.close()
     assert [decode(a) for a in answers] == [hf_greedy(model, p, 7) for p in prompts]
@@ -490,6 +501,29 @@ def test_serve_config_mistakes_are_named_before_anything_starts(ray_cluster, tmp
 
 
 @pytest.mark.timeout(60)
+def test_hugging_face_models_get_the_kv_cache_unless_a_window_is_narrower_than_the_context(tmp_path: Path) -> None:
+    """The cache keeps every past token, which a sliding window narrower than the served context
+    would not read: such a model is served by static batching, and `continuous` is refused."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardyard.serve.config import parse_config
+    from shardyard.spec import SpecError
+
+    def directory(architecture: str, **keys: object) -> str:
+        config = AutoConfig.for_model(architecture, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2, vocab_size=256,
+                                      max_position_embeddings=16, **keys)
+        AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / architecture)
+        return str(tmp_path / architecture)
+
+    assert parse_config({"checkpoint": directory("llama")}).batching == "continuous"
+    windowed = directory("mistral", sliding_window=4)  # 4 tokens of a 16-token context
+    assert parse_config({"checkpoint": windowed}).batching == "adaptive"
+    with pytest.raises(SpecError, match="continuous needs a model the KV cache serves exactly"):
+        parse_config({"checkpoint": windowed, "batching": "continuous"})
+
+
+@pytest.mark.timeout(60)
 def test_shard_actors_hold_their_whole_bundle_gpu_included() -> None:
     """Without num_gpus Ray hides a bundle's GPU from the actor in it, which then runs on the CPU;
     without num_cpus it asks 1 CPU to be scheduled, which a 0.75 CPU bundle cannot give."""
@@ -557,8 +591,6 @@ def test_a_hugging_face_model_answers_over_http(server, llama_checkpoint) -> Non
 
     with pytest.raises(SpecError, match="cannot split 2 blocks into 3 pipeline shards"):
         build_app({"checkpoint": str(llama_checkpoint), "num_shards": 3})
-    with pytest.raises(SpecError, match="batching: continuous needs a model with a KV cache"):
-        build_app({"checkpoint": str(llama_checkpoint), "batching": "continuous"})
     with pytest.raises(SpecError, match=r"num_key_value_heads \(2\) must be divisible by num_shards \(4\)"):
         build_app({"checkpoint": str(llama_checkpoint), "num_shards": 4, "sharding": "tensor"})
     serve.run(build_app({"checkpoint": str(llama_checkpoint), "num_shards": 1}), name="llama_app", route_prefix="/llama")

@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import Cache
 
+from shardyard.models.kv_cache import KVCache
 from shardyard.models.stages import PipelineLayout
 from shardyard.spec import HFSpec
 
@@ -105,19 +107,50 @@ class HFCausalLM(nn.Module):
             stage.returns_hidden = True
         return stage
 
-    def forward(self, x: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pad: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, V); on a pipeline stage, hidden states in or out.
         `pad` (B,) counts each row's left padding (a batch of ragged prompts, as serving sends):
         masked out, and positions start at each row's first real token, so a row's logits equal
-        its prompt's alone (as GPT.forward's)."""
+        its prompt's alone (as GPT.forward's).
+        `cache`: decoding with the serving engine's KV cache (its current step says which rows and
+        positions), which the model's attention layers write through `EngineCache`."""
         kwargs: dict[str, Any] = {"inputs_embeds" if self.takes_hidden else "input_ids": x, "use_cache": False}
-        if pad is not None:
+        if cache is not None:
+            # Every row has its own length, so the positions and the 4-D mask (which transformers
+            # uses as given) come from the cache, not from transformers' one-length-fits-all logic.
+            allowed = cache.attention_mask(x.shape[1], x.device)
+            dtype = next(self.hf.parameters()).dtype
+            kwargs.update(use_cache=True, past_key_values=EngineCache(cache),
+                          position_ids=cache.positions(x.shape[1], x.device),
+                          # Additive, which every attention implementation (eager and sdpa) takes.
+                          attention_mask=torch.zeros(allowed.shape, dtype=dtype, device=x.device)
+                          .masked_fill(~allowed, torch.finfo(dtype).min))
+        elif pad is not None:
             positions = torch.arange(x.shape[1], device=x.device)[None, :]
             kwargs["attention_mask"] = (positions >= pad[:, None]).long()
             kwargs["position_ids"] = (positions - pad[:, None]).clamp(min=0)
         if self.returns_hidden:
             return self.hf.base_model(**kwargs).last_hidden_state
         return self.hf(**kwargs).logits
+
+
+class EngineCache(Cache):
+    """The serving engine's KV cache (models/kv_cache.py: a slab row per running request) behind
+    transformers' `Cache` interface, through which every attention layer of a transformers model
+    stores its new keys and values and gets back the past to attend over. Layers are keyed by
+    their index in the whole model, so a pipeline stage's layers keep their own."""
+
+    def __init__(self, cache: KVCache) -> None:
+        super().__init__(layers=[])
+        self.engine_cache = cache
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.engine_cache.update(str(layer_idx), key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.engine_cache.lengths, default=0)
 
 
 class SparseLayers(nn.Module):

@@ -81,10 +81,18 @@ class KVCache:
             return torch.arange(seq, device=device)[None]
         return torch.tensor(self.lengths, device=device)[:, None]
 
-    def update(self, layer: str, k: torch.Tensor, v: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def attention_mask(self, seq: int, device: torch.device) -> torch.Tensor:
+        """This pass's boolean attention mask over the keys `update` returns: causal (1, 1, T, T)
+        for a prefill; for a decode step (rows, 1, 1, W), W the longest row's past plus one, each
+        row seeing its own past and its new token only (shorter rows' tail is stale)."""
+        if self.step.kind == "prefill":
+            return torch.ones(seq, seq, dtype=torch.bool, device=device).tril()[None, None]
+        at = torch.tensor(self.lengths, device=device)  # each row's new position
+        return (torch.arange(int(at.max()) + 1, device=device)[None, :] <= at[:, None])[:, None, None, :]
+
+    def update(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this pass's keys and values (B, heads, T, head_dim) for `layer`; return the keys
-        and values to attend over, and the attention mask (None: plain causal)."""
+        and values to attend over, under `attention_mask`."""
         if layer not in self.keys:  # the layer's (local) head count is known at its first call
             shape = (self.rows, k.shape[1], self.max_len, k.shape[3])
             self.keys[layer] = torch.zeros(shape, dtype=k.dtype, device=k.device)
@@ -95,7 +103,7 @@ class KVCache:
             if length > self.max_len:
                 raise RuntimeError(f"a prompt of {length} tokens exceeds the context of {self.max_len}")
             keys[row, :, :length], values[row, :, :length] = k[0], v[0]
-            return k, v, None
+            return k, v
         rows = self.step.rows
         at = torch.tensor(self.lengths, device=k.device)  # each row's next position
         if int(at.max()) >= self.max_len:
@@ -103,8 +111,7 @@ class KVCache:
         index = torch.arange(rows, device=k.device)
         keys[index, :, at], values[index, :, at] = k[:, :, 0], v[:, :, 0]
         width = int(at.max()) + 1
-        mask = torch.arange(width, device=k.device)[None, :] <= at[:, None]  # each row's own past
-        return keys[:rows, :, :width], values[:rows, :, :width], mask[:, None, None, :]
+        return keys[:rows, :, :width], values[:rows, :, :width]
 
     def end(self, prompt_len: int) -> None:
         """Finish a forward pass: the rows now hold one more token (decode) or a prompt (prefill)."""

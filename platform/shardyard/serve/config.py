@@ -87,7 +87,8 @@ class ServeConfig(BaseModel):
         if self.batching == "auto":
             self.batching = "continuous" if cached else "adaptive"
         elif self.batching == "continuous" and not cached:
-            raise ValueError(f"batching: continuous needs a model with a KV cache (the GPT); a '{model.name}' "
+            raise ValueError(f"batching: continuous needs a model the KV cache serves exactly (the GPT, or a "
+                             f"Hugging Face model whose attention covers the whole context); this '{model.name}' "
                              f"model is served with batching: adaptive, fixed or none")
         if self.batching == "continuous":
             context = model.block_size

@@ -84,9 +84,22 @@ def run_model(model: torch.nn.Module, x: torch.Tensor, extra: Extra, cache: KVCa
 
 
 def supports_kv_cache(spec: GPTSpec | HFSpec | CustomSpec) -> bool:
-    """Whether the engine can decode this model with a KV cache (models/kv_cache.py): the own GPT
-    for now; others are served by static batching, recomputing the sequence every token."""
-    return isinstance(spec, GPTSpec)
+    """Whether the engine can decode this model with its KV cache (models/kv_cache.py): the own GPT,
+    and a Hugging Face model whose every layer attends over the whole served context (full
+    attention, or a sliding window at least as long as the context); the cache holds every past
+    token, which a narrower window would not read. Other models (custom modules, windows
+    narrower than the context, linear-attention or state-space layers) are served by static
+    batching, recomputing the sequence every token."""
+    if isinstance(spec, GPTSpec):
+        return True
+    if not isinstance(spec, HFSpec):
+        return False
+    config = spec.hf_config()
+    window = getattr(config, "sliding_window", None)
+    kinds = set(getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"])
+    if not kinds <= {"full_attention", "sliding_attention"}:
+        return False
+    return "sliding_attention" not in kinds or window is None or window >= spec.block_size
 
 
 @ray.remote
