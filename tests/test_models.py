@@ -34,8 +34,14 @@ LLAMA = {"architecture": "llama", "hidden_size": 32, "intermediate_size": 64, "n
          "max_position_embeddings": 64, "tie_word_embeddings": False}
 GPT2 = {"architecture": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 256, "n_positions": 64,
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 0, "eos_token_id": 0}
+# Plans beyond column/row-wise: Qwen3's per-head q/k norms are replicated with their gradients
+# summed over the tp ranks; OLMo-2 gathers q, k and v to normalise them over all heads.
+QWEN3 = {**LLAMA, "architecture": "qwen3", "head_dim": 8}
+OLMO2 = {**LLAMA, "architecture": "olmo2"}
 MODELS = {
     "llama": {"name": "hf", "config": LLAMA, "block_size": 16},
+    "qwen3": {"name": "hf", "config": QWEN3, "block_size": 16},
+    "olmo2": {"name": "hf", "config": OLMO2, "block_size": 16},
     "gpt2": {"name": "hf", "config": GPT2, "block_size": 16},
     "custom": {"name": "custom", "factory": "custom_model:build", "block_size": 16, "options": {"width": 24}},
     # The same module with the tensor and pipeline hooks (models/stages.py).
@@ -48,10 +54,13 @@ STRATEGIES = {
     "zero2": {"strategy": "zero2"},
     "zero3": {"strategy": "zero3"},
     "tensor": {"strategy": "tensor", "tp": 2},  # the model's own base_model_tp_plan
+    "fsdp-tp": {"strategy": "fsdp", "tp": 2},
     "pipeline": {"strategy": "pipeline", "pp": 2, "schedule": "1f1b"},  # its base_model_pp_plan
 }
 # GPT-2 has neither plan (and ties its head to its embedding).
-CASES = ([(m, s) for m in ("llama", "gpt2") for s in STRATEGIES if (m, s) not in (("gpt2", "tensor"), ("gpt2", "pipeline"))]
+CASES = ([(m, s) for m in ("llama", "gpt2") for s in STRATEGIES
+          if s != "fsdp-tp" and (m, s) not in (("gpt2", "tensor"), ("gpt2", "pipeline"))]
+         + [("qwen3", "tensor"), ("qwen3", "fsdp-tp"), ("olmo2", "tensor")]
          + [("custom", "ddp"), ("custom", "fsdp-ac"), ("custom-hooks", "tensor"), ("custom-hooks", "pipeline")])
 
 

@@ -77,6 +77,8 @@ class MLPSpec(Section):
 
 # What marks a Hugging Face model directory as bringing its own tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+# The styles of transformers' tensor-parallel plans that parallel/tensor.py applies.
+TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce")
 
 
 class HFSpec(Section):
@@ -169,10 +171,10 @@ class HFSpec(Section):
             raise ValueError(f"model '{config.model_type}' ships no tensor-parallel plan "
                              f"(base_model_tp_plan): use parallelism.tp 1 with ddp, fsdp or zero")
         block_plan = {key.split(".*.", 1)[1]: style for key, style in plan.items() if ".*." in key}
-        unsupported = sorted({style for style in block_plan.values() if style not in ("colwise", "rowwise")})
+        unsupported = sorted({style for style in block_plan.values() if style not in TP_STYLES})
         if unsupported:
             raise ValueError(f"model '{config.model_type}': its tensor-parallel plan uses {unsupported}; "
-                             f"shardyard applies 'colwise' and 'rowwise' plans (Llama, Qwen2, Mistral, ...)")
+                             f"shardyard applies {', '.join(TP_STYLES)} (parallel/tensor.py)")
         for name in ("num_attention_heads", "num_key_value_heads"):
             heads = getattr(config, name, None)
             if heads is not None and heads % tp:
