@@ -11,10 +11,14 @@ several bytes of one character, so per-chunk gaps would not be per token).
 Then, outside HTTP, one decode step of a GPT with a 1024-token context at positions 16, 256 and
 1024: with the engine's KV cache, and recomputing the sequence as static batching does.
 
+The peer (generate_peer.py): transformers' own `generate` with static batches, behind the same
+Serve proxy, route and streaming chunks, against the engine serving the same model: a GPT-2 of the
+default GPT's size (4 layers x 128, 4 heads, 64-token context, byte vocabulary) saved by
+transformers, untrained (the tokens do not matter here; every request runs to MAX_TOKENS).
+
 Targets (issue 15): the engine at >= 5x no batching's tokens/s at 32 streams, its p95 inter-token
-latency no worse than no batching's at 1 stream plus one decode step of the batch; a cached decode
-step at 1024 within 2x of the one at 16. Not measured here: the peer the issue names (Hugging
-Face `generate` with static batches behind the same HTTP front); the app has no `generate` path.
+latency no worse than no batching's at 1 stream plus one decode step of the batch; ahead of the
+`generate` peer's tokens/s; a cached decode step at 1024 within 2x of the one at 16.
 
     python benchmarks/serve_engine.py [--duration 5] [--streams 1 8 32 64]
 """
@@ -26,7 +30,9 @@ import asyncio
 import json
 import random
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -34,15 +40,21 @@ import torch
 from ray import serve
 
 from common import print_table, write_json
+from generate_peer import peer_app
 from serve_load import local_serve, percentile
 
 MAX_TOKENS = 32
+# The apps on the default GPT, then the engine and the peer on the same Hugging Face GPT-2.
 APPS: dict[str, dict[str, Any]] = {
     "none": {"batching": "none"},
     "adaptive": {"batching": "adaptive"},
     "continuous": {"batching": "continuous"},
+    "continuous-hf": {"batching": "continuous"},
+    "generate-peer": {},
 }
 BASE = {"num_shards": 1, "max_batch_size": 64, "max_queued_requests": 256, "request_timeout_s": 120.0}
+PEER_MODEL = {"n_embd": 128, "n_layer": 4, "n_head": 4, "vocab_size": 256, "n_positions": 64,
+              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": None, "eos_token_id": None}
 
 
 async def one_stream(session: aiohttp.ClientSession, url: str, rng: random.Random) -> dict[str, float] | None:
@@ -95,11 +107,43 @@ def point(app: str, concurrency: int, results: list[dict[str, float]], elapsed: 
     return row
 
 
-def sweep(app: str, checkpoint_dir: str, port: int, duration: float, concurrencies: list[int]) -> list[dict]:
+def save_peer_model(out: Path) -> str:
+    """The GPT-2 both the engine and the peer serve, as transformers saves it."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(GPT2Config(**PEER_MODEL)).save_pretrained(out)
+    return str(out)
+
+
+def application(app: str, checkpoint_dir: str, hf_dir: str) -> serve.Application:
     from shardyard.serve.app import build_app
 
-    serve.run(build_app({"checkpoint": checkpoint_dir, **BASE, **APPS[app]}), name=app, route_prefix=f"/{app}")
+    if app == "generate-peer":
+        return peer_app(hf_dir, BASE["max_batch_size"])
+    model = hf_dir if app.endswith("-hf") else checkpoint_dir
+    return build_app({"checkpoint": model, **BASE, **APPS[app]})
+
+
+async def greedy_text(url: str, prompt: str) -> str:
+    """One streamed greedy completion's text: the engine and the peer serving the same model must
+    agree on it, or they are not decoding the same thing."""
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    pieces = []
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as answer:
+        async for raw in answer.content:
+            line = raw.decode().strip()
+            if line.startswith("data: {"):
+                chunk = json.loads(line.removeprefix("data: "))
+                pieces += [c["text"] for c in chunk["choices"]]
+    return "".join(pieces)
+
+
+def sweep(app: str, application: serve.Application, port: int, duration: float, concurrencies: list[int],
+          texts: dict[str, str]) -> list[dict]:
+    serve.run(application, name=app, route_prefix=f"/{app}")
     url = f"http://127.0.0.1:{port}/{app}/v1/completions"
+    texts[app] = asyncio.run(greedy_text(url, "def main():"))
     asyncio.run(streams(url, 2, 1.0))  # warm-up
     rows = []
     for concurrency in concurrencies:
@@ -158,6 +202,11 @@ def targets(rows: list[dict[str, Any]], steps: list[dict[str, Any]]) -> list[dic
     if engine and static:
         out.append({"target": "engine vs static (adaptive) batching, tokens/s at 32 streams",
                     "measured": f"{engine['tokens_per_s'] / static['tokens_per_s']:.2f}x"})
+    for n in (1, 8, 32, 64):
+        hf, peer = at("continuous-hf", n), at("generate-peer", n)
+        if hf and peer and peer["tokens_per_s"]:
+            out.append({"target": f"engine vs the generate peer (same GPT-2), tokens/s at {n} streams",
+                        "measured": f"{hf['tokens_per_s'] / peer['tokens_per_s']:.2f}x"})
     if engine and none1:
         step = next((s["cached_step_ms"] for s in steps if s["context"] == 16 and s["batch"] == 32), 0.0)
         bound = none1["itl_p95_ms"] + step
@@ -177,8 +226,14 @@ def main() -> None:
     parser.add_argument("--apps", nargs="+", default=list(APPS), choices=list(APPS))
     args = parser.parse_args()
 
-    with local_serve() as (port, checkpoint_dir):
-        rows = [row for app in args.apps for row in sweep(app, checkpoint_dir, port, args.duration, args.streams)]
+    with local_serve() as (port, checkpoint_dir), tempfile.TemporaryDirectory() as tmp:
+        hf_dir = save_peer_model(Path(tmp, "gpt2"))
+        texts: dict[str, str] = {}
+        rows = [row for app in args.apps
+                for row in sweep(app, application(app, checkpoint_dir, hf_dir), port, args.duration, args.streams,
+                                 texts)]
+    if {"continuous-hf", "generate-peer"} <= texts.keys():
+        print(f"the engine and the peer decode the same greedy text: {texts['continuous-hf'] == texts['generate-peer']}")
     steps = [row for batch in (1, 8, 32) for row in decode_steps(batch)]
 
     print_table(f"streaming load ({MAX_TOKENS} tokens per completion; latencies in ms)", rows)
@@ -186,7 +241,8 @@ def main() -> None:
     summary = targets(rows, steps)
     print_table("targets", summary)
     write_json("serve_engine", {"max_tokens": MAX_TOKENS, "duration_s": args.duration, "base_config": BASE,
-                                "apps": {a: APPS[a] for a in args.apps}, "rows": rows, "decode_steps": steps,
+                                "apps": {a: APPS[a] for a in args.apps}, "peer_model": PEER_MODEL,
+                                "greedy_texts": texts, "rows": rows, "decode_steps": steps,
                                 "targets": summary})
 
 
