@@ -9,8 +9,10 @@ Ray: every refusal here comes before Ray is started.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -233,6 +235,42 @@ def test_a_parameter_server_that_fails_at_every_restart_fails_the_run_instead_of
     assert time.monotonic() - started < 10
 
 
+@pytest.mark.ray
+@pytest.mark.drill(outcome="fails with the workers' error", lost="nothing since the last checkpoint")
+@pytest.mark.timeout(180)
+def test_a_failed_parameter_server_run_leaves_none_of_its_actors_behind(ray_cluster, tmp_path: Path) -> None:
+    """The servers and the coordinator were killed only when the run succeeded: a failed run left
+    them holding the cluster's CPUs and memory. Here every worker fails as it starts (its data file
+    was removed once the run had been checked) until scaling.max_failures runs out."""
+    import ray
+
+    from shardyard.train.launcher import preflight
+    from shardyard.train.parameter_server import ParameterServerRun
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("every sample of this corpus " * 64)
+    spec = parse_spec(job(tmp_path, data={"name": "corpus", "path": str(text)},
+                          parallelism={"strategy": "parameter_server", "num_servers": 2},
+                          batch={"global_batch_size": 8, "micro_batch_size": 4},
+                          scaling={"num_workers": 2, "max_failures": 1}))
+    preflight(spec)
+    text.unlink()
+    run = ParameterServerRun(spec)
+    with pytest.raises(RuntimeError, match="2 parameter-server workers failed; scaling.max_failures is 1"):
+        run.run()
+    # The test still holds their handles, which alone would keep them alive. ray.kill returns
+    # before the actor is gone: each is asked again until it is found dead, for a minute at most.
+    deadline = time.monotonic() + 60
+    for ask in [*(server.status.remote for server in run.servers), run.coordinator.progress.remote]:
+        while True:
+            try:
+                ray.get(ask(), timeout=30)
+            except ray.exceptions.ActorDiedError:
+                break
+            assert time.monotonic() < deadline, "a parameter-server actor outlived its failed run"
+            time.sleep(0.5)
+
+
 READ = """
 import sys, time
 from shardyard.train.lease import holding
@@ -301,11 +339,18 @@ def register_full_disk() -> None:
                 raise OSError(errno.ENOSPC, "No space left on device", str(path))
             return super()._open(path, mode, **kwargs)
 
+        def put_file(self, lpath, rpath, **kwargs):
+            if FULL_AT in str(rpath) and os.path.isfile(lpath):  # ZeRO's files, copied up once written
+                raise OSError(errno.ENOSPC, "No space left on device", str(rpath))
+            return super().put_file(lpath, rpath, **kwargs)
+
     fsspec.register_implementation("fulldisk", FullDisk, clobber=True)
 
 
-def train_on_full_disk(rank: int, world: int, raw: dict) -> str:
-    """The Trainer's error on this rank, as a Ray Train worker would raise it."""
+def train_on_full_disk(rank: int, world: int, raw: dict, temp_dir: str | None = None) -> str:
+    """The Trainer's error on this rank, as a Ray Train worker would raise it; `temp_dir`: where
+    the rank's temporary files go."""
+    tempfile.tempdir = temp_dir
     register_full_disk()
     try:
         train_ranks(rank, world, raw, attempt=1.0)
@@ -330,6 +375,36 @@ def test_an_asynchronous_checkpoint_that_cannot_be_written_fails_the_run_with_th
     assert all(e.startswith(f"CheckpointWriteError: checkpoint fulldisk://{tmp_path}/run/{FULL_AT} could not be "
                             "written") and "OSError: [Errno 28] No space left on device" in e for e in errors), errors
     storage = RunStorage(str(tmp_path / "run"))
+    assert storage.newest_committed() == "checkpoint_step_00000002"
+    assert storage.committed(FULL_AT) is None
+
+
+@pytest.mark.drill(outcome="fails with the storage error", lost="nothing since the last checkpoint")
+@pytest.mark.timeout(240)
+def test_a_zero_checkpoint_that_cannot_be_uploaded_leaves_no_temporary_files(tmp_path: Path) -> None:
+    """DeepSpeed writes a ZeRO checkpoint into a local temporary directory, copied up to remote
+    storage; a restore copies it down into another. A failed upload must fail the run with the
+    storage's error and leave neither behind: a run whose step-4 upload fails, twice (the second
+    attempt resumed from step 2, copied down), leaves the ranks' temporary directory empty."""
+    from shardyard.localdist import run_distributed
+    from shardyard.train.storage import RunStorage
+
+    temp_dir = tmp_path / "tmp"
+    temp_dir.mkdir()
+    store = tmp_path / "store"
+    raw = job(tmp_path, parallelism={"strategy": "zero1"}, scaling={"num_workers": 2},
+              batch={"global_batch_size": 8, "micro_batch_size": 4},
+              checkpoint={"every_n_steps": 2, "storage_path": f"fulldisk://{store}"}, run={"steps": 6})
+    for _ in range(2):
+        errors = run_distributed(train_on_full_disk, 2, raw, str(temp_dir))
+        assert all(e.startswith(f"CheckpointWriteError: checkpoint fulldisk://{store}/run/{FULL_AT} could not be "
+                                "written (rank ") and "OSError: [Errno 28] No space left on device" in e
+                   for e in errors), errors
+        assert sorted(p.name for p in temp_dir.iterdir()) == []
+    resumed = [json.loads(line)["resumed_at"] for line in (store / "run" / "metrics.jsonl").read_text().splitlines()
+               if "resumed_at" in line]
+    assert resumed == [0, 2]
+    storage = RunStorage(str(store / "run"))
     assert storage.newest_committed() == "checkpoint_step_00000002"
     assert storage.committed(FULL_AT) is None
 

@@ -230,13 +230,17 @@ class CheckpointWriteError(RuntimeError):
 
 @contextmanager
 def storage_errors(url: str) -> Iterator[None]:
-    """DCP reports a failed write as a CheckpointException, a BaseException that `except
-    Exception` handlers let through, holding each rank's error: raise the storage's error, named."""
+    """Raise a failed write as the storage's error, named. DCP reports one as a
+    CheckpointException, a BaseException that `except Exception` handlers let through, holding
+    each rank's error; ZeRO's files are written locally and copied up, where storage raises OSError."""
     try:
         yield
     except CheckpointException as err:
         reasons = "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in sorted(err.failures.items()))
         raise CheckpointWriteError(f"checkpoint {url} could not be written ({reasons})") from None
+    except OSError as err:
+        raise CheckpointWriteError(f"checkpoint {url} could not be written "
+                                   f"(rank {_rank()}: {type(err).__name__}: {err})") from None
 
 
 class DCPFormat:
@@ -313,7 +317,7 @@ class DeepSpeedFormat:
         # needs nothing else in it.
         info = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
         storage = RunStorage(url)
-        with _writable_local(storage) as local:
+        with storage_errors(url), _writable_local(storage) as local:  # the local copy goes either way
             engine.ds.save_checkpoint(str(local), tag=ZERO_DIR, client_state={UNIVERSAL_CHECKPOINT_INFO: info})
         return None
 

@@ -75,5 +75,6 @@ class RunStorage:
             yield Path(self.path(*parts))
             return
         with tempfile.TemporaryDirectory(prefix="shardyard-download-") as tmp:
-            self.fs.get(self.path(*parts), tmp, recursive=True)
+            # The trailing slash copies the directory's contents, not the directory, into `tmp`.
+            self.fs.get(f"{self.path(*parts)}/", tmp, recursive=True)
             yield Path(tmp)
