@@ -488,6 +488,8 @@ def test_serve_config_mistakes_are_named_before_anything_starts(ray_cluster, tmp
         build_app({"checkpoint": trained, "num_shards": 4})
     with pytest.raises(SpecError, match="shardyard train jobs/configs/gpt_ddp.yaml"):
         parse_config({"checkpoint": str(tmp_path / "nothing")})
+    with pytest.raises(SpecError, match=r"serving reads a local or shared directory, not object storage; .*aws s3 sync"):
+        parse_config({"checkpoint": "s3://bucket/runs/gpt_ddp"})
     with pytest.raises(SpecError, match="unknown key 'num_shard'"):
         parse_config({"num_shard": 2})
     (tmp_path / "empty_token").write_text("\n")

@@ -137,6 +137,10 @@ class ServeConfig(BaseModel):
 
 def resolve_checkpoint(path: str) -> Path:
     """What `servable` finds at `path`, or a ValueError that says how to get a checkpoint."""
+    if "://" in path:  # as a local path it would name a directory "s3:" and report nothing found
+        raise ValueError(f"checkpoint {path!r}: serving reads a local or shared directory, not object storage; "
+                         f"copy the run (or one checkpoint of it) down first, e.g. `aws s3 sync {path} DIR`, "
+                         f"and pass checkpoint=DIR")
     found = servable(path)
     if found is None:
         raise ValueError(f"no checkpoint at {str(Path(path).expanduser().resolve())!r}: train one first with "

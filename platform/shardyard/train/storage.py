@@ -22,7 +22,10 @@ class RunStorage:
 
     def __init__(self, run_dir: str | Path) -> None:
         self.uri = str(run_dir)
-        self.fs, self.root = fsspec.core.url_to_fs(self.uri)
+        # No listings cache: object stores' filesystems keep the listings they read, and a
+        # process that watches a run (a serving app following it, a driver, the launcher) would
+        # never see a checkpoint that another process committed since.
+        self.fs, self.root = fsspec.core.url_to_fs(self.uri, use_listings_cache=False)
         self.remote = "://" in self.uri
 
     def url(self, *parts: str) -> str:
