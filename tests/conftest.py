@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -120,8 +121,10 @@ def user_environment(ray_tmp: str) -> dict[str, str]:
 @contextmanager
 def ray_files_of_their_own() -> Iterator[str]:
     """A RAY_TMPDIR for one README command; short, since Ray's socket paths live under it. Every
-    process whose command line names it (and their children: workers, job drivers) is killed on
-    the way out: `ray stop` would stop the session's cluster too."""
+    process whose command line or environment names it (and their children: workers, job drivers)
+    is killed on the way out: `ray stop` would stop the session's cluster too. (Ray's client server
+    names neither its session's directory nor a parent once `ray start` has exited: only its
+    environment tells whose it is.)"""
     import psutil
 
     ray_tmp = tempfile.mkdtemp(prefix="sy-", dir="/tmp")
@@ -129,8 +132,9 @@ def ray_files_of_their_own() -> Iterator[str]:
         yield ray_tmp
     finally:
         owned: list[psutil.Process] = []
-        for proc in psutil.process_iter(["cmdline"]):
-            if any(ray_tmp in arg for arg in proc.info["cmdline"] or ()):
+        for proc in psutil.process_iter(["cmdline", "environ"]):
+            if (any(ray_tmp in arg for arg in proc.info["cmdline"] or ())
+                    or (proc.info["environ"] or {}).get("RAY_TMPDIR") == ray_tmp):
                 owned += [proc, *proc.children(recursive=True)]
         for proc in owned:
             try:
@@ -158,3 +162,38 @@ def readme_ray_cluster(cwd: Path) -> Iterator[dict[str, str]]:
             assert started.returncode == 0, f"ray {' '.join(command)}:\n{started.stdout}{started.stderr}"
         yield env
 
+
+
+@dataclass
+class Bucket:
+    fs: Any  # s3fs's filesystem, paths as "bucket/..."
+    env: dict[str, str]  # the endpoint and credentials, as a node's environment or a job's runtime env holds them
+
+
+@pytest.fixture
+def bucket(monkeypatch: pytest.MonkeyPatch) -> Iterator[Bucket]:
+    """s3://bucket on a fresh S3 server (moto's standalone server: the S3 protocol over HTTP on a
+    local port). Its endpoint and credentials are in this process's environment, as on a cluster
+    node (local ranks inherit them); a submitted job gets them from its runtime env."""
+    import logging
+
+    import fsspec
+    import requests
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # the server logs a line per request
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    # moto keeps every server's buckets in one state per process: start from an empty store.
+    requests.post(f"http://127.0.0.1:{port}/moto-api/reset", timeout=30).raise_for_status()
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "shardyard",
+           "AWS_SECRET_ACCESS_KEY": "shardyard", "AWS_DEFAULT_REGION": "us-east-1"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, use_listings_cache=False)
+    fs.mkdir("bucket")
+    try:
+        yield Bucket(fs, env)
+    finally:
+        server.stop()

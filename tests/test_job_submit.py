@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, RAY, readme_ray_cluster
+from conftest import REPO, RAY, Bucket, readme_ray_cluster
 from shardyard.train.callbacks import HOLD_ENV
 from shardyard.train.checkpoint import find_latest
 from shardyard.train.metrics import read_events, read_metrics
+from shardyard.train.storage import RunStorage
 
 pytestmark = pytest.mark.ray
 
@@ -36,13 +37,16 @@ def ray_job(cluster: dict[str, str], *args: str, timeout: float = 120) -> subpro
                           env=cluster)
 
 
-def submit(cluster: dict[str, str], overrides: list[str], env: dict[str, str] | None = None) -> str:
+README_JOB = ["python", "jobs/train.py", "--config", "jobs/configs/gpt_ddp.yaml"]
+
+
+def submit(cluster: dict[str, str], overrides: list[str], env: dict[str, str] | None = None,
+           entrypoint: list[str] = README_JOB) -> str:
     runtime = ["--runtime-env-json", json.dumps({"env_vars": env})] if env else []
     deadline = time.monotonic() + 60
     while True:
         answer = ray_job(cluster, "submit", "--no-wait", "--working-dir", ".", *runtime, "--",
-                         "python", "jobs/train.py", "--config", "jobs/configs/gpt_ddp.yaml",
-                         *[arg for o in overrides for arg in ("--set", o)])
+                         *entrypoint, *[arg for o in overrides for arg in ("--set", o)])
         # Right after `ray start` the node's job agent may not be up yet; Ray says to try again.
         if "No available agent" not in answer.stderr or time.monotonic() > deadline:
             break
@@ -93,3 +97,31 @@ def test_submitted_job_stopped_and_submitted_again_resumes_and_writes_outputs(cl
     logged = [row["step"] for row in read_metrics(run_dir)]
     assert logged == list(range(10, 41, 10)), logged  # each step once, across both jobs
     assert (run_dir / "loss_curve.png").is_file()
+
+
+@pytest.mark.timeout(480)
+def test_jobs_prepare_data_into_a_bucket_and_train_from_and_into_it(cluster, bucket: Bucket, tmp_path: Path) -> None:
+    """Object storage on README's cluster: a submitted `shardyard prepare` (a Ray Data job) writes
+    token shards to s3://bucket, then README's training job reads them there and writes its
+    checkpoints, metrics and events there. The endpoint and credentials reach the jobs (and their
+    Ray Data and Ray Train workers) only through `--runtime-env-json`, as a user passes them."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(8):
+        (docs / f"doc{i}.txt").write_text(f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 40)
+    prepare = tmp_path / "prepare.yaml"
+    prepare.write_text(json.dumps({"source": {"path": str(docs), "format": "text"}, "tokenizer": {"name": "bytes"},
+                                   "output": {"path": "s3://bucket/data", "shard_tokens": 4096}}))
+    status, logs = wait_until_done(cluster, submit(cluster, [], bucket.env, ["shardyard", "prepare", str(prepare)]))
+    assert re.search(r"succeeded", status, re.IGNORECASE), f"{status}\n{logs[-3000:]}"
+    assert bucket.fs.exists("bucket/data/index.json") and bucket.fs.glob("bucket/data/train-*.bin"), logs[-3000:]
+
+    overrides = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
+                 "data.name=shards", "data.path=s3://bucket/data", "run.steps=20", "run.log_every=10",
+                 "checkpoint.every_n_steps=10", "checkpoint.storage_path=s3://bucket/runs", "run.name=bucket"]
+    status, logs = wait_until_done(cluster, submit(cluster, overrides, bucket.env))
+    assert re.search(r"succeeded", status, re.IGNORECASE), f"{status}\n{logs[-3000:]}"
+    run = "s3://bucket/runs/bucket"
+    assert RunStorage(run).newest_committed() == "checkpoint_step_00000020"
+    assert [row["step"] for row in read_metrics(run)] == [10, 20]
+    assert [e["event"] for e in read_events(run) if e["event"] == "start"] == ["start"]

@@ -5,7 +5,6 @@ a resize and a change of strategy; the chain must equal one process training on 
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -14,38 +13,16 @@ import torch
 
 from shardyard.data.prepare import SplitWriter
 from shardyard.data.shards import write_index
-from shardyard.localdist import free_port, run_distributed
+from shardyard.localdist import run_distributed
 from shardyard.models import build_model
 from shardyard.parallel import single_process
 from shardyard.spec import parse_spec
 from shardyard.train.checkpoint import CheckpointManager
 from shardyard.train.storage import RunStorage
+from conftest import Bucket
 from test_strategies import steps, train
 
 VOCAB = 64
-
-
-@pytest.fixture
-def bucket(monkeypatch: pytest.MonkeyPatch):
-    """s3://bucket on a fresh S3 server; the credentials and endpoint are the environment's, as
-    on a cluster node (local ranks inherit it)."""
-    import fsspec
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "shardyard")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "shardyard")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    fs = fsspec.filesystem("s3", skip_instance_cache=True, use_listings_cache=False)
-    fs.mkdir("bucket")
-    try:
-        yield fs
-    finally:
-        server.stop()
 
 
 def publish_shards(fs, local: Path) -> np.ndarray:
@@ -72,17 +49,17 @@ def job(tmp_path: Path, strategy: str, until: int) -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_shards_and_checkpoints_in_a_bucket_train_as_one_process_would(bucket, tmp_path: Path) -> None:
+def test_shards_and_checkpoints_in_a_bucket_train_as_one_process_would(bucket: Bucket, tmp_path: Path) -> None:
     """ZeRO-2 on 2 ranks to step 4 (DeepSpeed's files uploaded), ZeRO-2 on 1 rank to step 6 (the
     step-4 checkpoint downloaded and resharded through DeepSpeed's universal format), DDP on 2
     ranks to step 8 (a ZeRO checkpoint read into torch modules; DCP written to the bucket), read
     back in one process from the bucket: the parameters of one process's 8 steps."""
     (tmp_path / "prepared").mkdir()
-    publish_shards(bucket, tmp_path / "prepared")
+    publish_shards(bucket.fs, tmp_path / "prepared")
     for strategy, world, until in [("zero2", 2, 4), ("zero2", 1, 6), ("ddp", 2, 8)]:
         run_distributed(train, world, job(tmp_path, strategy, until))
         assert RunStorage("s3://bucket/runs/run").newest_committed() == f"checkpoint_step_{until:08d}"
-    assert not bucket.exists("bucket/runs/run/checkpoint_step_00000002")  # pruned: keep 2
+    assert not bucket.fs.exists("bucket/runs/run/checkpoint_step_00000002")  # pruned: keep 2
 
     spec = parse_spec({**job(tmp_path, "ddp", 8), "batch": {"global_batch_size": 8, "micro_batch_size": 8},
                        "scaling": {"num_workers": 1}})

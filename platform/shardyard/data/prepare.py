@@ -340,7 +340,8 @@ def _publish(staging: Path, output: str) -> None:
     if fs.exists(f"{root}/{INDEX_FILE}"):
         fs.rm(f"{root}/{INDEX_FILE}")  # the old data stops being a prepared directory first
     fs.makedirs(root, exist_ok=True)
-    for old in fs.ls(root, detail=False):
+    # An object store has no empty directories: a prefix with nothing under it yet does not exist.
+    for old in fs.ls(root, detail=False) if fs.exists(root) else []:
         if Path(old).name.startswith(("train-", "validation-")) or Path(old).name == TOKENIZER_DIR:
             fs.rm(old, recursive=True)
     for item in sorted(staging.iterdir()):
