@@ -117,7 +117,9 @@ def test_a_killed_worker_is_replaced_and_a_killed_server_rolls_back_to_the_last_
         time.sleep(0.2)
 
     def alive(cls: str) -> list[dict]:
-        return list_actors(filters=[("class_name", "=", cls), ("state", "=", "ALIVE")])
+        # The session cluster's, named: without an address Ray's state API joins the newest cluster on
+        # the machine, which need not be this one.
+        return list_actors(address=ray_cluster.gcs_address, filters=[("class_name", "=", cls), ("state", "=", "ALIVE")])
 
     os.kill(alive("PSWorker")[0]["pid"], signal.SIGKILL)
     os.kill(alive("ParameterServer")[0]["pid"], signal.SIGKILL)

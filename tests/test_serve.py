@@ -349,10 +349,11 @@ def test_every_bad_input_gets_its_status_and_the_server_keeps_serving(server) ->
 
 
 @pytest.mark.timeout(300)
-def test_killed_shard_under_load_is_rebuilt_and_later_requests_succeed(server) -> None:
+def test_killed_shard_under_load_is_rebuilt_and_later_requests_succeed(ray_cluster, server) -> None:
     from ray.util.state import list_actors
 
-    shard = next(a for a in list_actors(filters=[("class_name", "=", "PipelineShard"), ("state", "=", "ALIVE")]))
+    shard = next(a for a in list_actors(address=ray_cluster.gcs_address,
+                                        filters=[("class_name", "=", "PipelineShard"), ("state", "=", "ALIVE")]))
     with ThreadPoolExecutor(8) as pool:
         during = [pool.submit(complete, server, prompt=f"load {i}", max_tokens=20) for i in range(24)]
         time.sleep(0.3)
@@ -448,11 +449,12 @@ def test_the_openai_client_completes_chats_and_streams_against_the_engine(engine
 
 
 @pytest.mark.timeout(300)
-def test_a_shard_killed_under_the_engine_is_rebuilt_without_a_500(engine_server) -> None:
+def test_a_shard_killed_under_the_engine_is_rebuilt_without_a_500(ray_cluster, engine_server) -> None:
     from ray.util.state import list_actors
 
     # The engine app's shards: those in its replica's placement group (the static app has its own).
-    replica = list_actors(filters=[("class_name", "=", "ServeReplica:engine_app:ModelServer"), ("state", "=", "ALIVE")])
+    replica = list_actors(address=ray_cluster.gcs_address,
+                          filters=[("class_name", "=", "ServeReplica:engine_app:ModelServer"), ("state", "=", "ALIVE")])
     group = replica[0]["placement_group_id"]
     url = f"{engine_server}/v1/completions"
 
@@ -464,7 +466,8 @@ def test_a_shard_killed_under_the_engine_is_rebuilt_without_a_500(engine_server)
     with ThreadPoolExecutor(8) as pool:
         during = [pool.submit(ask, i) for i in range(24)]
         time.sleep(0.3)
-        shards = list_actors(filters=[("class_name", "=", "PipelineShard"), ("state", "=", "ALIVE")])
+        shards = list_actors(address=ray_cluster.gcs_address,
+                             filters=[("class_name", "=", "PipelineShard"), ("state", "=", "ALIVE")])
         os.kill(next(a for a in shards if a["placement_group_id"] == group)["pid"], signal.SIGKILL)
         codes = [f.result() for f in during]  # every request answered, none hangs
     assert {code for code, _ in codes} <= {200, 503}, [c for c in codes if c[0] != 200]
