@@ -191,9 +191,14 @@ def bucket(monkeypatch: pytest.MonkeyPatch) -> Iterator[Bucket]:
            "AWS_SECRET_ACCESS_KEY": "shardyard", "AWS_DEFAULT_REGION": "us-east-1"}
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    fs = fsspec.filesystem("s3", skip_instance_cache=True, use_listings_cache=False)
+    # fsspec reuses a filesystem made with the same arguments: one made for an earlier test's
+    # server would still talk to that server's port.
+    s3 = fsspec.get_filesystem_class("s3")
+    s3.clear_instance_cache()
+    fs = s3(use_listings_cache=False)
     fs.mkdir("bucket")
     try:
         yield Bucket(fs, env)
     finally:
+        s3.clear_instance_cache()
         server.stop()
