@@ -185,7 +185,8 @@ def test_training_starts_from_a_model_directory_and_resumes_at_another_world_siz
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("parallelism", [{"strategy": "fsdp", "tp": 2}, {"strategy": "tensor", "tp": 2},
-                                         {"strategy": "pipeline", "pp": 2}], ids=["fsdp-x-tensor", "tensor", "pipeline"])
+                                         {"strategy": "pipeline", "pp": 2}, {"strategy": "zero3"}],
+                         ids=["fsdp-x-tensor", "tensor", "pipeline", "zero3"])
 def test_a_model_directory_loads_shard_by_shard(tmp_path: Path, parallelism: dict) -> None:
     """Built on the meta device, sharded over a (dp 1, tp 2) mesh or split into 2 stages, then
     each rank reads only its slices or layers of the safetensors files: training from there equals

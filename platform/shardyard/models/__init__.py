@@ -34,13 +34,14 @@ def build_model(spec: GPTSpec | MLPSpec | HFSpec | CustomSpec, pretrained: bool 
 
 def build_for_job(spec: JobSpec) -> nn.Module:
     """The model a job trains. A Hugging Face model directory under a strategy that splits the
-    model (FSDP, tensor parallelism, pipeline stages, and their combinations) is built on the meta
-    device, with no weights: the engine shards or splits it, then each rank reads only its part of
-    the directory's weights (`materialise`), so a model larger than one rank's memory never
-    materialises whole. Everything else is built whole, from the same seed on every rank (DDP and
-    ZeRO-1/2 hold the whole model on every rank anyway)."""
+    model (FSDP, tensor parallelism, pipeline stages, and their combinations; ZeRO-3) is built on
+    the meta device, with no weights: the engine shards or splits it, then each rank reads only
+    its part of the directory's weights (`materialise`; ZeRO-3 rebuilds it partitioned and fills
+    one parameter at a time), so a model larger than one rank's memory never materialises whole.
+    Everything else is built whole, from the same seed on every rank (DDP and ZeRO-1/2 hold the
+    whole model on every rank anyway)."""
     model, par = spec.model, spec.parallelism
-    splits = par.pp > 1 or par.strategy in ("fsdp", "tensor")
+    splits = par.pp > 1 or par.strategy in ("fsdp", "tensor", "zero3")
     if isinstance(model, HFSpec) and model.path is not None and splits and spec.scaling.recovery != "hot":
         with torch.device("meta"):
             return build_model(model, pretrained=False)

@@ -10,6 +10,7 @@ what leaves the platform is an ordinary Hugging Face model directory.
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,17 @@ class HFCausalLM(nn.Module):
         stored = reader.read_metadata().state_dict_metadata
         # A tied head is one tensor under two names; the files hold it once.
         load({k: v for k, v in self.hf.state_dict().items() if k in stored}, storage_reader=reader)
+
+    def pretrained_tensor(self, name: str) -> torch.Tensor:
+        """One parameter of the model directory, by its name here (`hf.` and the file's key),
+        read alone from the safetensors file that holds it."""
+        from safetensors import safe_open
+
+        key = name.removeprefix("hf.")
+        index = Path(self.spec.path) / "model.safetensors.index.json"
+        file = json.loads(index.read_text())["weight_map"][key] if index.is_file() else "model.safetensors"
+        with safe_open(str(Path(self.spec.path) / file), framework="pt") as weights:
+            return weights.get_tensor(key)
 
     def compute_buffers(self) -> None:
         """Non-persistent buffers (rotary frequencies), which neither the directory nor a

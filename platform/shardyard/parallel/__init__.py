@@ -61,6 +61,8 @@ def build_engine(spec: JobSpec, model: nn.Module, device: torch.device, replica_
     if par.strategy in ZERO_STAGES:
         from shardyard.parallel import zero  # imports DeepSpeed: only when asked for
 
+        if any(p.is_meta for p in model.parameters()):  # ZeRO-3 from a directory: see models.build_for_job
+            model = zero.build_partitioned(spec, model, accum, device)
         optimizers, schedulers = _optimizers(spec, [model.to(device)])
         ds = zero.initialize(model, optimizers[0], schedulers[0], spec, accum, device)
         # DeepSpeed casts to bf16 itself on GPU, so no autocast on top.

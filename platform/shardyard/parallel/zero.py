@@ -11,8 +11,10 @@ import os
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from shardyard.models import build_model
 from shardyard.parallel.engine import Engine, MicroBatch
 from shardyard.runtime import autocast
 from shardyard.spec import ZERO_STAGES, JobSpec
@@ -84,12 +86,36 @@ class ZeroEngine(Engine):
         return total
 
 
-def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, spec: JobSpec,
-               accum_steps: int, device: torch.device) -> "deepspeed.DeepSpeedEngine":
+def _config_for(model: nn.Module, spec: JobSpec, accum_steps: int, device: torch.device) -> dict:
+    # A parameter that ZeRO-3 has partitioned keeps its whole size in ds_numel (its own is empty).
+    sizes = [getattr(p, "ds_numel", p.numel()) for p in model.parameters()]
+    return zero_config(spec, accum_steps, device, sum(sizes), max(sizes))
+
+
+def _start(device: torch.device) -> None:
     ensure_deepspeed_ops()  # never wait on a build lock that a killed process left behind
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
-    sizes = [p.numel() for p in model.parameters()]
-    config = zero_config(spec, accum_steps, device, sum(sizes), max(sizes))
+
+
+def build_partitioned(spec: JobSpec, shapes: nn.Module, accum_steps: int, device: torch.device) -> nn.Module:
+    """ZeRO-3 from a model directory without the whole model on any rank: built under
+    DeepSpeed's `zero.Init` (each module's parameters partitioned over the ranks as soon as the
+    module exists), then each parameter gathered in turn, filled from the directory by rank 0
+    and partitioned again. `shapes`: the model on the meta device (models.build_for_job)."""
+    _start(device)
+    with deepspeed.zero.Init(config_dict_or_path=_config_for(shapes, spec, accum_steps, device)):
+        model = build_model(spec.model, pretrained=False)
+    for name, param in model.named_parameters():  # a tied weight once, under its first name
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+            if dist.get_rank() == 0:
+                param.data.copy_(model.pretrained_tensor(name))
+    return model
+
+
+def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, spec: JobSpec,
+               accum_steps: int, device: torch.device) -> "deepspeed.DeepSpeedEngine":
+    _start(device)
+    config = _config_for(model, spec, accum_steps, device)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=config)
     return engine
