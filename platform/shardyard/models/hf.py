@@ -10,6 +10,7 @@ what leaves the platform is an ordinary Hugging Face model directory.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -58,14 +59,19 @@ class HFCausalLM(nn.Module):
         # A tied head is one tensor under two names; the files hold it once.
         load({k: v for k, v in self.hf.state_dict().items() if k in stored}, storage_reader=reader)
 
+    @functools.cached_property
+    def _weight_files(self) -> dict[str, str] | None:
+        """The directory's key -> safetensors file map, read once (None: one file holds all)."""
+        index = Path(self.spec.path) / "model.safetensors.index.json"
+        return json.loads(index.read_text())["weight_map"] if index.is_file() else None
+
     def pretrained_tensor(self, name: str) -> torch.Tensor:
         """One parameter of the model directory, by its name here (`hf.` and the file's key),
         read alone from the safetensors file that holds it."""
         from safetensors import safe_open
 
         key = name.removeprefix("hf.")
-        index = Path(self.spec.path) / "model.safetensors.index.json"
-        file = json.loads(index.read_text())["weight_map"][key] if index.is_file() else "model.safetensors"
+        file = self._weight_files[key] if self._weight_files is not None else "model.safetensors"
         with safe_open(str(Path(self.spec.path) / file), framework="pt") as weights:
             return weights.get_tensor(key)
 

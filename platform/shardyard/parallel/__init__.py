@@ -45,6 +45,7 @@ def build_engine(spec: JobSpec, model: nn.Module, device: torch.device, replica_
     par, world = spec.parallelism, dist.get_world_size()
     loss_fn, accum = loss_fn_for(spec.model), spec.grad_accum_steps(world)
     amp = autocast_dtype(spec.run.precision, device)
+    on_meta = any(p.is_meta for p in model.parameters())  # see models.build_for_job
 
     if spec.scaling.recovery == "hot":
         from shardyard.parallel.fault_tolerant_ddp import FaultTolerantDDPEngine  # imports torchft
@@ -61,7 +62,8 @@ def build_engine(spec: JobSpec, model: nn.Module, device: torch.device, replica_
     if par.strategy in ZERO_STAGES:
         from shardyard.parallel import zero  # imports DeepSpeed: only when asked for
 
-        if any(p.is_meta for p in model.parameters()):  # ZeRO-3 from a directory: see models.build_for_job
+        zero.start(device)
+        if on_meta:  # ZeRO-3 from a model directory
             model = zero.build_partitioned(spec, model, accum, device)
         optimizers, schedulers = _optimizers(spec, [model.to(device)])
         ds = zero.initialize(model, optimizers[0], schedulers[0], spec, accum, device)
@@ -83,7 +85,6 @@ def build_engine(spec: JobSpec, model: nn.Module, device: torch.device, replica_
         return PipelineEngine(parts, optimizers, schedulers, schedule=schedule, mesh=mesh,
                               is_first=0 in ids, is_last=par.num_stages - 1 in ids, **common)
 
-    on_meta = any(p.is_meta for p in model.parameters())  # see models.build_for_job
     model = _data_parallel(_tensor_parallel(model if on_meta else model.to(device), par, mesh), par, dp_mesh,
                            device)
     if on_meta:  # sharded while empty: now each rank allocates and reads only its shards

@@ -92,7 +92,9 @@ def _config_for(model: nn.Module, spec: JobSpec, accum_steps: int, device: torch
     return zero_config(spec, accum_steps, device, sum(sizes), max(sizes))
 
 
-def _start(device: torch.device) -> None:
+def start(device: torch.device) -> None:
+    """Once per engine, before `build_partitioned` and `initialize`: DeepSpeed's op and its view
+    of the process group."""
     ensure_deepspeed_ops()  # never wait on a build lock that a killed process left behind
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
 
@@ -102,7 +104,6 @@ def build_partitioned(spec: JobSpec, shapes: nn.Module, accum_steps: int, device
     DeepSpeed's `zero.Init` (each module's parameters partitioned over the ranks as soon as the
     module exists), then each parameter gathered in turn, filled from the directory by rank 0
     and partitioned again. `shapes`: the model on the meta device (models.build_for_job)."""
-    _start(device)
     with deepspeed.zero.Init(config_dict_or_path=_config_for(shapes, spec, accum_steps, device)):
         model = build_model(spec.model, pretrained=False)
     for name, param in model.named_parameters():  # a tied weight once, under its first name
@@ -114,7 +115,6 @@ def build_partitioned(spec: JobSpec, shapes: nn.Module, accum_steps: int, device
 
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, spec: JobSpec,
                accum_steps: int, device: torch.device) -> "deepspeed.DeepSpeedEngine":
-    _start(device)
     config = _config_for(model, spec, accum_steps, device)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=config)
