@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardyard.models.kv_cache import CacheStep, KVCache
+from shardyard.models.kv_cache import CacheStep, KVCache, compact
 from shardyard.serve.engine import DecodingEngine, TokenBudget
 from shardyard.serve.generation import Completion, encode, generate
 from shardyard.serve.shards import run_model
@@ -101,6 +101,26 @@ async def serve_all(engine: DecodingEngine, requests: list[Completion], join_aft
 def engine_for(model: CachedModel, budget: int = 8) -> DecodingEngine:
     return DecodingEngine(model.forward, model.rows, model.model.spec.block_size,
                           TokenBudget(budget, step_target_s=60.0, increment=4), model.recover, (CacheLost,))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("release, kept", [((2, 4), [0, 1, 3]), ((1, 3), [0, 4, 2]), ((0, 1), [3, 4, 2])])
+def test_rows_released_in_one_step_leave_each_remaining_sequence_its_own_keys(release: tuple[int, ...],
+                                                                           kept: list[int]) -> None:
+    """Two sequences ending in the same step (one finished, one abandoned): each freed row takes
+    the last row still active, in the order the engine's own list moves them (`compact`)."""
+    cache = KVCache(rows=5, max_len=4)
+    for sequence in range(5):
+        cache.begin(CacheStep("prefill"))
+        key = torch.full((1, 1, 2, 1), float(sequence))
+        cache.update("0", key, key)
+        cache.end(2)
+    cache.begin(CacheStep("decode", rows=3, release=release))
+    order = list(range(5))
+    compact(order, release)
+    assert order == kept
+    assert cache.keys["0"][:3, 0, :2, 0].tolist() == [[float(s)] * 2 for s in kept]
+    assert cache.values["0"][:3, 0, :2, 0].tolist() == [[float(s)] * 2 for s in kept]
 
 
 @pytest.mark.timeout(120)

@@ -62,11 +62,13 @@ class KVCache:
             self.lengths = []
             return
         if step.release:
+            # As `compact` moves list items: each freed row takes the last row still active.
+            last = self.active - 1
             for row in sorted(step.release, reverse=True):
-                last = self.active - 1
                 if row < last:
                     for slab in (*self.keys.values(), *self.values.values()):
                         slab[row] = slab[last]
+                last -= 1
             compact(self.lengths, step.release)
         if step.kind == "prefill" and self.active >= self.rows:
             raise RuntimeError(f"the KV cache's {self.rows} rows are all in use")
