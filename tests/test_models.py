@@ -1,5 +1,6 @@
-"""Bring your own model: Hugging Face causal LMs (a Llama with grouped-query attention, and GPT-2
-with tied embeddings), built from a config or read from a model directory, and a user's module
+"""Bring your own model: Hugging Face causal LMs (a Llama with grouped-query attention, GPT-2
+with tied embeddings, a Mixtral mixture of experts), built from a config or read from a model
+directory, and a user's module
 from a factory, under the data-parallel and sharding strategies; against the same oracle as the
 reference GPT (test_strategies.py): the same model, data and global batch in one process, plain
 SGD without clipping, world size 2 with accumulation 2.
@@ -38,11 +39,15 @@ GPT2 = {"architecture": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_
 # summed over the tp ranks; OLMo-2 gathers q, k and v to normalise them over all heads.
 QWEN3 = {**LLAMA, "architecture": "qwen3", "head_dim": 8}
 OLMO2 = {**LLAMA, "architecture": "olmo2"}
+# A mixture of experts (4 experts, 2 per token): its experts are 3-D parameters of their own.
+MIXTRAL = {**LLAMA, "architecture": "mixtral", "intermediate_size": 48, "num_local_experts": 4,
+           "num_experts_per_tok": 2}
 MODELS = {
     "llama": {"name": "hf", "config": LLAMA, "block_size": 16},
     "qwen3": {"name": "hf", "config": QWEN3, "block_size": 16},
     "olmo2": {"name": "hf", "config": OLMO2, "block_size": 16},
     "gpt2": {"name": "hf", "config": GPT2, "block_size": 16},
+    "mixtral": {"name": "hf", "config": MIXTRAL, "block_size": 16},
     "custom": {"name": "custom", "factory": "custom_model:build", "block_size": 16, "options": {"width": 24}},
     # The same module with the tensor and pipeline hooks (models/stages.py).
     "custom-hooks": {"name": "custom", "factory": "custom_model:build_splittable", "block_size": 16,
@@ -60,7 +65,8 @@ STRATEGIES = {
 # GPT-2 has neither plan (and ties its head to its embedding).
 CASES = ([(m, s) for m in ("llama", "gpt2") for s in STRATEGIES
           if s != "fsdp-tp" and (m, s) not in (("gpt2", "tensor"), ("gpt2", "pipeline"))]
-         + [("qwen3", "tensor"), ("qwen3", "fsdp-tp"), ("olmo2", "tensor")]
+         + [("qwen3", "tensor"), ("qwen3", "fsdp-tp"), ("olmo2", "tensor"), ("mixtral", "fsdp-ac"),
+            ("mixtral", "zero3")]
          + [("custom", "ddp"), ("custom", "fsdp-ac"), ("custom-hooks", "tensor"), ("custom-hooks", "pipeline")])
 
 
@@ -147,6 +153,30 @@ def test_export_to_a_directory_transformers_loads_with_equal_logits(model: str, 
         shutil.rmtree(run_dir / "tokenizer")
     assert (tmp_path / "with_bpe" / "tokenizer.json").read_bytes() == (tmp_path / "bpe" / "tokenizer.json").read_bytes()
     assert len(AutoTokenizer.from_pretrained(tmp_path / "with_bpe")) == len(tokenizer)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_a_random_initialisation_is_drawn_one_unit_at_a_time(model: str) -> None:
+    """Under a strategy that shards the model, a config's weights are drawn one unit (a decoder
+    layer, an embedding, the head) at a time, each far smaller than the model; a pipeline stage
+    that draws only its own layers gets what drawing the whole model gives them."""
+    from shardyard.models import materialise
+    from shardyard.models.initial_weights import initial_values
+
+    spec = parse_spec(job(MODELS[model], {"strategy": "fsdp"}, 2))
+    torch.manual_seed(spec.run.seed)
+    shapes = build_for_job(spec)
+    assert all(p.is_meta for p in shapes.parameters())
+    torch.manual_seed(spec.run.seed)
+    whole = build_model(spec.model).state_dict()
+    largest = max(sum(t.numel() for t in unit.values()) for unit in initial_values(shapes))
+    assert largest < sum(p.numel() for p in shapes.parameters()) / 2
+    if model == "llama":  # GPT-2 has no pipeline plan
+        stage = materialise(shapes.pipeline_stage(1, 2), torch.device("cpu")).state_dict()
+        assert any(".layers.1." in name for name in stage) and not any(".layers.0." in name for name in stage)
+        for name, value in stage.items():
+            torch.testing.assert_close(value, whole[name], rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.timeout(300)
@@ -236,6 +266,8 @@ def test_bad_model_sections_are_refused_with_the_reason(model: dict, expected: s
     ("custom", {"strategy": "pipeline", "pp": 2}, "(TinyLM) does not say how to split it into pipeline stages"),
     ("llama", {"strategy": "tensor", "tp": 4}, "num_key_value_heads (2) must be divisible by parallelism.tp (4)"),
     ("llama", {"strategy": "pipeline", "pp": 4}, "the model's 2 blocks cannot be split into 4 pipeline stages"),
+    ("mixtral", {"strategy": "tensor", "tp": 2},
+     "model 'mixtral': its tensor-parallel plan uses ['moe_tp_experts', 'packed_colwise']"),
 ])
 def test_parallelism_a_model_does_not_support_is_refused_with_the_reason(model: str, parallelism: dict,
                                                                           expected: str) -> None:

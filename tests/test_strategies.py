@@ -40,6 +40,11 @@ from shardyard.train.trainer import Trainer
 
 STEPS, RESUME_AT = 4, 2
 PARAM_TOL, LOSS_RTOL, RESUME_TOL = 2e-5, 1e-5, 1e-6
+# AdamW divides each gradient element by its own running magnitude, so an element whose gradient
+# is near rounding level steps by up to lr on the rounding alone, and reduction orders differ
+# between strategies: up to 5e-5 measured after 4 steps at lr 1e-3 (losses equal to 1e-5). Plain
+# SGD, whose update is linear in the gradient, is every strategy's tight oracle (PARAM_TOL).
+ADAMW_PARAM_TOL = 1e-4
 ADAMW = {"name": "adamw", "lr": 1e-3, "weight_decay": 0.1, "warmup_steps": 1, "grad_clip": 0.5}
 # Large enough that a gradient off by a constant factor moves parameters far past PARAM_TOL.
 SGD = {"name": "sgd", "lr": 0.5, "momentum": 0.0, "weight_decay": 0.0, "grad_clip": 0.0, "warmup_steps": 1}
@@ -166,6 +171,10 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, s
     return out, results
 
 
+def param_tol(optim: str) -> float:
+    return ADAMW_PARAM_TOL if optim == "adamw" else PARAM_TOL
+
+
 def assert_params(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], tol: float, what: str) -> None:
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=tol, msg=f"{what}: {name}")
@@ -187,7 +196,7 @@ def test_strategy_matches_single_process_and_resumes(case: str, optim: str, trai
     straight_dir = checkpoint.find_latest(case_dir / "straight" / "run")
     assert straight_dir.name == checkpoint.checkpoint_name(STEPS)
     straight = checkpoint.load_model(straight_dir).state_dict()
-    assert_params(straight, oracle_params, PARAM_TOL, case)
+    assert_params(straight, oracle_params, param_tol(optim), case)
     if optim == "adamw":
         resumed = checkpoint.load_model(checkpoint.find_latest(case_dir / "resumed" / "run")).state_dict()
         assert_params(resumed, straight, RESUME_TOL, f"{case} resume")
@@ -222,6 +231,44 @@ def test_the_oracle_moves_parameters_far_beyond_the_tolerance(optim: str) -> Non
         steps(engine, doubled, 0, STEPS)
         off = max((engine.model.state_dict()[k] - trained[k]).abs().max().item() for k in trained)
         assert off > 100 * PARAM_TOL
+
+
+def tensor_parallel_part(rank: int, world: int, checkpoint_dir: str) -> dict[str, torch.Tensor]:
+    """The whole tensors of each rank's tensor-parallel shard, as a serving shard reads it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from shardyard.parallel.tensor import apply_tensor_parallel
+
+    mesh = init_device_mesh("cpu", (world,))
+    part = checkpoint.load_model_part(checkpoint_dir, lambda m: apply_tensor_parallel(m, mesh),
+                                      torch.device("cpu"), collective=True)
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in part.state_dict().items()}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["zero2", "zero3"])
+def test_a_serving_part_of_a_zero_checkpoint_is_read_without_the_whole_model(case: str, trained,
+                                                                            monkeypatch) -> None:
+    """A pipeline stage holding the tied head, and the shards of 2 tensor-parallel ranks, read
+    from a ZeRO checkpoint through DeepSpeed's lazy converter: equal to the same parts of the
+    whole model, with the whole-model load refused in this process."""
+    out, results = trained
+    assert results[f"{case}/sgd"] is None, results[f"{case}/sgd"]
+    final = checkpoint.find_latest(out / case / "sgd" / "straight" / "run")
+    whole = checkpoint.load_model(final)
+    expected = whole.pipeline_stage(2, 4).state_dict()
+
+    def whole_model(*_: object) -> None:
+        raise AssertionError("a serving part loaded the whole model")
+
+    monkeypatch.setattr(checkpoint, "load_model", whole_model)
+    stage = checkpoint.load_model_part(final, lambda m: m.pipeline_stage(2, 4), torch.device("cpu"))
+    got = stage.state_dict()
+    assert got.keys() == expected.keys() and "lm_head.weight" in got
+    assert_params(got, expected, 0.0, f"{case} stage")
+    for rank_tensors in run_distributed(tensor_parallel_part, 2, str(final)):
+        assert_params(rank_tensors, whole.state_dict(), 0.0, f"{case} tensor shard")
 
 
 # ----------------------------------------------------------------------------- any checkpoint, any strategy
@@ -294,4 +341,4 @@ def test_a_checkpoint_resumes_under_another_strategy_at_another_world_size(pair:
     _, oracle_params = oracle_run(False, PAIRS[pair][2])
     final = checkpoint.find_latest(out / pair / "run")
     assert final.name == checkpoint.checkpoint_name(STEPS)
-    assert_params(checkpoint.load_model(final).state_dict(), oracle_params, PARAM_TOL, pair)
+    assert_params(checkpoint.load_model(final).state_dict(), oracle_params, param_tol(PAIRS[pair][2]), pair)

@@ -5,12 +5,15 @@ blocks to wrap one by one."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from shardyard.models.blocks import repeated_blocks
 from shardyard.models.gpt import GPT, lm_loss
+from shardyard.models.initial_weights import draw_seed, fill_local
 from shardyard.models.mlp import MLP, mse_loss
 from shardyard.spec import CustomSpec, GPTSpec, HFSpec, JobSpec, MLPSpec
 
@@ -18,63 +21,89 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def build_model(spec: GPTSpec | MLPSpec | HFSpec | CustomSpec, pretrained: bool = True) -> nn.Module:
-    """`pretrained=False` skips reading a Hugging Face directory's weights (shapes only)."""
-    if isinstance(spec, GPTSpec):
-        return GPT(spec)
+    """The model, whole, on the caller's default device (under `torch.device("meta")`: shapes
+    only). `pretrained=False` skips reading a Hugging Face directory's weights (its shapes and a
+    random init instead). A model drawn at random (the GPT, a Hugging Face config) is drawn one
+    unit at a time (initial_weights.py), as every strategy that shards it draws it."""
     if isinstance(spec, MLPSpec):
         return MLP(spec)
-    if isinstance(spec, HFSpec):
+    if isinstance(spec, CustomSpec):
+        from shardyard.models.custom import build_custom
+
+        return build_custom(spec)
+    device = torch.get_default_device()
+    if isinstance(spec, HFSpec) and spec.path is not None and pretrained and device.type != "meta":
         from shardyard.models.hf import HFCausalLM  # imports transformers: only when asked for
 
-        return HFCausalLM(spec, pretrained)
-    from shardyard.models.custom import build_custom
+        return HFCausalLM(spec)  # transformers reads the directory itself
+    with torch.device("meta"):
+        model = new_model(spec, pretrained)
+    return model if device.type == "meta" else materialise(model, device)
 
-    return build_custom(spec)
+
+def new_model(spec: GPTSpec | HFSpec, pretrained: bool = True) -> nn.Module:
+    """The GPT or a Hugging Face model as its constructor builds it, on the caller's device (or
+    under DeepSpeed's `zero.Init`); `init_seed` (the seed its units are drawn from) is drawn from
+    the caller's generator, so ranks seeded alike build alike."""
+    if isinstance(spec, GPTSpec):
+        model: nn.Module = GPT(spec)
+    else:
+        from shardyard.models.hf import HFCausalLM
+
+        model = HFCausalLM(spec, pretrained)
+    model.init_seed = draw_seed()
+    return model
 
 
 def build_for_job(spec: JobSpec) -> nn.Module:
-    """The model a job trains. A Hugging Face model directory under a strategy that splits the
-    model (FSDP, tensor parallelism, pipeline stages, and their combinations; ZeRO-3) is built on
-    the meta device, with no weights: the engine shards or splits it, then each rank reads only
-    its part of the directory's weights (`materialise`; ZeRO-3 rebuilds it partitioned and fills
-    one parameter at a time), so a model larger than one rank's memory never materialises whole.
-    Everything else is built whole, from the same seed on every rank (DDP and ZeRO-1/2 hold the
-    whole model on every rank anyway)."""
+    """The model a job trains. Under a strategy that splits the model (FSDP, tensor parallelism,
+    pipeline stages, and their combinations; ZeRO-3) the GPT and Hugging Face models are built on
+    the meta device, with no weights: the engine shards or splits them, then each rank gives its
+    part storage and fills it (`materialise`: its slices of the model directory's weights, or of
+    each unit drawn at random; ZeRO-3 rebuilds the model partitioned and fills one gathered unit
+    at a time), so a model larger than one rank's memory never materialises whole. Everything
+    else is built whole, from the same seed on every rank (DDP and ZeRO-1/2 hold the whole model
+    on every rank anyway; a custom module's initialisation is its factory's own)."""
     model, par = spec.model, spec.parallelism
     splits = par.pp > 1 or par.strategy in ("fsdp", "tensor", "zero3")
-    if isinstance(model, HFSpec) and model.path is not None and splits and spec.scaling.recovery != "hot":
+    if isinstance(model, (GPTSpec, HFSpec)) and splits and spec.scaling.recovery != "hot":
         with torch.device("meta"):
-            return build_model(model, pretrained=False)
+            return build_model(model)
     return build_model(model)
 
 
-def materialise(part: nn.Module, device: torch.device) -> nn.Module:
+def materialise(part: nn.Module, device: torch.device, shapes: nn.Module | None = None) -> nn.Module:
     """Storage on `device` for a part built on the meta device (build_for_job) once it is sharded
-    or split off, then its weights: each rank reads only the tensors (or slices) it holds."""
-    part.to_empty(device=device)
-    part.load_pretrained_in_place()
+    or split off, then its weights: each rank reads or draws only the tensors (or slices) it
+    holds. `shapes`: the model as it was before sharding, on the meta device (for a part that is
+    not sharded, the part itself)."""
+    shapes = copy.deepcopy(part) if shapes is None else shapes
+    _to_empty_keeping_ties(part, device)
+    if callable(getattr(part, "compute_buffers", None)):
+        part.compute_buffers()
+    if getattr(part, "has_pretrained_weights", False):
+        part.load_pretrained_in_place()
+    else:
+        fill_local(part, shapes)
     return part
+
+
+def _to_empty_keeping_ties(part: nn.Module, device: torch.device) -> None:
+    """`to_empty`, then a weight tied under several names (a head tied to its embedding) made one
+    tensor again: `to_empty` gives a meta parameter a new tensor under each name it has."""
+    names: dict[int, list[str]] = {}
+    for name, param in part.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    part.to_empty(device=device)
+    for first, *others in (group for group in names.values() if len(group) > 1):
+        for name in others:
+            parent, _, leaf = name.rpartition(".")
+            setattr(part.get_submodule(parent), leaf, part.get_parameter(first))
 
 
 def loss_fn_for(spec: GPTSpec | MLPSpec | HFSpec | CustomSpec) -> LossFn:
     return mse_loss if isinstance(spec, MLPSpec) else lm_loss
 
 
-def repeated_blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(parent, attribute name) of each block whose class the model names in `_no_split_modules`
-    (the transformers convention, which the reference models follow too), outermost first."""
-    classes = set(getattr(model, "_no_split_modules", None) or ())
-    found: list[tuple[nn.Module, str]] = []
-
-    def visit(parent: nn.Module) -> None:
-        for name, child in parent.named_children():
-            if type(child).__name__ in classes:
-                found.append((parent, name))
-            else:
-                visit(child)
-
-    visit(model)
-    return found
-
-
-__all__ = ["GPT", "MLP", "LossFn", "build_for_job", "build_model", "loss_fn_for", "repeated_blocks"]
+__all__ = ["GPT", "MLP", "LossFn", "build_for_job", "build_model", "loss_fn_for", "materialise", "new_model",
+           "repeated_blocks"]

@@ -96,11 +96,15 @@ class GPT(nn.Module):
         self.lm_head: nn.Linear | None = nn.Linear(spec.n_embd, spec.vocab_size, bias=False)
         if spec.tie_weights:
             self.lm_head.weight = self.tok_emb.weight
-        self.apply(self._init_weights)
+        self.reset_weights(self)
+
+    def reset_weights(self, module: nn.Module) -> None:
+        """Initialise `module` (this model, or a part of it whole) as GPT-2 does."""
+        module.apply(self._init_weights)
         # GPT-2's scaled init of the residual projections keeps activations stable with depth.
-        for name, param in self.named_parameters():
+        for name, param in module.named_parameters():
             if name.endswith(("out_proj.weight", "fc_out.weight")):
-                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * spec.n_layer))
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * self.spec.n_layer))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

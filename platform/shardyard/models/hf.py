@@ -35,11 +35,14 @@ class HFCausalLM(nn.Module):
 
         super().__init__()
         self.spec = spec
-        if spec.path is not None and pretrained:
+        # Built on the meta device, a model directory's model is shapes until `materialise` reads
+        # each rank's part of its weights (load_pretrained_in_place, or pretrained_tensor).
+        self.has_pretrained_weights = spec.path is not None and pretrained
+        if self.has_pretrained_weights and torch.get_default_device().type != "meta":
             self.hf = AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch.float32)
         else:
-            # Random init from the caller's seed, as the GPT's: every rank builds the same weights.
-            # (From a directory's config alone when its weights are not wanted.)
+            # From the config (a directory's, when its weights are not wanted or come later). A
+            # random init is drawn again, unit by unit, by models.materialise.
             self.hf = AutoModelForCausalLM.from_config(spec.hf_config(), dtype=torch.float32)
         # Blocks FSDP wraps and activation checkpointing recomputes: the model's own decoder layers.
         self._no_split_modules = tuple(self.hf._no_split_modules or ())
@@ -50,10 +53,9 @@ class HFCausalLM(nn.Module):
         """Fill a model that was built on the meta device, sharded, and given storage (`to_empty`)
         with its directory's weights, each rank reading only the slices it holds: DCP reads the
         safetensors files straight into the (FSDP-sharded) state dict. Non-persistent buffers
-        (rotary frequencies) are not in the files; the model's own initialisation computes them."""
+        (rotary frequencies) are not in the files: `compute_buffers` comes first."""
         from torch.distributed.checkpoint import HuggingFaceStorageReader, load
 
-        self.compute_buffers()
         reader = HuggingFaceStorageReader(self.spec.path)
         stored = reader.read_metadata().state_dict_metadata
         # A tied head is one tensor under two names; the files hold it once.
@@ -74,6 +76,13 @@ class HFCausalLM(nn.Module):
         file = self._weight_files[key] if self._weight_files is not None else "model.safetensors"
         with safe_open(str(Path(self.spec.path) / file), framework="pt") as weights:
             return weights.get_tensor(key)
+
+    def reset_weights(self, module: nn.Module) -> None:
+        """Initialise `module` (a part of this model, whole) as transformers initialises the
+        model: the model's `_init_weights` on each submodule, children before their parents."""
+        with torch.no_grad():
+            for sub in reversed(list(module.modules())):
+                self.hf._init_weights(sub)
 
     def compute_buffers(self) -> None:
         """Non-persistent buffers (rotary frequencies), which neither the directory nor a

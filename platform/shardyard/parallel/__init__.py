@@ -9,6 +9,8 @@ DDP (ddp.py), FSDP2 (fsdp.py), DeepSpeed ZeRO (zero.py) or periodic parameter av
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -63,7 +65,7 @@ def build_engine(spec: JobSpec, model: nn.Module, device: torch.device, replica_
         from shardyard.parallel import zero  # imports DeepSpeed: only when asked for
 
         zero.start(device)
-        if on_meta:  # ZeRO-3 from a model directory
+        if on_meta:  # ZeRO-3: see models.build_for_job
             model = zero.build_partitioned(spec, model, accum, device)
         optimizers, schedulers = _optimizers(spec, [model.to(device)])
         ds = zero.initialize(model, optimizers[0], schedulers[0], spec, accum, device)
@@ -85,10 +87,11 @@ def build_engine(spec: JobSpec, model: nn.Module, device: torch.device, replica_
         return PipelineEngine(parts, optimizers, schedulers, schedule=schedule, mesh=mesh,
                               is_first=0 in ids, is_last=par.num_stages - 1 in ids, **common)
 
+    shapes = copy.deepcopy(model) if on_meta else None  # the model unsharded, to draw units from
     model = _data_parallel(_tensor_parallel(model if on_meta else model.to(device), par, mesh), par, dp_mesh,
                            device)
-    if on_meta:  # sharded while empty: now each rank allocates and reads only its shards
-        materialise(model, device)
+    if on_meta:  # sharded while empty: now each rank allocates and fills only its shards
+        materialise(model, device, shapes)
     if par.strategy == "fsdp" and par.mixed_precision and device.type == "cuda":
         common["amp_dtype"] = None  # FSDP's policy already computes in bf16
     # tensor: every rank holds a slice of every block; nothing else to synchronise.

@@ -97,7 +97,7 @@ def build_stages(model: nn.Module, par: ParallelismSpec, mesh: DeviceMesh,
     bounds = [0, *points, len(model.pipeline_layout().blocks)]
     ids = stage_ids(mesh["pp"].get_local_rank(), par)
     stages = [model.pipeline_stage(bounds[i], bounds[i + 1]) for i in ids]
-    # A model built on the meta device (models.build_for_job): each rank reads only its stages' weights.
+    # A model built on the meta device (models.build_for_job): each rank fills only its stages.
     return [materialise(s, device) if any(p.is_meta for p in s.parameters()) else s.to(device)
             for s in stages], ids
 

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardyard.models import build_model
+from shardyard.models import new_model
+from shardyard.models.initial_weights import initial_values
 from shardyard.parallel.engine import Engine, MicroBatch
 from shardyard.runtime import autocast
 from shardyard.spec import ZERO_STAGES, JobSpec
@@ -100,16 +101,22 @@ def start(device: torch.device) -> None:
 
 
 def build_partitioned(spec: JobSpec, shapes: nn.Module, accum_steps: int, device: torch.device) -> nn.Module:
-    """ZeRO-3 from a model directory without the whole model on any rank: built under
-    DeepSpeed's `zero.Init` (each module's parameters partitioned over the ranks as soon as the
-    module exists), then each parameter gathered in turn, filled from the directory by rank 0
-    and partitioned again. `shapes`: the model on the meta device (models.build_for_job)."""
-    with deepspeed.zero.Init(config_dict_or_path=_config_for(shapes, spec, accum_steps, device)):
-        model = build_model(spec.model, pretrained=False)
-    for name, param in model.named_parameters():  # a tied weight once, under its first name
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+    """ZeRO-3 without the whole model on any rank: built under DeepSpeed's `zero.Init` (each
+    module's parameters partitioned over the ranks as soon as the module exists), then each unit
+    (a decoder layer, an embedding: models/initial_weights.py) gathered in turn, filled by rank 0
+    from the model directory or from the unit drawn at random, and partitioned again. `shapes`:
+    the model on the meta device (models.build_for_job)."""
+    # The constructor's own random init is overwritten below: kept off the caller's generator,
+    # which then goes on (dropout) as it would after any other strategy's build.
+    with torch.random.fork_rng(devices=[]), \
+            deepspeed.zero.Init(config_dict_or_path=_config_for(shapes, spec, accum_steps, device)):
+        model = new_model(spec.model, pretrained=False)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for values in initial_values(shapes, wanted=set(params)):
+        with deepspeed.zero.GatheredParameters([params[name] for name in values], modifier_rank=0):
             if dist.get_rank() == 0:
-                param.data.copy_(model.pretrained_tensor(name))
+                for name, value in values.items():
+                    params[name].data.copy_(value)
     return model
 
 

@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from shardyard.models import build_model, materialise
+from shardyard.models.initial_weights import copy_local
 from shardyard.parallel import Engine
 from shardyard.spec import CustomSpec, DataSpec, HFSpec, JobSpec
 from shardyard.train.lease import holding, live_holds
@@ -636,17 +637,18 @@ def load_model_part(checkpoint_dir: str | Path, part: Callable[[nn.Module], nn.M
     parallelism), reading only that part's tensors or slices: the model is built on the meta
     device, `part` taken from it, given storage on `device`, and the checkpoint (DCP) or the
     model directory (its safetensors) fills it. `collective`: every rank of the current process
-    group loads its own part at once (tensor-parallel slices). A ZeRO checkpoint (DeepSpeed's
-    converter gathers every weight anyway) and a custom module (its buffers are unknown here)
-    load whole first."""
+    group loads its own part at once (tensor-parallel slices). A ZeRO checkpoint is read through
+    DeepSpeed's converter in its lazy mode (`_fill_from_zero`). A custom module (its buffers are
+    unknown here) loads whole first."""
     checkpoint_dir = Path(checkpoint_dir)
-    spec = read_spec(checkpoint_dir).model
+    stored = read_spec(checkpoint_dir)
+    spec = stored.model
     hf_directory = is_hf_directory(checkpoint_dir)
     record = None if hf_directory else committed_record(checkpoint_dir)
-    if isinstance(spec, CustomSpec) or (record is not None and record["format"] != DCPFormat.name):
+    if isinstance(spec, CustomSpec):
         return part(load_model(checkpoint_dir).to(device))
-    with torch.device("meta"):
-        piece = part(build_model(spec, pretrained=False))
+    with torch.device("meta"):  # shapes; a model directory's weights are read once split
+        piece = part(build_model(spec, pretrained=hf_directory))
     if hf_directory:
         return materialise(piece, device)
     if record is None:
@@ -654,6 +656,9 @@ def load_model_part(checkpoint_dir: str | Path, part: Callable[[nn.Module], nn.M
     piece.to_empty(device=device)
     if hasattr(piece, "compute_buffers"):
         piece.compute_buffers()
+    if record["format"] == DeepSpeedFormat.name:
+        _fill_from_zero(piece, checkpoint_dir, stored)
+        return piece
     state = {f"model.{k}": v for k, v in piece.state_dict().items()}
     if collective:
         dcp.load(state, checkpoint_id=str(checkpoint_dir))
@@ -662,6 +667,23 @@ def load_model_part(checkpoint_dir: str | Path, part: Callable[[nn.Module], nn.M
             dcp.load(state, checkpoint_id=str(checkpoint_dir), no_dist=True)
     piece.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
     return piece
+
+
+def _fill_from_zero(piece: nn.Module, checkpoint_dir: Path, stored: JobSpec) -> None:
+    """Each tensor `piece` holds (its slice, when sharded) from a ZeRO checkpoint, through
+    DeepSpeed's converter in lazy mode: it maps the ranks' partition files, and a ZeRO-3
+    checkpoint's parameters are gathered one at a time, only those asked for. (ZeRO-1/2 files
+    hold flat groups the converter joins whole: those weights pass through host memory once; the
+    model held them whole on every training rank too.)"""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    lazy = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=ZERO_DIR, lazy_mode=True)
+    aliases = _aliases(stored)  # DeepSpeed saves a tied weight once, under one of its names
+    for name, target in piece.state_dict(keep_vars=True).items():
+        saved_as = next((n for n in aliases.get(name, [name]) if n in lazy), None)
+        if saved_as is None:
+            raise KeyError(f"ZeRO checkpoint {checkpoint_dir} holds no '{name}'")
+        copy_local(target, lazy[saved_as].contiguous())
 
 
 def export_safetensors(checkpoint_dir: str | Path, out: str | Path) -> Path:
