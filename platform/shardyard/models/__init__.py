@@ -78,14 +78,21 @@ def materialise(part: nn.Module, device: torch.device, shapes: nn.Module | None 
     holds. `shapes`: the model as it was before sharding, on the meta device (for a part that is
     not sharded, the part itself)."""
     shapes = copy.deepcopy(part) if shapes is None else shapes
-    _to_empty_keeping_ties(part, device)
-    if callable(getattr(part, "compute_buffers", None)):
-        part.compute_buffers()
+    give_storage(part, device)
     if getattr(part, "has_pretrained_weights", False):
         part.load_pretrained_in_place()
     else:
         fill_local(part, shapes)
     return part
+
+
+def give_storage(part: nn.Module, device: torch.device) -> None:
+    """Uninitialised storage on `device` for a part built on the meta device, its ties kept, and
+    its non-persistent buffers (rotary frequencies: in no file or checkpoint) computed; the
+    weights are the caller's to fill."""
+    _to_empty_keeping_ties(part, device)
+    if callable(getattr(part, "compute_buffers", None)):
+        part.compute_buffers()
 
 
 def _to_empty_keeping_ties(part: nn.Module, device: torch.device) -> None:
@@ -105,5 +112,5 @@ def loss_fn_for(spec: GPTSpec | MLPSpec | HFSpec | CustomSpec) -> LossFn:
     return mse_loss if isinstance(spec, MLPSpec) else lm_loss
 
 
-__all__ = ["GPT", "MLP", "LossFn", "build_for_job", "build_model", "loss_fn_for", "materialise", "new_model",
-           "repeated_blocks"]
+__all__ = ["GPT", "MLP", "LossFn", "build_for_job", "build_model", "give_storage", "loss_fn_for", "materialise",
+           "new_model", "repeated_blocks"]

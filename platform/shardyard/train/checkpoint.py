@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from shardyard.models import build_model, materialise
+from shardyard.models import build_model, give_storage, materialise
 from shardyard.models.initial_weights import copy_local
 from shardyard.parallel import Engine
 from shardyard.spec import CustomSpec, DataSpec, HFSpec, JobSpec
@@ -653,9 +653,7 @@ def load_model_part(checkpoint_dir: str | Path, part: Callable[[nn.Module], nn.M
         return materialise(piece, device)
     if record is None:
         raise FileNotFoundError(f"{checkpoint_dir} is not a committed checkpoint")
-    piece.to_empty(device=device)
-    if hasattr(piece, "compute_buffers"):
-        piece.compute_buffers()
+    give_storage(piece, device)
     if record["format"] == DeepSpeedFormat.name:
         _fill_from_zero(piece, checkpoint_dir, stored)
         return piece
