@@ -39,15 +39,19 @@ GPT2 = {"architecture": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_
 # summed over the tp ranks; OLMo-2 gathers q, k and v to normalise them over all heads.
 QWEN3 = {**LLAMA, "architecture": "qwen3", "head_dim": 8}
 OLMO2 = {**LLAMA, "architecture": "olmo2"}
-# A mixture of experts (4 experts, 2 per token): its experts are 3-D parameters of their own.
+# A mixture of experts (4 experts, 2 per token): its experts are 3-D parameters of their own, the
+# gate and up projections packed in one. Qwen3-MoE's first layer is a dense MLP, its second experts.
 MIXTRAL = {**LLAMA, "architecture": "mixtral", "intermediate_size": 48, "num_local_experts": 4,
            "num_experts_per_tok": 2}
+QWEN3_MOE = {**QWEN3, "architecture": "qwen3_moe", "moe_intermediate_size": 24, "num_experts": 4,
+             "num_experts_per_tok": 2, "mlp_only_layers": [0], "norm_topk_prob": True}
 MODELS = {
     "llama": {"name": "hf", "config": LLAMA, "block_size": 16},
     "qwen3": {"name": "hf", "config": QWEN3, "block_size": 16},
     "olmo2": {"name": "hf", "config": OLMO2, "block_size": 16},
     "gpt2": {"name": "hf", "config": GPT2, "block_size": 16},
     "mixtral": {"name": "hf", "config": MIXTRAL, "block_size": 16},
+    "qwen3_moe": {"name": "hf", "config": QWEN3_MOE, "block_size": 16},
     "custom": {"name": "custom", "factory": "custom_model:build", "block_size": 16, "options": {"width": 24}},
     # The same module with the tensor and pipeline hooks (models/stages.py).
     "custom-hooks": {"name": "custom", "factory": "custom_model:build_splittable", "block_size": 16,
@@ -66,12 +70,13 @@ STRATEGIES = {
 CASES = ([(m, s) for m in ("llama", "gpt2") for s in STRATEGIES
           if s != "fsdp-tp" and (m, s) not in (("gpt2", "tensor"), ("gpt2", "pipeline"))]
          + [("qwen3", "tensor"), ("qwen3", "fsdp-tp"), ("olmo2", "tensor"), ("mixtral", "fsdp-ac"),
-            ("mixtral", "zero3")]
+            ("mixtral", "zero3"), ("mixtral", "tensor"), ("mixtral", "fsdp-tp"), ("qwen3_moe", "tensor")]
          + [("custom", "ddp"), ("custom", "fsdp-ac"), ("custom-hooks", "tensor"), ("custom-hooks", "pipeline")])
 
 
-def job(model: dict, parallelism: dict, world: int, storage: Path | None = None, steps_: int = STEPS) -> dict:
-    raw = {"model": model, "data": {"name": "synthetic", "num_samples": 64}, "optim": SGD,
+def job(model: dict, parallelism: dict, world: int, storage: Path | None = None, steps_: int = STEPS,
+        optim: dict = SGD) -> dict:
+    raw = {"model": model, "data": {"name": "synthetic", "num_samples": 64}, "optim": optim,
            "batch": {"global_batch_size": 8, "micro_batch_size": 8 // (2 * world)},
            "parallelism": parallelism, "scaling": {"num_workers": world},
            "checkpoint": {"every_n_steps": 2, "keep": 5}, "run": {"steps": steps_, "seed": 3, "log_every": 1}}
@@ -99,9 +104,10 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, s
     return out, run_distributed(every_case, 2, str(out))[0]
 
 
-def oracle(model: str, steps_: int = STEPS) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def oracle(model: str, steps_: int = STEPS, optim: dict = SGD) -> tuple[dict[str, torch.Tensor],
+                                                                       dict[str, torch.Tensor]]:
     """(initial, final) parameters of `steps_` single-process steps on the whole global batch."""
-    raw = job(MODELS[model], {"strategy": "ddp"}, 1, steps_=steps_)  # the LR schedule spans run.steps
+    raw = job(MODELS[model], {"strategy": "ddp"}, 1, steps_=steps_, optim=optim)  # the LR schedule spans run.steps
     raw["batch"] = {"global_batch_size": 8, "micro_batch_size": 8}
     spec = parse_spec(raw)
     torch.manual_seed(spec.run.seed)
@@ -214,19 +220,40 @@ def test_training_starts_from_a_model_directory_and_resumes_at_another_world_siz
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("parallelism", [{"strategy": "fsdp", "tp": 2}, {"strategy": "tensor", "tp": 2},
-                                         {"strategy": "pipeline", "pp": 2}, {"strategy": "zero3"}],
-                         ids=["fsdp-x-tensor", "tensor", "pipeline", "zero3"])
-def test_a_model_directory_loads_shard_by_shard(tmp_path: Path, parallelism: dict) -> None:
+def test_experts_resume_from_plain_shards_into_packed_slices_and_back(tmp_path: Path) -> None:
+    """Mixtral with momentum: steps 1-2 under FSDP (each expert tensor split by experts), steps 3-4
+    resumed from that checkpoint under tensor parallelism (the packed gate/up projections split
+    into slices of both halves, which DCP stores as plain shards), equal to one process."""
+    momentum = {**SGD, "momentum": 0.9}
+    raw = job(MODELS["mixtral"], {"strategy": "fsdp"}, 2, tmp_path / "runs", steps_=4, optim=momentum)
+    run_distributed(train, 2, raw, 2)
+    run_distributed(train, 2, raw | {"parallelism": STRATEGIES["tensor"]})
+    final = checkpoint.find_latest(tmp_path / "runs" / "run")
+    assert final.name == checkpoint.checkpoint_name(4)
+    _, expected = oracle("mixtral", 4, momentum)
+    got = checkpoint.load_model(final).state_dict()
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=PARAM_TOL, msg=name)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model, parallelism", [
+    ("llama", {"strategy": "fsdp", "tp": 2}), ("llama", {"strategy": "tensor", "tp": 2}),
+    ("llama", {"strategy": "pipeline", "pp": 2}), ("llama", {"strategy": "zero3"}),
+    ("mixtral", {"strategy": "fsdp", "tp": 2})], ids=["fsdp-x-tensor", "tensor", "pipeline", "zero3", "mixtral"])
+def test_a_model_directory_loads_shard_by_shard(tmp_path: Path, model: str, parallelism: dict) -> None:
     """Built on the meta device, sharded over a (dp 1, tp 2) mesh or split into 2 stages, then
     each rank reads only its slices or layers of the safetensors files: training from there equals
-    one process trained from the directory."""
+    one process trained from the directory. Mixtral's files keep each expert's projections apart
+    (transformers packs them into 3-D parameters as it loads)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(12)
-    keys = {k: v for k, v in LLAMA.items() if k != "architecture"}
-    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **keys)).save_pretrained(tmp_path / "llama")
-    MODELS["pretrained"] = {"name": "hf", "path": str(tmp_path / "llama"), "block_size": 16}
+    config = MODELS[model]["config"]
+    keys = {k: v for k, v in config.items() if k != "architecture"}
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(config["architecture"], **keys)).save_pretrained(
+        tmp_path / model)
+    MODELS["pretrained"] = {"name": "hf", "path": str(tmp_path / model), "block_size": 16}
     try:
         spec = job(MODELS["pretrained"], parallelism, 2, tmp_path / "runs")
         assert all(p.is_meta for p in build_for_job(parse_spec(spec)).parameters())
@@ -258,6 +285,12 @@ def test_bad_model_sections_are_refused_with_the_reason(model: dict, expected: s
     assert expected in str(err.value)
 
 
+# Models whose plans shardyard cannot apply: multi-head latent attention's style, and experts
+# whose hidden features do not split evenly.
+REFUSED_MODELS = {"deepseek_v2": {"name": "hf", "config": {**LLAMA, "architecture": "deepseek_v2"}, "block_size": 16},
+                  "mixtral-45": {"name": "hf", "config": {**MIXTRAL, "intermediate_size": 45}, "block_size": 16}}
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("model, parallelism, expected", [
     ("gpt2", {"strategy": "tensor", "tp": 2}, "model 'gpt2' ships no tensor-parallel plan"),
@@ -266,14 +299,16 @@ def test_bad_model_sections_are_refused_with_the_reason(model: dict, expected: s
     ("custom", {"strategy": "pipeline", "pp": 2}, "(TinyLM) does not say how to split it into pipeline stages"),
     ("llama", {"strategy": "tensor", "tp": 4}, "num_key_value_heads (2) must be divisible by parallelism.tp (4)"),
     ("llama", {"strategy": "pipeline", "pp": 4}, "the model's 2 blocks cannot be split into 4 pipeline stages"),
-    ("mixtral", {"strategy": "tensor", "tp": 2},
-     "model 'mixtral': its tensor-parallel plan uses ['moe_tp_experts', 'packed_colwise']"),
+    ("deepseek_v2", {"strategy": "tensor", "tp": 2},
+     "model 'deepseek_v2': its tensor-parallel plan uses ['mla_kv_a_proj']"),
+    ("mixtral-45", {"strategy": "tensor", "tp": 2}, "model.config intermediate_size (45) must be divisible by "
+                                                    "parallelism.tp (2)"),
 ])
 def test_parallelism_a_model_does_not_support_is_refused_with_the_reason(model: str, parallelism: dict,
                                                                           expected: str) -> None:
     world = parallelism.get("tp", 1) * parallelism.get("pp", 1)
     with pytest.raises(SpecError) as err:
-        parse_spec(job(MODELS[model], parallelism, world))
+        parse_spec(job(MODELS.get(model) or REFUSED_MODELS[model], parallelism, world))
     assert expected in str(err.value)
 
 

@@ -78,7 +78,8 @@ class MLPSpec(Section):
 # What marks a Hugging Face model directory as bringing its own tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 # The styles of transformers' tensor-parallel plans that parallel/tensor.py applies.
-TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce")
+TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce",
+             "packed_colwise", "packed_rowwise", "moe_tp_experts")
 
 
 class HFSpec(Section):
@@ -179,6 +180,10 @@ class HFSpec(Section):
             heads = getattr(config, name, None)
             if heads is not None and heads % tp:
                 raise ValueError(f"model.config {name} ({heads}) must be divisible by {key} ({tp})")
+        if "moe_tp_experts" in block_plan.values():  # each rank takes the same share of every expert
+            name = "moe_intermediate_size" if hasattr(config, "moe_intermediate_size") else "intermediate_size"
+            if getattr(config, name) % tp:
+                raise ValueError(f"model.config {name} ({getattr(config, name)}) must be divisible by {key} ({tp})")
         return block_plan
 
 

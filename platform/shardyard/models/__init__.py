@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from shardyard.models.blocks import repeated_blocks
+from shardyard.models.blocks import names_of_each_parameter, repeated_blocks
 from shardyard.models.gpt import GPT, lm_loss
 from shardyard.models.initial_weights import draw_seed, fill_local
 from shardyard.models.mlp import MLP, mse_loss
@@ -98,11 +98,9 @@ def give_storage(part: nn.Module, device: torch.device) -> None:
 def _to_empty_keeping_ties(part: nn.Module, device: torch.device) -> None:
     """`to_empty`, then a weight tied under several names (a head tied to its embedding) made one
     tensor again: `to_empty` gives a meta parameter a new tensor under each name it has."""
-    names: dict[int, list[str]] = {}
-    for name, param in part.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
+    tied = [names for names in names_of_each_parameter(part) if len(names) > 1]
     part.to_empty(device=device)
-    for first, *others in (group for group in names.values() if len(group) > 1):
+    for first, *others in tied:
         for name in others:
             parent, _, leaf = name.rpartition(".")
             setattr(part.get_submodule(parent), leaf, part.get_parameter(first))

@@ -1,5 +1,5 @@
-"""The repeated blocks of a model: what FSDP wraps one by one, activation checkpointing
-recomputes, and random initialisation draws one at a time."""
+"""The repeated blocks of a model (what FSDP wraps one by one, activation checkpointing
+recomputes, and random initialisation draws one at a time), and the names of its parameters."""
 
 from __future__ import annotations
 
@@ -21,3 +21,12 @@ def repeated_blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:
 
     visit(model)
     return found
+
+
+def names_of_each_parameter(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter, one list per tensor: a weight tied under several names (a head
+    tied to its embedding) is one tensor, which files and checkpoints may keep under one name."""
+    by_tensor: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(param), []).append(name)
+    return list(by_tensor.values())

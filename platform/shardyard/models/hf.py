@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from transformers import Cache
 
+from shardyard.models.blocks import names_of_each_parameter
+from shardyard.models.initial_weights import copy_local
 from shardyard.models.kv_cache import KVCache
 from shardyard.models.stages import PipelineLayout
 from shardyard.spec import HFSpec
@@ -54,12 +56,35 @@ class HFCausalLM(nn.Module):
         with its directory's weights, each rank reading only the slices it holds: DCP reads the
         safetensors files straight into the (FSDP-sharded) state dict. Non-persistent buffers
         (rotary frequencies) are not in the files: `compute_buffers` comes first."""
-        from torch.distributed.checkpoint import HuggingFaceStorageReader, load
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-        reader = HuggingFaceStorageReader(self.spec.path)
-        stored = reader.read_metadata().state_dict_metadata
+        from shardyard.parallel.tensor import dcp_load
+
+        if (converted := self._converted_weights) is not None:
+            for name, target in self.hf.state_dict(keep_vars=True).items():
+                copy_local(target, converted[name])
+            return
         # A tied head is one tensor under two names; the files hold it once.
-        load({k: v for k, v in self.hf.state_dict().items() if k in stored}, storage_reader=reader)
+        dcp_load({k: v for k, v in self.hf.state_dict().items() if k in self._stored_keys},
+                 storage_reader=HuggingFaceStorageReader(self.spec.path))
+
+    @functools.cached_property
+    def _stored_keys(self) -> set[str]:
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+        return set(HuggingFaceStorageReader(self.spec.path).read_metadata().state_dict_metadata)
+
+    @functools.cached_property
+    def _converted_weights(self) -> dict[str, torch.Tensor] | None:
+        """None when the directory's files hold every weight under the model's own name (each rank
+        then reads its slices alone). Otherwise transformers converts the files' layout as it
+        loads (Mixtral's files keep each expert's projections apart; the model packs them into
+        3-D parameters): the model is loaded whole once in this process, and parts copied from it."""
+        from transformers import AutoModelForCausalLM
+
+        if all(any(name in self._stored_keys for name in names) for names in names_of_each_parameter(self.hf)):
+            return None
+        return AutoModelForCausalLM.from_pretrained(self.spec.path, dtype=torch.float32).state_dict()
 
     @functools.cached_property
     def _weight_files(self) -> dict[str, str] | None:
@@ -69,10 +94,13 @@ class HFCausalLM(nn.Module):
 
     def pretrained_tensor(self, name: str) -> torch.Tensor:
         """One parameter of the model directory, by its name here (`hf.` and the file's key),
-        read alone from the safetensors file that holds it."""
+        read alone from the safetensors file that holds it (or taken from the model transformers
+        loaded, for files in another layout: `_converted_weights`)."""
         from safetensors import safe_open
 
         key = name.removeprefix("hf.")
+        if (converted := self._converted_weights) is not None:
+            return converted[key]
         file = self._weight_files[key] if self._weight_files is not None else "model.safetensors"
         with safe_open(str(Path(self.spec.path) / file), framework="pt") as weights:
             return weights.get_tensor(key)

@@ -11,17 +11,36 @@ Hugging Face plans name a few more styles, each torch's own: `colwise_gather_out
 `rowwise_split_input` (a pair whose activations between are whole on every rank: OLMo-2 normalises
 q and k over all heads), and `replicated_with_grad_allreduce` (Qwen3's per-head q/k norms: whole
 on every rank, applied to the rank's own heads, so each rank's gradient covers its heads only).
+
+Mixtures of experts keep their experts in 3-D parameters (expert, out, in), which the plan names
+directly: `colwise` and `rowwise` split them by output and input features as for a linear layer,
+and `packed_colwise` / `packed_rowwise` split a gate and an up projection packed in one dimension
+so that each rank holds the same features of both halves (torch's strided shard: the rank's slice
+of the first half, then of the second), since the expert multiplies the two elementwise. The
+experts module itself (`moe_tp_experts`) then runs on the rank's slices as plain tensors: every
+rank routes the same tokens to the same experts, computes its share of each expert's hidden
+features, and the ranks' outputs are summed; the gradients of its inputs (hidden states, routing
+weights) are summed in backward, as each rank's covers its features only.
+
+DCP cannot write a strided shard (its chunks of a tensor are not contiguous): checkpoints see
+such tensors as plain shards of the same dimension (`dcp_layout`), and what DCP reads into those
+is copied back (`dcp_load`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+# torch's layout for "this rank's slice of each half": the public placements have none.
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardyard.models import repeated_blocks
 
@@ -42,6 +61,81 @@ def replicate_over_local_heads(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     distribute_module(module, tp_mesh, input_fn=heads_sharded, output_fn=local)
 
 
+class _SumOverRanks(torch.autograd.Function):
+    """The ranks' partial outputs summed in forward; each rank's gradient passes unchanged."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _SumGradsOverRanks(torch.autograd.Function):
+    """Identity in forward; in backward the ranks' partial gradients are summed."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def experts_on_local_slices(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """`moe_tp_experts`: the module's forward sees its sharded parameters as this rank's slices
+    (plain tensors, differentiable back to the DTensors), its floating-point inputs' gradients
+    are summed over the ranks, and its output is the sum of the ranks' outputs."""
+    group = tp_mesh.get_group()
+    sharded: dict[str, nn.Parameter] = {}
+
+    def before(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+        def summed_grads(x: Any) -> Any:
+            return _SumGradsOverRanks.apply(x, group) if torch.is_tensor(x) and x.is_floating_point() else x
+
+        for name, param in module.named_parameters(recurse=False):
+            if isinstance(param, DTensor):
+                sharded[name] = param
+                module._parameters[name] = param.to_local()
+        return tuple(summed_grads(a) for a in args), {k: summed_grads(v) for k, v in kwargs.items()}
+
+    def after(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: torch.Tensor) -> torch.Tensor:
+        module._parameters.update(sharded)
+        sharded.clear()
+        return _SumOverRanks.apply(output, group)
+
+    module.register_forward_pre_hook(before, with_kwargs=True)
+    module.register_forward_hook(after, with_kwargs=True)
+
+
+# Placements of a parameter the plan names itself (an expert's 3-D weight: expert, out, in).
+PARAMETER_STYLES: dict[str, Callable[[int], Placement]] = {
+    "colwise": lambda ndim: Shard(ndim - 2),
+    "rowwise": lambda ndim: Shard(ndim - 1),
+    "packed_colwise": lambda ndim: _StridedShard(ndim - 2, split_factor=2),
+    "packed_rowwise": lambda ndim: _StridedShard(ndim - 1, split_factor=2),
+}
+
+
+def shard_parameter(module: nn.Module, name: str, style: str, tp_mesh: DeviceMesh) -> None:
+    param = module._parameters[name]
+    placement = PARAMETER_STYLES[style](param.dim())
+    parts = tp_mesh.size() * (2 if isinstance(placement, _StridedShard) else 1)
+    if param.shape[placement.dim] % parts:
+        raise ValueError(f"{style} splits dimension {placement.dim} of '{name}' {tuple(param.shape)} into "
+                         f"{parts} equal parts: its size must divide by that")
+    module._parameters[name] = nn.Parameter(distribute_tensor(param.detach(), tp_mesh, [placement], src_data_rank=None),
+                                            requires_grad=param.requires_grad)
+
+
 STYLES = {
     "colwise": ColwiseParallel,
     "rowwise": RowwiseParallel,
@@ -49,16 +143,59 @@ STYLES = {
     "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
 }
 # Styles applied by a function of (module, tp mesh) rather than one of torch's ParallelStyles.
-MODULE_STYLES = {"replicated_with_grad_allreduce": replicate_over_local_heads}
+MODULE_STYLES = {"replicated_with_grad_allreduce": replicate_over_local_heads,
+                 "moe_tp_experts": experts_on_local_slices}
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     block_plan = model.block_tp_plan
-    plan = {name: STYLES[style]() for name, style in block_plan.items() if style in STYLES}
+    applied: set[str] = set()
     for parent, name in repeated_blocks(model):
         block = getattr(parent, name)
-        parallelize_module(block, tp_mesh, plan)
-        for module_name, style in block_plan.items():
-            if style in MODULE_STYLES:
-                MODULE_STYLES[style](block.get_submodule(module_name), tp_mesh)
+        parameters, modules = dict(block.named_parameters()), dict(block.named_modules())
+        # A block need not hold every entry (a model with dense and mixture-of-experts layers).
+        for entry, style in block_plan.items():
+            if entry in parameters:  # an experts' 3-D weight: sharded here
+                owner, _, leaf = entry.rpartition(".")
+                shard_parameter(modules[owner], leaf, style, tp_mesh)
+        parallelize_module(block, tp_mesh, {entry: STYLES[style]() for entry, style in block_plan.items()
+                                            if style in STYLES and entry in modules})
+        for entry, style in block_plan.items():
+            if style in MODULE_STYLES and entry in modules:
+                MODULE_STYLES[style](modules[entry], tp_mesh)
+        applied.update(entry for entry in block_plan if entry in parameters or entry in modules)
+    if missing := sorted(set(block_plan) - applied):
+        raise ValueError(f"the tensor-parallel plan names {missing}, which no block of the model has")
     return model
+
+
+def _dcp_placements(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """A strided shard that no later mesh dimension refines becomes a plain shard of its
+    dimension (FSDP's own strided shard over tensor-parallel slices is one DCP can write)."""
+    return tuple(Shard(p.dim) if isinstance(p, _StridedShard) and not any(
+        isinstance(q, Shard) and q.dim == p.dim for q in placements[i + 1:]) else p
+        for i, p in enumerate(placements))
+
+
+def dcp_layout(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` with each tensor DCP cannot describe (a packed parameter, or its optimizer state)
+    redistributed as a plain shard of the same dimension; everything else as it was."""
+    def storable(value: Any) -> Any:
+        if isinstance(value, DTensor) and (plain := _dcp_placements(value.placements)) != value.placements:
+            return value.redistribute(placements=plain)
+        return value
+
+    return {key: storable(value) for key, value in state.items()}
+
+
+def dcp_load(state: dict[str, Any], **kwargs: Any) -> None:
+    """`dcp.load(state, **kwargs)`, a packed tensor read through a plain-shard stand-in
+    (`dcp_layout`) and copied back into its own layout."""
+    read = dcp_layout(state)
+    stand_ins = [key for key, value in state.items() if read[key] is not value]
+    dcp.load(read, **kwargs)
+    with torch.no_grad():
+        for key in stand_ins:
+            state[key].copy_(read[key].redistribute(placements=state[key].placements))
+    # DCP replaces values that are not tensors (an optimizer's step count, its settings).
+    state.update({key: value for key, value in read.items() if key not in stand_ins})

@@ -54,8 +54,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from shardyard.models import build_model, give_storage, materialise
+from shardyard.models.blocks import names_of_each_parameter
 from shardyard.models.initial_weights import copy_local
 from shardyard.parallel import Engine
+from shardyard.parallel.tensor import dcp_layout, dcp_load
 from shardyard.spec import CustomSpec, DataSpec, HFSpec, JobSpec
 from shardyard.train.lease import holding, live_holds
 from shardyard.train.storage import COMMIT_FILE, DIR_PREFIX, RunStorage
@@ -177,10 +179,7 @@ def _aliases(stored: JobSpec) -> dict[str, list[str]]:
     """Every name of each parameter (a tied weight has two; checkpoints may keep one)."""
     with torch.device("meta"):
         model = build_model(stored.model, pretrained=False)
-    by_id: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    return {name: names for names in by_id.values() for name in names}
+    return {name: names for names in names_of_each_parameter(model) for name in names}
 
 
 @contextmanager
@@ -250,7 +249,7 @@ class DCPFormat:
     name = "dcp"
 
     def save(self, engine: Engine, url: str, group: dist.ProcessGroup | None) -> Future | None:
-        state = _merged(_dcp_state(engine, _FLAT))
+        state = dcp_layout(_merged(_dcp_state(engine, _FLAT)))
         if group is None:
             with storage_errors(url):
                 dcp.save(state, checkpoint_id=url)
@@ -264,7 +263,7 @@ class DCPFormat:
             return
         parts = _dcp_state(engine, _FLAT, load_optimizer)
         merged = _merged(parts)
-        dcp.load(merged, checkpoint_id=storage.url(name))
+        dcp_load(merged, checkpoint_id=storage.url(name))
         _set_parts(engine, parts, merged, _FLAT)
 
     @staticmethod
@@ -281,7 +280,7 @@ class DCPFormat:
                 _write_whole(full, stored, fields, scratch / "whole")
             _barrier()
             tensors = {key: value for key, value in merged.items() if _fields(key) is not None}
-            dcp.load(tensors, checkpoint_id=str(scratch / "whole"))
+            dcp_load(tensors, checkpoint_id=str(scratch / "whole"))
             _barrier()  # before the leader's scratch space goes
         merged.update(tensors)
         _set_parts(engine, parts, merged, _FLAT)
@@ -659,7 +658,7 @@ def load_model_part(checkpoint_dir: str | Path, part: Callable[[nn.Module], nn.M
         return piece
     state = {f"model.{k}": v for k, v in piece.state_dict().items()}
     if collective:
-        dcp.load(state, checkpoint_id=str(checkpoint_dir))
+        dcp_load(state, checkpoint_id=str(checkpoint_dir))
     else:
         with single_process_io():
             dcp.load(state, checkpoint_id=str(checkpoint_dir), no_dist=True)
