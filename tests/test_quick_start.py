@@ -34,3 +34,57 @@ def test_readme_default_job_trains_on_a_local_ray_it_starts(tmp_path: Path) -> N
     rows = read_metrics(run_dir)
     assert [row["step"] for row in rows] == [4, 8, 12] and {row["world_size"] for row in rows} == {2}
     assert (run_dir / LOSS_PLOT).stat().st_size > 0
+
+
+def run_as_user(command: list[str], ray_tmp: str) -> str:
+    """One README command from the checkout, as the user's shell runs it; its output, checked ok."""
+    done = subprocess.run(command, cwd=REPO, env=user_environment(ray_tmp), capture_output=True, text=True,
+                          timeout=400)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    return output
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_readme_model_commands_pretrain_a_llama_and_export_it_for_transformers(tmp_path: Path) -> None:
+    """README's "Bringing a model": `shardyard train jobs/configs/llama_fsdp.yaml` (FSDP2 on 2
+    workers of this machine's own Ray), then `shardyard export RUN --format hf OUT`, which
+    transformers loads with the trained model's logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shardyard.train.checkpoint import load_model
+
+    with ray_files_of_their_own() as ray_tmp:
+        output = run_as_user([SHARDYARD, "train", "jobs/configs/llama_fsdp.yaml", "--set", "run.steps=4",
+                              "--set", "run.log_every=2", "--set", f"checkpoint.storage_path={tmp_path}"], ray_tmp)
+    assert "step 4/4" in output and "shardyard run 'llama_fsdp' (fsdp)" in output, output[-4000:]
+    run_dir = tmp_path / "llama_fsdp"
+    assert {row["world_size"] for row in read_metrics(run_dir)} == {2}
+    export = subprocess.run([SHARDYARD, "export", str(run_dir), "--format", "hf", str(tmp_path / "out" / "llama")],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert export.returncode == 0, export.stderr[-4000:]
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "llama")
+    tokens = torch.randint(0, 256, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=tokens).logits, load_model(find_latest(run_dir))(tokens),
+                                   rtol=0, atol=1e-5)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_readme_data_commands_prepare_shards_and_train_on_them(tmp_path: Path) -> None:
+    """`shardyard prepare jobs/configs/data_bpe.yaml` (a Ray Data job on a local Ray it starts:
+    this checkout's sources, a BPE trained on them) and `shardyard train jobs/configs/gpt_shards.yaml`
+    on those shards; only where they write and the run's length are overridden."""
+    data = tmp_path / "data"
+    with ray_files_of_their_own() as ray_tmp:
+        run_as_user([SHARDYARD, "prepare", "jobs/configs/data_bpe.yaml", "--set", f"output.path={data}"], ray_tmp)
+    with ray_files_of_their_own() as ray_tmp:
+        output = run_as_user([SHARDYARD, "train", "jobs/configs/gpt_shards.yaml", "--set", f"data.path={data}",
+                              "--set", "run.steps=4", "--set", "run.log_every=2",
+                              "--set", f"checkpoint.storage_path={tmp_path / 'runs'}"], ray_tmp)
+    assert "step 4/4" in output, output[-4000:]
+    run_name = next((tmp_path / "runs").iterdir()).name
+    assert find_latest(tmp_path / "runs" / run_name).name == "checkpoint_step_00000004"
