@@ -67,4 +67,7 @@ def build(spec: CustomSpec) -> nn.Module:
 
 
 def build_splittable(spec: CustomSpec) -> nn.Module:
-    return SplittableLM(spec.vocab_size, spec.options.get("width", 32), spec.options.get("depth", 2))
+    model = SplittableLM(spec.vocab_size, spec.options.get("width", 32), spec.options.get("depth", 2))
+    if "tp_plan" in spec.options:  # a plan of the user's (the refusal tests give wrong ones)
+        model.block_tp_plan = spec.options["tp_plan"]
+    return model

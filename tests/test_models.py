@@ -45,6 +45,11 @@ MIXTRAL = {**LLAMA, "architecture": "mixtral", "intermediate_size": 48, "num_loc
            "num_experts_per_tok": 2}
 QWEN3_MOE = {**QWEN3, "architecture": "qwen3_moe", "moe_intermediate_size": 24, "num_experts": 4,
              "num_experts_per_tok": 2, "mlp_only_layers": [0], "norm_topk_prob": True}
+# Llama 4 stores its experts transposed (expert, in, out): the packed projection splits by its last
+# dimension (`packed_rowwise`), and a shared expert runs beside the routed ones.
+LLAMA4 = {**LLAMA, "architecture": "llama4_text", "head_dim": 8, "intermediate_size": 48,
+          "intermediate_size_mlp": 64, "num_local_experts": 4, "num_experts_per_tok": 1,
+          "interleave_moe_layer_step": 1}
 MODELS = {
     "llama": {"name": "hf", "config": LLAMA, "block_size": 16},
     "qwen3": {"name": "hf", "config": QWEN3, "block_size": 16},
@@ -52,6 +57,7 @@ MODELS = {
     "gpt2": {"name": "hf", "config": GPT2, "block_size": 16},
     "mixtral": {"name": "hf", "config": MIXTRAL, "block_size": 16},
     "qwen3_moe": {"name": "hf", "config": QWEN3_MOE, "block_size": 16},
+    "llama4": {"name": "hf", "config": LLAMA4, "block_size": 16},
     "custom": {"name": "custom", "factory": "custom_model:build", "block_size": 16, "options": {"width": 24}},
     # The same module with the tensor and pipeline hooks (models/stages.py).
     "custom-hooks": {"name": "custom", "factory": "custom_model:build_splittable", "block_size": 16,
@@ -70,7 +76,8 @@ STRATEGIES = {
 CASES = ([(m, s) for m in ("llama", "gpt2") for s in STRATEGIES
           if s != "fsdp-tp" and (m, s) not in (("gpt2", "tensor"), ("gpt2", "pipeline"))]
          + [("qwen3", "tensor"), ("qwen3", "fsdp-tp"), ("olmo2", "tensor"), ("mixtral", "fsdp-ac"),
-            ("mixtral", "zero3"), ("mixtral", "tensor"), ("mixtral", "fsdp-tp"), ("qwen3_moe", "tensor")]
+            ("mixtral", "zero3"), ("mixtral", "tensor"), ("mixtral", "fsdp-tp"), ("qwen3_moe", "tensor"),
+            ("llama4", "tensor")]
          + [("custom", "ddp"), ("custom", "fsdp-ac"), ("custom-hooks", "tensor"), ("custom-hooks", "pipeline")])
 
 
@@ -285,10 +292,12 @@ def test_bad_model_sections_are_refused_with_the_reason(model: dict, expected: s
     assert expected in str(err.value)
 
 
-# Models whose plans shardyard cannot apply: multi-head latent attention's style, and experts
-# whose hidden features do not split evenly.
+# Models whose plans shardyard cannot apply: multi-head latent attention's style, experts whose
+# hidden features do not split evenly, custom plans naming what no block has or unknown styles.
 REFUSED_MODELS = {"deepseek_v2": {"name": "hf", "config": {**LLAMA, "architecture": "deepseek_v2"}, "block_size": 16},
-                  "mixtral-45": {"name": "hf", "config": {**MIXTRAL, "intermediate_size": 45}, "block_size": 16}}
+                  "mixtral-45": {"name": "hf", "config": {**MIXTRAL, "intermediate_size": 45}, "block_size": 16},
+                  "custom-typo": {**MODELS["custom-hooks"], "options": {"tp_plan": {"up": "colwise", "dwn": "rowwise"}}},
+                  "custom-style": {**MODELS["custom-hooks"], "options": {"tp_plan": {"up": "sideways"}}}}
 
 
 @pytest.mark.timeout(120)
@@ -297,6 +306,8 @@ REFUSED_MODELS = {"deepseek_v2": {"name": "hf", "config": {**LLAMA, "architectur
     ("gpt2", {"strategy": "pipeline", "pp": 2}, "model 'gpt2' ships no pipeline plan"),
     ("custom", {"strategy": "tensor", "tp": 2}, "(TinyLM) has no tensor-parallel plan: give it block_tp_plan"),
     ("custom", {"strategy": "pipeline", "pp": 2}, "(TinyLM) does not say how to split it into pipeline stages"),
+    ("custom-typo", {"strategy": "tensor", "tp": 2}, "block_tp_plan names ['dwn'], which no block"),
+    ("custom-style", {"strategy": "tensor", "tp": 2}, "block_tp_plan uses ['sideways']; shardyard applies"),
     ("llama", {"strategy": "tensor", "tp": 4}, "num_key_value_heads (2) must be divisible by parallelism.tp (4)"),
     ("llama", {"strategy": "pipeline", "pp": 4}, "the model's 2 blocks cannot be split into 4 pipeline stages"),
     ("deepseek_v2", {"strategy": "tensor", "tp": 2},

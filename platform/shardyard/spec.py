@@ -236,6 +236,16 @@ class CustomSpec(Section):
             raise ValueError(f"model.factory's module ({type(model).__name__}) has no tensor-parallel plan: "
                              f"give it block_tp_plan ({{'linear name in a block': 'colwise' | 'rowwise'}}, "
                              f"README, 'Bringing a model'), or use ddp, fsdp, local_sgd or zero1/2/3")
+        from shardyard.models.blocks import repeated_blocks
+
+        blocks = [getattr(parent, name) for parent, name in repeated_blocks(model)]
+        names = {name for block in blocks for name, _ in [*block.named_modules(), *block.named_parameters()]}
+        if unknown := sorted(entry for entry in model.block_tp_plan if entry not in names):
+            raise ValueError(f"model.factory's module ({type(model).__name__}): block_tp_plan names {unknown}, "
+                             f"which no block (_no_split_modules) holds")
+        if unsupported := sorted({s for s in model.block_tp_plan.values() if s not in TP_STYLES}):
+            raise ValueError(f"model.factory's module ({type(model).__name__}): block_tp_plan uses {unsupported}; "
+                             f"shardyard applies {', '.join(TP_STYLES)} (parallel/tensor.py)")
 
 
 ModelSpec = Annotated[Union[GPTSpec, MLPSpec, HFSpec, CustomSpec], Field(discriminator="name")]

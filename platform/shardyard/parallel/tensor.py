@@ -142,6 +142,16 @@ STYLES = {
     "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
     "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
 }
+ROWWISE_STYLES = ("rowwise", "rowwise_split_input")
+
+
+def own_output(_: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+    """A row-wise layer's output is a view made by DTensor's `to_local`, which autograd forbids
+    changing in place; a model that adds to it in place (Llama 4's shared expert output) gets a
+    tensor of its own in training."""
+    return output.clone() if torch.is_grad_enabled() else output
+
+
 # Styles applied by a function of (module, tp mesh) rather than one of torch's ParallelStyles.
 MODULE_STYLES = {"replicated_with_grad_allreduce": replicate_over_local_heads,
                  "moe_tp_experts": experts_on_local_slices}
@@ -149,11 +159,11 @@ MODULE_STYLES = {"replicated_with_grad_allreduce": replicate_over_local_heads,
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     block_plan = model.block_tp_plan
-    applied: set[str] = set()
     for parent, name in repeated_blocks(model):
         block = getattr(parent, name)
         parameters, modules = dict(block.named_parameters()), dict(block.named_modules())
-        # A block need not hold every entry (a model with dense and mixture-of-experts layers).
+        # A block need not hold every entry: Hugging Face plans name both a dense MLP and experts,
+        # and a model may have either or both kinds of layer. (A custom plan is checked by its spec.)
         for entry, style in block_plan.items():
             if entry in parameters:  # an experts' 3-D weight: sharded here
                 owner, _, leaf = entry.rpartition(".")
@@ -163,9 +173,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
         for entry, style in block_plan.items():
             if style in MODULE_STYLES and entry in modules:
                 MODULE_STYLES[style](modules[entry], tp_mesh)
-        applied.update(entry for entry in block_plan if entry in parameters or entry in modules)
-    if missing := sorted(set(block_plan) - applied):
-        raise ValueError(f"the tensor-parallel plan names {missing}, which no block of the model has")
+            if style in ROWWISE_STYLES and entry in modules:
+                modules[entry].register_forward_hook(own_output)
     return model
 
 
