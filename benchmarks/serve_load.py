@@ -125,16 +125,30 @@ async def open_loop(url: str, rate: float, duration: float) -> list[tuple[int, f
 # ----------------------------------------------------------------------------- measurement
 
 def server_counters(base_url: str) -> dict[str, float]:
-    """Sums and counts of the app's queue, compute and batch-size histograms."""
+    """Sums and counts of the app's queue, compute and batch-size histograms, over every replica's
+    series (Ray exports each metric as `ray_` + its name, labelled by replica)."""
     import requests
 
     text = requests.get(f"{base_url}/metrics", timeout=10).text
     found = {}
     for name in ("queue_seconds", "batch_compute_seconds", "batch_size"):
         for part in ("sum", "count"):
-            match = re.search(rf"^shardyard_{name}_{part} (\S+)", text, re.M)
-            found[f"{name}_{part}"] = float(match.group(1)) if match else 0.0
+            values = re.findall(rf"^ray_shardyard_{name}_{part}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+            found[f"{name}_{part}"] = sum(float(v) for v in values)
     return found
+
+
+def counters_after(base_url: str, before: dict[str, float], results: list[tuple[int, float]],
+                   timeout_s: float = 30.0) -> dict[str, float]:
+    """The counters once Ray's metrics export holds every answered request of this point (each is
+    queued once; the replicas' agents publish every few seconds), or after `timeout_s`."""
+    answered = sum(1 for code, _ in results if code == 200)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        after = server_counters(base_url)
+        if after["queue_seconds_count"] - before["queue_seconds_count"] >= answered or time.monotonic() > deadline:
+            return after
+        time.sleep(0.5)
 
 
 def summarize(results: list[tuple[int, float]], duration: float, before: dict, after: dict) -> dict[str, Any]:
@@ -183,14 +197,14 @@ def sweep(name: str, args: dict[str, Any], checkpoint_dir: str, port: int, durat
         before = server_counters(base_url)
         results = asyncio.run(closed_loop(url, concurrency, duration))
         rows.append({"config": name, "load": f"closed c={concurrency}",
-                     **summarize(results, duration, before, server_counters(base_url))})
+                     **summarize(results, duration, before, counters_after(base_url, before, results))})
         print_table(f"{name}: closed loop", rows[-1:])
     peak = max(r["req_per_s"] for r in rows)
     for factor in overloads:
         before = server_counters(base_url)
         results = asyncio.run(open_loop(url, factor * peak, duration))
         rows.append({"config": name, "load": f"poisson {factor:g}x peak ({factor * peak:.1f}/s)",
-                     **summarize(results, duration, before, server_counters(base_url))})
+                     **summarize(results, duration, before, counters_after(base_url, before, results))})
         print_table(f"{name}: open loop", rows[-1:])
     serve.delete(name)
     return rows

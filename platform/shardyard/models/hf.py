@@ -115,8 +115,11 @@ class HFCausalLM(nn.Module):
     def compute_buffers(self) -> None:
         """Non-persistent buffers (rotary frequencies), which neither the directory nor a
         checkpoint holds, for a model given storage by `to_empty`: the model's own initialisation
-        computes them (the parameters it draws are overwritten by the load that follows)."""
-        self.hf.init_weights()
+        of each module that holds one (and of nothing else: the weights come after)."""
+        owners = {name.rpartition(".")[0] for name, _ in self.hf.named_non_persistent_buffers()}
+        with torch.no_grad():
+            for owner in owners:
+                self.hf._init_weights(self.hf.get_submodule(owner))
 
     @property
     def block_tp_plan(self) -> dict[str, str]:

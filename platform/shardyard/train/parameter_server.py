@@ -423,10 +423,16 @@ class ParameterServerRun:
                 losses.setdefault(offset // self.global_batch + 1, []).append(loss)
             staleness += [s for status in statuses for s in status["staleness"]]
             reached = report["samples"] // self.global_batch
+            if reached > self.state.step:
+                # Steps arrive several per report: each row logged from this report gets the
+                # rate since the previous one (read per row, the rows after the first would
+                # count their steps over no time at all).
+                for _ in range(reached - self.state.step):
+                    throughput.add(self.global_batch, self.global_batch * tokens_per_sample)
+                rate = throughput.read()
             while self.state.step < reached:
                 self.state.step += 1
                 self.state.samples_seen = self.state.step * self.global_batch
-                throughput.add(self.global_batch, self.global_batch * tokens_per_sample)
                 since_report += 1
                 step = self.state.step
                 save_now = step == self.spec.run.steps or step % self.spec.checkpoint.every_n_steps == 0
@@ -442,7 +448,7 @@ class ParameterServerRun:
                            # Updates the servers applied since the last row (none: several rows at once).
                            "staleness_mean": sum(staleness) / len(staleness) if staleness else None,
                            "staleness_max": max(staleness) if staleness else None,
-                           "largest_clock_gap": report["largest_gap"], **throughput.read()}
+                           "largest_clock_gap": report["largest_gap"], **rate}
                 staleness = []
                 log.append(metrics)  # before the checkpoint commits: a run resumed from it has this row
                 progress.update(since_report, metrics)
