@@ -124,17 +124,25 @@ async def open_loop(url: str, rate: float, duration: float) -> list[tuple[int, f
 
 # ----------------------------------------------------------------------------- measurement
 
+# Each mean's exact total (a counter) and its count (the histogram's): Ray's export estimates a
+# histogram's own `_sum` from its buckets' midpoints.
+SERVER_MEANS = {"queue_seconds": "queue_wait_seconds_total", "batch_compute_seconds": "batch_busy_seconds_total",
+                "batch_size": "batched_requests_total"}
+
+
 def server_counters(base_url: str) -> dict[str, float]:
-    """Sums and counts of the app's queue, compute and batch-size histograms, over every replica's
-    series (Ray exports each metric as `ray_` + its name, labelled by replica)."""
+    """Exact totals and counts of the app's queue time, batch compute time and batch size, over
+    every replica's series (Ray exports each metric as `ray_` + its name, labelled by replica)."""
     import requests
 
     text = requests.get(f"{base_url}/metrics", timeout=10).text
+
+    def summed(series: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^ray_shardyard_{series}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
     found = {}
-    for name in ("queue_seconds", "batch_compute_seconds", "batch_size"):
-        for part in ("sum", "count"):
-            values = re.findall(rf"^ray_shardyard_{name}_{part}(?:{{[^}}]*}})? (\S+)$", text, re.M)
-            found[f"{name}_{part}"] = sum(float(v) for v in values)
+    for name, total in SERVER_MEANS.items():
+        found[f"{name}_sum"], found[f"{name}_count"] = summed(total), summed(f"{name}_count")
     return found
 
 

@@ -291,6 +291,8 @@ def test_concurrent_requests_are_batched_and_each_gets_its_answer(server, checkp
     # exported for the whole cluster).
     batches = metric(server, "ray_shardyard_batch_size_count", "test_app")
     assert 0 < batches < len(prompts), "no batch held more than one request"
+    # The exact total beside the histogram (whose exported `_sum` Ray estimates from its buckets).
+    metric(server, "ray_shardyard_batched_requests_total", "test_app", until=lambda v: v >= len(prompts))
 
 
 @pytest.mark.timeout(120)

@@ -338,9 +338,7 @@ class ModelServer:
         or StopIteration once it has all of them or nobody waits for it any more."""
         started = time.perf_counter()
         live = [t for t in tickets if not t.abandoned]  # gone before their batch ran: dropped
-        for ticket in live:
-            self.metrics.queue.observe(started - ticket.arrived)
-        self.metrics.batch_size.observe(len(live))
+        self.metrics.batch_started([started - ticket.arrived for ticket in live])
         requests = [t.request for t in tickets]
         steps = 0
         for attempt in range(2):  # a shard lost mid-batch: rebuild the group and resume, once
@@ -358,7 +356,7 @@ class ModelServer:
                     raise
                 await asyncio.to_thread(self._rebuild, group)
         elapsed = time.perf_counter() - started
-        self.metrics.compute.observe(elapsed)
+        self.metrics.batch_finished(elapsed)
         if self.adaptive and steps and self.adaptive.observe(len(live), elapsed / steps):
             self._decode.set_max_batch_size(self.adaptive.size)
             self.batch_limit = self.adaptive.size
