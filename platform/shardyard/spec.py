@@ -243,7 +243,7 @@ class CustomSpec(Section):
         if unknown := sorted(entry for entry in model.block_tp_plan if entry not in names):
             raise ValueError(f"model.factory's module ({type(model).__name__}): block_tp_plan names {unknown}, "
                              f"which no block (_no_split_modules) holds")
-        if unsupported := sorted({s for s in model.block_tp_plan.values() if s not in TP_STYLES}):
+        if unsupported := sorted({style for style in model.block_tp_plan.values() if style not in TP_STYLES}):
             raise ValueError(f"model.factory's module ({type(model).__name__}): block_tp_plan uses {unsupported}; "
                              f"shardyard applies {', '.join(TP_STYLES)} (parallel/tensor.py)")
 
