@@ -82,6 +82,12 @@ TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input
              "packed_colwise", "packed_rowwise", "moe_tp_experts")
 
 
+def refuse_unknown_styles(plan: dict[str, str], whose: str) -> None:
+    """ValueError naming the styles of `plan` that parallel/tensor.py does not apply, if any."""
+    if unsupported := sorted({style for style in plan.values() if style not in TP_STYLES}):
+        raise ValueError(f"{whose} uses {unsupported}; shardyard applies {', '.join(TP_STYLES)} (parallel/tensor.py)")
+
+
 class HFSpec(Section):
     """A Hugging Face causal LM: a local model directory to fine-tune, or a config to pretrain."""
 
@@ -172,10 +178,7 @@ class HFSpec(Section):
             raise ValueError(f"model '{config.model_type}' ships no tensor-parallel plan "
                              f"(base_model_tp_plan): use parallelism.tp 1 with ddp, fsdp or zero")
         block_plan = {key.split(".*.", 1)[1]: style for key, style in plan.items() if ".*." in key}
-        unsupported = sorted({style for style in block_plan.values() if style not in TP_STYLES})
-        if unsupported:
-            raise ValueError(f"model '{config.model_type}': its tensor-parallel plan uses {unsupported}; "
-                             f"shardyard applies {', '.join(TP_STYLES)} (parallel/tensor.py)")
+        refuse_unknown_styles(block_plan, f"model '{config.model_type}': its tensor-parallel plan")
         for name in ("num_attention_heads", "num_key_value_heads"):
             heads = getattr(config, name, None)
             if heads is not None and heads % tp:
@@ -243,9 +246,7 @@ class CustomSpec(Section):
         if unknown := sorted(entry for entry in model.block_tp_plan if entry not in names):
             raise ValueError(f"model.factory's module ({type(model).__name__}): block_tp_plan names {unknown}, "
                              f"which no block (_no_split_modules) holds")
-        if unsupported := sorted({style for style in model.block_tp_plan.values() if style not in TP_STYLES}):
-            raise ValueError(f"model.factory's module ({type(model).__name__}): block_tp_plan uses {unsupported}; "
-                             f"shardyard applies {', '.join(TP_STYLES)} (parallel/tensor.py)")
+        refuse_unknown_styles(model.block_tp_plan, f"model.factory's module ({type(model).__name__}): block_tp_plan")
 
 
 ModelSpec = Annotated[Union[GPTSpec, MLPSpec, HFSpec, CustomSpec], Field(discriminator="name")]
