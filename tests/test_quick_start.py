@@ -88,3 +88,17 @@ def test_readme_data_commands_prepare_shards_and_train_on_them(tmp_path: Path) -
     assert "step 4/4" in output, output[-4000:]
     run_name = next((tmp_path / "runs").iterdir()).name
     assert find_latest(tmp_path / "runs" / run_name).name == "checkpoint_step_00000004"
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(420)
+def test_readme_spec_override_runs_four_workers_on_a_two_core_machine(tmp_path: Path) -> None:
+    """README's job-spec example, `--set optim.lr=3e-4 --set scaling.num_workers=4`, on this
+    machine's own CPUs (4 workers on 2 cores): it trains at world size 4."""
+    with ray_files_of_their_own() as ray_tmp:
+        output = run_as_user([SHARDYARD, "train", "jobs/configs/gpt_ddp.yaml", "--set", "optim.lr=3e-4",
+                              "--set", "scaling.num_workers=4", "--set", "run.steps=4", "--set", "run.log_every=2",
+                              "--set", f"checkpoint.storage_path={tmp_path}"], ray_tmp)
+    assert "step 4/4" in output, output[-4000:]
+    rows = read_metrics(tmp_path / "gpt_ddp")
+    assert {row["world_size"] for row in rows} == {4} and rows[-1]["lr"] <= 3e-4
