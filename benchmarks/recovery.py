@@ -32,9 +32,9 @@ import ray
 
 from common import print_table, write_json
 from shardyard.spec import load_spec
-from shardyard.train.checkpoint import find_latest
+from shardyard.checkpoint.loaders import find_latest
 from shardyard.train.launcher import launch
-from shardyard.train.metrics import read_events
+from shardyard.checkpoint.events import read_events
 from ddp_overhead import CONFIG
 
 

@@ -45,8 +45,8 @@ from shardyard.localdist import free_port, run_distributed
 from shardyard.models import build_model
 from shardyard.parallel import build_engine
 from shardyard.spec import load_spec
-from shardyard.train import checkpoint
-from shardyard.train.checkpoint import TrainState
+from shardyard.checkpoint.manager import CheckpointManager
+from shardyard.checkpoint.layout import TrainState
 
 CONFIG = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "gpt_ddp.yaml"
 MAX_TOKENS = 16
@@ -65,7 +65,7 @@ def save_untrained(rank: int, world: int, out: str) -> None:
     spec = load_spec(CONFIG, ["scaling.num_workers=1"])
     torch.manual_seed(spec.run.seed)
     engine = build_engine(spec, build_model(spec.model), torch.device("cpu"))
-    checkpoint.CheckpointManager(out, keep=1).save(engine, TrainState(0, 0, world), spec, metrics={})
+    CheckpointManager(out, keep=1).save(engine, TrainState(0, 0, world), spec)
 
 
 @contextlib.contextmanager

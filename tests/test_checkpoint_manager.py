@@ -13,9 +13,13 @@ import torch
 from shardyard.models import build_model
 from shardyard.parallel import single_process
 from shardyard.spec import SpecError, parse_spec
-from shardyard.train.checkpoint import COMMIT_FILE, CheckpointManager, TrainState, find_latest, load_model
+from shardyard.checkpoint.record import COMMIT_FILE
+from shardyard.checkpoint.manager import CheckpointManager
+from shardyard.checkpoint.layout import TrainState
+from shardyard.checkpoint.loaders import find_latest, load_model
 from shardyard.train.launcher import check_resume
-from shardyard.train.metrics import METRICS_FILE, MetricsLog, log_event, read_events, read_metrics
+from shardyard.checkpoint.events import log_event, read_events
+from shardyard.train.metrics import METRICS_FILE, MetricsLog, read_metrics
 
 
 def spec_for(storage: Path, **sections: dict):
@@ -61,7 +65,7 @@ def test_only_committed_checkpoints_count_and_pruning_keeps_the_newest(tmp_path:
 @pytest.mark.timeout(60)
 def test_a_resumed_run_with_another_model_or_optimizer_is_refused_before_it_starts(tmp_path: Path) -> None:
     spec = spec_for(tmp_path)
-    CheckpointManager(spec.run_uri, keep=2).save(engine_for(spec), TrainState(1, 8, 1), spec, metrics={})
+    CheckpointManager(spec.run_uri, keep=2).save(engine_for(spec), TrainState(1, 8, 1), spec)
     check_resume(spec)  # the same spec resumes
     with pytest.raises(SpecError, match="model.n_embd"):
         check_resume(spec_for(tmp_path, model={"n_embd": 32}))

@@ -167,7 +167,7 @@ def test_training_on_shards_resumes_at_another_world_size_using_each_sample_once
     shards (plain SGD)."""
     from shardyard.data.ledger import audit
     from shardyard.localdist import run_distributed
-    from shardyard.train import checkpoint
+    from shardyard.checkpoint.loaders import find_latest, load_model
     from test_strategies import PARAM_TOL, SGD, job, train
 
     data = tmp_path / "data"
@@ -192,8 +192,8 @@ def test_training_on_shards_resumes_at_another_world_size_using_each_sample_once
     single = raw | {"batch": {"global_batch_size": 24, "micro_batch_size": 24}, "scaling": {"num_workers": 1},
                     "checkpoint": {**raw["checkpoint"], "storage_path": str(tmp_path / "single")}}
     run_distributed(train, 1, single)
-    expected = checkpoint.load_model(checkpoint.find_latest(tmp_path / "single" / "run")).state_dict()
-    got = checkpoint.load_model(checkpoint.find_latest(tmp_path / "runs" / "run")).state_dict()
+    expected = load_model(find_latest(tmp_path / "single" / "run")).state_dict()
+    got = load_model(find_latest(tmp_path / "runs" / "run")).state_dict()
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=PARAM_TOL, msg=name)
 
@@ -269,7 +269,7 @@ def test_prepared_text_trains_validates_and_serves_with_its_tokenizer(ray_cluste
     from shardyard.localdist import free_port
     from shardyard.serve.app import build_app
     from shardyard.spec import load_spec
-    from shardyard.train import checkpoint
+    from shardyard.checkpoint.loaders import find_latest, load_model
     from shardyard.train.launcher import launch
     from shardyard.train.metrics import read_metrics
 
@@ -305,8 +305,8 @@ def test_prepared_text_trains_validates_and_serves_with_its_tokenizer(ray_cluste
     kept = result.run_dir / "tokenizer" / "tokenizer.json"
     assert kept.read_bytes() == (out / "tokenizer" / "tokenizer.json").read_bytes()
 
-    final = checkpoint.find_latest(result.run_dir)
-    model = checkpoint.load_model(final).eval()
+    final = find_latest(result.run_dir)
+    model = load_model(final).eval()
     prompt = TEXTS[3][:20]
     ids = tokenizer.encode(prompt)
     with torch.no_grad():
@@ -347,7 +347,7 @@ def prepared_with_validation(root: Path) -> Path:
                                          {"strategy": "zero3"}], ids=["ddp", "pipeline", "zero3"])
 def test_validation_loss_equals_one_process_evaluating_the_checkpoint(tmp_path: Path, parallelism: dict) -> None:
     from shardyard.localdist import run_distributed
-    from shardyard.train import checkpoint
+    from shardyard.checkpoint.loaders import find_latest, load_model
     from shardyard.train.metrics import read_metrics
     from test_strategies import job, train
 
@@ -362,8 +362,8 @@ def test_validation_loss_equals_one_process_evaluating_the_checkpoint(tmp_path: 
 
     rows = read_metrics(tmp_path / "runs" / "run")
     assert [("val_loss" in r) for r in rows] == [False, True, False, True]
-    final = checkpoint.find_latest(tmp_path / "runs" / "run")
-    model = checkpoint.load_model(final).eval()
+    final = find_latest(tmp_path / "runs" / "run")
+    model = load_model(final).eval()
     validation = open_split(str(data), "validation", 16)
     x, y = validation.batch(torch.arange(2 * 8))  # eval.batches global batches, in order
     with torch.no_grad():

@@ -34,9 +34,10 @@ from shardyard.data.ledger import audit
 from shardyard.models import build_model
 from shardyard.parallel import single_process
 from shardyard.spec import load_spec
-from shardyard.train.checkpoint import find_latest, load_model
+from shardyard.checkpoint.loaders import find_latest, load_model
 from shardyard.train.callbacks import HOLD_ENV, release_file
-from shardyard.train.metrics import read_events, read_metrics
+from shardyard.checkpoint.events import read_events
+from shardyard.train.metrics import read_metrics
 from test_strategies import steps
 
 SHARDYARD = str(Path(sys.executable).with_name("shardyard"))

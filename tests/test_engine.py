@@ -17,7 +17,7 @@ from shardyard.models.kv_cache import CacheStep, KVCache, compact
 from shardyard.serve.engine import DecodingEngine, TokenBudget
 from shardyard.serve.generation import Completion, encode, generate
 from shardyard.serve.shards import run_model
-from shardyard.train import checkpoint
+from shardyard.checkpoint.loaders import load_model
 from shardyard.localdist import run_distributed
 from test_serve import train_and_save
 
@@ -126,7 +126,7 @@ def test_rows_released_in_one_step_leave_each_remaining_sequence_its_own_keys(re
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("rows", [2, 8])
 def test_the_engine_gives_each_request_its_tokens_alone(ddp_checkpoint: Path, rows: int) -> None:
-    model = checkpoint.load_model(ddp_checkpoint).eval()
+    model = load_model(ddp_checkpoint).eval()
     expected = alone(model)
     cached = CachedModel(model, rows)
     got = asyncio.run(serve_all(engine_for(cached), fresh(), join_after=3, abandon=3))
@@ -143,7 +143,7 @@ def test_the_engine_gives_each_request_its_tokens_alone(ddp_checkpoint: Path, ro
 def test_a_lost_cache_is_prefilled_again_and_decoding_goes_on_exactly(ddp_checkpoint: Path, fail_at_call: int) -> None:
     """Lost under the first prefill (the request being prefilled is neither running nor waiting
     then: it must not be dropped) or mid-way, with requests running."""
-    model = checkpoint.load_model(ddp_checkpoint).eval()
+    model = load_model(ddp_checkpoint).eval()
     expected = alone(model)
     cached = CachedModel(model, rows=4, fail_at_call=fail_at_call)
     engine = engine_for(cached)
@@ -156,7 +156,7 @@ def test_a_lost_cache_is_prefilled_again_and_decoding_goes_on_exactly(ddp_checkp
 def test_an_unexpected_error_fails_the_running_requests_and_the_engine_goes_on(ddp_checkpoint: Path) -> None:
     """A step that raises something unforeseen leaves the caches untrustworthy: the requests
     running then get the error, the caches start over, and every later request is exact."""
-    model = checkpoint.load_model(ddp_checkpoint).eval()
+    model = load_model(ddp_checkpoint).eval()
     expected = alone(model)
     cached = CachedModel(model, rows=2, error_at_call=4)
 

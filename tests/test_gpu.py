@@ -11,7 +11,7 @@ import torch
 
 from shardyard.localdist import run_distributed
 from shardyard.spec import parse_spec
-from shardyard.train import checkpoint
+from shardyard.checkpoint.loaders import find_latest, load_model
 from shardyard.train.trainer import Trainer
 from test_models import MODELS, STEPS, job, oracle
 from test_serve_run import save_default_job_checkpoint
@@ -37,7 +37,7 @@ def test_fsdp2_bf16_trains_a_llama_as_fp32_does(tmp_path: Path) -> None:
     raw = job(MODELS["llama"], {"strategy": "fsdp", "mixed_precision": True}, world, tmp_path)
     raw["run"]["precision"] = "auto"  # bf16 on GPU
     run_distributed(train_on_gpus, world, raw, backend="nccl")
-    trained = checkpoint.load_model(checkpoint.find_latest(tmp_path / "run")).state_dict()
+    trained = load_model(find_latest(tmp_path / "run")).state_dict()
     assert all(v.dtype == torch.float32 for v in trained.values())  # master weights stay fp32
     initial, expected = oracle("llama", STEPS)
     assert update_error(trained, initial, expected) < 0.05
@@ -49,7 +49,7 @@ def test_tensor_parallel_llama_on_two_gpus_equals_one_cpu_process(tmp_path: Path
     raw = job(MODELS["llama"], {"strategy": "tensor", "tp": 2}, 2, tmp_path)
     raw["run"]["precision"] = "fp32"
     run_distributed(train_on_gpus, 2, raw, backend="nccl")
-    trained = checkpoint.load_model(checkpoint.find_latest(tmp_path / "run")).state_dict()
+    trained = load_model(find_latest(tmp_path / "run")).state_dict()
     _, expected = oracle("llama", STEPS)
     for name, value in expected.items():
         torch.testing.assert_close(trained[name], value, rtol=0, atol=1e-4, msg=name)
@@ -66,9 +66,9 @@ def test_serving_shards_run_on_their_gpus(ray_cluster, tmp_path: Path, sharding:
 
     n = min(2, torch.cuda.device_count())
     run_distributed(save_default_job_checkpoint, 1, str(tmp_path / "run"))
-    latest = checkpoint.find_latest(tmp_path / "run")
+    latest = find_latest(tmp_path / "run")
     tokens = torch.randint(0, 256, (2, 16))
-    expected = checkpoint.load_model(latest).eval()(tokens)
+    expected = load_model(latest).eval()(tokens)
     sharded = ShardedModel(str(latest), n, use_gpu=True, sharding=sharding)
     try:
         devices = [d["device"] for d in ray.get([s.describe.remote() for s in sharded.shards])]

@@ -16,10 +16,12 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, RAY, Bucket, readme_ray_cluster
+from shardyard.checkpoint.record import newest_name
 from shardyard.train.callbacks import HOLD_ENV
-from shardyard.train.checkpoint import find_latest
-from shardyard.train.metrics import read_events, read_metrics
-from shardyard.train.storage import RunStorage
+from shardyard.checkpoint.loaders import find_latest
+from shardyard.checkpoint.events import read_events
+from shardyard.train.metrics import read_metrics
+from shardyard.checkpoint.store import RunStorage
 
 pytestmark = pytest.mark.ray
 
@@ -122,6 +124,6 @@ def test_jobs_prepare_data_into_a_bucket_and_train_from_and_into_it(cluster, buc
     status, logs = wait_until_done(cluster, submit(cluster, overrides, bucket.env))
     assert re.search(r"succeeded", status, re.IGNORECASE), f"{status}\n{logs[-3000:]}"
     run = "s3://bucket/runs/bucket"
-    assert RunStorage(run).newest_committed() == "checkpoint_step_00000020"
+    assert newest_name(RunStorage(run)) == "checkpoint_step_00000020"
     assert [row["step"] for row in read_metrics(run)] == [10, 20]
     assert [e["event"] for e in read_events(run) if e["event"] == "start"] == ["start"]

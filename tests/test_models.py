@@ -25,7 +25,8 @@ from shardyard.localdist import run_distributed
 from shardyard.models import build_for_job, build_model
 from shardyard.parallel import single_process
 from shardyard.spec import SpecError, parse_spec
-from shardyard.train import checkpoint
+from shardyard.checkpoint.loaders import committed_record, find_latest, load_model
+from shardyard.checkpoint.record import checkpoint_name
 from test_strategies import PARAM_TOL, steps, train
 
 STEPS = 3
@@ -132,9 +133,9 @@ def test_model_under_strategy_matches_single_process(model: str, strategy: str, 
     assert error is None, f"{model} under {strategy} raised on rank 0:\n{error}"
     initial, expected = oracle(model)
     assert max((expected[k] - initial[k]).abs().max().item() for k in initial) > 100 * PARAM_TOL
-    final = checkpoint.find_latest(out / model / strategy / "run")
-    assert final.name == checkpoint.checkpoint_name(STEPS)
-    got = checkpoint.load_model(final).state_dict()
+    final = find_latest(out / model / strategy / "run")
+    assert final.name == checkpoint_name(STEPS)
+    got = load_model(final).state_dict()
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=PARAM_TOL, msg=f"{model}/{strategy}: {name}")
 
@@ -149,7 +150,7 @@ def test_export_to_a_directory_transformers_loads_with_equal_logits(model: str, 
     run_dir = out / model / "fsdp-ac" / "run"
     assert shardyard(["export", str(run_dir), "--format", "hf", str(tmp_path / "hf")]) == 0
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
-    trained_model = checkpoint.load_model(checkpoint.find_latest(run_dir))
+    trained_model = load_model(find_latest(run_dir))
     tokens = torch.randint(0, 256, (2, 16))
     torch.testing.assert_close(exported(input_ids=tokens).logits, trained_model(tokens), rtol=0, atol=1e-6)
     # A run on prepared data keeps its data's tokenizer; the export carries that one.
@@ -213,15 +214,15 @@ def test_training_starts_from_a_model_directory_and_resumes_at_another_world_siz
     assert all(p.is_meta for p in build_for_job(parse_spec(elastic)).parameters())
     run_distributed(train, 2, elastic, 2)
     run_distributed(train, 1, elastic)
-    final = checkpoint.find_latest(tmp_path / "runs" / "run")
-    assert checkpoint.committed_record(final)["world_size"] == 1
+    final = find_latest(tmp_path / "runs" / "run")
+    assert committed_record(final)["world_size"] == 1
 
     MODELS["pretrained"] = pretrained
     try:
         _, expected = oracle("pretrained", 4)
     finally:
         del MODELS["pretrained"]
-    got = checkpoint.load_model(final).state_dict()
+    got = load_model(final).state_dict()
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=PARAM_TOL, msg=name)
 
@@ -235,10 +236,10 @@ def test_experts_resume_from_plain_shards_into_packed_slices_and_back(tmp_path: 
     raw = job(MODELS["mixtral"], {"strategy": "fsdp"}, 2, tmp_path / "runs", steps_=4, optim=momentum)
     run_distributed(train, 2, raw, 2)
     run_distributed(train, 2, raw | {"parallelism": STRATEGIES["tensor"]})
-    final = checkpoint.find_latest(tmp_path / "runs" / "run")
-    assert final.name == checkpoint.checkpoint_name(4)
+    final = find_latest(tmp_path / "runs" / "run")
+    assert final.name == checkpoint_name(4)
     _, expected = oracle("mixtral", 4, momentum)
-    got = checkpoint.load_model(final).state_dict()
+    got = load_model(final).state_dict()
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=PARAM_TOL, msg=name)
 
@@ -269,7 +270,7 @@ def test_a_model_directory_loads_shard_by_shard(tmp_path: Path, model: str, para
     finally:
         del MODELS["pretrained"]
     assert max((expected[k] - initial[k]).abs().max().item() for k in initial) > 100 * PARAM_TOL
-    got = checkpoint.load_model(checkpoint.find_latest(tmp_path / "runs" / "run")).state_dict()
+    got = load_model(find_latest(tmp_path / "runs" / "run")).state_dict()
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=PARAM_TOL, msg=name)
 

@@ -11,14 +11,15 @@ import numpy as np
 import pytest
 import torch
 
+from shardyard.checkpoint.record import newest_name
 from shardyard.data.prepare import SplitWriter
 from shardyard.data.shards import write_index
 from shardyard.localdist import run_distributed
 from shardyard.models import build_model
 from shardyard.parallel import single_process
 from shardyard.spec import parse_spec
-from shardyard.train.checkpoint import CheckpointManager
-from shardyard.train.storage import RunStorage
+from shardyard.checkpoint.manager import CheckpointManager
+from shardyard.checkpoint.store import RunStorage
 from conftest import Bucket
 from test_strategies import steps, train
 
@@ -58,7 +59,7 @@ def test_shards_and_checkpoints_in_a_bucket_train_as_one_process_would(bucket: B
     publish_shards(bucket.fs, tmp_path / "prepared")
     for strategy, world, until in [("zero2", 2, 4), ("zero2", 1, 6), ("ddp", 2, 8)]:
         run_distributed(train, world, job(tmp_path, strategy, until))
-        assert RunStorage("s3://bucket/runs/run").newest_committed() == f"checkpoint_step_{until:08d}"
+        assert newest_name(RunStorage("s3://bucket/runs/run")) == f"checkpoint_step_{until:08d}"
     assert not bucket.fs.exists("bucket/runs/run/checkpoint_step_00000002")  # pruned: keep 2
 
     spec = parse_spec({**job(tmp_path, "ddp", 8), "batch": {"global_batch_size": 8, "micro_batch_size": 8},

@@ -20,8 +20,9 @@ from shardyard.models import build_model
 from shardyard.parallel import single_process
 from shardyard.spec import parse_spec
 from shardyard.data.ledger import audit
-from shardyard.train.checkpoint import find_latest, load_model
-from shardyard.train.metrics import read_events, read_metrics
+from shardyard.checkpoint.loaders import find_latest, load_model
+from shardyard.checkpoint.events import read_events
+from shardyard.train.metrics import read_metrics
 from test_strategies import steps
 
 LOSS_TOLERANCE = 0.05  # relative, on the mean loss of the last 10 steps

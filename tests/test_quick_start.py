@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, ray_files_of_their_own, user_environment
-from shardyard.train.checkpoint import find_latest
+from shardyard.checkpoint.loaders import find_latest
 from shardyard.train.metrics import LOSS_PLOT, read_metrics
 
 SHARDYARD = str(Path(sys.executable).with_name("shardyard"))
@@ -54,7 +54,7 @@ def test_readme_model_commands_pretrain_a_llama_and_export_it_for_transformers(t
     import torch
     from transformers import AutoModelForCausalLM
 
-    from shardyard.train.checkpoint import load_model
+    from shardyard.checkpoint.loaders import load_model
 
     with ray_files_of_their_own() as ray_tmp:
         output = run_as_user([SHARDYARD, "train", "jobs/configs/llama_fsdp.yaml", "--set", "run.steps=4",

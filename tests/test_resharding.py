@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from shardyard.localdist import run_distributed
-from shardyard.train import checkpoint
+from shardyard.checkpoint.loaders import committed_record, find_latest, load_model
 from shardyard.train.metrics import read_metrics
 from test_strategies import PARAM_TOL, RESUME_AT, job, oracle_run, train
 
@@ -47,8 +47,8 @@ def test_resume_at_another_world_size_matches_uninterrupted_run(parallelism: dic
     oracle_losses, oracle_params = oracle_run(raw["model"]["tie_weights"], "adamw", 24)
     losses = [row["loss"] for row in read_metrics(run_dir)]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(oracle_losses), rtol=1e-5, atol=0)
-    final = checkpoint.find_latest(run_dir)
-    assert checkpoint.committed_record(final)["world_size"] == new_world
-    trained = checkpoint.load_model(final).state_dict()
+    final = find_latest(run_dir)
+    assert committed_record(final)["world_size"] == new_world
+    trained = load_model(final).state_dict()
     for name, value in oracle_params.items():
         torch.testing.assert_close(trained[name], value, rtol=0, atol=PARAM_TOL, msg=name)

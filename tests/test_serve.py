@@ -22,7 +22,7 @@ import torch
 from shardyard.localdist import free_port, run_distributed
 from shardyard.serve.batching import AdaptiveBatchSize, calibrate
 from shardyard.serve.generation import Completion, decode, decode_steps, encode, generate
-from shardyard.train import checkpoint
+from shardyard.checkpoint.loaders import find_latest, load_model
 from test_strategies import job, train, with_storage
 
 STRATEGIES = ("ddp", "fsdp", "zero2")
@@ -61,7 +61,7 @@ def test_sharded_outputs_equal_unsharded(ray_cluster, checkpoints, sharding: str
     from shardyard.serve.shards import ShardedModel
 
     tokens, pad = ragged_batch()
-    whole = checkpoint.load_model(checkpoints[strategy]).eval()
+    whole = load_model(checkpoints[strategy]).eval()
     expected = whole(tokens, pad)
     sharded = ShardedModel(str(checkpoints[strategy]), num_shards, sharding=sharding)
     try:
@@ -87,7 +87,7 @@ def test_the_engine_over_sharded_caches_gives_each_request_its_tokens_alone(ray_
     from shardyard.serve.shards import SHARD_LOST, CachesLost, ShardedModel
     from test_engine import alone, fresh, serve_all
 
-    model = checkpoint.load_model(checkpoints["ddp"]).eval()
+    model = load_model(checkpoints["ddp"]).eval()
     sharded = ShardedModel(str(checkpoints["ddp"]), 2, sharding=sharding, cache_rows=3)
     try:
         engine = DecodingEngine(sharded.forward, 3, model.spec.block_size, TokenBudget(8, 60.0, 4),
@@ -100,7 +100,7 @@ def test_the_engine_over_sharded_caches_gives_each_request_its_tokens_alone(ray_
 
 
 def test_batched_generation_equals_one_request_at_a_time_and_resumes_exactly(checkpoints) -> None:
-    model = checkpoint.load_model(checkpoints["ddp"]).eval()
+    model = load_model(checkpoints["ddp"]).eval()
     forward = torch.no_grad()(model)
 
     def fresh() -> list[Completion]:
@@ -122,7 +122,7 @@ def test_batched_generation_equals_one_request_at_a_time_and_resumes_exactly(che
 
 
 def test_adaptive_batching_picks_the_fastest_size_within_the_target_and_backs_off(checkpoints) -> None:
-    model = checkpoint.load_model(checkpoints["ddp"]).eval()
+    model = load_model(checkpoints["ddp"]).eval()
     measured = calibrate(torch.no_grad()(model), model.spec.block_size, 8)
     assert set(measured.step_s) == {1, 2, 4, 8}
     assert measured.best_size(step_target_s=60.0) == max(measured.step_s, key=measured.tokens_per_s)
@@ -170,7 +170,7 @@ def test_a_hugging_face_model_is_served_sharded_and_decodes_as_transformers_does
     from shardyard.serve.engine import DecodingEngine, TokenBudget
     from shardyard.serve.shards import SHARD_LOST, CachesLost, ShardedModel
 
-    model = checkpoint.load_model(llama_checkpoint).eval()
+    model = load_model(llama_checkpoint).eval()
     # 7 new tokens keep the longest prompt (9) within block_size 16, the context served.
     prompts = ["def", "import os", "x ="]
     sharded = ShardedModel(str(llama_checkpoint), num_shards, sharding=sharding, cache_rows=2)
@@ -210,7 +210,7 @@ def test_a_hugging_face_model_directory_is_served_as_it_is(ray_cluster, tmp_path
     directory = tmp_path / architecture
     AutoModelForCausalLM.from_config(AutoConfig.for_model(architecture, **keys)).save_pretrained(directory)
     assert parse_config({"checkpoint": str(directory), "sharding": "tensor", "num_shards": 2})
-    model = checkpoint.load_model(directory).eval()
+    model = load_model(directory).eval()
     sharded = ShardedModel(str(directory), 2, sharding="tensor")
     try:
         assert sharded.block_size == LLAMA["max_position_embeddings"]  # the model's whole window
@@ -279,7 +279,7 @@ def error_of(answer: requests.Response) -> str:
 
 @pytest.mark.timeout(240)
 def test_concurrent_requests_are_batched_and_each_gets_its_answer(server, checkpoints) -> None:
-    model = checkpoint.load_model(checkpoints["ddp"]).eval()
+    model = load_model(checkpoints["ddp"]).eval()
     prompts = [f"line {i}: " + "x" * (i % 5) for i in range(16)]
     with ThreadPoolExecutor(16) as pool:
         answers = list(pool.map(lambda p: complete(server, prompt=p, max_tokens=6), prompts))
@@ -386,7 +386,7 @@ def default_job_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     run_dir = tmp_path_factory.mktemp("default_job")
     run_distributed(save_default_job_checkpoint, 1, str(run_dir))
-    return checkpoint.find_latest(run_dir)
+    return find_latest(run_dir)
 
 
 @pytest.fixture(scope="module")
@@ -409,7 +409,7 @@ def test_the_openai_client_completes_chats_and_streams_against_the_engine(engine
                                                                          default_job_checkpoint) -> None:
     from openai import AsyncOpenAI, BadRequestError, NotFoundError, OpenAI
 
-    model = checkpoint.load_model(default_job_checkpoint).eval()
+    model = load_model(default_job_checkpoint).eval()
     client = OpenAI(base_url=f"{engine_server}/v1", api_key="none")
     assert [m.id for m in client.models.list().data] == ["tiny-gpt"]
 
@@ -613,7 +613,7 @@ def test_a_hugging_face_model_answers_over_http(server, llama_checkpoint) -> Non
         url = server.removesuffix("/t") + "/llama"
         answer = complete(url, prompt="def", max_tokens=10)
         assert answer.status_code == 200, answer.text
-        assert text_of(answer) == hf_greedy(checkpoint.load_model(llama_checkpoint).eval(), "def", 10)
+        assert text_of(answer) == hf_greedy(load_model(llama_checkpoint).eval(), "def", 10)
         wrong = requests.post(f"{url}/v1/predict", json={"inputs": [[1.0]]}, timeout=60)
         assert wrong.status_code == 404 and "/v1/completions" in wrong.text
     finally:

@@ -23,8 +23,8 @@ from shardyard.localdist import run_distributed
 from shardyard.models import build_model
 from shardyard.parallel import build_engine
 from shardyard.spec import load_spec
-from shardyard.train import checkpoint
-from shardyard.train.checkpoint import TrainState
+from shardyard.checkpoint.manager import CheckpointManager
+from shardyard.checkpoint.layout import TrainState
 from test_serve import metric
 
 SERVE = str(Path(sys.executable).with_name("serve"))
@@ -37,7 +37,7 @@ def save_default_job_checkpoint(rank: int, world: int, run_dir: str) -> None:
     spec = load_spec(REPO / "jobs" / "configs" / "gpt_ddp.yaml")
     torch.manual_seed(spec.run.seed)
     engine = build_engine(spec, build_model(spec.model), torch.device("cpu"))
-    checkpoint.CheckpointManager(run_dir, keep=1).save(engine, TrainState(0, 0, world), spec, metrics={})
+    CheckpointManager(run_dir, keep=1).save(engine, TrainState(0, 0, world), spec)
 
 
 @pytest.mark.ray

@@ -34,7 +34,9 @@ from shardyard.localdist import run_distributed
 from shardyard.models import build_model
 from shardyard.parallel import single_process
 from shardyard.spec import parse_spec
-from shardyard.train import checkpoint
+from shardyard.checkpoint import loaders
+from shardyard.checkpoint.loaders import export_safetensors, find_latest, load_model, load_model_part
+from shardyard.checkpoint.record import checkpoint_name
 from shardyard.train.metrics import read_metrics
 from shardyard.train.trainer import Trainer
 
@@ -106,7 +108,7 @@ def straight_and_resumed(rank: int, world: int, raw: dict, out: Path, resume: bo
         return
     train(rank, world, with_storage(raw, out / "straight"))
     if rank == 0:
-        name = checkpoint.checkpoint_name(RESUME_AT)
+        name = checkpoint_name(RESUME_AT)
         shutil.copytree(out / "straight" / "run" / name, out / "resumed" / "run" / name)
     dist.barrier()
     train(rank, world, with_storage(raw, out / "resumed"))
@@ -193,22 +195,22 @@ def test_strategy_matches_single_process_and_resumes(case: str, optim: str, trai
 
     losses = [row["loss"] for row in read_metrics(case_dir / "straight" / "run")]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(oracle_losses), rtol=LOSS_RTOL, atol=0)
-    straight_dir = checkpoint.find_latest(case_dir / "straight" / "run")
-    assert straight_dir.name == checkpoint.checkpoint_name(STEPS)
-    straight = checkpoint.load_model(straight_dir).state_dict()
+    straight_dir = find_latest(case_dir / "straight" / "run")
+    assert straight_dir.name == checkpoint_name(STEPS)
+    straight = load_model(straight_dir).state_dict()
     assert_params(straight, oracle_params, param_tol(optim), case)
     if optim == "adamw":
-        resumed = checkpoint.load_model(checkpoint.find_latest(case_dir / "resumed" / "run")).state_dict()
+        resumed = load_model(find_latest(case_dir / "resumed" / "run")).state_dict()
         assert_params(resumed, straight, RESUME_TOL, f"{case} resume")
 
     # Export to one safetensors file and reload it in a single process: same outputs.
-    from safetensors.torch import load_model
+    from safetensors.torch import load_model as load_safetensors
 
-    exported = checkpoint.export_safetensors(straight_dir, case_dir / "model.safetensors")
+    exported = export_safetensors(straight_dir, case_dir / "model.safetensors")
     reloaded = build_model(parse_spec(raw).model)
-    load_model(reloaded, str(exported))
+    load_safetensors(reloaded, str(exported))
     tokens = torch.randint(0, 256, (2, 16))
-    model = checkpoint.load_model(straight_dir)
+    model = load_model(straight_dir)
     torch.testing.assert_close(reloaded(tokens), model(tokens), rtol=0, atol=0)
 
 
@@ -241,7 +243,7 @@ def tensor_parallel_part(rank: int, world: int, checkpoint_dir: str) -> dict[str
     from shardyard.parallel.tensor import apply_tensor_parallel
 
     mesh = init_device_mesh("cpu", (world,))
-    part = checkpoint.load_model_part(checkpoint_dir, lambda m: apply_tensor_parallel(m, mesh),
+    part = load_model_part(checkpoint_dir, lambda m: apply_tensor_parallel(m, mesh),
                                       torch.device("cpu"), collective=True)
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in part.state_dict().items()}
 
@@ -255,15 +257,15 @@ def test_a_serving_part_of_a_zero_checkpoint_is_read_without_the_whole_model(cas
     whole model, with the whole-model load refused in this process."""
     out, results = trained
     assert results[f"{case}/sgd"] is None, results[f"{case}/sgd"]
-    final = checkpoint.find_latest(out / case / "sgd" / "straight" / "run")
-    whole = checkpoint.load_model(final)
+    final = find_latest(out / case / "sgd" / "straight" / "run")
+    whole = load_model(final)
     expected = whole.pipeline_stage(2, 4).state_dict()
 
     def whole_model(*_: object) -> None:
         raise AssertionError("a serving part loaded the whole model")
 
-    monkeypatch.setattr(checkpoint, "load_model", whole_model)
-    stage = checkpoint.load_model_part(final, lambda m: m.pipeline_stage(2, 4), torch.device("cpu"))
+    monkeypatch.setattr(loaders, "load_model", whole_model)
+    stage = load_model_part(final, lambda m: m.pipeline_stage(2, 4), torch.device("cpu"))
     got = stage.state_dict()
     assert got.keys() == expected.keys() and "lm_head.weight" in got
     assert_params(got, expected, 0.0, f"{case} stage")
@@ -339,6 +341,6 @@ def test_a_checkpoint_resumes_under_another_strategy_at_another_world_size(pair:
     error = results[pair]
     assert error is None, f"{pair} raised on rank 0:\n{error}"
     _, oracle_params = oracle_run(False, PAIRS[pair][2])
-    final = checkpoint.find_latest(out / pair / "run")
-    assert final.name == checkpoint.checkpoint_name(STEPS)
-    assert_params(checkpoint.load_model(final).state_dict(), oracle_params, param_tol(PAIRS[pair][2]), pair)
+    final = find_latest(out / pair / "run")
+    assert final.name == checkpoint_name(STEPS)
+    assert_params(load_model(final).state_dict(), oracle_params, param_tol(PAIRS[pair][2]), pair)

@@ -12,7 +12,8 @@ import torch
 
 from shardyard.localdist import run_distributed
 from shardyard.spec import load_spec
-from shardyard.train.checkpoint import TrainState, find_latest, load_model
+from shardyard.checkpoint.layout import TrainState
+from shardyard.checkpoint.loaders import find_latest, load_model
 from shardyard.train.launcher import launch
 from shardyard.train.metrics import LOSS_PLOT, TENSORBOARD_DIR, read_metrics
 from shardyard.train.trainer import Trainer

@@ -10,8 +10,8 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
-from pathlib import Path
 
 from shardyard.spec import SpecError, load_spec
 
@@ -36,45 +36,54 @@ def run_train(config: str, overrides: list[str], attach_to_running: bool, take_o
     """Validate, then train. A bad spec is a message and exit code 2, never a traceback."""
     try:
         spec = load_spec(config, overrides)
-        from shardyard.train.launcher import RunGaveUp, launch  # imports Ray: only once the spec is valid
+        from shardyard.train.launcher import Preempted, RunGaveUp, launch  # imports Ray: only once the spec is valid
 
         try:
             launch(spec, attach_to_running=attach_to_running, take_over=take_over)
         except RunGaveUp as err:  # a deterministic error, its message already in the worker logs
             print(f"shardyard: {err}", file=sys.stderr)
             return 1
+        except Preempted as err:
+            print(f"shardyard: {err}", file=sys.stderr)
+            return 128 + signal.SIGTERM
     except SpecError as err:
         print(f"shardyard: {err}", file=sys.stderr)
         return 2
     return 0
 
 
-def run_export(checkpoint: str, out: str, fmt: str) -> int:
-    """Write a checkpoint of any strategy (or a run directory's latest) as one safetensors file,
-    or, for a Hugging Face model, as a model directory transformers loads."""
-    from shardyard.train.checkpoint import committed_record, export_safetensors, find_latest, load_model, read_spec
+def run_export(checkpoint: str, out: str, fmt: str, trust_factory: str | None = None) -> int:
+    """Write a checkpoint of any strategy (or a run directory's newest good one) as one
+    safetensors file, or, for a Hugging Face model, as a model directory transformers loads. A bad
+    checkpoint is named, never loaded; a run directory falls back to its previous good one."""
+    from shardyard.checkpoint.layout import read_spec
+    from shardyard.checkpoint.loaders import export_safetensors, load_model, servable
+    from shardyard.checkpoint.record import BadCheckpoint
 
-    path = Path(checkpoint)
-    if path.is_dir() and committed_record(path) is None:
-        path = find_latest(path) or path
-    if committed_record(path) is None:
-        print(f"shardyard: {checkpoint!r} is neither a committed checkpoint nor a run directory with one "
-              f"(`shardyard train` writes them)", file=sys.stderr)
-        return 2
-    if fmt == "safetensors":
-        print(export_safetensors(path, out))
+    try:
+        path = servable(checkpoint)
+        if path is None:
+            print(f"shardyard: {checkpoint!r} is neither a committed checkpoint nor a run directory with one "
+                  f"(`shardyard train` writes them)", file=sys.stderr)
+            return 2
+        if fmt == "safetensors":
+            print(export_safetensors(path, out, trust_factory))
+            return 0
+        model_name = read_spec(path).model.name
+        if model_name != "hf":
+            print(f"shardyard: --format hf writes Hugging Face models; {checkpoint!r} holds model.name "
+                  f"'{model_name}' (use --format safetensors)", file=sys.stderr)
+            return 2
+        from shardyard.data.shards import TOKENIZER_DIR
+        from shardyard.models.hf import export_hf_directory
+
+        run_tokenizer = path.parent / TOKENIZER_DIR  # the tokenizer the run's prepared data used, if any
+        print(export_hf_directory(load_model(path, verify=False), out,
+                                  run_tokenizer if run_tokenizer.is_dir() else None))
         return 0
-    model_name = read_spec(path).model.name
-    if model_name != "hf":
-        print(f"shardyard: --format hf writes Hugging Face models; {checkpoint!r} holds model.name "
-              f"'{model_name}' (use --format safetensors)", file=sys.stderr)
+    except (BadCheckpoint, SpecError) as err:
+        print(f"shardyard: {err}", file=sys.stderr)
         return 2
-    from shardyard.data.shards import TOKENIZER_DIR
-    from shardyard.models.hf import export_hf_directory
-
-    run_tokenizer = path.parent / TOKENIZER_DIR  # the tokenizer the run's prepared data used, if any
-    print(export_hf_directory(load_model(path), out, run_tokenizer if run_tokenizer.is_dir() else None))
-    return 0
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -123,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--format", dest="fmt", choices=("safetensors", "hf"), default="safetensors",
                         help="hf: config.json, safetensors weights and tokenizer files, for "
                              "AutoModelForCausalLM.from_pretrained (model.name 'hf' runs)")
+    export.add_argument("--trust-factory", metavar="MODULE:FUNCTION",
+                        help="a custom model's factory, to import for a checkpoint that names it (a "
+                             "factory named by a file in the run directory is never imported unasked)")
     plan = commands.add_parser("plan", help="per-device memory and communication of each parallelism; "
                                              "the recommended one")
     add_spec_arguments(plan, config_flag=False)
@@ -138,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_prepare(args.config, args.overrides)
     if args.command == "export":
-        return run_export(args.checkpoint, args.out, args.fmt)
+        return run_export(args.checkpoint, args.out, args.fmt, args.trust_factory)
     # Local Ray unless RAY_ADDRESS names a cluster.
     return run_train(args.config, args.overrides, attach_to_running=False, take_over=args.take_over)
 

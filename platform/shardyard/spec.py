@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 
 class SpecError(ValueError):
@@ -190,6 +190,14 @@ class HFSpec(Section):
         return block_plan
 
 
+STORED = {"stored": True}  # validation context of a spec read from a checkpoint
+
+
+def read_from_storage(info: ValidationInfo) -> bool:
+    """Whether the spec being validated was read from a checkpoint (not launched by the user)."""
+    return bool(info.context and info.context.get("stored"))
+
+
 class CustomSpec(Section):
     """The user's own `nn.Module`: `factory` returns it, given this section."""
 
@@ -201,10 +209,12 @@ class CustomSpec(Section):
     options: dict[str, Any] = Field(default_factory=dict, description="passed to the factory as they are")
 
     @model_validator(mode="after")
-    def _factory_exists(self) -> CustomSpec:
+    def _factory_exists(self, info: ValidationInfo) -> CustomSpec:
         module, _, function = self.factory.partition(":")
         if not module or not function:
             raise ValueError(f"model.factory must be 'package.module:function', got '{self.factory}'")
+        if read_from_storage(info):  # a stored spec's factory is never imported (checkpoint/layout.py)
+            return self
         try:
             found = getattr(importlib.import_module(module), function, None)
         except ImportError as err:
@@ -426,6 +436,12 @@ class CheckpointSpec(Section):
     load_optimizer: bool = Field(
         True, description="resume with the checkpoint's optimizer state; false: weights, schedule and "
                           "data position only (when the optimizer changed, e.g. adamw -> sgd)")
+    preempt_timeout_s: float = Field(
+        60.0, gt=0, description="on SIGTERM (a preemption notice, `ray job stop`) the run checkpoints at the "
+                                "next step boundary and exits; past this many seconds the driver exits anyway")
+    lease_ttl_s: float = Field(
+        30.0, ge=1, description="the run's lease is renewed every third of this; a launch that stopped "
+                                "renewing is taken over after it, and one that lost its lease stops within a third")
 
 
 class EvalSpec(Section):
@@ -444,6 +460,9 @@ class RunSpec(Section):
     sample_ledger: bool = Field(
         False, description="record every step's sample ids per rank under <run>/ledger (audits)"
     )
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="a step whose loss or gradient norm is not finite: stop the run naming the step "
+                            "(nothing from it is committed), or skip the step's update and go on")
 
     @field_validator("name")
     @classmethod
@@ -474,7 +493,7 @@ class JobSpec(Section):
         return data
 
     @model_validator(mode="after")
-    def _combinations(self) -> JobSpec:
+    def _combinations(self, info: ValidationInfo) -> JobSpec:
         if self.model.name == "mlp" and self.data.name != "synthetic":
             raise ValueError("model.name 'mlp' trains on data.name 'synthetic' only")
         if (self.data.name == "corpus" and self.model.name != "mlp" and self.model.vocab_size < 256
@@ -508,6 +527,13 @@ class JobSpec(Section):
                              "or checkpoint.load_optimizer=false")
         if par.strategy == "parameter_server":
             self._check_parameter_server()
+        if self.run.on_nonfinite == "skip" and (par.strategy in ZERO_STAGES or par.strategy == "parameter_server"
+                                                 or self.scaling.recovery == "hot"):
+            raise ValueError(f"run.on_nonfinite 'skip' is not available with parallelism.strategy "
+                             f"'{par.strategy}'{' and scaling.recovery hot' if self.scaling.recovery == 'hot' else ''}: "
+                             f"its engine applies each step as it computes it; use 'stop'")
+        if read_from_storage(info):  # checked when it was launched; checking again may run its factory
+            return self
         self._check_model_fits_mesh()
         self._check_hot_recovery()
         if par.strategy != "parameter_server":  # its batches do not depend on how many are alive

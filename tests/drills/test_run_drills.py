@@ -19,18 +19,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardyard.checkpoint.record import newest_name, read_record
 from shardyard.cli import run_train
 from shardyard.models import build_model
 from shardyard.parallel import single_process
 from shardyard.spec import parse_spec
-from shardyard.train.checkpoint import CheckpointManager, TrainState
-from shardyard.train.lease import LEASE_FILE, LeaseHeld, RunLease
-from shardyard.train.metrics import log_event, read_events
+from shardyard.checkpoint.manager import CheckpointManager
+from shardyard.checkpoint.layout import TrainState
+from shardyard.checkpoint.lease import LEASE_FILE, LeaseHeld, RunLease
+from shardyard.checkpoint.events import log_event, read_events
 from shardyard.train.optim import lr_factor
 
 HOLD = """
 import sys, time
-from shardyard.train.lease import RunLease
+from shardyard.checkpoint.lease import RunLease
 RunLease(sys.argv[1], "run").acquire()
 print("held", flush=True)
 time.sleep(600)
@@ -61,7 +63,7 @@ def write_checkpoint(raw: dict) -> None:
     spec = parse_spec(raw)
     torch.manual_seed(spec.run.seed)
     engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
-    CheckpointManager(spec.run_uri, keep=2).save(engine, TrainState(2, 16, 1), spec, metrics={})
+    CheckpointManager(spec.run_uri, keep=2).save(engine, TrainState(2, 16, 1), spec)
 
 
 @pytest.mark.drill(outcome="refused", lost="nothing")
@@ -154,7 +156,7 @@ def test_resuming_with_a_new_learning_rate_and_length_applies_them_and_records_t
     for _ in range(3):  # the schedule at step 3 (no gradients: the weights stay)
         trained.optimizers[0].step()
         trained.schedulers[0].step()
-    CheckpointManager(spec.run_uri, keep=2).save(trained, TrainState(3, 24, 1), spec, metrics={})
+    CheckpointManager(spec.run_uri, keep=2).save(trained, TrainState(3, 24, 1), spec)
 
     changed = parse_spec(job(tmp_path, optim={"lr": 2e-3}, run={"steps": 500}))
     check_resume(changed)
@@ -273,7 +275,7 @@ def test_a_failed_parameter_server_run_leaves_none_of_its_actors_behind(ray_clus
 
 READ = """
 import sys, time
-from shardyard.train.lease import holding
+from shardyard.checkpoint.lease import holding
 with holding(sys.argv[1], sys.argv[2]):
     print("holding", flush=True)
     time.sleep(600)
@@ -286,29 +288,29 @@ def test_a_checkpoint_being_read_is_not_pruned_under_its_reader(tmp_path: Path) 
     """Rank 0 prunes as it commits; a replacement rank loading the checkpoint it found (hot
     recovery), or a serving group, lost it mid-read. A reader holds it: pruning keeps it until
     the reader is done, and a hold whose reader was killed does not keep it for ever."""
-    from shardyard.train.lease import holding
+    from shardyard.checkpoint.lease import holding
     from test_serving_drills import checkpoints
 
     spec = parse_spec(job(tmp_path))
     engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
     manager = CheckpointManager(spec.run_uri, keep=1)
-    manager.save(engine, TrainState(2, 16, 1), spec, metrics={})
+    manager.save(engine, TrainState(2, 16, 1), spec)
     with holding(spec.run_uri, "checkpoint_step_00000002"):
-        manager.save(engine, TrainState(4, 32, 1), spec, metrics={})
+        manager.save(engine, TrainState(4, 32, 1), spec)
         assert checkpoints(tmp_path) == [2, 4]
         assert manager.load(engine, "checkpoint_step_00000002").step == 2  # whole while it is read
-    manager.save(engine, TrainState(6, 48, 1), spec, metrics={})
+    manager.save(engine, TrainState(6, 48, 1), spec)
     assert checkpoints(tmp_path) == [6]
     reader = subprocess.Popen([sys.executable, "-c", READ, spec.run_uri, "checkpoint_step_00000006"],
                               stdout=subprocess.PIPE, text=True)
     try:
         assert reader.stdout.readline().strip() == "holding"
-        manager.save(engine, TrainState(8, 64, 1), spec, metrics={})
+        manager.save(engine, TrainState(8, 64, 1), spec)
         assert checkpoints(tmp_path) == [6, 8]  # held by another process
     finally:
         reader.kill()
         reader.wait()
-    manager.save(engine, TrainState(10, 80, 1), spec, metrics={})  # its reader was killed holding it
+    manager.save(engine, TrainState(10, 80, 1), spec)  # its reader was killed holding it
     assert checkpoints(tmp_path) == [10]
 
 
@@ -366,7 +368,7 @@ def test_an_asynchronous_checkpoint_that_cannot_be_written_fails_the_run_with_th
     the run fails with the storage's error at its next checkpoint or its end, the failed step is
     never committed, and the run resumes from the checkpoint before it."""
     from shardyard.localdist import run_distributed
-    from shardyard.train.storage import RunStorage
+    from shardyard.checkpoint.store import RunStorage
 
     raw = job(tmp_path, scaling={"num_workers": 2}, batch={"global_batch_size": 8, "micro_batch_size": 4},
               checkpoint={"every_n_steps": 2, "async_write": True, "storage_path": f"fulldisk://{tmp_path}"},
@@ -375,8 +377,8 @@ def test_an_asynchronous_checkpoint_that_cannot_be_written_fails_the_run_with_th
     assert all(e.startswith(f"CheckpointWriteError: checkpoint fulldisk://{tmp_path}/run/{FULL_AT} could not be "
                             "written") and "OSError: [Errno 28] No space left on device" in e for e in errors), errors
     storage = RunStorage(str(tmp_path / "run"))
-    assert storage.newest_committed() == "checkpoint_step_00000002"
-    assert storage.committed(FULL_AT) is None
+    assert newest_name(storage) == "checkpoint_step_00000002"
+    assert read_record(storage, FULL_AT) is None
 
 
 @pytest.mark.drill(outcome="fails with the storage error", lost="nothing since the last checkpoint")
@@ -387,7 +389,7 @@ def test_a_zero_checkpoint_that_cannot_be_uploaded_leaves_no_temporary_files(tmp
     storage's error and leave neither behind: a run whose step-4 upload fails, twice (the second
     attempt resumed from step 2, copied down), leaves the ranks' temporary directory empty."""
     from shardyard.localdist import run_distributed
-    from shardyard.train.storage import RunStorage
+    from shardyard.checkpoint.store import RunStorage
 
     temp_dir = tmp_path / "tmp"
     temp_dir.mkdir()
@@ -405,8 +407,8 @@ def test_a_zero_checkpoint_that_cannot_be_uploaded_leaves_no_temporary_files(tmp
                if "resumed_at" in line]
     assert resumed == [0, 2]
     storage = RunStorage(str(store / "run"))
-    assert storage.newest_committed() == "checkpoint_step_00000002"
-    assert storage.committed(FULL_AT) is None
+    assert newest_name(storage) == "checkpoint_step_00000002"
+    assert read_record(storage, FULL_AT) is None
 
 
 @pytest.mark.drill(outcome="recovered", lost="nothing")
@@ -414,15 +416,15 @@ def test_a_zero_checkpoint_that_cannot_be_uploaded_leaves_no_temporary_files(tmp
 def test_a_committed_checkpoint_is_never_deleted_to_be_written_again(tmp_path: Path) -> None:
     """A save of a step whose checkpoint an earlier attempt committed used to delete it and write
     it again: a crash (here, a full disk) in between lost the step. The committed one is kept."""
-    from shardyard.train.storage import RunStorage
+    from shardyard.checkpoint.store import RunStorage
 
     register_full_disk()
     spec = parse_spec(job(tmp_path))
     engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
-    CheckpointManager(spec.run_uri, keep=2).save(engine, TrainState(4, 32, 1), spec, metrics={})
+    CheckpointManager(spec.run_uri, keep=2).save(engine, TrainState(4, 32, 1), spec)
     again = parse_spec(job(tmp_path, checkpoint={"storage_path": f"fulldisk://{tmp_path}"}))
-    CheckpointManager(again.run_uri, keep=2).save(engine, TrainState(4, 32, 1), again, metrics={})
-    assert RunStorage(spec.run_uri).newest_committed() == FULL_AT
+    CheckpointManager(again.run_uri, keep=2).save(engine, TrainState(4, 32, 1), again)
+    assert newest_name(RunStorage(spec.run_uri)) == FULL_AT
     assert CheckpointManager(spec.run_uri, keep=2).restore(engine).step == 4
 
 
@@ -456,7 +458,7 @@ def test_a_deterministic_error_is_not_retried_until_max_failures_runs_out(ray_cl
     way; it stops after the second, saying why (exit 1, no traceback)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from shardyard.train.metrics import read_events
+    from shardyard.checkpoint.events import read_events
     from test_models import LLAMA
 
     keys = {k: v for k, v in LLAMA.items() if k != "architecture"}

@@ -94,25 +94,26 @@ def test_shards_served_from_a_run_directory_follow_it_past_pruning(ray_cluster, 
     from shardyard.parallel import single_process
     from shardyard.serve.shards import ShardedModel
     from shardyard.spec import parse_spec
-    from shardyard.train.checkpoint import CheckpointManager, TrainState
+    from shardyard.checkpoint.manager import CheckpointManager
+    from shardyard.checkpoint.layout import TrainState
     from test_run_drills import job
 
     spec = parse_spec(job(tmp_path))
     torch.manual_seed(0)
     engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
     manager = CheckpointManager(spec.run_uri, keep=1)
-    manager.save(engine, TrainState(2, 16, 1), spec, metrics={})
+    manager.save(engine, TrainState(2, 16, 1), spec)
     sharded = ShardedModel(spec.run_uri, 2)
     try:
         tokens = torch.tensor([[5, 6, 7, 8]])
         with torch.no_grad():
             for p in engine.model.parameters():  # training goes on: other weights at step 4
                 p.add_(0.01 * torch.randn_like(p))
-        manager.save(engine, TrainState(4, 32, 1), spec, metrics={})  # keep 1, but the group holds step 2
+        manager.save(engine, TrainState(4, 32, 1), spec)  # keep 1, but the group holds step 2
         assert checkpoints(tmp_path) == [2, 4]
         sharded.rebuild()
         assert sharded.checkpoint_dir.endswith("checkpoint_step_00000004")
-        manager.save(engine, TrainState(6, 48, 1), spec, metrics={})  # released by the rebuild: pruned now
+        manager.save(engine, TrainState(6, 48, 1), spec)  # released by the rebuild: pruned now
         assert checkpoints(tmp_path) == [4, 6]
         with torch.no_grad():
             expected = engine.model.eval()(tokens)

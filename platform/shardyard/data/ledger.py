@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from shardyard.train.metrics import JsonLines
-from shardyard.train.storage import RunStorage
+from shardyard.checkpoint.events import JsonLines
+from shardyard.checkpoint.store import RunStorage
 
 LEDGER_DIR = "ledger"
 

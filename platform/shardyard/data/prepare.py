@@ -304,7 +304,7 @@ def prepare(spec: PrepareSpec) -> dict[str, Any]:
                "tokens": tokens, "shards": sum(len(s["shards"]) for s in splits.values()),
                **{f"{split} tokens": s["tokens"] for split, s in splits.items()},
                "tokenizer": f"{info.kind} ({info.vocab_size} ids)", "tokens/s": round(tokens / elapsed)}
-    from shardyard.train.metrics import format_table
+    from shardyard.tables import format_table
 
     print(format_table("shardyard prepare", summary), flush=True)
     return summary

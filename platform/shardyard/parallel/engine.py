@@ -8,6 +8,7 @@ schedule), and which ranks feed data and hold the loss.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 
 import torch
@@ -28,6 +29,11 @@ class Engine:
     # Which round of a changing replica group runs this step (hot recovery: the TorchFT quorum);
     # None where the group is fixed. The sample ledger keys its lines by it.
     step_round: int | None = None
+    # run.on_nonfinite: skip. A step whose loss or gradient norm is not finite on any rank is not
+    # applied (`skipped`); the ZeRO and hot-recovery engines do not offer it (the spec refuses).
+    skip_nonfinite = False
+    skipped = False
+    checkpoint_format = "dcp"  # how the checkpoint manager stores this engine's state (checkpoint/)
 
     def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
                  schedulers: list[torch.optim.lr_scheduler.LRScheduler], loss_fn: LossFn,
@@ -106,13 +112,27 @@ class Engine:
     def train_step(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
         """One optimizer step; returns this rank's mean loss (zero where it holds none)."""
         loss = self.forward_backward(micro_batches)
-        if self.grad_clip > 0:
-            self.clip_grad_norm(self.grad_clip)
+        norm = None
+        if self.grad_clip > 0 or self.skip_nonfinite:  # (an infinite bound only measures the norm)
+            norm = self.clip_grad_norm(self.grad_clip if self.grad_clip > 0 else math.inf)
+        self.skipped = self.skip_nonfinite and not self._finite_everywhere(loss, norm)
+        if self.skipped:
+            for optimizer in self.optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            return loss
         for optimizer, scheduler in zip(self.optimizers, self.schedulers):
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
         return loss
+
+    @staticmethod
+    def _finite_everywhere(loss: torch.Tensor, norm: torch.Tensor) -> bool:
+        """Collective: whether every rank's loss and the gradient norm are finite."""
+        bad = (~torch.isfinite(loss.detach().float()) | ~torch.isfinite(norm.float())).float()
+        if dist.is_initialized():
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return not bool(bad.item())
 
     def grad_norm_group(self) -> dist.ProcessGroup | None:
         """Ranks whose gradients are disjoint pieces of one model (pipeline stages)."""

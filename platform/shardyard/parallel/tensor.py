@@ -22,9 +22,7 @@ rank routes the same tokens to the same experts, computes its share of each expe
 features, and the ranks' outputs are summed; the gradients of its inputs (hidden states, routing
 weights) are summed in backward, as each rank's covers its features only.
 
-DCP cannot write a strided shard (its chunks of a tensor are not contiguous): checkpoints see
-such tensors as plain shards of the same dimension (`dcp_layout`), and what DCP reads into those
-is copied back (`dcp_load`).
+DCP cannot write a strided shard: checkpoint/dcp_io.py stores such tensors as plain shards.
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
@@ -176,35 +173,3 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
             if style in ROWWISE_STYLES and entry in modules:
                 modules[entry].register_forward_hook(own_output)
     return model
-
-
-def _dcp_placements(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
-    """A strided shard that no later mesh dimension refines becomes a plain shard of its
-    dimension (FSDP's own strided shard over tensor-parallel slices is one DCP can write)."""
-    return tuple(Shard(p.dim) if isinstance(p, _StridedShard) and not any(
-        isinstance(q, Shard) and q.dim == p.dim for q in placements[i + 1:]) else p
-        for i, p in enumerate(placements))
-
-
-def dcp_layout(state: dict[str, Any]) -> dict[str, Any]:
-    """`state` with each tensor DCP cannot describe (a packed parameter, or its optimizer state)
-    redistributed as a plain shard of the same dimension; everything else as it was."""
-    def storable(value: Any) -> Any:
-        if isinstance(value, DTensor) and (plain := _dcp_placements(value.placements)) != value.placements:
-            return value.redistribute(placements=plain)
-        return value
-
-    return {key: storable(value) for key, value in state.items()}
-
-
-def dcp_load(state: dict[str, Any], **kwargs: Any) -> None:
-    """`dcp.load(state, **kwargs)`, a packed tensor read through a plain-shard stand-in
-    (`dcp_layout`) and copied back into its own layout."""
-    read = dcp_layout(state)
-    stand_ins = [key for key, value in state.items() if read[key] is not value]
-    dcp.load(read, **kwargs)
-    with torch.no_grad():
-        for key in stand_ins:
-            state[key].copy_(read[key].redistribute(placements=state[key].placements))
-    # DCP replaces values that are not tensors (an optimizer's step count, its settings).
-    state.update({key: value for key, value in read.items() if key not in stand_ins})

@@ -67,6 +67,8 @@ def zero_config(spec: JobSpec, accum_steps: int, device: torch.device, num_param
 
 
 class ZeroEngine(Engine):
+    checkpoint_format = "deepspeed"  # DeepSpeed's own files (checkpoint/zero_format.py)
+
     @property
     def ds(self) -> "deepspeed.DeepSpeedEngine":
         return self.parts[0]

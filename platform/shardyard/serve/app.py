@@ -46,7 +46,8 @@ from shardyard.serve.generation import Completion, TextCodec, TextStream, decode
 from shardyard.serve.metrics import ServingMetrics, scrape_cluster
 from shardyard.serve.shards import SHARD_LOST, CachesLost, ShardedModel, check_room, shard_bundle
 from shardyard.spec import LANGUAGE_MODELS, SpecError
-from shardyard.train.checkpoint import load_model, read_spec
+from shardyard.checkpoint.loaders import load_model
+from shardyard.checkpoint.layout import read_spec
 
 api = FastAPI(title="shardyard")
 install(api)  # auth and body limits before anything else; one error shape (serve/guard.py)

@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from shardyard.data.tokenizer import run_tokenizer
 from shardyard.serve.shards import sharding_problem, supports_kv_cache
 from shardyard.spec import LANGUAGE_MODELS, validate
-from shardyard.train.checkpoint import is_hf_directory, read_spec, servable
+from shardyard.checkpoint.layout import is_hf_directory, read_spec
+from shardyard.checkpoint.loaders import servable
 
 DEFAULT_CHECKPOINT = "runs/gpt_ddp"  # where README's default training job writes
 

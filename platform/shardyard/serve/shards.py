@@ -46,8 +46,9 @@ from shardyard.parallel.pipeline import balanced_split
 from shardyard.parallel.tensor import apply_tensor_parallel
 from shardyard.runtime import select_device
 from shardyard.spec import LANGUAGE_MODELS, CustomSpec, GPTSpec, HFSpec
-from shardyard.train.checkpoint import committed_record, load_model_part, read_spec, servable
-from shardyard.train.lease import holding
+from shardyard.checkpoint.loaders import committed_record, load_model_part, servable
+from shardyard.checkpoint.layout import read_spec
+from shardyard.checkpoint.lease import holding
 
 
 Sharding = Literal["pipeline", "tensor"]

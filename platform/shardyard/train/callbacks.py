@@ -10,11 +10,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from shardyard.checkpoint.record import newest_name
 from shardyard.data.ledger import SampleLedger
 from shardyard.spec import SpecError
-from shardyard.train.checkpoint import checkpoint_name
-from shardyard.train.storage import RunStorage
-from shardyard.train.metrics import log_event, read_events
+from shardyard.checkpoint.record import checkpoint_name
+from shardyard.checkpoint.store import RunStorage
+from shardyard.checkpoint.events import log_event, read_events
 from shardyard.train.trainer import Callback, Trainer
 
 
@@ -111,7 +112,7 @@ class CrashAtCheckpoint(Callback):
         run = trainer.spec.run_uri
         if any(e["event"] == "injected_crash" and e["step"] == self.step for e in read_events(run)):
             return  # once: the restarted run must get past this step
-        latest = RunStorage(run).newest_committed()
+        latest = newest_name(RunStorage(run))
         log_event(run, "injected_crash", step=self.step, rank=trainer.rank, latest_complete=latest)
         time.sleep(1.0)  # rank 0 creates the directory and starts its write meanwhile
         os.kill(os.getpid(), signal.SIGKILL)

@@ -1,22 +1,33 @@
 """Driver side: turn a validated JobSpec into a Ray Train V2 TorchTrainer run and report on it.
 
-The only Ray-aware part of training: each Ray Train worker builds a `Trainer` from the spec and
-its place in the worker group and calls `train()`. What depends on the recovery mode is decided
-here, once, at build time: under hot recovery every replica runs in a process group of its own,
-so one replica writes checkpoints and nothing waits on Ray's report barrier.
+The only Ray-aware part of training (the one Ray Train adapter): each Ray Train worker builds a
+`Trainer` from the spec and its place in the worker group and calls `train()`. What depends on the
+recovery mode is decided here, once, at build time: under hot recovery every replica runs in a
+process group of its own, so one replica writes checkpoints.
+
+Ray Train is told nothing about checkpoints: shardyard's commit records alone say which a run has
+(checkpoint/record.py), and Ray Train's own files live apart, under `<run>/ray_train/`, holding
+no reference that pruning could break. The driver holds the run's lease for the whole launch;
+its workers check it (`lease_fence`) before each commit and at step boundaries. SIGTERM to the
+driver (a spot instance's notice, a Kubernetes eviction, `ray job stop`) asks the workers to
+checkpoint at the next step boundary and stop (`<run>/PREEMPT`); the driver then exits 143.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import ray
-from ray.train import CheckpointUploadMode, FailureConfig, LoggingConfig, RunConfig, ScalingConfig, UserCallback
+from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig, UserCallback
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from shardyard.data.corpus import corpus_files
@@ -33,20 +44,16 @@ from shardyard.train.callbacks import (
     hold_steps,
     injected_crash_step,
 )
-from shardyard.train.checkpoint import SPEC_FILE
-from shardyard.train.storage import RunStorage
-from shardyard.train.lease import RunLease
-from shardyard.train.metrics import RunResult, finish_run, log_event, read_events
+from shardyard.checkpoint.layout import SPEC_FILE, stored_spec
+from shardyard.checkpoint.lease import LeaseLost, RunLease, lease_fence
+from shardyard.checkpoint.record import newest_good
+from shardyard.checkpoint.store import RunStorage
+from shardyard.checkpoint.events import log_event, read_events
+from shardyard.train.metrics import RunResult, finish_run
+from shardyard.train.step_guard import PREEMPT_FILE, Diverged
 from shardyard.train.trainer import Callback, Trainer
 
 log = logging.getLogger("shardyard")
-
-def report_checkpoint(url: str, metrics: dict[str, Any]) -> None:
-    """Tell Ray Train of a committed checkpoint, already in the run's storage (public API:
-    nothing is uploaded, Ray registers it for its results and dashboard)."""
-    ray.train.report(metrics, checkpoint=ray.train.Checkpoint(url),
-                     checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
-
 
 def train_worker(config: dict[str, Any]) -> None:
     """Entry point of each Ray Train worker. `config["spec"]` is the validated job spec as a
@@ -55,7 +62,15 @@ def train_worker(config: dict[str, Any]) -> None:
     spec = parse_spec(config["spec"])
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
-    reason = repeated_failure(read_events(spec.run_uri), config["launch_id"])
+    launch_id = config["launch_id"]
+    fence = lease_fence(spec.run_uri, config["lease_generation"])
+    try:
+        fence()
+    except LeaseLost as err:  # a group restarted after its launch lost the run: it starts nothing
+        if rank == 0:
+            log_event(spec.run_uri, "lease_lost", launch=launch_id, reason=str(err))
+        return
+    reason = repeated_failure(read_events(spec.run_uri), launch_id)
     if reason is not None:  # every rank reads the same events: all of them end here
         if rank == 0:
             log_event(spec.run_uri, "gave_up", launch=config["launch_id"], reason=reason)
@@ -71,9 +86,17 @@ def train_worker(config: dict[str, Any]) -> None:
     if config["hold_at"]:
         callbacks.append(HoldAtSteps(config["hold_at"]))
     trainer = Trainer.build(spec, rank, world_size, select_device(context.get_local_rank()), callbacks=callbacks,
-                            checkpoint_writer=not hot or rank == 0, on_commit=None if hot else report_checkpoint,
+                            checkpoint_writer=not hot or rank == 0, fence=fence,
                             replica_id=f"{spec.run.name}_{rank}", progress_bar=config["progress_bar"])
-    trainer.train()
+    try:
+        trainer.train()
+    except (LeaseLost, Diverged) as err:  # every rank raised it at the same step: end the group here
+        if rank == 0:
+            kind = "lease_lost" if isinstance(err, LeaseLost) else "diverged"
+            log_event(spec.run_uri, kind, launch=launch_id, reason=str(err), step=trainer.state.step)
+        return
+    if trainer.preempted and rank == 0:
+        log_event(spec.run_uri, "preempted", launch=launch_id, step=trainer.state.step)
 
 
 class FailureLog(UserCallback):
@@ -91,7 +114,12 @@ class FailureLog(UserCallback):
 
 
 class RunGaveUp(RuntimeError):
-    """The run failed the same way twice from the same checkpoint: retrying would repeat it."""
+    """The run stopped and retrying would not help: it failed the same way twice from the same
+    checkpoint, its loss diverged, or another launch took it over."""
+
+
+class Preempted(RuntimeError):
+    """SIGTERM stopped the run after it committed a checkpoint: launching it again continues."""
 
 
 def repeated_failure(events: list[dict[str, Any]], launch_id: str) -> str | None:
@@ -191,11 +219,12 @@ def check_resume(spec: JobSpec) -> None:
     key; the rest (steps, lr and schedule, world size, strategy, cadence...) apply and are recorded
     in the run's events. Optimizer state must be loadable unless the spec leaves it behind."""
     storage = RunStorage(spec.run_uri)
-    name = storage.newest_committed()
-    if name is None:
+    found = newest_good(storage)
+    if found is None:
         return
+    name, record = found
     where = storage.url(name)
-    stored = JobSpec.model_validate_json(storage.read_bytes(name, SPEC_FILE))
+    stored = stored_spec(storage.read_bytes(name, SPEC_FILE))
     changes = spec_changes(stored, spec)
     fixed = [key for key in changes if key.startswith(FIXED_ON_RESUME)]
     if fixed:
@@ -207,7 +236,7 @@ def check_resume(spec: JobSpec) -> None:
         log_event(spec.run_uri, "spec_changed", checkpoint=name, changes=changes)
     if not spec.checkpoint.load_optimizer:
         return
-    written_at = storage.committed(name)["world_size"]
+    written_at = record["world_size"]
     same_zero = stored.parallelism.strategy == spec.parallelism.strategy and spec.scaling.num_workers == written_at
     if stored.parallelism.strategy in ZERO_STAGES and stored.optim.name == "sgd" and stored.optim.momentum \
             and not same_zero:
@@ -267,13 +296,39 @@ def torch_config(spec: JobSpec) -> TorchConfig | None:
 
 
 def launch(spec: JobSpec, attach_to_running: bool = False, take_over: bool = False) -> RunResult:
-    """Train `spec` to its end (resuming its newest committed checkpoint), holding the run's lease
-    throughout: a second launch of the same run is refused (`take_over`: see train/lease.py)."""
-    with RunLease(spec.run_uri, spec.run.name).held(take_over):
-        return _launch(spec, attach_to_running)
+    """Train `spec` to its end (resuming its newest good checkpoint), holding the run's lease
+    throughout: a second launch of the same run is refused (`take_over`: see checkpoint/lease.py)."""
+    with RunLease(spec.run_uri, spec.run.name, ttl_s=spec.checkpoint.lease_ttl_s).held(take_over) as lease:
+        return _launch(spec, attach_to_running, lease)
 
 
-def _launch(spec: JobSpec, attach_to_running: bool) -> RunResult:
+@contextmanager
+def preemption_notice(spec: JobSpec) -> Iterator[None]:
+    """While the block runs, SIGTERM asks the workers to checkpoint at the next step boundary and
+    stop (`<run>/PREEMPT`); if the run has not ended `checkpoint.preempt_timeout_s` later, the
+    driver exits anyway. Installed after Ray's own driver handler, which would abort at once."""
+    storage = RunStorage(spec.run_uri)
+    storage.delete(PREEMPT_FILE)  # a notice a stopped launch left behind is not for this one
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        timeout = spec.checkpoint.preempt_timeout_s
+        print(f"shardyard: SIGTERM: checkpointing run '{spec.run.name}' at the next step boundary, then "
+              f"stopping (at most {timeout:g} s)", file=sys.stderr, flush=True)
+        storage.write_bytes(str(time.time()).encode(), PREEMPT_FILE)
+        timer = threading.Timer(timeout, lambda: os._exit(128 + signal.SIGTERM))
+        timer.daemon = True
+        timer.start()
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if threading.current_thread() is threading.main_thread() else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        storage.delete(PREEMPT_FILE)
+
+
+def _launch(spec: JobSpec, attach_to_running: bool, lease: RunLease) -> RunResult:
     preflight(spec)
     fault_injection = {"crash_at_checkpoint": injected_crash_step(), "hold_at": hold_steps()}
     largest = spec.scaling.world_sizes[-1] * spec.scaling.resources_per_worker.get("CPU", 1.0)
@@ -281,21 +336,21 @@ def _launch(spec: JobSpec, attach_to_running: bool) -> RunResult:
     if spec.parallelism.strategy == "parameter_server":  # its own actors, not a Ray Train group
         from shardyard.train.parameter_server import run
 
-        return run(spec)
+        return run(spec, fence=lease.check)
     tune_ray_train(spec)
     launch_id = uuid.uuid4().hex
-    log_event(spec.run_uri, "launch", id=launch_id)
+    log_event(spec.run_uri, "launch", id=launch_id, lease_generation=lease.generation)
     trainer = TorchTrainer(
         train_worker,
         torch_config=torch_config(spec),
         train_loop_config={"spec": spec.model_dump(mode="json"), "progress_bar": sys.stdout.isatty(),
-                           "launch_id": launch_id, **fault_injection},
+                           "launch_id": launch_id, "lease_generation": lease.generation, **fault_injection},
         scaling_config=scaling_config(spec),
         run_config=RunConfig(
-            # Same name + storage path as an earlier run: the workers resume from its newest
-            # committed checkpoint. shardyard prunes checkpoints itself (checkpoint.keep).
+            # Ray Train's own files, apart from the checkpoints it is never told of: the workers
+            # resume from the newest good checkpoint by shardyard's commit records.
             name=spec.run.name,
-            storage_path=spec.checkpoint.storage_path,
+            storage_path=RunStorage(spec.run_uri).url("ray_train"),
             failure_config=FailureConfig(max_failures=spec.scaling.max_failures),
             callbacks=[FailureLog(spec.run_uri)],
             # Ray Train's per-report INFO lines would drown shardyard's own progress output.
@@ -303,8 +358,13 @@ def _launch(spec: JobSpec, attach_to_running: bool) -> RunResult:
         ),
     )
     start = time.perf_counter()
-    trainer.fit()
-    gave_up = [e for e in read_events(spec.run_uri) if e["event"] == "gave_up" and e["launch"] == launch_id]
-    if gave_up:
-        raise RunGaveUp(f"run '{spec.run.name}' stopped: {gave_up[-1]['reason']}")
+    with preemption_notice(spec):
+        trainer.fit()
+    ended = {e["event"]: e for e in read_events(spec.run_uri) if e.get("launch") == launch_id}
+    for kind in ("gave_up", "diverged", "lease_lost"):
+        if kind in ended:
+            raise RunGaveUp(f"run '{spec.run.name}' stopped: {ended[kind]['reason']}")
+    if "preempted" in ended:
+        raise Preempted(f"run '{spec.run.name}' stopped on SIGTERM after committing step {ended['preempted']['step']}; "
+                        f"launch it again to continue from there")
     return finish_run(spec, f"shardyard run '{spec.run.name}' ({spec.parallelism.strategy})", start)

@@ -14,21 +14,18 @@ a killed writer left cut off.
 from __future__ import annotations
 
 import io
-import json
-import math
-import os
-import socket
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardyard.checkpoint.record import newest_name
 from shardyard.spec import JobSpec
-from shardyard.train.storage import RunStorage
+from shardyard.checkpoint.events import JsonLines
+from shardyard.checkpoint.store import RunStorage
+from shardyard.tables import format_table
 
 METRICS_FILE = "metrics.jsonl"
-EVENTS_DIR = "events"
 LOSS_PLOT = "loss_curve.png"
 TENSORBOARD_DIR = "tensorboard"
 
@@ -93,70 +90,6 @@ class Progress:
             self._bar.close()
 
 
-# ----------------------------------------------------------------------------- JSON lines
-
-
-def parse_lines(data: bytes, where: str) -> list[dict[str, Any]]:
-    """Rows of a JSON-lines file; a last line that a killed writer cut off is skipped."""
-    lines = [line for line in data.decode(errors="replace").splitlines() if line.strip()]
-    rows = []
-    for i, line in enumerate(lines):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i < len(lines) - 1 or data.endswith(b"\n"):
-                raise ValueError(f"{where}: line {i + 1} is not JSON: {line[:200]!r}") from None
-    return rows
-
-
-_TAILS_ENDED: set[Path] = set()  # files this process has appended to
-_TAILS_LOCK = threading.Lock()
-
-
-def end_cut_off_tail(path: Path) -> None:
-    """Drop the cut-off last line a killed writer left in its file, before its successor (a
-    restarted rank 0, the same rank of the next attempt) appends: appended after it, the cut-off
-    line would be in the middle, which readers must treat as damage."""
-    if not path.is_file():
-        return
-    with path.open("rb+") as f:
-        data = f.read()
-        if data and not data.endswith(b"\n"):
-            f.truncate(data.rfind(b"\n") + 1)
-
-
-class JsonLines:
-    """One writer's JSON-lines file in the run's storage: whole lines appended locally; on object
-    storage the writer's own rows rewritten whole (no other writer shares the file)."""
-
-    def __init__(self, storage: RunStorage, *parts: str) -> None:
-        self.storage, self.parts = storage, parts
-        self._rows: list[dict[str, Any]] | None = None  # object storage: what this writer wrote
-
-    def read(self) -> list[dict[str, Any]]:
-        if not self.storage.exists(*self.parts):
-            return []
-        return parse_lines(self.storage.read_bytes(*self.parts), self.storage.url(*self.parts))
-
-    def append(self, row: dict[str, Any]) -> None:
-        line = json.dumps(row) + "\n"
-        if not self.storage.remote:
-            path = Path(self.storage.path(*self.parts))
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with _TAILS_LOCK:  # before this process's first line: no line of its own is being written
-                if path not in _TAILS_ENDED:
-                    end_cut_off_tail(path)
-                    _TAILS_ENDED.add(path)
-            with path.open("a") as f:  # one write of a whole line
-                f.write(line)
-            return
-        if self._rows is None:
-            self._rows = self.read()
-        self._rows.append(row)
-        self.storage.fs.pipe_file(self.storage.path(*self.parts),
-                                  "".join(json.dumps(r) + "\n" for r in self._rows).encode())
-
-
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The run's metrics rows, one per logged step: a row logged again after a restart (the step
     recomputed from a checkpoint) replaces the earlier one; `resumed_at` markers drop rows past
@@ -200,29 +133,6 @@ class MetricsLog:
     def close(self) -> None:
         if self._tensorboard is not None:
             self._tensorboard.close()
-
-
-# ----------------------------------------------------------------------------- events
-
-_WRITER = f"{socket.gethostname()}-{os.getpid()}"
-
-
-def log_event(run_dir: str | Path, event: str, **fields: Any) -> None:
-    """Append one event to the run's event log: `start` of a worker group, `failure`, `healed`,
-    `injected_crash`, `held`, and the parameter servers' `worker_joined` and `server_restored`.
-    Each process writes a file of its own under `events/`."""
-    JsonLines(RunStorage(run_dir), EVENTS_DIR, f"{_WRITER}.jsonl").append(
-        {"event": event, "time": time.time(), **fields})
-
-
-def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Every writer's events, in time order."""
-    storage = RunStorage(run_dir)
-    if not storage.exists(EVENTS_DIR):
-        return []
-    files = [p.rsplit("/", 1)[-1] for p in storage.fs.ls(storage.path(EVENTS_DIR), detail=False)]
-    rows = [row for name in files if name.endswith(".jsonl") for row in JsonLines(storage, EVENTS_DIR, name).read()]
-    return sorted(rows, key=lambda e: e["time"])
 
 
 # ----------------------------------------------------------------------------- the end of a run
@@ -282,19 +192,7 @@ def finish_run(spec: JobSpec, title: str, start: float) -> RunResult:
     """The end-of-run table and loss plot; the run's newest committed checkpoint."""
     summary = summarize(spec.run_uri, title, time.perf_counter() - start)
     storage = RunStorage(spec.run_uri)
-    newest = storage.newest_committed()
+    newest = newest_name(storage)
     summary["checkpoint"] = storage.url(newest) if newest else None
     print(format_table(title, summary), flush=True)
     return RunResult(spec.run_dir, summary["checkpoint"], summary)
-
-
-def format_table(title: str, summary: dict[str, Any]) -> str:
-    def fmt(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:,.4f}" if abs(v) < 100 and not math.isclose(v, round(v)) else f"{v:,.1f}"
-        return str(v)
-
-    width = max(len(k) for k in summary)
-    lines = [title, "-" * max(len(title), 40)]
-    lines += [f"{k.ljust(width)}  {fmt(v)}" for k, v in summary.items()]
-    return "\n".join(lines)

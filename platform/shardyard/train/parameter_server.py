@@ -45,20 +45,16 @@ import ray
 import torch
 from torch import nn
 
+from shardyard.checkpoint.record import newest_name
 from shardyard.data import GlobalSampleOrder, build_dataset, micro_batch_ids
 from shardyard.data.ledger import SampleLedger
 from shardyard.models import build_model
 from shardyard.parallel import Engine, single_process
 from shardyard.spec import JobSpec, parse_spec
-from shardyard.train.checkpoint import CheckpointManager, TrainState
-from shardyard.train.metrics import (
-    MetricsLog,
-    Progress,
-    RunResult,
-    Throughput,
-    finish_run,
-    log_event,
-)
+from shardyard.checkpoint.manager import CheckpointManager, Fence
+from shardyard.checkpoint.layout import TrainState
+from shardyard.checkpoint.events import log_event
+from shardyard.train.metrics import MetricsLog, Progress, RunResult, Throughput, finish_run
 from shardyard.train.optim import decay_groups, decayed, lr_factor, optimizer_over
 
 # What a call to a server that died raises, before and while Ray restarts it.
@@ -329,7 +325,8 @@ class ParameterServerRun:
     """The driver: starts the actors, replaces dead workers, rolls back after a server died,
     checkpoints each cut and logs metrics like the Trainer."""
 
-    def __init__(self, spec: JobSpec, slowdowns: dict[int, float] | None = None) -> None:
+    def __init__(self, spec: JobSpec, slowdowns: dict[int, float] | None = None,
+                 fence: Fence | None = None) -> None:
         self.spec = spec
         self.raw = spec.model_dump(mode="json")
         self.slowdowns = slowdowns or {}
@@ -340,7 +337,7 @@ class ParameterServerRun:
         self.params = dict(self.engine.model.named_parameters())
         self.parts = partition({n: p.numel() for n, p in self.params.items()}, spec.parallelism.num_servers)
         self.checkpoints = CheckpointManager(spec.run_uri, spec.checkpoint.keep,
-                                             load_optimizer=spec.checkpoint.load_optimizer)
+                                             load_optimizer=spec.checkpoint.load_optimizer, fence=fence, spec=spec)
         self.attempt = time.time()
         self.ledger = SampleLedger(spec.run_uri, "ps-driver", self.attempt) if spec.run.sample_ledger else None
         self.generation = 0
@@ -501,7 +498,7 @@ class ParameterServerRun:
         with warnings.catch_warnings():  # "scheduler stepped before the optimizer": meant here
             warnings.simplefilter("ignore", UserWarning)
             scheduler.step()
-        self.checkpoints.save(self.engine, self.state, self.spec, metrics)
+        self.checkpoints.save(self.engine, self.state, self.spec)
         if self.ledger is not None:
             first = (self.state.step - 1) // self.spec.checkpoint.every_n_steps * self.spec.checkpoint.every_n_steps
             for step in range(first + 1, self.state.step + 1):
@@ -512,7 +509,7 @@ class ParameterServerRun:
     def _roll_back(self) -> None:
         """A server restarted empty: every server and the coordinator go back to the newest
         committed checkpoint (or the start), under a new generation that refuses older pushes."""
-        name = self.checkpoints.storage.newest_committed()
+        name = newest_name(self.checkpoints.storage)
         if name is not None:
             self.state = self.checkpoints.load(self.engine, name)
             self.state.world_size = self.slots
@@ -547,7 +544,8 @@ def _once_servers_answer(call: Callable[[], Any], timeout_s: float = SERVER_RECO
             time.sleep(0.5)
 
 
-def run(spec: JobSpec, slowdowns: dict[int, float] | None = None) -> RunResult:
+def run(spec: JobSpec, slowdowns: dict[int, float] | None = None, fence: Fence | None = None) -> RunResult:
     """Train `spec` with parameter servers on the connected Ray cluster. `slowdowns` maps worker
-    index to a slowdown factor (benchmarks' deliberate stragglers)."""
-    return ParameterServerRun(spec, slowdowns).run()
+    index to a slowdown factor (benchmarks' deliberate stragglers); `fence` raises once the run's
+    lease is lost (nothing is committed after)."""
+    return ParameterServerRun(spec, slowdowns, fence).run()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,8 +24,12 @@ from shardyard.data import (Dataset, GlobalSampleOrder, SequentialOrder, build_d
 from shardyard.models import build_for_job
 from shardyard.parallel import Engine, build_engine
 from shardyard.spec import LANGUAGE_MODELS, JobSpec
-from shardyard.train.checkpoint import CheckpointManager, TrainState
+from shardyard.checkpoint.events import log_event
+from shardyard.checkpoint.manager import CheckpointManager, Fence
+from shardyard.checkpoint.layout import TrainState
+from shardyard.checkpoint.lease import LeaseLost
 from shardyard.train.metrics import MetricsLog, Progress, Throughput
+from shardyard.train.step_guard import Diverged, StepGuard
 
 
 class Callback:
@@ -53,7 +57,7 @@ class Trainer:
     def __init__(self, spec: JobSpec, written: JobSpec, engine: Engine, dataset: Dataset,
                  checkpoints: CheckpointManager, rank: int, world_size: int,
                  callbacks: Sequence[Callback] = (), progress_bar: bool = False,
-                 validation: Dataset | None = None) -> None:
+                 validation: Dataset | None = None, fence: Fence | None = None) -> None:
         self.spec = spec            # the spec as it runs at this world size
         self.written = written      # the spec as the user wrote it: what checkpoints record
         self.engine = engine
@@ -69,24 +73,28 @@ class Trainer:
         self.restore_s = 0.0
         # Summed on the device between reports: reading a loss each step would sync a GPU.
         self._loss_sum = torch.zeros((), device=engine.device)
+        self._last_loss = torch.zeros((), device=engine.device)
+        self.guard = StepGuard(spec.run_uri, rank, engine.device, fence, spec.checkpoint.lease_ttl_s / 3)
+        self.preempted = False  # set when a preemption notice ended train() early, after a checkpoint
+        engine.skip_nonfinite = spec.run.on_nonfinite == "skip"
         self.tokens_per_sample = spec.model.block_size if isinstance(spec.model, LANGUAGE_MODELS) else 1
 
     @classmethod
     def build(cls, written: JobSpec, rank: int, world_size: int, device: torch.device, *,
               callbacks: Sequence[Callback] = (), checkpoint_writer: bool = True,
-              on_commit: Callable[[str, dict[str, Any]], None] | None = None, replica_id: str = "",
-              progress_bar: bool = False) -> Trainer:
+              fence: Fence | None = None, replica_id: str = "", progress_bar: bool = False) -> Trainer:
         """`written` is the validated spec; at this world size the pipeline mesh may be re-planned
-        and (if the spec allows it) the global batch changed."""
+        and (if the spec allows it) the global batch changed. `fence` raises once this launch no
+        longer holds the run's lease (checkpoint/lease.py)."""
         spec = written.at_world_size(world_size)
         # Same seed on every rank: identical initial weights, as a single process would build them.
         torch.manual_seed(spec.run.seed)
         engine = build_engine(spec, build_for_job(spec), device, replica_id=replica_id)
         checkpoints = CheckpointManager(spec.run_uri, spec.checkpoint.keep, asynchronous=spec.checkpoint.async_write,
                                         writer=checkpoint_writer, load_optimizer=spec.checkpoint.load_optimizer,
-                                        on_commit=on_commit)
+                                        fence=fence, spec=written)
         return cls(spec, written, engine, build_dataset(spec), checkpoints, rank, world_size, callbacks,
-                   progress_bar, build_validation(spec))
+                   progress_bar, build_validation(spec), fence)
 
     @property
     def global_batch(self) -> int:
@@ -118,7 +126,12 @@ class Trainer:
         loss = self.engine.train_step([self.dataset.batch(i) for i in ids])
         if loss is None:
             return False
-        self._loss_sum += loss
+        self._last_loss = loss
+        if self.engine.skipped:  # run.on_nonfinite: skip; the step's update was not applied
+            if self.rank == 0:
+                log_event(self.spec.run_uri, "skipped_nonfinite", step=self.state.step + 1)
+        else:
+            self._loss_sum += loss
         self.state.step += 1
         self.state.samples_seen += self.global_batch
         for callback in self.callbacks:
@@ -143,7 +156,16 @@ class Trainer:
             since_report += 1
             throughput.add(self.global_batch, self.global_batch * self.tokens_per_sample)
             step = self.state.step
-            save_now = step == self.spec.run.steps or step % self.spec.checkpoint.every_n_steps == 0
+            verdict = self.guard.check(self._last_loss)
+            if verdict.lease_lost is not None:
+                raise LeaseLost(verdict.lease_lost)
+            if verdict.nonfinite and not self.engine.skipped:
+                raise Diverged(f"the loss is not finite at step {step} (run.on_nonfinite: stop): nothing from "
+                               f"this state was committed. Lower optim.lr, set optim.grad_clip, or set "
+                               f"run.on_nonfinite: skip to pass over such steps")
+            self.preempted = verdict.preempt
+            save_now = (self.preempted or step == self.spec.run.steps
+                        or step % self.spec.checkpoint.every_n_steps == 0)
             every_eval = self.spec.eval.every_n_steps
             eval_now = self.validation is not None and (step == self.spec.run.steps or step % every_eval == 0)
             if not (save_now or eval_now or step % self.spec.run.log_every == 0):
@@ -161,9 +183,11 @@ class Trainer:
             if save_now:
                 for callback in self.callbacks:
                     callback.on_checkpoint_start(self)
-                self.checkpoints.save(self.engine, self.state, self.written, metrics)
+                self.checkpoints.save(self.engine, self.state, self.written)
                 for callback in self.callbacks:
                     callback.on_checkpoint_end(self)
+            if self.preempted:
+                break
         self.checkpoints.close()
         self.engine.close()
         for callback in self.callbacks:

@@ -1,0 +1,121 @@
+"""`torch.distributed.checkpoint` (DCP) reads and writes as checkpoints need them.
+
+- Writes checksum every file as DCP writes it (`ChecksummedWriter`): the stream DCP writes into
+  passes each byte through CRC-32C on its way, so the commit record lists each file's size and
+  checksum without a second pass over the data. Local files are fsynced by DCP (`sync_files`).
+- Reads run no code from the checkpoint (safe_load.py) and, for tensors DCP cannot describe,
+  go through a stand-in: DCP cannot write a strided shard (tensor parallelism's packed gate and
+  up projections: its chunks of a tensor are not contiguous), so checkpoints hold such tensors as
+  plain shards of the same dimension (`dcp_layout`), and what DCP reads into those is copied back.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter, StorageReader
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # torch exports no public name for it
+from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from shardyard.checkpoint.record import Checksum, FileEntry
+from shardyard.checkpoint.safe_load import SafeLoadPlanner, safe_reader
+
+
+def _dcp_placements(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """A strided shard that no later mesh dimension refines becomes a plain shard of its
+    dimension (FSDP's own strided shard over tensor-parallel slices is one DCP can write)."""
+    return tuple(Shard(p.dim) if isinstance(p, _StridedShard) and not any(
+        isinstance(q, Shard) and q.dim == p.dim for q in placements[i + 1:]) else p
+        for i, p in enumerate(placements))
+
+
+def dcp_layout(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` with each tensor DCP cannot describe (a packed parameter, or its optimizer state)
+    redistributed as a plain shard of the same dimension; everything else as it was."""
+    def storable(value: Any) -> Any:
+        if isinstance(value, DTensor) and (plain := _dcp_placements(value.placements)) != value.placements:
+            return value.redistribute(placements=plain)
+        return value
+
+    return {key: storable(value) for key, value in state.items()}
+
+
+def read_dcp(state: dict[str, Any], checkpoint_id: str | Path | None = None, *,
+             reader: StorageReader | None = None, **kwargs: Any) -> None:
+    """Fill `state` in place from the DCP checkpoint at `checkpoint_id` (or through `reader`,
+    such as a Hugging Face directory's), running no code from it; a packed tensor is read
+    through a plain-shard stand-in and copied back into its own layout. `kwargs` go to
+    `dcp.load` (`no_dist`, `process_group`)."""
+    read = dcp_layout(state)
+    stand_ins = [key for key, value in state.items() if read[key] is not value]
+    dcp.load(read, storage_reader=reader or safe_reader(checkpoint_id), planner=SafeLoadPlanner(), **kwargs)
+    with torch.no_grad():
+        for key in stand_ins:
+            state[key].copy_(read[key].redistribute(placements=state[key].placements))
+    # DCP replaces values that are not tensors (an optimizer's step count, its settings).
+    state.update({key: value for key, value in read.items() if key not in stand_ins})
+
+
+class _ChecksummedStream:
+    """A writable stream that checksums what passes through it to the real one."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.checksum = Checksum()
+
+    def write(self, data: Any) -> int:
+        self.checksum.update(data)
+        return self._stream.write(data)
+
+    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close, ...
+        return getattr(self._stream, name)
+
+
+class _ChecksummedFS:
+    """DCP's filesystem object, with every file it writes checksummed into `files` (by name in
+    the checkpoint directory; a temporary name follows its file when DCP renames it)."""
+
+    def __init__(self, fs: Any) -> None:
+        self._fs = fs
+        self.files: dict[str, FileEntry] = {}
+        self._lock = threading.Lock()  # DCP may write files from several threads
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        with self._fs.create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            counted = _ChecksummedStream(stream)
+            yield counted
+        with self._lock:
+            self.files[_name(path)] = counted.checksum.entry()
+
+    def rename(self, path: Any, new_path: Any) -> None:
+        self._fs.rename(path, new_path)
+        with self._lock:
+            if _name(path) in self.files:
+                self.files[_name(new_path)] = self.files.pop(_name(path))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fs, name)
+
+
+def _name(path: Any) -> str:
+    return str(path).rstrip("/").rsplit("/", 1)[-1]
+
+
+def checksummed_writer(checkpoint_id: str) -> tuple[FileSystemWriter, dict[str, FileEntry]]:
+    """DCP's writer for a local path (files fsynced) or an object store URI, and the dict it
+    fills with each file it writes: {name: {"size", "crc32c"}}."""
+    writer = FsspecWriter(checkpoint_id) if "://" in checkpoint_id else FileSystemWriter(checkpoint_id, sync_files=True)
+    fs = _ChecksummedFS(writer.fs)
+    writer.fs = fs
+    return writer, fs.files

@@ -1,0 +1,72 @@
+"""What a checkpoint directory holds, and reading the spec stored in it.
+
+A checkpoint is a directory `<storage_path>/<run.name>/checkpoint_step_<step:08d>/` holding:
+
+    spec.json          the job spec that wrote it (rank 0, before anything else)
+    trainer_state.pt   train state (step, data position, world size) and the LR schedule (rank 0)
+    model + optimizer  in the format of the engine that wrote it: DCP files (every rank writing
+                       its own shard, keyed by the full model's parameter names whatever the
+                       strategy), or DeepSpeed's own under `zero/`
+    COMMITTED          the commit record (record.py), written last
+
+A stored spec is data, not code: it is read without importing anything it names. A custom model
+factory is imported only from a spec the user launched, or named by the user when serving or
+exporting (`trust_factory`), never because a file in a run directory says so.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardyard.spec import STORED, CustomSpec, DataSpec, HFSpec, JobSpec, SpecError
+
+STATE_FILE = "trainer_state.pt"
+SPEC_FILE = "spec.json"
+ZERO_DIR = "zero"
+
+
+@dataclass
+class TrainState:
+    step: int = 0          # optimizer steps completed
+    samples_seen: int = 0  # global position in the sample order (see data/sampler.py)
+    world_size: int = 1    # world size that wrote the checkpoint
+
+
+class UntrustedFactory(SpecError):
+    """A checkpoint of a custom model read without the user naming its factory."""
+
+
+def stored_spec(data: bytes | str) -> JobSpec:
+    """A spec as a checkpoint stores it, validated without importing what it names."""
+    return JobSpec.model_validate(json.loads(data), context=STORED)
+
+
+def trusted(stored: JobSpec, where: str, trust_factory: str | None) -> JobSpec:
+    """`stored`, safe to build: a custom model's factory is the one the user named."""
+    if not isinstance(stored.model, CustomSpec):
+        return stored
+    if trust_factory is None:
+        raise UntrustedFactory(
+            f"{where} was trained with the custom model factory '{stored.model.factory}', named by a file in "
+            f"the run directory; shardyard imports a factory only when you name it: pass --trust-factory "
+            f"{stored.model.factory} (serving: trust_factory) if you trust that code")
+    model = CustomSpec.model_validate(stored.model.model_dump() | {"factory": trust_factory})
+    return stored.model_copy(update={"model": model})
+
+
+def is_hf_directory(path: str | Path) -> bool:
+    """A Hugging Face model directory that training did not write (config.json, no spec.json)."""
+    return (Path(path) / "config.json").is_file() and not (Path(path) / SPEC_FILE).is_file()
+
+
+def read_spec(checkpoint_dir: str | Path, trust_factory: str | None = None) -> JobSpec:
+    """The spec a checkpoint was trained with. A Hugging Face model directory has none: it gets
+    one that loads it as it is, with the model's whole context window (for serving it)."""
+    if is_hf_directory(checkpoint_dir):
+        config = HFSpec.model_construct(path=str(checkpoint_dir), config=None).hf_config()
+        window = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2048
+        return JobSpec(model=HFSpec(path=str(checkpoint_dir), block_size=window), data=DataSpec(name="synthetic"))
+    stored = stored_spec((Path(checkpoint_dir) / SPEC_FILE).read_text())
+    return trusted(stored, str(checkpoint_dir), trust_factory)

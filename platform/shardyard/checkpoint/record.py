@@ -1,0 +1,163 @@
+"""A checkpoint's commit record: the one source of truth for which checkpoints a run has.
+
+A checkpoint directory `checkpoint_step_<step:08d>/` counts only once its `COMMITTED` file holds a
+valid record: the step, the world size and format that wrote it, and every file of the checkpoint
+with its size and CRC-32C, computed as the file was written. The record is written last, after
+every file is durable, so a crash leaves the old checkpoint committed or the new one, never half.
+
+Readers trust nothing else: a record that is missing means "not committed"; one that is empty,
+torn or inconsistent, or files that are missing, of another size or another checksum, make the
+checkpoint bad. `newest_good` names each bad one in a warning and falls back to the next older.
+Records written before files were listed (version 1) are accepted with a warning: they carry no
+checksums to verify.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import crc32c
+
+from shardyard.checkpoint.store import CHECKPOINT_NAME, DIR_PREFIX, RunStorage
+
+log = logging.getLogger("shardyard")
+
+COMMIT_FILE = "COMMITTED"
+RECORD_VERSION = 2
+_CHUNK = 8 << 20
+
+FileEntry = dict[str, int]  # {"size": bytes, "crc32c": checksum}
+
+
+class BadCheckpoint(Exception):
+    """A checkpoint whose commit record or files cannot be trusted; the message says which."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{DIR_PREFIX}{step:08d}"
+
+
+def step_of(name: str) -> int:
+    match = CHECKPOINT_NAME.match(name)
+    if match is None:
+        raise ValueError(f"{name!r} is not a checkpoint name")
+    return int(match.group(1))
+
+
+def entry(data: bytes) -> FileEntry:
+    return {"size": len(data), "crc32c": crc32c.crc32c(data)}
+
+
+class Checksum:
+    """Size and CRC-32C of bytes as they pass by (a file being written)."""
+
+    def __init__(self) -> None:
+        self.size = 0
+        self.value = 0
+
+    def update(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        self.value = crc32c.crc32c(view, self.value)
+        self.size += view.nbytes
+
+    def entry(self) -> FileEntry:
+        return {"size": self.size, "crc32c": self.value}
+
+
+def file_entry(storage: RunStorage, *parts: str) -> FileEntry:
+    """Size and checksum of a stored file, read back (for files another library wrote)."""
+    checksum = Checksum()
+    with storage.fs.open(storage.path(*parts), "rb") as f:
+        while chunk := f.read(_CHUNK):
+            checksum.update(chunk)
+    return checksum.entry()
+
+
+def make_record(step: int, world_size: int, fmt: str, files: dict[str, FileEntry], time: float) -> dict[str, Any]:
+    return {"version": RECORD_VERSION, "step": step, "world_size": world_size, "format": fmt,
+            "time": time, "files": dict(sorted(files.items()))}
+
+
+def write_record(storage: RunStorage, name: str, record: dict[str, Any]) -> None:
+    """Commit: every file of the checkpoint is made durable first, then the record (durably)."""
+    storage.sync(name)
+    storage.write_bytes(json.dumps(record).encode(), name, COMMIT_FILE)
+
+
+def read_record(storage: RunStorage, name: str) -> dict[str, Any] | None:
+    """The commit record of checkpoint `name`; None while it has none (not committed).
+    Raises BadCheckpoint for a record that exists but cannot be trusted."""
+    try:
+        data = storage.read_bytes(name, COMMIT_FILE)
+    except FileNotFoundError:
+        return None
+    where = storage.url(name, COMMIT_FILE)
+    if not data.strip():
+        raise BadCheckpoint(f"{where} is empty (a commit cut off before its data reached the disk)")
+    try:
+        record = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BadCheckpoint(f"{where} is not a valid commit record (torn or overwritten)") from None
+    if not isinstance(record, dict) or not {"step", "world_size", "format"} <= record.keys():
+        raise BadCheckpoint(f"{where} lacks the step, world size or format of its checkpoint")
+    if record["step"] != step_of(name):
+        raise BadCheckpoint(f"{where} records step {record['step']}, not the step its directory names")
+    if record.get("version", 1) >= 2 and not isinstance(record.get("files"), dict):
+        raise BadCheckpoint(f"{where} lists no files")
+    return record
+
+
+def verify(storage: RunStorage, name: str, record: dict[str, Any]) -> None:
+    """Every file the record lists is there with its size and checksum; raises BadCheckpoint
+    naming the first that is not."""
+    files = record.get("files")
+    if files is None:
+        log.warning("%s was committed before checkpoints listed their files: it is loaded unverified",
+                    storage.url(name))
+        return
+    for relative, expected in files.items():
+        where = storage.url(name, relative)
+        try:
+            size = storage.size(name, relative)
+        except FileNotFoundError:
+            raise BadCheckpoint(f"{where} is missing") from None
+        if size != expected["size"]:
+            raise BadCheckpoint(f"{where} holds {size} bytes, its commit record says {expected['size']}")
+        if file_entry(storage, name, relative)["crc32c"] != expected["crc32c"]:
+            raise BadCheckpoint(f"{where} does not match its checksum (corrupted)")
+
+
+def committed(storage: RunStorage) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(name, record) of each checkpoint with a readable commit record, newest first; a bad
+    record is skipped with a warning naming it."""
+    for name in reversed(storage.checkpoint_names()):
+        try:
+            record = read_record(storage, name)
+        except BadCheckpoint as err:
+            log.warning("skipping checkpoint %s: %s", storage.url(name), err)
+            continue
+        if record is not None:
+            yield name, record
+
+
+def newest_good(storage: RunStorage, check_files: bool = True) -> tuple[str, dict[str, Any]] | None:
+    """The newest checkpoint whose record is valid and (`check_files`) whose files match it;
+    each one passed over is named in a warning. None when the run has none."""
+    for name, record in committed(storage):
+        if check_files:
+            try:
+                verify(storage, name, record)
+            except BadCheckpoint as err:
+                log.warning("skipping checkpoint %s: %s; falling back to an older one", storage.url(name), err)
+                continue
+        return name, record
+    return None
+
+
+def newest_name(storage: RunStorage, check_files: bool = True) -> str | None:
+    """The name of the newest good checkpoint (`newest_good`), or None."""
+    found = newest_good(storage, check_files)
+    return found[0] if found else None

@@ -1,0 +1,142 @@
+"""A run directory's files, on a local path or an object store (through fsspec): what the
+checkpoint manager, the logs and the run lease read and write.
+
+Local writes are durable: a file is written under a temporary name, fsynced, renamed into place,
+and its directory fsynced, so a power cut leaves the old file or the new one, never a torn one.
+(An object store's PUT is whole or absent, and durable once it returns.) `create_exclusive` is
+the one atomic primitive the run lease needs: a file made only if no file has its name.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import fsspec
+
+DIR_PREFIX = "checkpoint_step_"
+# Only names the run writes itself: a user's `checkpoint_step_00000050.bak` copy is never pruned.
+CHECKPOINT_NAME = re.compile(rf"^{DIR_PREFIX}(\d{{8}})$")
+
+
+def fsync_path(path: str | Path) -> None:
+    """Flush a local file or directory to the disk (a directory: the names it holds)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class RunStorage:
+    """A run directory on a local path or an object store, through fsspec."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.uri = str(run_dir)
+        # No listings cache: object stores' filesystems keep the listings they read, and a
+        # process that watches a run (a serving app following it, a driver, the launcher) would
+        # never see a checkpoint that another process committed since.
+        self.fs, self.root = fsspec.core.url_to_fs(self.uri, use_listings_cache=False)
+        self.remote = "://" in self.uri
+
+    def url(self, *parts: str) -> str:
+        """What DCP and users are given: a local path, or the URI for object storage."""
+        return "/".join([self.uri.rstrip("/"), *parts])
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root.rstrip("/"), *parts])
+
+    def exists(self, *parts: str) -> bool:
+        return self.fs.exists(self.path(*parts))
+
+    def read_bytes(self, *parts: str) -> bytes:
+        return self.fs.cat_file(self.path(*parts))
+
+    def size(self, *parts: str) -> int:
+        return int(self.fs.size(self.path(*parts)))
+
+    def _local_temporary(self, final: str, data: bytes) -> str:
+        """`data` in a fsynced temporary file beside `final`."""
+        directory = os.path.dirname(final)
+        os.makedirs(directory, exist_ok=True)
+        fd, partial = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(final)}.partial-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return partial
+
+    def write_bytes(self, data: bytes, *parts: str) -> None:
+        """Written whole and durably: a reader, or a crash, never sees half of it."""
+        final = self.path(*parts)
+        if self.remote:
+            self.fs.pipe_file(final, data)
+            return
+        os.replace(self._local_temporary(final, data), final)
+        fsync_path(os.path.dirname(final))
+
+    def create_exclusive(self, data: bytes, *parts: str) -> bool:
+        """Write `parts` only if nothing has that name yet, atomically: True if this call made it.
+        Locally a fully written temporary file is hard-linked to the name (link fails when the
+        name exists); on object storage a conditional PUT (`If-None-Match: *`)."""
+        final = self.path(*parts)
+        if self.remote:
+            try:
+                self.fs.pipe_file(final, data, mode="create")
+            except FileExistsError:
+                return False
+            except OSError as err:  # an S3 412 Precondition Failed surfaces as OSError
+                if "PreconditionFailed" in str(err) or "412" in str(err):
+                    return False
+                raise
+            return True
+        partial = self._local_temporary(final, data)
+        try:
+            os.link(partial, final)
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(partial)
+        fsync_path(os.path.dirname(final))
+        return True
+
+    def sync(self, *parts: str) -> None:
+        """Make the files and the directory at `parts` durable (local storage; object stores
+        are durable once a write returns)."""
+        if self.remote:
+            return
+        top = self.path(*parts)
+        for directory, _, files in os.walk(top):
+            for name in files:
+                fsync_path(os.path.join(directory, name))
+            fsync_path(directory)
+        fsync_path(os.path.dirname(top))
+
+    def delete(self, *parts: str) -> None:
+        if self.exists(*parts):
+            self.fs.rm(self.path(*parts), recursive=True)
+
+    def list(self, *parts: str) -> list[str]:
+        """Names directly under `parts` (none if it does not exist)."""
+        if not self.exists(*parts):
+            return []
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.path(*parts), detail=False))
+
+    def checkpoint_names(self) -> list[str]:
+        """The run's checkpoint directories, oldest first: only names of the form it writes."""
+        return [n for n in self.list() if CHECKPOINT_NAME.match(n)]
+
+    @contextmanager
+    def local_copy(self, *parts: str) -> Iterator[Path]:
+        """A local directory with the files at `parts` (the directory itself when local)."""
+        if not self.remote:
+            yield Path(self.path(*parts))
+            return
+        with tempfile.TemporaryDirectory(prefix="shardyard-download-") as tmp:
+            # The trailing slash copies the directory's contents, not the directory, into `tmp`.
+            self.fs.get(f"{self.path(*parts)}/", tmp, recursive=True)
+            yield Path(tmp)
