@@ -13,7 +13,7 @@ import torch
 from shardyard.models import build_model
 from shardyard.parallel import single_process
 from shardyard.spec import SpecError, parse_spec
-from shardyard.checkpoint.record import COMMIT_FILE
+from shardyard.checkpoint.record import COMMIT_FILE, BadCheckpoint
 from shardyard.checkpoint.manager import CheckpointManager
 from shardyard.checkpoint.layout import TrainState
 from shardyard.checkpoint.loaders import find_latest, load_model
@@ -43,7 +43,7 @@ def test_only_committed_checkpoints_count_and_pruning_keeps_the_newest(tmp_path:
     engine = engine_for(spec)
     manager = CheckpointManager(spec.run_uri, keep=2)
     for step in (1, 2, 3):
-        manager.save(engine, TrainState(step, 8 * step, 1), spec, metrics={"step": step})
+        manager.save(engine, TrainState(step, 8 * step, 1), spec)
     run = tmp_path / "run"
     assert sorted(p.name for p in run.glob("checkpoint_step_*")) == ["checkpoint_step_00000002",
                                                                     "checkpoint_step_00000003"]
@@ -53,7 +53,7 @@ def test_only_committed_checkpoints_count_and_pruning_keeps_the_newest(tmp_path:
     partial.mkdir()
     (partial / "spec.json").write_text(spec.model_dump_json())
     assert find_latest(run).name == "checkpoint_step_00000003"
-    with pytest.raises(FileNotFoundError, match="not a committed checkpoint"):
+    with pytest.raises(BadCheckpoint, match="not a committed checkpoint"):
         load_model(partial)
     fresh = engine_for(spec)
     restored = CheckpointManager(spec.run_uri, keep=2).restore(fresh)

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from shardyard.parallel import single_process
 from shardyard.spec import parse_spec
 from shardyard.checkpoint.manager import CheckpointManager
 from shardyard.checkpoint.layout import TrainState
-from shardyard.checkpoint.lease import LEASE_FILE, LeaseHeld, RunLease
+from shardyard.checkpoint.lease import LEASE_DIR, LeaseHeld, RunLease, current_lease
 from shardyard.checkpoint.events import log_event, read_events
 from shardyard.train.optim import lr_factor
 
@@ -78,7 +79,7 @@ def test_a_second_launch_of_a_run_in_training_is_refused_naming_the_first(tmp_pa
         code, err = train(tmp_path, job(tmp_path), capsys)
         assert code == 2 and "is being trained by another launch (host" in err, err
         assert f"pid {holder.pid}" in err and "--take-over" in err
-        assert sorted(p.name for p in run_dir.iterdir()) == [LEASE_FILE]  # the first's run untouched
+        assert sorted(p.name for p in run_dir.iterdir()) == [LEASE_DIR]  # the first's run untouched
     finally:
         holder.kill()
         holder.wait()
@@ -94,28 +95,50 @@ def test_a_lease_left_by_a_killed_launch_is_taken_over_at_once(tmp_path: Path) -
     assert holder.stdout.readline().strip() == "held"
     holder.kill()
     holder.wait()
+    start = time.monotonic()
     with RunLease(str(run_dir), "run").held() as lease:
-        assert lease.read()["id"] == lease.id
+        assert current_lease(lease.storage)["id"] == lease.id and lease.generation == 2
+    assert time.monotonic() - start < 5  # not the 30 s the lease would take to expire
     assert not run_dir.exists()  # released, and the run directory it made is gone with it
+
+
+def _foreign_lease(run_dir: Path, beat: int, ttl_s: float) -> None:
+    record = {"generation": 1, "id": "elsewhere", "beat": beat, "ttl_s": ttl_s, "released": False,
+              "host": "another-node", "pid": 1, "started": 0.0}
+    (run_dir / LEASE_DIR).mkdir(parents=True, exist_ok=True)
+    (run_dir / LEASE_DIR / "00000001.json").write_text(json.dumps(record))
 
 
 @pytest.mark.drill(outcome="refused", lost="nothing")
 @pytest.mark.timeout(60)
-def test_a_lease_held_on_another_host_is_refused_until_it_expires_or_is_taken_over(tmp_path: Path) -> None:
-    """Another host's process cannot be asked: its lease counts until it expires (it stops being
-    renewed when that launch dies), or until the user says that launch is gone (--take-over)."""
+def test_a_lease_held_on_another_host_counts_while_it_is_renewed_by_the_readers_own_clock(tmp_path: Path) -> None:
+    """Another host's process cannot be asked, and its clock is not ours: its lease counts while
+    its record keeps changing as this process watches it, and is gone once it stays unchanged for
+    its ttl. --take-over takes it regardless."""
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    record = {"id": "elsewhere", "host": "another-node", "pid": 1, "started": 0.0, "expires": time.time() + 300}
-    (run_dir / LEASE_FILE).write_text(json.dumps(record))
-    with pytest.raises(LeaseHeld, match="host another-node, pid 1"):
-        RunLease(str(run_dir), "run").acquire()
+    _foreign_lease(run_dir, beat=0, ttl_s=2.0)
+    stop = threading.Event()
+
+    def renew() -> None:  # the other host's renewer
+        beat = 0
+        while not stop.wait(0.3):
+            beat += 1
+            _foreign_lease(run_dir, beat=beat, ttl_s=2.0)
+    renewer = threading.Thread(target=renew)
+    renewer.start()
+    try:
+        with pytest.raises(LeaseHeld, match="host another-node, pid 1"):
+            RunLease(str(run_dir), "run").acquire()
+    finally:
+        stop.set()
+        renewer.join()
+    start = time.monotonic()
+    with RunLease(str(run_dir), "run").held() as lease:  # no longer renewed: gone after its ttl
+        assert current_lease(lease.storage)["id"] == lease.id and lease.generation == 2
+    assert time.monotonic() - start >= 2.0
+    _foreign_lease(run_dir, beat=0, ttl_s=300.0)
     with RunLease(str(run_dir), "run").held(take_over=True) as lease:
-        assert lease.read()["id"] == lease.id
-    run_dir.mkdir()  # the released lease took the empty run directory with it
-    (run_dir / LEASE_FILE).write_text(json.dumps({**record, "expires": time.time() - 1}))
-    with RunLease(str(run_dir), "run").held() as lease:  # expired: taken over
-        assert lease.read()["id"] == lease.id
+        assert current_lease(lease.storage)["id"] == lease.id
 
 
 @pytest.mark.drill(outcome="refused", lost="nothing")
@@ -124,7 +147,7 @@ def test_a_run_name_that_leaves_the_storage_path_is_refused(tmp_path: Path, caps
     storage = tmp_path / "runs"
     code, err = train(tmp_path, job(storage, run={"name": ".."}), capsys)
     assert code == 2 and "run.name: must be one directory name" in err, err
-    assert not storage.exists() and not (tmp_path / LEASE_FILE).exists()
+    assert not storage.exists() and not (tmp_path / LEASE_DIR).exists()
 
 
 @pytest.mark.drill(outcome="refused", lost="nothing")
@@ -135,13 +158,15 @@ def test_resuming_with_another_seed_dataset_or_model_is_refused_naming_each_key(
     and nothing is written to the run."""
     raw = job(tmp_path)
     write_checkpoint(raw)
-    before = sorted(p.name for p in (tmp_path / "run").rglob("*"))
+    def checkpoint_files() -> list[Path]:  # (the lease keeps a record of each launch's generation)
+        return sorted(p for p in (tmp_path / "run").rglob("*") if LEASE_DIR not in p.parts)
+    before = checkpoint_files()
     code, err = train(tmp_path, job(tmp_path, run={"seed": 7}, data={"num_samples": 128}, model={"n_embd": 32}),
                       capsys)
     assert code == 2, err
     for change in ("data.num_samples (64 -> 128)", "model.n_embd (16 -> 32)", "run.seed (0 -> 7)"):
         assert change in err, err
-    assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == before
+    assert checkpoint_files() == before
 
 
 @pytest.mark.drill(outcome="recovered", lost="nothing")
