@@ -191,8 +191,10 @@ def run_entrypoint(command: list[str]) -> subprocess.CompletedProcess:
      (["data.path=/nonexistent/corpus"], "data.path '/nonexistent/corpus' does not exist")],
 )
 def test_entrypoints_refuse_bad_specs_before_ray(entrypoint: list[str], overrides: list[str],
-                                                 message: str) -> None:
-    """As a user runs them: exit 2, one clear message, no traceback, and Ray never started."""
+                                                 message: str, tmp_path: Path) -> None:
+    """As a user runs them: exit 2, one clear message, no traceback, and Ray never started. The
+    runs go to storage of the test's own: the checkout's runs/ holds the user's quick start."""
+    overrides = [*overrides, f"checkpoint.storage_path={tmp_path}"]
     proc = run_entrypoint([*entrypoint, str(DEFAULT_JOB), *[a for o in overrides for a in ("--set", o)]])
     output = proc.stdout + proc.stderr
     assert proc.returncode == 2, output

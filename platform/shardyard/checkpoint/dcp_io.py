@@ -53,9 +53,12 @@ def read_dcp(state: dict[str, Any], checkpoint_id: str | Path | None = None, *,
     such as a Hugging Face directory's), running no code from it; a packed tensor is read
     through a plain-shard stand-in and copied back into its own layout. `kwargs` go to
     `dcp.load` (`no_dist`, `process_group`)."""
+    if reader is None:
+        reader = safe_reader(checkpoint_id)
+        reader.read_metadata()  # refused here, as BadCheckpoint, before DCP wraps the error
     read = dcp_layout(state)
     stand_ins = [key for key, value in state.items() if read[key] is not value]
-    dcp.load(read, storage_reader=reader or safe_reader(checkpoint_id), planner=SafeLoadPlanner(), **kwargs)
+    dcp.load(read, storage_reader=reader, planner=SafeLoadPlanner(), **kwargs)
     with torch.no_grad():
         for key in stand_ins:
             state[key].copy_(read[key].redistribute(placements=state[key].placements))

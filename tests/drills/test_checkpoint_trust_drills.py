@@ -1,0 +1,226 @@
+"""Drills: the failures checkpoints exist for, and what shardyard must do about them.
+
+Torn and corrupted checkpoints, a checkpoint that would run code, two launches racing for one
+run, a launch frozen past its lease. Each names its expected outcome on its `drill` marker
+(benchmarks/drills.py tabulates them). None needs Ray: they act on the checkpoint core directly,
+or on `shardyard export` run as the command's own function.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardyard.checkpoint.layout import TrainState
+from shardyard.checkpoint.lease import LeaseHeld, RunLease, current_lease
+from shardyard.checkpoint.loaders import find_latest, load_model
+from shardyard.checkpoint.manager import CheckpointManager
+from shardyard.checkpoint.record import COMMIT_FILE, entry
+from shardyard.cli import run_export
+from shardyard.models import build_model
+from shardyard.parallel import single_process
+from shardyard.spec import parse_spec
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def spec_for(storage: Path, **run: object):
+    return parse_spec({"model": {"n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 8},
+                       "data": {"name": "synthetic", "num_samples": 64}, "scaling": {"num_workers": 1},
+                       "batch": {"global_batch_size": 8, "micro_batch_size": 8},
+                       "checkpoint": {"storage_path": str(storage), "keep": 3}, "run": {"name": "run", **run}})
+
+
+def two_checkpoints(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A run with committed checkpoints at steps 2 and 4 of different weights; the step-2 weights."""
+    spec = spec_for(tmp_path)
+    engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
+    manager = CheckpointManager(spec.run_uri, keep=3)
+    manager.save(engine, TrainState(2, 16, 1), spec)
+    at_two = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            p.add_(1.0)
+    manager.save(engine, TrainState(4, 32, 1), spec)
+    return Path(spec.run_uri), at_two
+
+
+def exported(run: Path, out: Path, capsys: pytest.CaptureFixture, what: Path | None = None) -> tuple[int, str]:
+    code = run_export(str(what or run), str(out), "safetensors")
+    captured = capsys.readouterr()
+    return code, captured.err + captured.out
+
+
+def assert_exported_step_two(out: Path, at_two: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import load_file
+
+    got = load_file(str(out))
+    for name, value in got.items():
+        torch.testing.assert_close(value, at_two[name], rtol=0, atol=0)
+
+
+@pytest.mark.drill(outcome="recovered", lost="the damaged checkpoint only")
+@pytest.mark.parametrize("damage", ["empty", "truncated", "garbage"])
+def test_a_torn_commit_record_falls_back_to_the_previous_checkpoint(tmp_path: Path, damage: str, capsys,
+                                                                   caplog) -> None:
+    """What a power cut can leave after a rename whose data never reached the disk: every reader
+    names the bad record and uses the newest good checkpoint; none raises a traceback."""
+    run, at_two = two_checkpoints(tmp_path)
+    record = run / "checkpoint_step_00000004" / COMMIT_FILE
+    text = record.read_bytes()
+    record.write_bytes({"empty": b"", "truncated": text[: len(text) // 2], "garbage": b"\x00" * 40}[damage])
+    code, _ = exported(run, tmp_path / "out.safetensors", capsys)
+    assert code == 0
+    assert str(record) in caplog.text
+    assert_exported_step_two(tmp_path / "out.safetensors", at_two)
+    assert find_latest(run).name == "checkpoint_step_00000002"
+    spec = spec_for(tmp_path)
+    engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
+    assert CheckpointManager(spec.run_uri, keep=3).restore(engine).step == 2
+
+
+@pytest.mark.drill(outcome="recovered", lost="the damaged checkpoint only")
+def test_flipped_bytes_in_a_shard_are_found_and_the_previous_checkpoint_is_used(tmp_path: Path, capsys,
+                                                                               caplog) -> None:
+    run, at_two = two_checkpoints(tmp_path)
+    shard = run / "checkpoint_step_00000004" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 32] = bytes(b ^ 0xFF for b in data[middle:middle + 32])
+    shard.write_bytes(bytes(data))
+    code, _ = exported(run, tmp_path / "out.safetensors", capsys)
+    assert code == 0 and f"{shard} does not match its checksum" in caplog.text
+    assert_exported_step_two(tmp_path / "out.safetensors", at_two)
+    # Named directly, the bad checkpoint is refused with the file's name, not loaded.
+    code, err = exported(run, tmp_path / "direct.safetensors", capsys, what=shard.parent)
+    assert code == 2 and f"{shard} does not match its checksum" in err and "Traceback" not in err
+    assert not (tmp_path / "direct.safetensors").exists()
+
+
+class _RunsCode:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.drill(outcome="refused", lost="nothing")
+def test_a_metadata_file_that_would_run_code_is_refused_without_running_it(tmp_path: Path, capsys) -> None:
+    """Whoever can write into a run directory can rewrite a checkpoint and its commit record whole:
+    the checksums then match, and loading must still run no code from it."""
+    run, _ = two_checkpoints(tmp_path)
+    marker = tmp_path / "code_ran"
+    checkpoint = run / "checkpoint_step_00000004"
+    evil = pickle.dumps(_RunsCode(str(marker)))
+    (checkpoint / ".metadata").write_bytes(evil)
+    record = json.loads((checkpoint / COMMIT_FILE).read_text())
+    record["files"][".metadata"] = entry(evil)
+    (checkpoint / COMMIT_FILE).write_text(json.dumps(record))
+    code, err = exported(run, tmp_path / "out.safetensors", capsys)
+    assert code == 2 and "would run code if unpickled" in err and "posix.system" in err, err
+    assert "Traceback" not in err
+    assert not marker.exists()
+
+
+def _race(run_dir: str, barrier, results) -> None:
+    lease = RunLease(run_dir, "run", ttl_s=0.6)
+    barrier.wait()
+    try:
+        lease.acquire()
+        results.put(("held", lease.generation))
+    except LeaseHeld:
+        results.put(("refused", 0))
+    barrier.wait()  # the holder stays until the other has its answer
+    lease.release()
+
+
+@pytest.mark.drill(outcome="refused", lost="nothing")
+@pytest.mark.timeout(300)
+def test_two_launches_at_once_never_both_hold_the_run(tmp_path: Path) -> None:
+    """Two launches released together by one barrier, 100 times: exactly one holds the run each
+    time (a read-then-write lease let both in 26 times in 40)."""
+    context = multiprocessing.get_context("fork")
+    for trial in range(100):
+        barrier, results = context.Barrier(2), context.Queue()
+        racers = [context.Process(target=_race, args=(str(tmp_path / f"run{trial}"), barrier, results))
+                  for _ in range(2)]
+        for racer in racers:
+            racer.start()
+        outcomes = sorted(results.get(timeout=30)[0] for _ in racers)
+        for racer in racers:
+            racer.join(timeout=30)
+        assert outcomes == ["held", "refused"], f"trial {trial}: {outcomes}"
+
+
+FROZEN = """
+import sys, time, torch
+from shardyard.checkpoint.layout import TrainState
+from shardyard.checkpoint.lease import LeaseLost, RunLease, lease_fence
+from shardyard.checkpoint.manager import CheckpointManager
+from shardyard.models import build_model
+from shardyard.parallel import single_process
+from shardyard.spec import parse_spec
+
+spec = parse_spec({"model": {"n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 8},
+                   "data": {"name": "synthetic", "num_samples": 64}, "scaling": {"num_workers": 1},
+                   "batch": {"global_batch_size": 8, "micro_batch_size": 8},
+                   "checkpoint": {"storage_path": sys.argv[1], "keep": 100}, "run": {"name": "run"}})
+lease = RunLease(spec.run_uri, "run", ttl_s=1.5)
+lease.acquire()
+manager = CheckpointManager(spec.run_uri, keep=100, fence=lease_fence(spec.run_uri, lease.generation))
+engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
+step = 0
+try:
+    while True:
+        step += 1
+        manager.save(engine, TrainState(step, 8 * step, 1), spec)
+        print("committed", step, flush=True)
+        time.sleep(0.2)
+except LeaseLost as err:
+    print("lost", step, err, flush=True)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.drill(outcome="recovered", lost="nothing")
+def test_a_holder_frozen_past_its_lease_stops_without_committing_once_thawed(tmp_path: Path) -> None:
+    """A launch frozen (SIGSTOP: a stalled VM, a debugger) past its lease is taken over; thawed,
+    it finds its generation gone and stops at its next commit, writing nothing: no split brain."""
+    holder = subprocess.Popen([sys.executable, "-c", FROZEN, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        while True:
+            line = holder.stdout.readline().split()
+            assert line, "the holder ended before committing"
+            if line[:2] == ["committed", "3"]:
+                break
+        os.kill(holder.pid, signal.SIGSTOP)
+        run = tmp_path / "run"
+        frozen_at = sorted(p.name for p in run.glob("checkpoint_step_*"))
+        start = time.monotonic()
+        taker = RunLease(str(run), "run", ttl_s=1.5)
+        taker.acquire()  # the frozen holder's record stops changing: gone after its ttl, by our clock
+        assert time.monotonic() - start >= 1.5 and current_lease(taker.storage)["id"] == taker.id
+        os.kill(holder.pid, signal.SIGCONT)
+        out, _ = holder.communicate(timeout=60)
+        assert holder.returncode == 3 and out.startswith("lost"), out
+        # Nothing committed (or pruned) after the takeover: at most the step it was frozen in.
+        after = sorted(p.name for p in run.glob("checkpoint_step_*") if (p / COMMIT_FILE).exists())
+        assert set(after) <= set(frozen_at) | {f"checkpoint_step_{int(frozen_at[-1][-8:]) + 1:08d}"}
+        assert set(frozen_at) <= set(after)
+        taker.release()
+    finally:
+        if holder.poll() is None:
+            os.kill(holder.pid, signal.SIGCONT)
+            holder.kill()
+        holder.wait()

@@ -1,0 +1,129 @@
+"""A user's journeys over several launches of one run, on real Ray Train workers.
+
+The same run launched again and again, with pruning in between (`checkpoint.keep: 1`): longer,
+under another strategy, at another world size; stopped by SIGTERM and continued; and a run whose
+loss diverges. Each launch resumes from shardyard's commit records alone: Ray Train is told of no
+checkpoint that pruning could delete behind its back (a pruned run once could not be launched
+again). Storage is the test's own, never the checkout's runs/.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardyard.checkpoint.events import read_events
+from shardyard.checkpoint.loaders import find_latest, load_model
+from shardyard.spec import load_spec
+from shardyard.train.launcher import RunGaveUp, launch
+from shardyard.train.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_JOB = REPO / "jobs" / "configs" / "gpt_ddp.yaml"
+SHARDYARD = str(Path(sys.executable).with_name("shardyard"))
+
+
+def job(storage: Path, steps: int, *extra: str) -> list[str]:
+    return ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
+            "data.name=synthetic", "data.num_samples=64", "batch.global_batch_size=16",
+            "batch.micro_batch_size=4", "optim.warmup_steps=1", "run.log_every=1", "run.sample_ledger=true",
+            "checkpoint.every_n_steps=2", "checkpoint.keep=1", f"checkpoint.storage_path={storage}",
+            "run.name=journey", f"run.steps={steps}", *extra]
+
+
+def restored_steps(run: Path) -> list[int]:
+    return [e["restored_step"] for e in read_events(run) if e["event"] == "start"]
+
+
+@pytest.mark.timeout(900)
+def test_a_pruned_run_launches_again_and_again_across_strategies_and_world_sizes(ray_cluster, tmp_path: Path) -> None:
+    run = tmp_path / "journey"
+    launches = [(4, ["scaling.num_workers=2"]),
+                (6, ["scaling.num_workers=2"]),                                        # longer
+                (8, ["scaling.num_workers=2", "parallelism.strategy=zero1"]),         # another strategy
+                (10, ["scaling.num_workers=2", "parallelism.strategy=fsdp"]),
+                (12, ["scaling.num_workers=1", "parallelism.strategy=fsdp"]),         # another world size
+                (14, ["scaling.num_workers=2", "parallelism.strategy=tensor", "parallelism.tp=2"])]
+    for steps, extra in launches:
+        launch(load_spec(None, job(tmp_path, steps, *extra)))
+        assert find_latest(run).name == f"checkpoint_step_{steps:08d}"
+        # Pruned to one: the run's only checkpoint is the newest.
+        assert sorted(p.name for p in run.glob("checkpoint_step_*")) == [f"checkpoint_step_{steps:08d}"]
+    assert restored_steps(run) == [0, 4, 6, 8, 10, 12]
+    # Every step trained once: no step logged twice or skipped, across six launches.
+    assert [row["step"] for row in read_metrics(run)] == list(range(1, 15))
+    from shardyard.data.ledger import audit
+
+    report = audit(run, num_samples=64)
+    assert report.exact and report.steps == 14 and report.complete_epochs == 3, report
+    assert all(torch.isfinite(v).all() for v in load_model(find_latest(run)).state_dict().values())
+
+
+def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    """Until the run has logged `step` (an event the run emits, not a guess at its speed)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        if any(row["step"] >= step for row in read_metrics(run)):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the run never reached step {step}")
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_checkpoints_at_the_next_step_and_the_next_launch_loses_nothing(ray_cluster, tmp_path: Path) -> None:
+    """What a spot instance's notice, a Kubernetes eviction or `ray job stop` sends: the run
+    checkpoints at the next step boundary (its interval is far away), exits 143, and the next
+    launch goes on from there."""
+    run = tmp_path / "journey"
+    overrides = job(tmp_path, 100000, "checkpoint.every_n_steps=50000")
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.gcs_address}
+    proc = subprocess.Popen([SHARDYARD, "train", str(DEFAULT_JOB), *[a for o in overrides for a in ("--set", o)]],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_step(run, 3, proc)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, out + err
+    assert "launch it again to continue" in err and "Traceback" not in err, err
+    logged = max(row["step"] for row in read_metrics(run))
+    stopped_at = int(find_latest(run).name[-8:])
+    assert 3 <= stopped_at and stopped_at == logged  # the step it stopped at is the one checkpointed
+    launch(load_spec(None, job(tmp_path, stopped_at + 2, "checkpoint.every_n_steps=50000")))
+    assert restored_steps(run)[-1] == stopped_at
+    assert [row["step"] for row in read_metrics(run)] == list(range(1, stopped_at + 3))
+
+
+@pytest.mark.timeout(600)
+def test_a_diverging_run_stops_naming_the_step_and_commits_nothing_non_finite(ray_cluster, tmp_path: Path) -> None:
+    run = tmp_path / "journey"
+    with pytest.raises(RunGaveUp, match=r"the loss is not finite at step \d+"):
+        launch(load_spec(None, job(tmp_path, 12, "optim.lr=1e6", "optim.grad_clip=0", "checkpoint.every_n_steps=1",
+                                    "checkpoint.keep=100")))
+    diverged = [e for e in read_events(run) if e["event"] == "diverged"]
+    assert len(diverged) == 1  # not retried: the same state diverges again
+    for checkpoint in run.glob("checkpoint_step_*"):
+        if (checkpoint / "COMMITTED").exists():
+            weights = load_model(checkpoint).state_dict().values()
+            assert all(torch.isfinite(v).all() for v in weights), checkpoint.name
+            assert int(checkpoint.name[-8:]) < diverged[0]["step"]
+    # Skipping instead: the run ends, each non-finite step's update left out and recorded.
+    launch(load_spec(None, job(tmp_path / "skip", 6, "optim.lr=1e6", "optim.grad_clip=0",
+                               "run.on_nonfinite=skip")))
+    skipped = [e for e in read_events(tmp_path / "skip" / "journey") if e["event"] == "skipped_nonfinite"]
+    assert skipped, "lr 1e6 diverges within six steps"
+    final = load_model(find_latest(tmp_path / "skip" / "journey")).state_dict().values()
+    assert all(torch.isfinite(v).all() for v in final)
+    assert not any(math.isnan(row["loss"]) for row in read_metrics(tmp_path / "skip" / "journey"))
