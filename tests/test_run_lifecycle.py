@@ -9,7 +9,6 @@ again). Storage is the test's own, never the checkout's runs/.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal

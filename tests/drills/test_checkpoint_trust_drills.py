@@ -23,7 +23,7 @@ import torch
 
 from shardyard.checkpoint.layout import TrainState
 from shardyard.checkpoint.lease import LeaseHeld, RunLease, current_lease
-from shardyard.checkpoint.loaders import find_latest, load_model
+from shardyard.checkpoint.loaders import find_latest
 from shardyard.checkpoint.manager import CheckpointManager
 from shardyard.checkpoint.record import COMMIT_FILE, entry
 from shardyard.cli import run_export
@@ -224,3 +224,26 @@ def test_a_holder_frozen_past_its_lease_stops_without_committing_once_thawed(tmp
             os.kill(holder.pid, signal.SIGCONT)
             holder.kill()
         holder.wait()
+
+
+@pytest.mark.drill(outcome="refused", lost="nothing")
+def test_a_factory_named_by_a_stored_spec_is_never_imported_unasked(tmp_path: Path, capsys, monkeypatch) -> None:
+    """A run directory's spec.json can name any module as the model factory: reading the
+    checkpoint imports nothing it names unless the user names the same factory."""
+    run, _ = two_checkpoints(tmp_path)
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    marker = tmp_path / "imported"
+    (plugins / "planted.py").write_text(f"open({str(marker)!r}, 'w').close()\ndef build(spec): raise SystemExit\n")
+    monkeypatch.syspath_prepend(str(plugins))
+    checkpoint = run / "checkpoint_step_00000004"
+    stored = json.loads((checkpoint / "spec.json").read_text())
+    stored["model"] = {"name": "custom", "factory": "planted:build", "block_size": 8, "vocab_size": 256}
+    data = json.dumps(stored).encode()
+    (checkpoint / "spec.json").write_bytes(data)
+    record = json.loads((checkpoint / COMMIT_FILE).read_text())
+    record["files"]["spec.json"] = entry(data)
+    (checkpoint / COMMIT_FILE).write_text(json.dumps(record))
+    code, err = exported(run, tmp_path / "out.safetensors", capsys)
+    assert code == 2 and "--trust-factory planted:build" in err and "Traceback" not in err, err
+    assert not marker.exists()

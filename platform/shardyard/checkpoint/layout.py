@@ -61,12 +61,12 @@ def is_hf_directory(path: str | Path) -> bool:
     return (Path(path) / "config.json").is_file() and not (Path(path) / SPEC_FILE).is_file()
 
 
-def read_spec(checkpoint_dir: str | Path, trust_factory: str | None = None) -> JobSpec:
-    """The spec a checkpoint was trained with. A Hugging Face model directory has none: it gets
-    one that loads it as it is, with the model's whole context window (for serving it)."""
+def read_spec(checkpoint_dir: str | Path) -> JobSpec:
+    """The spec a checkpoint was trained with, as data (`trusted` makes it buildable). A Hugging
+    Face model directory has none: it gets one that loads it as it is, with the model's whole
+    context window (for serving it)."""
     if is_hf_directory(checkpoint_dir):
         config = HFSpec.model_construct(path=str(checkpoint_dir), config=None).hf_config()
         window = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2048
         return JobSpec(model=HFSpec(path=str(checkpoint_dir), block_size=window), data=DataSpec(name="synthetic"))
-    stored = stored_spec((Path(checkpoint_dir) / SPEC_FILE).read_text())
-    return trusted(stored, str(checkpoint_dir), trust_factory)
+    return stored_spec((Path(checkpoint_dir) / SPEC_FILE).read_text())

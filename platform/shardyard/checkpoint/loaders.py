@@ -14,7 +14,7 @@ from torch import nn
 
 from shardyard.checkpoint.collective import single_process_io
 from shardyard.checkpoint.dcp_io import read_dcp
-from shardyard.checkpoint.layout import ZERO_DIR, is_hf_directory, read_spec
+from shardyard.checkpoint.layout import ZERO_DIR, is_hf_directory, read_spec, trusted
 from shardyard.checkpoint.record import BadCheckpoint, newest_good, read_record, verify
 from shardyard.checkpoint.safe_load import check_zero_files
 from shardyard.checkpoint.store import RunStorage
@@ -81,7 +81,8 @@ def load_model(checkpoint_dir: str | Path, trust_factory: str | None = None, ver
     if is_hf_directory(checkpoint_dir):
         return build_model(read_spec(checkpoint_dir).model)  # its own pretrained weights
     record = checked_record(checkpoint_dir, verify)
-    model = build_model(read_spec(checkpoint_dir, trust_factory).model, pretrained=False)  # weights: the checkpoint's
+    stored = trusted(read_spec(checkpoint_dir), str(checkpoint_dir), trust_factory)
+    model = build_model(stored.model, pretrained=False)  # weights: the checkpoint's
     if record["format"] == ZERO_FORMAT:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -112,7 +113,7 @@ def load_model_part(checkpoint_dir: str | Path, part: Callable[[nn.Module], nn.M
     DeepSpeed's converter in its lazy mode (`_fill_from_zero`). A custom module (its buffers are
     unknown here) loads whole first. The caller has verified the checkpoint (`servable`)."""
     checkpoint_dir = Path(checkpoint_dir)
-    stored = read_spec(checkpoint_dir, trust_factory)
+    stored = trusted(read_spec(checkpoint_dir), str(checkpoint_dir), trust_factory)
     spec = stored.model
     hf_directory = is_hf_directory(checkpoint_dir)
     record = None if hf_directory else checked_record(checkpoint_dir, verify=False)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from shardyard.checkpoint.collective import Written, barrier, node_scratch, rank, storage_errors
+from shardyard.checkpoint.dcp_io import read_dcp
 from shardyard.checkpoint.layout import SPEC_FILE, STATE_FILE, ZERO_DIR
 from shardyard.checkpoint.record import FileEntry, file_entry
 from shardyard.checkpoint.safe_load import check_zero_files
@@ -162,7 +163,7 @@ class DeepSpeedFormat:
         wanted = {f"model.{n}": torch.empty(s) for n, s in shapes.items()}
         wanted |= {f"optim.state.{n}.{f}": torch.empty(() if f == "step" else s) for n, s in shapes.items()
                    for f in fields}
-        dcp.load(wanted, checkpoint_id=url)
+        read_dcp(wanted, url)
         return lambda fqn, field: wanted[f"model.{fqn}" if field == "param" else f"optim.state.{fqn}.{field}"]
 
     @staticmethod

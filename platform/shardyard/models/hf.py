@@ -58,15 +58,15 @@ class HFCausalLM(nn.Module):
         (rotary frequencies) are not in the files: `compute_buffers` comes first."""
         from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-        from shardyard.parallel.tensor import dcp_load
+        from shardyard.checkpoint.dcp_io import read_dcp
 
         if (converted := self._converted_weights) is not None:
             for name, target in self.hf.state_dict(keep_vars=True).items():
                 copy_local(target, converted[name])
             return
         # A tied head is one tensor under two names; the files hold it once.
-        dcp_load({k: v for k, v in self.hf.state_dict().items() if k in self._stored_keys},
-                 storage_reader=HuggingFaceStorageReader(self.spec.path))
+        read_dcp({k: v for k, v in self.hf.state_dict().items() if k in self._stored_keys},
+                 reader=HuggingFaceStorageReader(self.spec.path))
 
     @functools.cached_property
     def _stored_keys(self) -> set[str]:
