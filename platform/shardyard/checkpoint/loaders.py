@@ -116,7 +116,7 @@ def load_model_part(checkpoint_dir: str | Path, part: Callable[[nn.Module], nn.M
     stored = trusted(read_spec(checkpoint_dir), str(checkpoint_dir), trust_factory)
     spec = stored.model
     hf_directory = is_hf_directory(checkpoint_dir)
-    record = None if hf_directory else checked_record(checkpoint_dir, verify=False)
+    record = None if hf_directory else checked_record(checkpoint_dir, verify_files=False)
     if isinstance(spec, CustomSpec):
         return part(load_model(checkpoint_dir, trust_factory, verify=False).to(device))
     with torch.device("meta"):  # shapes; a model directory's weights are read once split
