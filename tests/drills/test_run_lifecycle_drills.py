@@ -1,4 +1,4 @@
-"""A user's journeys over several launches of one run, on real Ray Train workers.
+"""Drills and journeys over several launches of one run, on real Ray Train workers.
 
 The same run launched again and again, with pruning in between (`checkpoint.keep: 1`): longer,
 under another strategy, at another world size; stopped by SIGTERM and continued; and a run whose
@@ -26,7 +26,7 @@ from shardyard.spec import load_spec
 from shardyard.train.launcher import RunGaveUp, launch
 from shardyard.train.metrics import read_metrics
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_JOB = REPO / "jobs" / "configs" / "gpt_ddp.yaml"
 SHARDYARD = str(Path(sys.executable).with_name("shardyard"))
 
@@ -43,6 +43,7 @@ def restored_steps(run: Path) -> list[int]:
     return [e["restored_step"] for e in read_events(run) if e["event"] == "start"]
 
 
+@pytest.mark.drill(outcome="recovered", lost="nothing")
 @pytest.mark.timeout(900)
 def test_a_pruned_run_launches_again_and_again_across_strategies_and_world_sizes(ray_cluster, tmp_path: Path) -> None:
     run = tmp_path / "journey"
@@ -78,6 +79,7 @@ def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout_s: floa
     raise AssertionError(f"the run never reached step {step}")
 
 
+@pytest.mark.drill(outcome="checkpointed and exits 143", lost="at most the step in flight")
 @pytest.mark.timeout(600)
 def test_sigterm_checkpoints_at_the_next_step_and_the_next_launch_loses_nothing(ray_cluster, tmp_path: Path) -> None:
     """What a spot instance's notice, a Kubernetes eviction or `ray job stop` sends: the run
@@ -105,6 +107,7 @@ def test_sigterm_checkpoints_at_the_next_step_and_the_next_launch_loses_nothing(
     assert [row["step"] for row in read_metrics(run)] == list(range(1, stopped_at + 3))
 
 
+@pytest.mark.drill(outcome="stops naming the step", lost="nothing committed from a non-finite state")
 @pytest.mark.timeout(600)
 def test_a_diverging_run_stops_naming_the_step_and_commits_nothing_non_finite(ray_cluster, tmp_path: Path) -> None:
     run = tmp_path / "journey"
