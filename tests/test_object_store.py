@@ -71,3 +71,27 @@ def test_shards_and_checkpoints_in_a_bucket_train_as_one_process_would(bucket: B
     assert CheckpointManager(spec.run_uri, keep=2).restore(got).step == 8
     for (name, value), (_, trained) in zip(expected.model.named_parameters(), got.model.named_parameters()):
         torch.testing.assert_close(trained, value, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.timeout(120)
+def test_the_run_lease_on_a_bucket_admits_one_holder_by_conditional_write(bucket: Bucket) -> None:
+    """On object storage a lease generation is taken by a PUT with `If-None-Match: *`: a second
+    writer of the same generation is refused by the store itself, and fencing sees the holder."""
+    from shardyard.checkpoint.lease import LeaseHeld, LeaseLost, RunLease, current_lease, lease_fence
+
+    storage = RunStorage("s3://bucket/runs/leased")
+    assert storage.create_exclusive(b"{}", "probe") is True
+    assert storage.create_exclusive(b"{}", "probe") is False  # the store refused the second PUT
+    first = RunLease("s3://bucket/runs/leased", "leased", ttl_s=3.0)
+    first.acquire()
+    try:
+        with pytest.raises(LeaseHeld):
+            RunLease("s3://bucket/runs/leased", "leased", ttl_s=3.0).acquire()  # renewed: held
+        assert current_lease(storage)["id"] == first.id
+        taker = RunLease("s3://bucket/runs/leased", "leased", ttl_s=3.0)
+        taker.acquire(take_over=True)
+        with pytest.raises(LeaseLost):
+            lease_fence("s3://bucket/runs/leased", first.generation)()
+        taker.release()
+    finally:
+        first.release()

@@ -29,7 +29,7 @@ from shardyard.checkpoint.manager import CheckpointManager
 from shardyard.checkpoint.layout import TrainState
 from shardyard.checkpoint.lease import LEASE_DIR, LeaseHeld, RunLease, current_lease
 from shardyard.checkpoint.events import log_event, read_events
-from shardyard.train.optim import lr_factor
+from shardyard.optim import lr_factor
 
 HOLD = """
 import sys, time

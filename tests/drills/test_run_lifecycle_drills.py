@@ -111,7 +111,7 @@ def test_sigterm_checkpoints_at_the_next_step_and_the_next_launch_loses_nothing(
 @pytest.mark.timeout(600)
 def test_a_diverging_run_stops_naming_the_step_and_commits_nothing_non_finite(ray_cluster, tmp_path: Path) -> None:
     run = tmp_path / "journey"
-    with pytest.raises(RunGaveUp, match=r"the loss is not finite at step \d+"):
+    with pytest.raises(RunGaveUp, match=r"the loss or gradient norm is not finite at step \d+"):
         launch(load_spec(None, job(tmp_path, 12, "optim.lr=1e6", "optim.grad_clip=0", "checkpoint.every_n_steps=1",
                                     "checkpoint.keep=100")))
     diverged = [e for e in read_events(run) if e["event"] == "diverged"]

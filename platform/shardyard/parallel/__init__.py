@@ -25,7 +25,7 @@ from shardyard.parallel.pipeline import PipelineEngine, build_schedule, build_st
 from shardyard.parallel.tensor import apply_tensor_parallel
 from shardyard.runtime import autocast_dtype
 from shardyard.spec import ZERO_STAGES, JobSpec
-from shardyard.train.optim import build_optimizer, build_scheduler
+from shardyard.optim import build_optimizer, build_scheduler
 
 
 def _optimizers(spec: JobSpec, parts: list[nn.Module]) -> tuple[list, list]:

@@ -33,6 +33,7 @@ class Engine:
     # applied (`skipped`); the ZeRO and hot-recovery engines do not offer it (the spec refuses).
     skip_nonfinite = False
     skipped = False
+    grad_norm: torch.Tensor | None = None  # the last step's global gradient norm, where it was measured
     checkpoint_format = "dcp"  # how the checkpoint manager stores this engine's state (checkpoint/)
 
     def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
@@ -115,6 +116,7 @@ class Engine:
         norm = None
         if self.grad_clip > 0 or self.skip_nonfinite:  # (an infinite bound only measures the norm)
             norm = self.clip_grad_norm(self.grad_clip if self.grad_clip > 0 else math.inf)
+        self.grad_norm = norm
         self.skipped = self.skip_nonfinite and not self._finite_everywhere(loss, norm)
         if self.skipped:
             for optimizer in self.optimizers:

@@ -55,7 +55,7 @@ from shardyard.checkpoint.manager import CheckpointManager, Fence
 from shardyard.checkpoint.layout import TrainState
 from shardyard.checkpoint.events import log_event
 from shardyard.train.metrics import MetricsLog, Progress, RunResult, Throughput, finish_run
-from shardyard.train.optim import decay_groups, decayed, lr_factor, optimizer_over
+from shardyard.optim import decay_groups, decayed, lr_factor, optimizer_over
 
 # What a call to a server that died raises, before and while Ray restarts it.
 SERVER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)

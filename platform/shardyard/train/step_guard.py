@@ -57,11 +57,15 @@ class StepGuard:
                 self._lost = str(err)
         return preempt, self._lost is not None
 
-    def check(self, loss: torch.Tensor) -> Verdict:
-        """Collective: the verdict of every rank on the step just run (`loss`: this rank's)."""
+    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> Verdict:
+        """Collective: the verdict of every rank on the step just run (`loss`: this rank's;
+        `grad_norm`: the step's gradient norm, where the engine measured one)."""
         preempt, lost = self._rank0_flags() if self.rank == 0 else (False, False)
         flags = torch.tensor([float(preempt), float(lost), 0.0], device=self.device)
-        flags[2] = (~torch.isfinite(loss.detach().float())).float()
+        finite = torch.isfinite(loss.detach().float())
+        if grad_norm is not None:
+            finite &= torch.isfinite(grad_norm.detach().float().to(self.device))
+        flags[2] = (~finite).float()
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         preempt_all, lost_all, nonfinite = (bool(v) for v in flags.tolist())

@@ -156,13 +156,13 @@ class Trainer:
             since_report += 1
             throughput.add(self.global_batch, self.global_batch * self.tokens_per_sample)
             step = self.state.step
-            verdict = self.guard.check(self._last_loss)
+            verdict = self.guard.check(self._last_loss, self.engine.grad_norm)
             if verdict.lease_lost is not None:
                 raise LeaseLost(verdict.lease_lost)
             if verdict.nonfinite and not self.engine.skipped:
-                raise Diverged(f"the loss is not finite at step {step} (run.on_nonfinite: stop): nothing from "
-                               f"this state was committed. Lower optim.lr, set optim.grad_clip, or set "
-                               f"run.on_nonfinite: skip to pass over such steps")
+                raise Diverged(f"the loss or gradient norm is not finite at step {step} (run.on_nonfinite: "
+                               f"stop): nothing from this state was committed. Lower optim.lr, set "
+                               f"optim.grad_clip, or set run.on_nonfinite: skip to pass over such steps")
             self.preempted = verdict.preempt
             save_now = (self.preempted or step == self.spec.run.steps
                         or step % self.spec.checkpoint.every_n_steps == 0)
