@@ -19,21 +19,31 @@ SHARDYARD = str(Path(sys.executable).with_name("shardyard"))
 
 
 @pytest.mark.ray
-@pytest.mark.timeout(420)
-def test_readme_default_job_trains_on_a_local_ray_it_starts(tmp_path: Path) -> None:
-    command = [SHARDYARD, "train", "jobs/configs/gpt_ddp.yaml", "--set", "run.steps=12", "--set", "run.log_every=4",
-               "--set", f"checkpoint.storage_path={tmp_path}"]
-    with ray_files_of_their_own() as ray_tmp:
-        done = subprocess.run(command, cwd=REPO, env=user_environment(ray_tmp), capture_output=True, text=True,
-                              timeout=400)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-4000:]
+@pytest.mark.timeout(900)
+def test_readme_default_job_trains_on_a_local_ray_it_starts_and_continues_twice_after_pruning(tmp_path: Path) -> None:
+    """The quick start, then the same command launched again longer, twice: the default job's
+    `checkpoint.keep: 2` prunes on every launch, and each launch goes on where the last ended
+    (a pruned run once could not be launched again). Then `shardyard export` of the run."""
+    def default_job(steps: int) -> list[str]:
+        return [SHARDYARD, "train", "jobs/configs/gpt_ddp.yaml", "--set", f"run.steps={steps}", "--set",
+                "run.log_every=4", "--set", "checkpoint.every_n_steps=4", "--set", f"checkpoint.storage_path={tmp_path}"]
+
     run_dir = tmp_path / "gpt_ddp"
-    assert "step 12/12" in output and "shardyard run 'gpt_ddp'" in output, output[-4000:]
-    assert find_latest(run_dir).name == "checkpoint_step_00000012"
+    for steps in (12, 16, 20):
+        with ray_files_of_their_own() as ray_tmp:
+            done = subprocess.run(default_job(steps), cwd=REPO, env=user_environment(ray_tmp), capture_output=True,
+                                  text=True, timeout=400)
+        output = done.stdout + done.stderr
+        assert done.returncode == 0, output[-4000:]
+        assert f"step {steps}/{steps}" in output and "shardyard run 'gpt_ddp'" in output, output[-4000:]
+        assert find_latest(run_dir).name == f"checkpoint_step_{steps:08d}"
+        assert len(list(run_dir.glob("checkpoint_step_*"))) == 2  # checkpoint.keep: 2 pruned the rest
     rows = read_metrics(run_dir)
-    assert [row["step"] for row in rows] == [4, 8, 12] and {row["world_size"] for row in rows} == {2}
+    assert [row["step"] for row in rows] == [4, 8, 12, 16, 20] and {row["world_size"] for row in rows} == {2}
     assert (run_dir / LOSS_PLOT).stat().st_size > 0
+    export = subprocess.run([SHARDYARD, "export", str(run_dir), str(tmp_path / "model.safetensors")], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert export.returncode == 0 and (tmp_path / "model.safetensors").stat().st_size > 0, export.stderr[-4000:]
 
 
 def run_as_user(command: list[str], ray_tmp: str) -> str:
