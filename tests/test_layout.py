@@ -85,3 +85,20 @@ def test_strategies_know_no_model_library() -> None:
     users = {module_name(p) for p in PACKAGE.rglob("*.py")
              if any(m.split(".")[0] == "transformers" for m in external_imports(p))}
     assert users == {"shardyard.models.hf", "shardyard.spec", "shardyard.data.tokenizer"}, users
+
+
+@pytest.mark.timeout(30)
+def test_layers_point_down_checkpoint_below_train_and_serve_and_ray_train_in_one_adapter() -> None:
+    """checkpoint/ is the floor serving and training stand on: serve/, data/ and checkpoint/
+    import nothing from train/, checkpoint/ nothing from serve/, and only the launcher (the one
+    Ray Train adapter) imports Ray Train."""
+    graph = imports()
+    for name, uses in graph.items():
+        if name.startswith(("shardyard.serve", "shardyard.data", "shardyard.checkpoint", "shardyard.parallel",
+                            "shardyard.models")):
+            assert not any(u.startswith("shardyard.train") for u in uses), (name, uses)
+        if name.startswith("shardyard.checkpoint"):
+            assert not any(u.startswith("shardyard.serve") for u in uses), (name, uses)
+    ray_train = {module_name(p) for p in PACKAGE.rglob("*.py")
+                 if any(m == "ray.train" or m.startswith("ray.train.") for m in external_imports(p))}
+    assert ray_train == {"shardyard.train.launcher"}, ray_train

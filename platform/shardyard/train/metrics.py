@@ -1,14 +1,10 @@
-"""Throughput, progress output, the metrics and event logs, TensorBoard and the end-of-run report.
+"""Throughput, progress output, the metrics log, TensorBoard and the end-of-run report.
 
 Metrics do not travel through `ray.train.report`: in Ray Train V2 each report waits for the
 controller, which drains a one-slot queue on its health-check poll (every 2 s), so reporting at
 every log interval would throttle training to that poll. Rank 0 prints progress and writes the
-metrics log itself; `ray.train.report` is called only with checkpoints (see checkpoint.py).
-
-Both logs are JSON lines in the run's storage, safe with several writers and with writers that die
-mid-line: every writer appends whole lines to a file of its own (on object storage, which cannot
-append, it rewrites that file of its own whole), and readers merge the files and skip a line that
-a killed writer left cut off.
+metrics log itself, as JSON lines in the run's storage (checkpoint/events.py). Nothing calls
+`ray.train.report`: checkpoints are shardyard's commit records alone (checkpoint/record.py).
 """
 
 from __future__ import annotations
