@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 
 class SpecError(ValueError):
@@ -207,6 +208,8 @@ class CustomSpec(Section):
     block_size: int = Field(64, ge=2, description="training sequence length in tokens")
     vocab_size: int = Field(256, ge=2, description="256 for the byte-level corpus")
     options: dict[str, Any] = Field(default_factory=dict, description="passed to the factory as they are")
+    # Set on a section read from a checkpoint (checkpoint/layout.py): its factory is never called.
+    _from_storage: bool = PrivateAttr(default=False)
 
     @model_validator(mode="after")
     def _factory_exists(self, info: ValidationInfo) -> CustomSpec:
@@ -225,6 +228,9 @@ class CustomSpec(Section):
 
     def build(self) -> Any:
         """Call the factory (the models package checks what it returns)."""
+        if self._from_storage:
+            raise SpecError(f"model.factory '{self.factory}' is named by a spec stored in a run directory; it is "
+                            f"imported only when the reader names it (--trust-factory, serving: trust_factory)")
         module, _, function = self.factory.partition(":")
         return getattr(importlib.import_module(module), function)(self)
 

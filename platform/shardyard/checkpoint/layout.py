@@ -39,8 +39,12 @@ class UntrustedFactory(SpecError):
 
 
 def stored_spec(data: bytes | str) -> JobSpec:
-    """A spec as a checkpoint stores it, validated without importing what it names."""
-    return JobSpec.model_validate(json.loads(data), context=STORED)
+    """A spec as a checkpoint stores it, validated without importing what it names; a custom
+    model section refuses to call its factory (`trusted` gives one that may)."""
+    spec = JobSpec.model_validate(json.loads(data), context=STORED)
+    if isinstance(spec.model, CustomSpec):
+        spec.model._from_storage = True
+    return spec
 
 
 def trusted(stored: JobSpec, where: str, trust_factory: str | None) -> JobSpec:

@@ -229,6 +229,8 @@ class CheckpointManager:
                 self.fence()
             except LeaseLost as err:
                 lost[0] = str(err)
+            except OSError as err:  # unsure whether it still holds the run: it writes nothing
+                lost[0] = f"the run's lease could not be read ({type(err).__name__}: {err}); nothing is written"
         if dist.is_initialized():
             dist.broadcast_object_list(lost, src=0)
         if lost[0] is not None:

@@ -47,8 +47,9 @@ class MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if name in _DCP_TYPES.get(module, ()):
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            return getattr(torch, name)
+        found = getattr(torch, name, None) if module == "torch" else None
+        if isinstance(found, (torch.dtype, torch.layout, torch.memory_format)):
+            return found
         raise pickle.UnpicklingError(f"'{module}.{name}' is not a DCP metadata type")
 
 

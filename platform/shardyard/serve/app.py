@@ -110,13 +110,14 @@ class ModelServer:
             self.block_size = model_spec.block_size
             self._start_model()
         else:  # the MLP: small, served whole by the replica
-            self.mlp = load_model(self.config.checkpoint).eval()
+            self.mlp = load_model(self.config.checkpoint, self.config.trust_factory).eval()
             self.in_dim = model_spec.in_dim
 
     def _shards(self, use_gpu: bool) -> ShardedModel:
         cfg = self.config
         return ShardedModel(cfg.source, cfg.num_shards, use_gpu, cfg.multi_node, cfg.sharding,
-                            cpus_per_shard=cfg.cpus_per_shard, cache_rows=cfg.cache_rows)
+                            cpus_per_shard=cfg.cpus_per_shard, cache_rows=cfg.cache_rows,
+                            trust_factory=cfg.trust_factory)
 
     def _start_model(self) -> None:
         """Start the shard group and the decoder: the engine (its prefill budget measured), or

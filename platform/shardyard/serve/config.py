@@ -25,6 +25,8 @@ class ServeConfig(BaseModel):
     _token: str | None = PrivateAttr(None)  # read where the config is parsed; never in the bound arguments
 
     checkpoint: str = Field(DEFAULT_CHECKPOINT, description="a checkpoint, a run directory (its latest), or a Hugging Face model directory")
+    trust_factory: str | None = Field(None, description="a custom model's factory ('module:function'), named by "
+                                      "you: a factory named only by the run's stored spec is never imported")
     num_shards: int = Field(1, ge=1, description="shard actors the model is split across")
     sharding: Literal["pipeline", "tensor"] = Field(
         "pipeline", description="pipeline: contiguous blocks per shard; tensor: a slice of every linear")

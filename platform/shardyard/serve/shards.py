@@ -47,7 +47,7 @@ from shardyard.parallel.tensor import apply_tensor_parallel
 from shardyard.runtime import select_device
 from shardyard.spec import LANGUAGE_MODELS, CustomSpec, GPTSpec, HFSpec
 from shardyard.checkpoint.loaders import committed_record, load_model_part, servable
-from shardyard.checkpoint.layout import read_spec
+from shardyard.checkpoint.layout import read_spec, trusted
 from shardyard.checkpoint.lease import holding
 
 
@@ -109,11 +109,11 @@ class PipelineShard:
     this actor's device."""
 
     def __init__(self, checkpoint_dir: str, start: int, end: int, whole: bool, use_gpu: bool,
-                 cache_rows: int) -> None:
+                 cache_rows: int, trust_factory: str | None = None) -> None:
         self.device = select_device(0) if use_gpu else torch.device("cpu")
         # Only this shard's blocks are read and held, never the whole model.
         self.stage = load_model_part(checkpoint_dir, lambda m: m if whole else m.pipeline_stage(start, end),
-                                     self.device).eval()
+                                     self.device, trust_factory=trust_factory).eval()
         self.blocks = (start, end)
         # This shard's layers' keys and values (allocated at their first use).
         self.cache = KVCache(cache_rows, read_spec(checkpoint_dir).model.block_size) if cache_rows else None
@@ -132,8 +132,10 @@ class PipelineShard:
 class TensorShard:
     """Rank `rank` of `num_shards`: its slice of every block's linears, the small rest whole."""
 
-    def __init__(self, checkpoint_dir: str, rank: int, num_shards: int, use_gpu: bool, cache_rows: int) -> None:
+    def __init__(self, checkpoint_dir: str, rank: int, num_shards: int, use_gpu: bool, cache_rows: int,
+                 trust_factory: str | None = None) -> None:
         self.checkpoint_dir, self.rank, self.num_shards = checkpoint_dir, rank, num_shards
+        self.trust_factory = trust_factory
         self.device = select_device(0) if use_gpu else torch.device("cpu")
         self.model: torch.nn.Module | None = None
         # Keys and values of this rank's heads only.
@@ -155,6 +157,7 @@ class TensorShard:
         mesh = init_device_mesh(self.device.type, (self.num_shards,))
         # Sharded while empty, then each rank reads only its slices (every rank at once).
         self.model = load_model_part(self.checkpoint_dir, lambda m: apply_tensor_parallel(m, mesh), self.device,
+                                     trust_factory=self.trust_factory,
                                      collective=True).eval()
 
     @torch.no_grad()
@@ -254,12 +257,14 @@ class ShardedModel:
 
     def __init__(self, source: str, num_shards: int, use_gpu: bool = False,
                  multi_node: bool = False, sharding: Sharding = "pipeline", compiled: bool = True,
-                 cpus_per_shard: float = 1.0, cache_rows: int = 0) -> None:
-        """`source`: a checkpoint, a model directory, or a run directory, whose newest committed
+                 cpus_per_shard: float = 1.0, cache_rows: int = 0, trust_factory: str | None = None) -> None:
+        """`source`: a checkpoint, a model directory, or a run directory, whose newest good
         checkpoint each (re)build loads (training may have pruned the one loaded before; a run
         keeps its model, so the split stays valid). `cache_rows`: sequences each shard's KV cache
-        holds (0: no cache; forward passes then take left padding, not cache steps)."""
+        holds (0: no cache; forward passes then take left padding, not cache steps).
+        `trust_factory`: a custom model's factory, named by the user (checkpoint/layout.py)."""
         self.source, self.num_shards, self.use_gpu = source, num_shards, use_gpu
+        self.trust_factory = trust_factory
         found = servable(source)
         if found is None:
             raise ValueError(f"no checkpoint at {source!r}")
@@ -269,7 +274,7 @@ class ShardedModel:
         self.compiled = compiled and sharding == "pipeline"  # tensor shards talk over torch.distributed
         self.graph = None
         self._hold = ExitStack()  # the served checkpoint, held while a group serves it
-        spec = read_spec(self.checkpoint_dir).model
+        spec = trusted(read_spec(self.checkpoint_dir), self.checkpoint_dir, trust_factory).model
         if not isinstance(spec, LANGUAGE_MODELS):
             raise ValueError(f"{self.checkpoint_dir} holds a '{spec.name}' model; sharded serving is for language models")
         problem = sharding_problem(spec, num_shards, sharding)
@@ -307,11 +312,13 @@ class ShardedModel:
 
         if self.sharding == "pipeline":
             self.shards = [PipelineShard.options(**in_bundle(i)).remote(self.checkpoint_dir, start, end, self.whole,
-                                                                          self.use_gpu, self.cache_rows)
+                                                                          self.use_gpu, self.cache_rows,
+                                                                          self.trust_factory)
                            for i, (start, end) in enumerate(self.ranges)]
         else:
             self.shards = [TensorShard.options(**in_bundle(i)).remote(
-                self.checkpoint_dir, i, self.num_shards, self.use_gpu, self.cache_rows) for i in range(self.num_shards)]
+                self.checkpoint_dir, i, self.num_shards, self.use_gpu, self.cache_rows, self.trust_factory)
+                for i in range(self.num_shards)]
             address = self._started(self.shards[0].rendezvous_address.remote(), "give its rendezvous address")
             self._started([s.join.remote(address) for s in self.shards], "form their process group")
         self._started([s.describe.remote() for s in self.shards], f"load {self.checkpoint_dir}")  # loaded and ready

@@ -10,6 +10,7 @@ collective. Rank 0 looks at storage on a time budget, not every step: the preemp
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ import torch.distributed as dist
 
 from shardyard.checkpoint.lease import LeaseLost
 from shardyard.checkpoint.store import RunStorage
+
+log = logging.getLogger("shardyard")
 
 PREEMPT_FILE = "PREEMPT"
 
@@ -55,6 +58,8 @@ class StepGuard:
                 self.fence()
             except LeaseLost as err:
                 self._lost = str(err)
+            except OSError as err:  # storage unreachable for now: asked again next period
+                log.warning("cannot read the run's lease (%s); checking again in %.0f s", err, self.lease_every_s)
         return preempt, self._lost is not None
 
     def check(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> Verdict:
