@@ -247,3 +247,57 @@ def test_a_factory_named_by_a_stored_spec_is_never_imported_unasked(tmp_path: Pa
     code, err = exported(run, tmp_path / "out.safetensors", capsys)
     assert code == 2 and "--trust-factory planted:build" in err and "Traceback" not in err, err
     assert not marker.exists()
+
+
+KILLED_AT_COMMIT = """
+import os, signal, sys, torch
+from shardyard.checkpoint import manager as checkpoints
+from shardyard.checkpoint.layout import TrainState
+from shardyard.models import build_model
+from shardyard.parallel import single_process
+from shardyard.spec import parse_spec
+
+spec = parse_spec({"model": {"n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 8},
+                   "data": {"name": "synthetic", "num_samples": 64}, "scaling": {"num_workers": 1},
+                   "batch": {"global_batch_size": 8, "micro_batch_size": 8},
+                   "checkpoint": {"storage_path": sys.argv[1]}, "run": {"name": "run"}})
+engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
+manager = checkpoints.CheckpointManager(spec.run_uri, keep=2)
+manager.save(engine, TrainState(2, 16, 1), spec)
+# kill -9 at the moment of the next commit: its data files are written, its record is not
+checkpoints.write_record = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+manager.save(engine, TrainState(4, 32, 1), spec)
+"""
+
+
+@pytest.mark.drill(outcome="recovered", lost="the steps since the last commit")
+def test_a_kill_during_a_commit_leaves_the_previous_checkpoint_and_the_run_resumes(tmp_path: Path) -> None:
+    killed = subprocess.run([sys.executable, "-c", KILLED_AT_COMMIT, str(tmp_path)], capture_output=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    run = tmp_path / "run"
+    assert (run / "checkpoint_step_00000004" / "__0_0.distcp").exists()  # written, never committed
+    assert find_latest(run).name == "checkpoint_step_00000002"
+    spec = spec_for(tmp_path)
+    engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
+    manager = CheckpointManager(spec.run_uri, keep=2)
+    assert manager.restore(engine).step == 2
+    assert not (run / "checkpoint_step_00000004").exists()  # the half-written one is cleared away
+    manager.save(engine, TrainState(4, 32, 1), spec)  # and written again whole
+    assert find_latest(run).name == "checkpoint_step_00000004"
+
+
+@pytest.mark.drill(outcome="recovered", lost="nothing")
+def test_pruning_touches_only_the_names_the_run_writes(tmp_path: Path) -> None:
+    run, _ = two_checkpoints(tmp_path)
+    (run / "checkpoint_step_00000002.bak").mkdir()  # the user's copy
+    (run / "checkpoint_step_00000002.bak" / "notes.txt").write_text("mine")
+    spec = spec_for(tmp_path)
+    engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
+    record = run / "checkpoint_step_00000004" / COMMIT_FILE
+    record.write_bytes(b"")  # a damaged record counts as uncommitted: cleared once a newer one commits
+    manager = CheckpointManager(spec.run_uri, keep=1)
+    manager.save(engine, TrainState(6, 48, 1), spec)
+    assert (run / "checkpoint_step_00000002.bak" / "notes.txt").read_text() == "mine"
+    assert find_latest(run).name == "checkpoint_step_00000006"
+    assert sorted(p.name for p in run.glob("checkpoint_step_*")) == ["checkpoint_step_00000002.bak",
+                                                                     "checkpoint_step_00000006"]
