@@ -210,6 +210,35 @@ def test_run_grows_when_a_node_joins_and_shrinks_when_one_dies(ray_cluster, tmp_
 
 
 @pytest.mark.timeout(480)
+def test_a_drained_workers_node_makes_the_run_checkpoint_at_once(ray_cluster, tmp_path: Path) -> None:
+    """A preemption notice for a worker's node (`ray drain-node --reason
+    DRAIN_NODE_REASON_PREEMPTION`, what the autoscaler sends for a reclaimed spot instance): the
+    run checkpoints within seconds, far from its checkpoint interval, and trains on."""
+    first = WorkerNode(ray_cluster.gcs_address, 1, tmp_path / "node_a.log")
+    second = WorkerNode(ray_cluster.gcs_address, 1, tmp_path / "node_b.log")
+    proc = start_run(ray_cluster, tmp_path, "ddp", 100000, extra=("checkpoint.every_n_steps=50000",))
+    run_dir = tmp_path / "ddp"
+    try:
+        wait_for(lambda: any(e["event"] == "start" for e in events(run_dir)) or proc.poll() is not None, 240,
+                 "the worker group never started")
+        assert proc.poll() is None, proc.communicate()[0][-4000:]
+        node_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and second.label in n["Resources"])
+        drained_at = time.time()
+        subprocess.run([RAY, "drain-node", f"--address={ray_cluster.gcs_address}", f"--node-id={node_id}",
+                        "--reason=DRAIN_NODE_REASON_PREEMPTION", "--reason-message=spot reclaim drill",
+                        "--deadline-remaining-seconds=300"], check=True, capture_output=True, timeout=60)
+        wait_for(lambda: any(e["event"] == "drain_checkpoint" for e in events(run_dir)) or proc.poll() is not None,
+                 120, "the run did not checkpoint on the drain notice")
+        event = next(e for e in events(run_dir) if e["event"] == "drain_checkpoint")
+        wait_for(lambda: find_latest(run_dir) is not None, 60, "the drain checkpoint never committed")
+        assert find_latest(run_dir).name == f"checkpoint_step_{event['step']:08d}"
+        assert event["time"] - drained_at < 60  # the probe every 5 s, then the next step boundary
+        assert proc.poll() is None  # and it trains on until the node actually goes
+    finally:
+        clean_up(proc, first, second)
+
+
+@pytest.mark.timeout(480)
 def test_sharded_run_loses_a_worker_and_reshards(ray_cluster, tmp_path: Path) -> None:
     """4 ZeRO-2 workers on two nodes (3 + 1); the one-worker node dies: training goes on at 3, its
     sharded state resharded through DeepSpeed's universal checkpoint. (FSDP's DCP resharding is

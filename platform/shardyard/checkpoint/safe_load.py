@@ -100,7 +100,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             torch.load(value, weights_only=True)
         except pickle.UnpicklingError as err:
-            raise BadCheckpoint(f"value '{read_item.dest_index.fqn}' would run code if unpickled ({err}): refused") from None
+            where = read_item.dest_index.fqn
+            raise BadCheckpoint(f"value '{where}' would run code if unpickled ({err}): refused") from None
         value.seek(0)
         super().load_bytes(read_item, value)
 

@@ -55,6 +55,13 @@ from shardyard.train.trainer import Callback, Trainer
 
 log = logging.getLogger("shardyard")
 
+def node_drained() -> bool:
+    """Collective over the worker group: whether Ray is draining a worker's node (a spot instance's
+    reclaim notice, `ray drain-node`); the run then checkpoints at once (Ray Train restarts the
+    group from it when the node goes). Not under hot recovery: replicas are no one group."""
+    return ray.train.get_preemption_info() is not None
+
+
 def train_worker(config: dict[str, Any]) -> None:
     """Entry point of each Ray Train worker. `config["spec"]` is the validated job spec as a
     dict; `progress_bar` says whether the driver has a terminal to draw a bar on;
@@ -87,6 +94,7 @@ def train_worker(config: dict[str, Any]) -> None:
         callbacks.append(HoldAtSteps(config["hold_at"]))
     trainer = Trainer.build(spec, rank, world_size, select_device(context.get_local_rank()), callbacks=callbacks,
                             checkpoint_writer=not hot or rank == 0, fence=fence,
+                            node_drained=None if hot else node_drained,
                             replica_id=f"{spec.run.name}_{rank}", progress_bar=config["progress_bar"])
     try:
         trainer.train()

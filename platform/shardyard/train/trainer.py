@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -57,7 +57,8 @@ class Trainer:
     def __init__(self, spec: JobSpec, written: JobSpec, engine: Engine, dataset: Dataset,
                  checkpoints: CheckpointManager, rank: int, world_size: int,
                  callbacks: Sequence[Callback] = (), progress_bar: bool = False,
-                 validation: Dataset | None = None, fence: Fence | None = None) -> None:
+                 validation: Dataset | None = None, fence: Fence | None = None,
+                 node_drained: Callable[[], bool] | None = None) -> None:
         self.spec = spec            # the spec as it runs at this world size
         self.written = written      # the spec as the user wrote it: what checkpoints record
         self.engine = engine
@@ -74,18 +75,21 @@ class Trainer:
         # Summed on the device between reports: reading a loss each step would sync a GPU.
         self._loss_sum = torch.zeros((), device=engine.device)
         self._last_loss = torch.zeros((), device=engine.device)
-        self.guard = StepGuard(spec.run_uri, rank, engine.device, fence, spec.checkpoint.lease_ttl_s / 3)
+        self.guard = StepGuard(spec.run_uri, rank, engine.device, fence, spec.checkpoint.lease_ttl_s / 3, node_drained)
         self.preempted = False  # set when a preemption notice ended train() early, after a checkpoint
+        self._drain_saved = False  # the drain under way of a worker's node has its checkpoint
         engine.skip_nonfinite = spec.run.on_nonfinite == "skip"
         self.tokens_per_sample = spec.model.block_size if isinstance(spec.model, LANGUAGE_MODELS) else 1
 
     @classmethod
     def build(cls, written: JobSpec, rank: int, world_size: int, device: torch.device, *,
               callbacks: Sequence[Callback] = (), checkpoint_writer: bool = True,
-              fence: Fence | None = None, replica_id: str = "", progress_bar: bool = False) -> Trainer:
+              fence: Fence | None = None, node_drained: Callable[[], bool] | None = None, replica_id: str = "",
+              progress_bar: bool = False) -> Trainer:
         """`written` is the validated spec; at this world size the pipeline mesh may be re-planned
         and (if the spec allows it) the global batch changed. `fence` raises once this launch no
-        longer holds the run's lease (checkpoint/lease.py)."""
+        longer holds the run's lease (checkpoint/lease.py); `node_drained`, collective, says whether
+        a worker's node is about to be reclaimed (the run then checkpoints at once and trains on)."""
         spec = written.at_world_size(world_size)
         # Same seed on every rank: identical initial weights, as a single process would build them.
         torch.manual_seed(spec.run.seed)
@@ -94,7 +98,7 @@ class Trainer:
                                         writer=checkpoint_writer, load_optimizer=spec.checkpoint.load_optimizer,
                                         fence=fence, spec=written)
         return cls(spec, written, engine, build_dataset(spec), checkpoints, rank, world_size, callbacks,
-                   progress_bar, build_validation(spec), fence)
+                   progress_bar, build_validation(spec), fence, node_drained)
 
     @property
     def global_batch(self) -> int:
@@ -164,7 +168,12 @@ class Trainer:
                                f"stop): nothing from this state was committed. Lower optim.lr, set "
                                f"optim.grad_clip, or set run.on_nonfinite: skip to pass over such steps")
             self.preempted = verdict.preempt
-            save_now = (self.preempted or step == self.spec.run.steps
+            drain_save = bool(verdict.drained) and not self._drain_saved
+            if verdict.drained is not None:  # the cluster was asked at this step
+                self._drain_saved = verdict.drained
+            if drain_save and self.rank == 0:
+                log_event(self.spec.run_uri, "drain_checkpoint", step=step)
+            save_now = (self.preempted or drain_save or step == self.spec.run.steps
                         or step % self.spec.checkpoint.every_n_steps == 0)
             every_eval = self.spec.eval.every_n_steps
             eval_now = self.validation is not None and (step == self.spec.run.steps or step % every_eval == 0)
