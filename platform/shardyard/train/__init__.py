@@ -1,1 +1,1 @@
-"""Training on Ray Train: the launcher (driver side), the per-worker loop, checkpoints, metrics."""
+"""Training on Ray Train: the launcher (driver side, the one Ray Train adapter), the per-worker loop, metrics."""
