@@ -105,6 +105,14 @@ def test_flipped_bytes_in_a_shard_are_found_and_the_previous_checkpoint_is_used(
     code, err = exported(run, tmp_path / "direct.safetensors", capsys, what=shard.parent)
     assert code == 2 and f"{shard} does not match its checksum" in err and "Traceback" not in err
     assert not (tmp_path / "direct.safetensors").exists()
+    # Training resumes from step 2 and sets the bad step 4 aside, so it writes step 4 afresh.
+    spec = spec_for(tmp_path)
+    engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
+    manager = CheckpointManager(spec.run_uri, keep=3)
+    assert manager.restore(engine).step == 2
+    assert (run / "checkpoint_step_00000004.bad" / "__0_0.distcp").exists()
+    manager.save(engine, TrainState(4, 32, 1), spec)
+    assert find_latest(run).name == "checkpoint_step_00000004"
 
 
 class _RunsCode:

@@ -110,6 +110,8 @@ class CheckpointManager:
                 self._delete_uncommitted(before=None)
             found = newest_good(self.storage)
             chosen[0] = found[0] if found else None
+            if self.writer:
+                self._set_aside_bad(after=chosen[0])
         if dist.is_initialized():
             dist.broadcast_object_list(chosen, src=0)
         return self.load(engine, chosen[0]) if chosen[0] else None
@@ -258,6 +260,14 @@ class CheckpointManager:
                       + ", ".join(f"host {h['host']} pid {h['pid']}" for h in holders), flush=True)
                 continue
             self.storage.delete(name)
+
+    def _set_aside_bad(self, after: str | None) -> None:
+        """Committed checkpoints newer than the one restored failed verification: renamed out of
+        the run's names (`<name>.bad`, kept for a look), so this run writes those steps afresh."""
+        for name in self.storage.checkpoint_names():
+            if after is None or name > after:
+                log.warning("setting aside %s, which failed verification, as %s.bad", self.storage.url(name), name)
+                self.storage.fs.mv(self.storage.path(name), self.storage.path(f"{name}.bad"), recursive=True)
 
     def _delete_uncommitted(self, before: str | None) -> None:
         kept = {name for name, _ in committed(self.storage)}
