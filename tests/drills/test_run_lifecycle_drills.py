@@ -9,7 +9,6 @@ again). Storage is the test's own, never the checkout's runs/.
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import subprocess
@@ -47,24 +46,23 @@ def restored_steps(run: Path) -> list[int]:
 @pytest.mark.timeout(900)
 def test_a_pruned_run_launches_again_and_again_across_strategies_and_world_sizes(ray_cluster, tmp_path: Path) -> None:
     run = tmp_path / "journey"
+    # Longer each time; ddp -> zero1 -> fsdp -> tensor; world size 2 -> 2 -> 1 -> 2.
     launches = [(4, ["scaling.num_workers=2"]),
-                (6, ["scaling.num_workers=2"]),                                        # longer
-                (8, ["scaling.num_workers=2", "parallelism.strategy=zero1"]),         # another strategy
-                (10, ["scaling.num_workers=2", "parallelism.strategy=fsdp"]),
-                (12, ["scaling.num_workers=1", "parallelism.strategy=fsdp"]),         # another world size
-                (14, ["scaling.num_workers=2", "parallelism.strategy=tensor", "parallelism.tp=2"])]
+                (6, ["scaling.num_workers=2", "parallelism.strategy=zero1"]),
+                (8, ["scaling.num_workers=1", "parallelism.strategy=fsdp"]),
+                (10, ["scaling.num_workers=2", "parallelism.strategy=tensor", "parallelism.tp=2"])]
     for steps, extra in launches:
         launch(load_spec(None, job(tmp_path, steps, *extra)))
         assert find_latest(run).name == f"checkpoint_step_{steps:08d}"
         # Pruned to one: the run's only checkpoint is the newest.
         assert sorted(p.name for p in run.glob("checkpoint_step_*")) == [f"checkpoint_step_{steps:08d}"]
-    assert restored_steps(run) == [0, 4, 6, 8, 10, 12]
-    # Every step trained once: no step logged twice or skipped, across six launches.
-    assert [row["step"] for row in read_metrics(run)] == list(range(1, 15))
+    assert restored_steps(run) == [0, 4, 6, 8]
+    # Every step trained once: no step logged twice or skipped, across four launches.
+    assert [row["step"] for row in read_metrics(run)] == list(range(1, 11))
     from shardyard.data.ledger import audit
 
     report = audit(run, num_samples=64)
-    assert report.exact and report.steps == 14 and report.complete_epochs == 3, report
+    assert report.exact and report.steps == 10 and report.complete_epochs == 2, report
     assert all(torch.isfinite(v).all() for v in load_model(find_latest(run)).state_dict().values())
 
 
@@ -121,11 +119,4 @@ def test_a_diverging_run_stops_naming_the_step_and_commits_nothing_non_finite(ra
             weights = load_model(checkpoint).state_dict().values()
             assert all(torch.isfinite(v).all() for v in weights), checkpoint.name
             assert int(checkpoint.name[-8:]) < diverged[0]["step"]
-    # Skipping instead: the run ends, each non-finite step's update left out and recorded.
-    launch(load_spec(None, job(tmp_path / "skip", 6, "optim.lr=1e6", "optim.grad_clip=0",
-                               "run.on_nonfinite=skip")))
-    skipped = [e for e in read_events(tmp_path / "skip" / "journey") if e["event"] == "skipped_nonfinite"]
-    assert skipped, "lr 1e6 diverges within six steps"
-    final = load_model(find_latest(tmp_path / "skip" / "journey")).state_dict().values()
-    assert all(torch.isfinite(v).all() for v in final)
-    assert not any(math.isnan(row["loss"]) for row in read_metrics(tmp_path / "skip" / "journey"))
+    # (`run.on_nonfinite: skip` is tested on two gloo ranks in tests/test_step_guard.py.)
