@@ -34,7 +34,7 @@ from shardyard.optim import lr_factor
 HOLD = """
 import sys, time
 from shardyard.checkpoint.lease import RunLease
-RunLease(sys.argv[1], "run").acquire()
+RunLease(sys.argv[1], "run", ttl_s=3.0).acquire()  # renewed every second: a watcher sees it live at once
 print("held", flush=True)
 time.sleep(600)
 """
