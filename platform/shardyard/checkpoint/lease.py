@@ -123,10 +123,9 @@ def lease_fence(run_uri: str, generation: int) -> Callable[[], None]:
 
 
 class RunLease:
-    def __init__(self, run_uri: str, run_name: str, ttl_s: float = TTL_S,
-                 on_lost: Callable[[str], None] | None = None) -> None:
+    def __init__(self, run_uri: str, run_name: str, ttl_s: float = TTL_S) -> None:
         self.storage = RunStorage(run_uri)
-        self.run_name, self.ttl_s, self.on_lost = run_name, ttl_s, on_lost
+        self.run_name, self.ttl_s = run_name, ttl_s
         self.id = uuid.uuid4().hex
         self.generation = 0
         self.lost = threading.Event()
@@ -202,10 +201,8 @@ class RunLease:
             return False
 
     def _lose(self, why: str) -> None:
-        log.error("%s", why)
+        log.error("%s", why)  # the workers find out themselves, through their fence
         self.lost.set()
-        if self.on_lost is not None:
-            self.on_lost(why)
 
     def release(self) -> None:
         if self._renewing is not None:

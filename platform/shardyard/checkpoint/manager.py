@@ -107,7 +107,7 @@ class CheckpointManager:
         chosen: list[str | None] = [None]
         if rank() == 0:
             if self.writer:
-                self._delete_uncommitted(before=None)
+                self._delete_uncommitted()
             found = newest_good(self.storage)
             chosen[0] = found[0] if found else None
             if self.writer:
@@ -155,10 +155,7 @@ class CheckpointManager:
         name = checkpoint_name(state.step)
         already: list[bool] = [False]
         if rank() == 0:
-            try:
-                already[0] = read_record(self.storage, name) is not None
-            except BadCheckpoint:
-                already[0] = False
+            already[0] = self._committed(name)
         if dist.is_initialized():
             dist.broadcast_object_list(already, src=0)
         if already[0]:
@@ -269,8 +266,14 @@ class CheckpointManager:
                 log.warning("setting aside %s, which failed verification, as %s.bad", self.storage.url(name), name)
                 self.storage.fs.mv(self.storage.path(name), self.storage.path(f"{name}.bad"), recursive=True)
 
-    def _delete_uncommitted(self, before: str | None) -> None:
-        kept = {name for name, _ in committed(self.storage)}
+    def _committed(self, name: str) -> bool:
+        """Whether `name` has a valid commit record (a bad one is named once, by `newest_good`)."""
+        try:
+            return read_record(self.storage, name) is not None
+        except BadCheckpoint:
+            return False
+
+    def _delete_uncommitted(self) -> None:
         for name in self.storage.checkpoint_names():
-            if (before is None or name < before) and name not in kept:
+            if not self._committed(name):
                 self.storage.delete(name)
