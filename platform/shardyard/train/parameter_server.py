@@ -498,11 +498,14 @@ class ParameterServerRun:
         with warnings.catch_warnings():  # "scheduler stepped before the optimizer": meant here
             warnings.simplefilter("ignore", UserWarning)
             scheduler.step()
-        self.checkpoints.save(self.engine, self.state, self.spec)
         if self.ledger is not None:
+            # Before the checkpoint commits: a job killed between the two would otherwise resume
+            # after steps whose commit lines it never wrote. Lines for a checkpoint that then fails
+            # to commit are harmless: the launch that redoes those steps is a later attempt.
             first = (self.state.step - 1) // self.spec.checkpoint.every_n_steps * self.spec.checkpoint.every_n_steps
             for step in range(first + 1, self.state.step + 1):
                 self.ledger.committed(step, self.generation)
+        self.checkpoints.save(self.engine, self.state, self.spec)
         ray.get(self.coordinator.advance.remote())
         return True
 
