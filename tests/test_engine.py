@@ -15,6 +15,7 @@ import torch
 
 from shardyard.models.kv_cache import CacheStep, KVCache, compact
 from shardyard.serve.engine import DecodingEngine, TokenBudget
+from shardyard.serve.sampling import Sampling
 from shardyard.serve.generation import Completion, encode, generate
 from shardyard.serve.shards import run_model
 from shardyard.checkpoint.loaders import load_model
@@ -61,8 +62,8 @@ class CachedModel:
 
 def fresh() -> list[Completion]:
     """Greedy, sampled and nucleus-sampled requests; prompt + max_tokens within the 16-token context."""
-    return [Completion(encode("def f(x):"), 7), Completion(encode("import"), 10, 0.8, seed=3),
-            Completion(encode("x = 1"), 9, 1.2, seed=7, top_p=0.9), Completion(encode("class"), 11, 0.7, seed=11),
+    return [Completion(encode("def f(x):"), 7), Completion(encode("import"), 10, Sampling(temperature=0.8), seed=3),
+            Completion(encode("x = 1"), 9, Sampling(temperature=1.2, top_p=0.9), seed=7), Completion(encode("class"), 11, Sampling(temperature=0.7), seed=11),
             Completion(encode("#"), 4)]
 
 
@@ -198,7 +199,7 @@ def test_a_hugging_face_model_decodes_through_the_engines_cache_exactly(architec
     got = asyncio.run(serve_all(engine_for(CachedModel(model, rows=2)), fresh(), join_after=3))
     assert got == expected
     for request, tokens in zip(fresh(), got):
-        if request.temperature == 0:
+        if request.sampling.temperature == 0:
             ids = torch.tensor([request.prompt])
             out = model.hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                     max_new_tokens=request.max_tokens, pad_token_id=0)[0, ids.shape[1]:].tolist()

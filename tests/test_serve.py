@@ -21,6 +21,7 @@ import torch
 
 from shardyard.localdist import free_port, run_distributed
 from shardyard.serve.batching import AdaptiveBatchSize, calibrate
+from shardyard.serve.sampling import Sampling
 from shardyard.serve.generation import Completion, decode, decode_steps, encode, generate
 from shardyard.checkpoint.loaders import find_latest, load_model
 from test_strategies import job, train, with_storage
@@ -104,8 +105,8 @@ def test_batched_generation_equals_one_request_at_a_time_and_resumes_exactly(che
     forward = torch.no_grad()(model)
 
     def fresh() -> list[Completion]:
-        return [Completion(encode("def f(x):"), 12), Completion(encode("import"), 20, 0.8, seed=3),
-                Completion(encode("x" * 30), 8, 1.2, seed=7)]  # 30 + 8 tokens: beyond the 16-token window
+        return [Completion(encode("def f(x):"), 12), Completion(encode("import"), 20, Sampling(temperature=0.8), seed=3),
+                Completion(encode("x" * 30), 8, Sampling(temperature=1.2), seed=7)]  # 30 + 8 tokens: beyond the 16-token window
 
     together = generate(forward, fresh(), model.spec.block_size)
     alone = [generate(forward, [r], model.spec.block_size)[0] for r in fresh()]
@@ -240,7 +241,7 @@ def metric(url: str, series: str, app: str, until: Callable[[float], bool] = lam
     pattern = re.compile(rf'^{re.escape(series)}\{{([^}}]*)\}} (\S+)$', re.M)
     deadline = time.monotonic() + timeout_s
     while True:
-        text = requests.get(f"{url}/metrics", timeout=30).text
+        text = requests.get(f"{url}/metrics", headers=HEADERS, timeout=30).text
         values = [float(v) for labels, v in pattern.findall(text) if f'application="{app}"' in labels]
         if values and until(sum(values)):
             return sum(values)
@@ -343,7 +344,7 @@ def test_every_bad_input_gets_its_status_and_the_server_keeps_serving(server) ->
     no_route = requests.get(f"{server}/no/such/path-x7q", headers=HEADERS)
     assert no_route.status_code == 404 and "no route GET" in error_of(no_route)  # the one error shape
     metric(server, "ray_serve_num_http_requests_total", "test_app", lambda n: n >= 10)
-    assert "path-x7q" not in requests.get(f"{server}/metrics", timeout=30).text
+    assert "path-x7q" not in requests.get(f"{server}/metrics", headers=HEADERS, timeout=30).text
     # 2048 tokens through 2 shards take far longer than the 2 s request timeout.
     slow = complete(server, prompt="a", max_tokens=2048)
     assert slow.status_code == 408 and "2.0 s" in error_of(slow)

@@ -25,6 +25,7 @@ from shardyard.spec import SpecError
 
 TOKEN = "s3cret-token"
 LIMIT = 1024
+BODY_TIMEOUT_S = 2.0
 
 
 class App:
@@ -34,7 +35,7 @@ class App:
         self.bodies: list[bytes] = []
         self.errors: list[tuple[int, str]] = []
         self.api = FastAPI()
-        install(self.api, GuardSettings(LIMIT, TOKEN, lambda status, route: self.errors.append((status, route))))
+        install(self.api, GuardSettings(LIMIT, TOKEN, BODY_TIMEOUT_S, lambda status, route: self.errors.append((status, route))))
 
         @self.api.post("/v1/echo")
         async def echo(request: Request) -> dict:
@@ -178,3 +179,59 @@ def test_the_bearer_token_never_travels_in_deployment_arguments_and_is_never_emp
         read_token("SHARDYARD_NO_SUCH_VARIABLE", None)
     with pytest.raises(ValueError, match="cannot read"):
         read_token(None, str(tmp_path / "missing"))
+
+
+def trickle(url: str, declared: int) -> socket.socket:
+    """A slowloris client: a POST's whole head with the token, then one byte of its body."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(f"POST /v1/echo HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {TOKEN}\r\n"
+                 f"Content-Length: {declared}\r\n\r\nx".encode())
+    return sock
+
+
+@pytest.mark.drill(outcome="408 after the body deadline; others served meanwhile", lost="nothing")
+@pytest.mark.timeout(60)
+def test_bodies_trickled_by_many_clients_get_408_and_hold_nothing_after_the_deadline(app) -> None:
+    """200 connections each send a head and one byte of a declared 1 KB body, then nothing: each
+    is answered 408 once the body deadline passes, and an ordinary request sent meanwhile is
+    served at once (without the deadline the connections were held for good)."""
+    app, url = app
+    slow = [trickle(url, LIMIT) for _ in range(200)]
+    try:
+        started = time.monotonic()
+        assert requests.post(f"{url}/v1/echo", data=b"{}", headers=AUTH, timeout=10).json() == {"bytes": 2}
+        answers = []
+        for sock in slow:
+            answer = b""
+            while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                answer += chunk
+            answers.append(answer)
+        assert all(a.startswith(b"HTTP/1.1 408") and b"not received within" in a for a in answers), answers[0]
+        assert time.monotonic() - started < BODY_TIMEOUT_S + 20
+        assert b"x" not in app.bodies  # no trickled body reached the route
+    finally:
+        for sock in slow:
+            sock.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_replicas_limit_counts_choices_not_requests() -> None:
+    from shardyard.serve.guard import ChoiceLimit, ClientError
+
+    limit = ChoiceLimit(8)
+    limit.take(8)  # an idle replica takes a request up to its limit
+    with pytest.raises(ClientError) as busy:
+        limit.take(1)
+    assert busy.value.status == 503 and busy.value.retry_after_s == 1 and "8 choices in flight" in busy.value.reason
+    limit.give_back(8)
+    limit.take(5)
+    limit.take(3)
+    with pytest.raises(ClientError):
+        limit.take(2)  # 5 + 3 in flight: two more would be 10
+    limit.give_back(3)
+    limit.take(2)
+    assert limit.in_flight == 7

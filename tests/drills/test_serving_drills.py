@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from shardyard.models import build_model
+from shardyard.serve.sampling import Sampling
 from shardyard.serve.generation import Completion, encode, generate
 from shardyard.spec import GPTSpec
 from test_engine import CachedModel, engine_for, serve_all
@@ -19,8 +20,8 @@ def requests() -> list[Completion]:
     """Ordinary requests, and one whose temperature (1e-45, within the API's bounds) makes
     logits / temperature overflow: sampling from the softmax of an infinity used to raise inside
     the shared step, and the engine then failed every running request with that error."""
-    return [Completion(encode("def f(x):"), 6), Completion(encode("import"), 8, 0.8, seed=3),
-            Completion(encode("x = 1"), 7, 1e-45, seed=5), Completion(encode("class"), 5, 0.7, seed=11)]
+    return [Completion(encode("def f(x):"), 6), Completion(encode("import"), 8, Sampling(temperature=0.8), seed=3),
+            Completion(encode("x = 1"), 7, Sampling(temperature=1e-45), seed=5), Completion(encode("class"), 5, Sampling(temperature=0.7), seed=11)]
 
 
 @pytest.mark.drill(outcome="answered", lost="nothing")

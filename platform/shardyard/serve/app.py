@@ -38,11 +38,13 @@ from ray import serve
 from ray.serve.config import BackpressureConfig
 
 from shardyard.serve import openai_api as oa
+from shardyard.serve.choices import ChoiceText
+from shardyard.serve.streams import END, Interleaved
 from shardyard.serve.batching import AdaptiveBatchSize, calibrate, prefill_budget
 from shardyard.serve.config import parse_config
 from shardyard.serve.engine import DecodingEngine, LostTwice
-from shardyard.serve.guard import ClientError, GuardSettings, error_response, install
-from shardyard.serve.generation import Completion, TextCodec, TextStream, decode_steps
+from shardyard.serve.guard import ChoiceLimit, ClientError, GuardSettings, error_response, install
+from shardyard.serve.generation import Completion, TextCodec, decode_steps
 from shardyard.serve.metrics import ServingMetrics, scrape_cluster
 from shardyard.serve.shards import SHARD_LOST, CachesLost, ShardedModel, check_room, shard_bundle
 from shardyard.spec import LANGUAGE_MODELS, SpecError
@@ -85,6 +87,8 @@ def _event(payload: dict[str, Any] | str) -> str:
 REPLICA_CPUS = 0.5
 # How often the replica re-publishes its gauges: Ray's exporter drops a gauge not set lately.
 PUBLISH_EVERY_S = 1.0
+# How long one scrape of the cluster's metrics answers GET /metrics.
+SCRAPE_REUSE_S = 2.0
 
 
 # Everything ModelServer uses must be defined above it: Serve pickles the class when it is decorated.
@@ -95,9 +99,11 @@ class ModelServer:
         self.config = parse_config(config)
         self.metrics = ServingMetrics()
         api.state.guard = GuardSettings(self.config.max_body_bytes, self.config.bearer_token,
-                                        self.metrics.count_error, self.publish_metrics)
+                                        self.config.body_timeout_s, self.metrics.count_error, self.publish_metrics)
         self._publisher: asyncio.Task | None = None
         self.started = int(time.time())
+        self.choices = ChoiceLimit(self.config.concurrency)
+        self._scrape, self._scrape_lock = (float("-inf"), ""), asyncio.Lock()
         model_spec = read_spec(self.config.checkpoint).model
         self.kind = model_spec.name
         self.generates = isinstance(model_spec, LANGUAGE_MODELS)  # else the MLP regressor
@@ -108,6 +114,7 @@ class ModelServer:
             self.codec = TextCodec(self.tokenizer)
             self.stop_token = getattr(self.tokenizer, "eos_token_id", None)
             self.block_size = model_spec.block_size
+            self.vocabulary = model_spec.vocab_size
             self._start_model()
         else:  # the MLP: small, served whole by the replica
             self.mlp = load_model(self.config.checkpoint, self.config.trust_factory).eval()
@@ -175,21 +182,20 @@ class ModelServer:
     @api.post("/v1/completions")
     async def completions(self, body: oa.CompletionRequest) -> Any:
         self._expect(generates=True, model=body.model)
-        if body.stream and len(body.prompt) > 1:
-            raise ClientError(422, "stream one prompt per request", "prompt")
-        prompts = [self._prompt_tokens(p, body.max_tokens) for p in body.prompt]
+        prompts = [self._prompt_tokens(p, body.new_tokens) for p in body.prompt]
         return await self._answer(prompts, body, chat=False)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: oa.ChatRequest) -> Any:
         self._expect(generates=True, model=body.model)
         prompt = oa.render_chat(body.messages, self.tokenizer)
-        return await self._answer([self._prompt_tokens(prompt, body.max_tokens, "messages")], body, chat=True)
+        return await self._answer([self._prompt_tokens(prompt, body.new_tokens, "messages")], body, chat=True)
 
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.config.model_id, "object": "model",
-                                            "created": self.started, "owned_by": "shardyard"}]}
+                                            "created": self.started, "owned_by": "shardyard",
+                                            "max_model_len": self.block_size if self.generates else None}]}
 
     def _prompt_tokens(self, text: str, max_tokens: int, field: str = "prompt") -> list[int]:
         cfg = self.config
@@ -206,18 +212,39 @@ class ModelServer:
                               "context_length_exceeded")
         return tokens
 
+    def _completions(self, prompts: list[list[int]], body: oa.CompletionRequest | oa.ChatRequest) -> list[Completion]:
+        """A choice per prompt and per `n`, in OpenAI's order (prompt by prompt); choice j of a
+        seeded request draws from seed + j, so its n choices differ and each is reproducible."""
+        count, limit = len(prompts) * body.n, self.config.max_choices_per_request
+        if count > limit:
+            raise ClientError(422, f"{len(prompts)} prompt(s) x n {body.n} = {count} choices; a request may ask "
+                                   f"for at most {limit}", "n" if body.n > 1 else "prompt")
+        if body.logit_bias and max(body.logit_bias) >= self.vocabulary:
+            raise ClientError(422, f"logit_bias names token {max(body.logit_bias)}; the vocabulary has "
+                                   f"{self.vocabulary}", "logit_bias")
+        sampling = body.sampling()
+        return [Completion(p, body.new_tokens, sampling, None if body.seed is None else body.seed + j, self.stop_token)
+                for p in prompts for j in range(body.n)]
+
     async def _answer(self, prompts: list[list[int]], body: oa.CompletionRequest | oa.ChatRequest,
                       chat: bool) -> Any:
         id_ = oa.completion_id(chat)
-        gens = [self._generate(Completion(p, body.max_tokens, body.temperature, body.seed, body.top_p, self.stop_token))
-                for p in prompts]
+        requests = self._completions(prompts, body)
+        self.choices.take(len(requests))
+        try:
+            gens = [self._generate(r) for r in requests]
+            choices = [ChoiceText(r, self.codec, body.stop, chat) for r in requests]
+        except BaseException:
+            self.choices.give_back(len(requests))
+            raise
+        prompt_tokens = sum(len(p) for p in prompts)
         if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(self._stream(gens[0], body.stop, chat, id_, include_usage),
+            options = body.stream_options or oa.StreamOptions()
+            return StreamingResponse(self._stream(gens, choices, chat, id_, options, prompt_tokens),
                                      media_type="text/event-stream")
         try:
-            results = await asyncio.wait_for(asyncio.gather(*(self._collect(g, body.stop) for g in gens)),
-                                             self.config.request_timeout_s)
+            await asyncio.wait_for(asyncio.gather(*(self._collect(g, c) for g, c in zip(gens, choices))),
+                                   self.config.request_timeout_s)
         except asyncio.TimeoutError:
             raise ClientError(408, f"not answered within {self.config.request_timeout_s} s") from None
         except (*SHARD_LOST, LostTwice):
@@ -227,52 +254,55 @@ class ModelServer:
         finally:  # answered, timed out or disconnected: its decoder stops computing it
             for gen in gens:
                 gen.abandon()
-        choices = [oa.choice(i, text, reason, chat) for i, (text, reason) in enumerate(results)]
-        used = oa.usage(sum(len(p) for p in prompts), sum(len(g.request.tokens) for g in gens))
-        return oa.body(id_, self.config.model_id, choices, chat, usage=used)
+            self.choices.give_back(len(requests))
+        out = [oa.choice(i, c.text(), c.finish_reason, chat, logprobs=c.logprobs()) for i, c in enumerate(choices)]
+        used = oa.usage(prompt_tokens, sum(len(r.tokens) for r in requests))
+        return oa.body(id_, self.config.model_id, out, chat, usage=used)
 
-    async def _collect(self, gen: Generation, stops: list[str]) -> tuple[str, str]:
-        """A request's whole text, cut at a stop string, and why it ended."""
-        text, cut = TextStream(self.codec), oa.StopStrings(stops)
+    async def _collect(self, gen: Generation, choice: ChoiceText) -> None:
+        """A choice's whole text, cut at a stop string."""
         async for token in gen.tokens:
-            cut.push(text.push(token))
-            if cut.stopped:
+            choice.push(token)
+            if choice.stopped:
                 gen.abandon()
-                break
-        if not cut.stopped:
-            cut.push(text.finish())
-        return cut.text, self._finish_reason(gen, cut)
+                return
+        choice.finish()
 
-    def _finish_reason(self, gen: Generation, cut: oa.StopStrings) -> str:
-        return "stop" if cut.stopped or gen.request.stopped else "length"
-
-    async def _stream(self, gen: Generation, stops: list[str], chat: bool, id_: str,
-                      include_usage: bool) -> AsyncIterator[str]:
-        """OpenAI's stream: a chunk per piece of text, the last with its finish_reason, then
-        (if asked) one with the usage, then [DONE]. Text comes piece by piece: a character split
-        over several tokens appears with its last one, and nothing of a stop string is sent."""
-        text, cut = TextStream(self.codec), oa.StopStrings(stops)
+    async def _stream(self, gens: list[Generation], choices: list[ChoiceText], chat: bool, id_: str,
+                      options: oa.StreamOptions, prompt_tokens: int) -> AsyncIterator[str]:
+        """OpenAI's stream: chunks of text per choice as it is decoded (a chunk carries every
+        token a choice got since its last one), each choice's last with its finish_reason, then
+        (if asked) one with the usage, then [DONE]. A character split over several tokens appears
+        with its last one, and nothing of a stop string is sent."""
         model, deadline = self.config.model_id, time.perf_counter() + self.config.request_timeout_s
+        requests = [c.request for c in choices]
 
-        def chunk(piece: str, reason: str | None = None, first: bool = False) -> str:
-            return _event(oa.body(id_, model, [oa.choice(0, piece, reason, chat, delta=True, first=first)],
-                                  chat, chunk=True))
+        def chunk(index: int, piece: str, reason: str | None = None, first: bool = False) -> str:
+            used = None
+            if options.continuous_usage_stats:
+                used = oa.usage(prompt_tokens, sum(len(r.tokens) for r in requests))
+            return _event(oa.body(id_, model, [oa.choice(index, piece, reason, chat, delta=True, first=first,
+                                                         logprobs=choices[index].logprobs())],
+                                  chat, chunk=True, usage=used))
+        streams = Interleaved([g.tokens for g in gens], deadline)
         try:
             if chat:
-                yield chunk("", first=True)
-            while not cut.stopped:
-                try:
-                    token = await asyncio.wait_for(anext(gen.tokens), deadline - time.perf_counter())
-                except StopAsyncIteration:
-                    break
-                piece = cut.push(text.push(token))
-                if piece:
-                    yield chunk(piece)
-            gen.abandon()
-            tail = cut.finish() if cut.stopped else cut.push(text.finish()) + cut.finish()
-            yield chunk(tail, self._finish_reason(gen, cut))
-            if include_usage:
-                used = oa.usage(len(gen.request.prompt), len(gen.request.tokens))
+                for index in range(len(choices)):
+                    yield chunk(index, "", first=True)
+            async for index, tokens in streams:
+                choice = choices[index]
+                if tokens is END:
+                    yield chunk(index, choice.finish(), choice.finish_reason)
+                    continue
+                piece = "".join(choice.push(t) for t in tokens if not choice.stopped)
+                if choice.stopped:
+                    streams.drop(index)
+                    gens[index].abandon()
+                    yield chunk(index, piece + choice.finish(), choice.finish_reason)
+                elif piece or choice.request.sampling.logprobs is not None:
+                    yield chunk(index, piece)
+            if options.include_usage:
+                used = oa.usage(prompt_tokens, sum(len(r.tokens) for r in requests))
                 yield _event(oa.body(id_, model, [], chat, chunk=True, usage=used))
         except asyncio.TimeoutError:
             yield _event(oa.error_body(408, f"not answered within {self.config.request_timeout_s} s"))
@@ -280,8 +310,11 @@ class ModelServer:
             yield _event(oa.error_body(503, "the model's shards were lost twice under this request; retry"))
         except RuntimeError as err:
             yield _event(oa.error_body(500, f"this request could not be decoded: {err}"))
-        finally:  # finished, timed out or disconnected: either way its decoder stops computing it
-            gen.abandon()
+        finally:  # finished, timed out or disconnected: either way its decoders stop computing it
+            streams.close()
+            for gen in gens:
+                gen.abandon()
+            self.choices.give_back(len(gens))
         yield _event("[DONE]")
 
     def _generate(self, request: Completion) -> Generation:
@@ -310,8 +343,15 @@ class ModelServer:
 
     @api.get("/metrics")
     async def metrics_text(self) -> Response:
-        """Every replica's series (and Serve's own), from every node's metrics export endpoint."""
-        return Response(await asyncio.to_thread(scrape_cluster), media_type="text/plain; version=0.0.4")
+        """Every replica's series (and Serve's own), from every node's metrics export endpoint:
+        scraped at most once per SCRAPE_REUSE_S however often it is asked for (the agents export
+        every few seconds anyway), so a client polling it cannot make the replica scrape the cluster
+        in a loop."""
+        async with self._scrape_lock:
+            taken, text = self._scrape
+            if time.monotonic() - taken > SCRAPE_REUSE_S:
+                self._scrape = (time.monotonic(), await asyncio.to_thread(scrape_cluster))
+            return Response(self._scrape[1], media_type="text/plain; version=0.0.4")
 
     def publish_metrics(self) -> None:
         """Start (once, on the replica's event loop) the task that keeps the gauges current."""
@@ -387,9 +427,8 @@ def build_app(args: dict[str, Any]) -> "serve.Application":
     """The Serve application for `args` (ServeConfig keys), validated before anything starts."""
     cfg = parse_config(args)
     generates = isinstance(read_spec(cfg.checkpoint).model, LANGUAGE_MODELS)
-    ongoing = max(2 * cfg.max_batch_size, 8)  # a replica waits on its batch: admit more than one holds
     options: dict[str, Any] = dict(
-        max_ongoing_requests=ongoing,
+        max_ongoing_requests=cfg.concurrency,
         max_queued_requests=cfg.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=1),
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,

@@ -59,6 +59,10 @@ class ServeConfig(BaseModel):
     max_body_bytes: int = Field(16_384, ge=256, description="larger bodies get 413")
     max_prompt_chars: int = Field(4096, ge=1)
     max_tokens_limit: int = Field(256, ge=1, description="largest max_tokens a request may ask for")
+    max_choices_per_request: int = Field(8, ge=1, description="prompts times n one request may ask for; each "
+                                         "choice counts against the replica's concurrency like a request")
+    body_timeout_s: float = Field(10.0, gt=0, description="a request body not received whole within this "
+                                  "gets 408 (a client that trickles its body holds a slot no longer)")
     bearer_token_env: str | None = Field(None, min_length=1, description="the environment variable that holds "
                                          "the token requests need (Authorization: Bearer <token>)")
     bearer_token_file: str | None = Field(None, min_length=1, description="or the file that holds it")
@@ -99,6 +103,9 @@ class ServeConfig(BaseModel):
             if self.max_kv_tokens < context:
                 raise ValueError(f"max_kv_tokens ({self.max_kv_tokens}) is below one context window "
                                  f"({context} tokens): no request could run")
+        if self.max_choices_per_request > self.concurrency:
+            raise ValueError(f"max_choices_per_request ({self.max_choices_per_request}) is over what a replica "
+                             f"decodes at once ({self.concurrency}, from max_batch_size): no such request could run")
         if self.model_id is None:
             self.model_id = Path(self.checkpoint).name if is_hf_directory(self.checkpoint) else spec.run.name
         return self
@@ -119,6 +126,13 @@ class ServeConfig(BaseModel):
     def bearer_token(self) -> str | None:
         """The token requests need, or None: no auth."""
         return self._token
+
+    @property
+    def concurrency(self) -> int:
+        """Choices a replica takes at once: Serve's `max_ongoing_requests` counts requests, and a
+        request with several prompts or n > 1 counts once per choice against this. Above one full
+        batch, since a replica waits on its batch."""
+        return max(2 * self.max_batch_size, 8)
 
     @property
     def cache_rows(self) -> int:

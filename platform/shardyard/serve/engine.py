@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shardyard.models.kv_cache import CacheStep, compact
-from shardyard.serve.generation import Completion, pick
+from shardyard.serve.generation import Completion
 
 # (token ids, what the pass does with the cache) -> logits (B, T, V)
 CachedForward = Callable[[torch.Tensor, CacheStep], torch.Tensor]
@@ -185,12 +185,11 @@ class DecodingEngine:
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> None:
         request = seq.request
         try:
-            token = pick(logits, request.temperature, request.generator, request.top_p)
+            token = request.advance(logits)
         except RuntimeError as err:  # this request's sampling alone: the others in the step go on
             seq.abandoned = True
             seq.out.put_nowait(err)
             return
-        request.tokens.append(token)
         self.stats.tokens += 1
         if seq.first_token_at is None:
             seq.first_token_at = time.perf_counter()

@@ -12,23 +12,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from shardyard.serve.sampling import GREEDY, Pick, Sampling, pick
 
 Forward = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]  # (tokens, pad) -> logits
 
 
 @dataclass
 class Completion:
-    """One request's decoding state. `tokens` grows as they are generated; decoding that stops
+    """One choice's decoding state. `tokens` grows as they are generated; decoding that stops
     (a lost shard) resumes from prompt + tokens with the same random generator, so a retried
     request still gets the tokens it would have got."""
     prompt: list[int]
     max_tokens: int
-    temperature: float = 0.0
+    sampling: Sampling = GREEDY
     seed: int | None = None
-    top_p: float = 1.0
     stop_token: int | None = None  # the tokenizer's end of sequence, if it has one
     tokens: list[int] = field(default_factory=list)
+    picks: list[Pick] = field(default_factory=list)  # with logprobs asked for: one per token
     generator: torch.Generator | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -36,11 +37,20 @@ class Completion:
 
     @property
     def stopped(self) -> bool:
-        return bool(self.tokens) and self.tokens[-1] == self.stop_token
+        return (bool(self.tokens) and self.tokens[-1] == self.stop_token and not self.sampling.ignore_eos
+                and len(self.tokens) > self.sampling.min_tokens)
 
     @property
     def done(self) -> bool:
         return len(self.tokens) >= self.max_tokens or self.stopped
+
+    def advance(self, logits: torch.Tensor) -> int:
+        """Choose the next token from its (V,) logits and append it."""
+        chosen = pick(logits, self.sampling, self.generator, self.prompt, self.tokens, self.stop_token)
+        self.tokens.append(chosen.token)
+        if self.sampling.logprobs is not None:
+            self.picks.append(chosen)
+        return chosen.token
 
 
 def encode(text: str) -> list[int]:
@@ -64,6 +74,10 @@ class TextCodec:
 
     def decode(self, tokens: Sequence[int]) -> str:
         return decode(tokens) if self.tokenizer is None else self.tokenizer.decode(list(tokens))
+
+    def token_bytes(self, token: int) -> bytes:
+        """One token's own bytes (its byte for the byte-level models; its decoded text's otherwise)."""
+        return bytes([token]) if self.tokenizer is None else self.tokenizer.decode([token]).encode("utf-8")
 
 
 class TextStream:
@@ -112,10 +126,7 @@ def decode_steps(forward: Forward, requests: Sequence[Completion], block_size: i
     while rows:
         overflow = max(0, tokens.shape[1] - block_size)  # crop to the context window
         logits = forward(tokens[:, overflow:], (pad - overflow).clamp(min=0))[:, -1, :].float()
-        chosen = [pick(logits[k], requests[row].temperature, requests[row].generator, requests[row].top_p)
-                  for k, row in enumerate(rows)]
-        for row, token in zip(rows, chosen):
-            requests[row].tokens.append(token)
+        chosen = [requests[row].advance(logits[k]) for k, row in enumerate(rows)]
         yield rows
         tokens = torch.cat([tokens, torch.tensor(chosen).unsqueeze(1)], dim=1)
         keep = [k for k, row in enumerate(rows) if not requests[row].done and not abandoned(row)]
@@ -126,27 +137,7 @@ def decode_steps(forward: Forward, requests: Sequence[Completion], block_size: i
 
 
 def generate(forward: Forward, requests: Sequence[Completion], block_size: int) -> list[list[int]]:
-    """Every request's new tokens: `max_tokens` each, greedy at temperature 0, else sampled."""
+    """Every request's new tokens: `max_tokens` each, as its sampling says."""
     for _ in decode_steps(forward, requests, block_size):
         pass
     return [r.tokens for r in requests]
-
-
-def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None, top_p: float = 1.0) -> int:
-    """The next token: the most likely at temperature 0; else sampled at `temperature` from the
-    smallest set of tokens whose probabilities reach `top_p` (nucleus sampling)."""
-    if torch.isnan(logits).any():
-        raise RuntimeError("the model's logits hold NaN: no token can be chosen")
-    if temperature <= 0:
-        return int(logits.argmax())
-    scaled = logits / temperature
-    # A temperature so small that the scaled logits overflow is, in the limit, greedy decoding
-    # (the softmax of an infinity is not a distribution: sampling from it would raise).
-    if torch.isposinf(scaled).any():
-        return int(logits.argmax())
-    probs = F.softmax(scaled, dim=-1)
-    if top_p < 1.0:
-        ordered, order = probs.sort(descending=True)
-        outside = ordered.cumsum(-1) - ordered >= top_p  # the mass before it already reaches top_p
-        probs = torch.zeros_like(probs).scatter(-1, order, ordered.masked_fill(outside, 0.0))
-    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,10 +1,12 @@
 """What every HTTP request meets before the app's routes see it, and how every error leaves.
 
 - Auth first: a request without the bearer token is refused (401) before its body is read, the
-  token compared in constant time. `GET /healthz` and `GET /metrics` stay open for load balancers
-  and Prometheus.
-- Then size: a Content-Length over the limit is refused (413) before the body is read, and a body
-  sent in chunks (no Content-Length) is read only up to the limit.
+  token compared in constant time. `GET /healthz` stays open for load balancers; `/metrics` needs
+  the token like everything else (Prometheus sends one with `authorization: credentials_file`).
+- Then size and time: a Content-Length over the limit is refused (413) before the body is read,
+  a body sent in chunks (no Content-Length) is read only up to the limit, and a body not received
+  whole within the deadline gets 408: a client that trickles its body (slowloris) holds one of the
+  replica's request slots for that long at most.
 - Every error, whichever layer makes it (a route's ClientError, FastAPI's parsing, Starlette's 404
   and 405, an unhandled exception), leaves in OpenAI's error shape and is counted by status and
   route template: never by the raw path, which a client chooses, so random paths add no series.
@@ -15,7 +17,9 @@ body before a limit could apply.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,22 +36,25 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-OPEN_PATHS = ("/healthz", "/metrics")  # GET without a token
+OPEN_PATHS = ("/healthz",)  # GET without a token
 UNMATCHED = "unmatched"  # the route label of a request that matched no route
 
 
 class ClientError(Exception):
     """A request the app refuses: its status, the reason, and the field at fault."""
 
-    def __init__(self, status: int, reason: str, field: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, reason: str, field: str | None = None, code: str | None = None,
+                 retry_after_s: int | None = None) -> None:
         super().__init__(reason)
         self.status, self.reason, self.field, self.code = status, reason, field, code
+        self.retry_after_s = retry_after_s
 
 
 @dataclass
 class GuardSettings:
     max_body_bytes: int
     token: str | None = None  # None: no auth
+    body_timeout_s: float = 10.0
     count_error: Callable[[int, str], None] = lambda status, route: None
     on_request: Callable[[], None] = lambda: None  # e.g. start the replica's metrics publisher
     _expected: bytes = field(init=False, repr=False)
@@ -60,6 +67,25 @@ class GuardSettings:
             return True
         given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
         return hmac.compare_digest(given, self._expected)  # constant time: no prefix oracle
+
+
+class ChoiceLimit:
+    """A replica's concurrency counted in choices (prompts times n), not HTTP requests as Serve
+    counts them: one request carrying many prompts would otherwise take the replica from everyone
+    else. A request is let in while the replica is idle, or while its choices fit beside those in
+    flight; else it gets 503 with Retry-After, as Serve's own queue limit answers."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.in_flight = limit, 0
+
+    def take(self, choices: int) -> None:
+        if self.in_flight and self.in_flight + choices > self.limit:
+            raise ClientError(503, f"busy: {self.in_flight} choices in flight and this request adds {choices}; "
+                                   f"the limit is {self.limit}", retry_after_s=1)
+        self.in_flight += choices
+
+    def give_back(self, choices: int) -> None:
+        self.in_flight -= choices
 
 
 def error_response(status: int, reason: str, field: str | None = None, code: str | None = None) -> JSONResponse:
@@ -112,8 +138,13 @@ class RequestGuard:
         if declared is not None and int(declared) > limit:  # the HTTP server has checked it is a number
             return error_response(413, f"request body is {int(declared)} bytes; the limit is {limit}"), receive
         chunks, size, more = [], 0, True
+        deadline = time.monotonic() + settings.body_timeout_s
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - time.monotonic())
+            except asyncio.TimeoutError:
+                return error_response(408, f"the request body was not received within {settings.body_timeout_s:g} s",
+                                      code="body_timeout"), receive
             if message["type"] == "http.disconnect":
                 return None, None
             chunk = message.get("body", b"")
@@ -149,7 +180,10 @@ async def _invalid_request(request: Request, exc: RequestValidationError) -> JSO
 
 
 async def _client_error(request: Request, exc: ClientError) -> JSONResponse:
-    return error_response(exc.status, exc.reason, exc.field, exc.code)
+    response = error_response(exc.status, exc.reason, exc.field, exc.code)
+    if exc.retry_after_s is not None:
+        response.headers["Retry-After"] = str(exc.retry_after_s)
+    return response
 
 
 async def _unhandled(request: Request, exc: Exception) -> JSONResponse:

@@ -1,9 +1,12 @@
 """OpenAI's completions, chat and models schemas, as the official client, LangChain and LLM load
 tools speak them: request bodies (validated: a field the server cannot honour is refused with its
-name, never ignored), response and stream-chunk bodies, stop strings, and the error shape.
+name, never ignored), response and stream-chunk bodies, log-probabilities, stop strings, and the
+error shape.
 
-Fields clients send at their neutral values (penalties 0, no logit bias, no logprobs, best_of 1,
-user) are accepted; any other value is refused with 422 rather than silently not applied.
+Besides OpenAI's own fields, requests take the sampling extensions vLLM's OpenAI-compatible server
+accepts and load tools send (`vllm bench serve` always sends `repetition_penalty` and, on random
+data, `ignore_eos`): `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, and
+`stream_options.continuous_usage_stats`. `echo`, `suffix` and `best_of` > 1 are refused.
 """
 
 from __future__ import annotations
@@ -14,27 +17,39 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from shardyard.serve.sampling import MAX_LOGPROBS, Sampling
+
 MAX_STOP_STRINGS = 4  # as OpenAI's API
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI's API
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False            # a last chunk with the usage
+    continuous_usage_stats: bool = False   # vLLM's: the usage so far in every chunk
 
 
 class _Sampling(BaseModel):
     """What completions and chat requests share."""
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int | None = Field(None, ge=1, description="default 16")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="-1 or 0: every token")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[int, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)  # token id -> bias
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
     stop: str | list[str] | None = Field(None, validate_default=True)  # validated into a list
     seed: int | None = Field(None, ge=0, le=2**64 - 1)  # the range torch's generator takes
     stream: bool = False
-    n: int = Field(1, ge=1, le=1, description="one choice per prompt")
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, description="choices per prompt")
     user: str | None = Field(None, max_length=256)
-    # Accepted only at the values that mean "off", which is what this server does.
-    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
-    presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
-    logit_bias: dict[str, float] | None = Field(None, max_length=0)
-    logprobs: Literal[False, 0] | None = None
-    stream_options: dict[str, bool] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -44,9 +59,36 @@ class _Sampling(BaseModel):
             raise ValueError(f"up to {MAX_STOP_STRINGS} non-empty stop strings")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _biases(cls, bias: dict[int, float] | None) -> dict[int, float] | None:
+        if bias and any(token < 0 or not -100 <= value <= 100 for token, value in bias.items()):
+            raise ValueError("token ids >= 0 mapped to biases from -100 to 100")
+        return bias
+
+    @property
+    def new_tokens(self) -> int:
+        return self.max_tokens or 16
+
+    def sampling(self) -> Sampling:
+        """The request's sampling; `top_alternatives` (each request kind names its log-probability
+        fields its own way) says how many alternatives to report per token, None for none."""
+        return Sampling(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
+                        repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                        frequency_penalty=self.frequency_penalty, min_tokens=self.min_tokens,
+                        ignore_eos=self.ignore_eos, logprobs=self.top_alternatives,
+                        logit_bias=tuple(sorted((self.logit_bias or {}).items())))
+
+    @model_validator(mode="after")
+    def _at_least_within_at_most(self) -> _Sampling:
+        if self.min_tokens > self.new_tokens:
+            raise ValueError(f"min_tokens {self.min_tokens} is over max_tokens {self.new_tokens}")
+        return self
+
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] = Field(min_length=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: Literal[False] = False
     best_of: Literal[1] | None = None
     suffix: None = None
@@ -59,36 +101,71 @@ class CompletionRequest(_Sampling):
             raise ValueError("every prompt needs at least one character")
         return prompts
 
+    @property
+    def top_alternatives(self) -> int | None:
+        return self.logprobs
+
+
+class TextPart(BaseModel):
+    """A piece of a message's content; only text (an image or audio part is refused by name)."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
     name: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_name_for_the_length(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("max_completion_tokens") is not None:
+            if data.get("max_tokens") is not None:
+                raise ValueError("give max_completion_tokens or max_tokens, not both")
+            data = {**data, "max_tokens": data["max_completion_tokens"]}
+        return data
 
     @model_validator(mode="after")
     def _ends_for_the_assistant(self) -> ChatRequest:
         if self.messages[-1].role == "assistant":
             raise ValueError("the last message is the assistant's: nothing to answer")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    @property
+    def top_alternatives(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # Used when the tokenizer brings no chat template (and for the byte-level models, which have
 # none): one line per message, then the assistant's turn.
 PLAIN_CHAT_TEMPLATE = "{role}: {content}\n"
+# OpenAI's newer name for the system role, which most models' chat templates do not know.
+TEMPLATE_ROLES = {"developer": "system"}
 
 
 def render_chat(messages: list[Message], tokenizer: Any) -> str:
     """The prompt for a conversation: the tokenizer's own chat template when it has one, else
     PLAIN_CHAT_TEMPLATE per message followed by "assistant:"."""
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in messages],
+        return tokenizer.apply_chat_template([{"role": TEMPLATE_ROLES.get(m.role, m.role), "content": m.text} for m in messages],
                                              tokenize=False, add_generation_prompt=True)
-    return "".join(PLAIN_CHAT_TEMPLATE.format(role=m.role, content=m.content) for m in messages) + "assistant:"
+    return "".join(PLAIN_CHAT_TEMPLATE.format(role=m.role, content=m.text) for m in messages) + "assistant:"
 
 
 class StopStrings:
@@ -97,12 +174,18 @@ class StopStrings:
 
     def __init__(self, stops: list[str]) -> None:
         self.stops, self.text, self.sent, self.stopped = stops, "", 0, False
+        self.checked = 0  # text before this (less a stop string's length) was let through unchecked
         self.hold = max((len(s) for s in stops), default=1) - 1
 
-    def push(self, piece: str) -> str:
-        """Add `piece`; return what may be sent now (all of it up to a stop string, once found)."""
+    def push(self, piece: str, armed: bool = True) -> str:
+        """Add `piece`; return what may be sent now (all of it up to a stop string, once found).
+        Until `armed`, stop strings are not looked for (a request's `min_tokens`)."""
         self.text += piece
-        hits = [i for i in (self.text.find(s, max(0, self.sent - self.hold)) for s in self.stops) if i >= 0]
+        if not armed:
+            self.checked = len(self.text)
+            return self._take(len(self.text) - self.hold)
+        hits = [i for i in (self.text.find(s, max(0, self.sent - self.hold, self.checked - self.hold))
+                            for s in self.stops) if i >= 0]
         if hits:
             self.stopped, self.text = True, self.text[:min(hits)]
             return self._take(len(self.text))
@@ -122,13 +205,15 @@ def completion_id(chat: bool) -> str:
 
 
 def choice(index: int, text: str, finish_reason: str | None, chat: bool, delta: bool = False,
-           first: bool = False) -> dict[str, Any]:
+           first: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A choice in a response or a stream chunk; `logprobs` in the request kind's own shape."""
     if not chat:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if not delta:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish_reason}
     content = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-    return {"index": index, "delta": content, "finish_reason": finish_reason}
+    return {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def body(id_: str, model: str, choices: list[dict[str, Any]], chat: bool, chunk: bool = False,

@@ -1,0 +1,108 @@
+"""Choosing the next token from a model's logits: the sampling parameters OpenAI-compatible
+servers take (OpenAI's own and vLLM's extensions, which load tools such as `vllm bench serve`
+send), applied in vLLM's order, and the log-probabilities a client may ask for.
+
+Order: logit bias; repetition penalty (prompt and output tokens); presence and frequency
+penalties (output tokens); the end-of-sequence token held back until `min_tokens`; then greedy at
+temperature 0, else temperature, top-k, min-p and top-p (nucleus) filtering and one draw from the
+request's own generator. Reported log-probabilities are those of the model's raw distribution,
+before any of this (vLLM's default, `raw_logprobs`): what the model thinks, not what the
+sampler did with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+MAX_LOGPROBS = 20  # alternatives per token a client may ask for (vLLM's default limit)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0                  # 0 (or -1): every token
+    min_p: float = 0.0              # drop tokens below this fraction of the likeliest one's probability
+    repetition_penalty: float = 1.0  # > 1 discourages any token already in the prompt or the output
+    presence_penalty: float = 0.0   # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    min_tokens: int = 0             # no end of sequence (nor stop string) before this many tokens
+    ignore_eos: bool = False        # the end-of-sequence token does not end the completion
+    logprobs: int | None = None     # None: none reported; k: the chosen token's and the k likeliest
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())  # (token id, bias)
+
+    @property
+    def penalized(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))
+
+
+GREEDY = Sampling()
+
+
+@dataclass(frozen=True)
+class Pick:
+    """The chosen token; with logprobs asked for, its log-probability and the likeliest tokens'."""
+    token: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def adjust(logits: torch.Tensor, sampling: Sampling, prompt: Sequence[int], generated: Sequence[int],
+           stop_token: int | None) -> torch.Tensor:
+    """The logits after bias, penalties and `min_tokens` (a copy where anything changes)."""
+    holding_eos = stop_token is not None and len(generated) < sampling.min_tokens and not sampling.ignore_eos
+    if not (sampling.penalized or holding_eos):
+        return logits
+    out = logits.clone()
+    for token, bias in sampling.logit_bias:
+        out[token] += bias
+    if sampling.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt) | set(generated)), dtype=torch.long)
+        values = out[seen]
+        out[seen] = torch.where(values > 0, values / sampling.repetition_penalty, values * sampling.repetition_penalty)
+    if generated and (sampling.presence_penalty or sampling.frequency_penalty):
+        ids, counts = torch.tensor(list(generated), dtype=torch.long).unique(return_counts=True)
+        out[ids] -= sampling.frequency_penalty * counts.to(out.dtype) + sampling.presence_penalty
+    if holding_eos:
+        out[stop_token] = float("-inf")
+    return out
+
+
+def pick(logits: torch.Tensor, sampling: Sampling = GREEDY, generator: torch.Generator | None = None,
+         prompt: Sequence[int] = (), generated: Sequence[int] = (), stop_token: int | None = None) -> Pick:
+    """The next token for one sequence from its (V,) logits."""
+    if torch.isnan(logits).any():
+        raise RuntimeError("the model's logits hold NaN: no token can be chosen")
+    chosen = _choose(adjust(logits, sampling, prompt, generated, stop_token), sampling, generator)
+    if sampling.logprobs is None:
+        return Pick(chosen)
+    logprobs = F.log_softmax(logits.float(), dim=-1)
+    values, ids = logprobs.topk(min(sampling.logprobs, logprobs.numel()))
+    return Pick(chosen, float(logprobs[chosen]), tuple(zip(ids.tolist(), values.tolist())))
+
+
+def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    if sampling.temperature <= 0:
+        return int(logits.argmax())
+    scaled = logits / sampling.temperature
+    # A temperature so small that the scaled logits overflow is, in the limit, greedy decoding
+    # (the softmax of an infinity is not a distribution: sampling from it would raise).
+    if torch.isposinf(scaled).any():
+        return int(logits.argmax())
+    if 0 < sampling.top_k < scaled.numel():
+        kth = scaled.topk(sampling.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = F.softmax(scaled, dim=-1)
+    if sampling.min_p > 0:
+        probs = probs.masked_fill(probs < sampling.min_p * probs.max(), 0.0)
+    if sampling.top_p < 1.0:
+        ordered, order = probs.sort(descending=True)
+        # The mass before a token already reaches top_p (of what is left): it is outside.
+        outside = ordered.cumsum(-1) - ordered >= sampling.top_p * ordered.sum()
+        probs = torch.zeros_like(probs).scatter(-1, order, ordered.masked_fill(outside, 0.0))
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,99 @@
+"""The sampling parameters OpenAI-compatible servers take (serve/sampling.py), each checked against
+its definition on hand-made logits: what it does to the logits, which tokens it can draw, and the
+log-probabilities reported. No Ray, no model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shardyard.serve.generation import Completion
+from shardyard.serve.sampling import Sampling, adjust, pick
+
+pytestmark = pytest.mark.timeout(60)
+
+LOGITS = torch.tensor([2.0, 1.0, 0.5, -1.0, 3.0, 0.0])  # likeliest first: 4, 0, 1, 2, 5, 3
+
+
+def draws(sampling: Sampling, n: int = 400, logits: torch.Tensor = LOGITS) -> set[int]:
+    generator = torch.Generator().manual_seed(0)
+    return {pick(logits, sampling, generator).token for _ in range(n)}
+
+
+def test_top_k_and_min_p_and_top_p_keep_only_the_tokens_they_name() -> None:
+    hot = Sampling(temperature=2.0)
+    assert draws(hot) == set(range(6))  # hot enough that every token comes up
+    assert draws(Sampling(temperature=2.0, top_k=2)) == {4, 0}
+    assert draws(Sampling(temperature=2.0, top_k=1)) == {4}
+    probs = torch.softmax(LOGITS / 2.0, -1)
+    kept = {i for i in range(6) if probs[i] >= 0.3 * probs.max()}
+    assert draws(Sampling(temperature=2.0, min_p=0.3)) == kept and len(kept) < 6
+    order = probs.argsort(descending=True).tolist()
+    nucleus = set(order[:next(i for i in range(6) if probs[order[:i + 1]].sum() >= 0.6) + 1])
+    assert draws(Sampling(temperature=2.0, top_p=0.6)) == nucleus
+
+
+def test_penalties_change_the_logits_as_defined() -> None:
+    prompt, generated = [0, 1], [4, 4, 2]
+    repeated = adjust(LOGITS, Sampling(repetition_penalty=2.0), prompt, generated, None)
+    expected = LOGITS.clone()
+    for t in {0, 1, 2, 4}:  # prompt and output: positive logits divided, negative ones multiplied
+        expected[t] = expected[t] / 2 if expected[t] > 0 else expected[t] * 2
+    torch.testing.assert_close(repeated, expected)
+    negative = torch.tensor([-1.0, 1.0])
+    torch.testing.assert_close(adjust(negative, Sampling(repetition_penalty=2.0), [0, 1], [], None),
+                               torch.tensor([-2.0, 0.5]))
+    penalized = adjust(LOGITS, Sampling(presence_penalty=0.5, frequency_penalty=0.25), prompt, generated, None)
+    expected = LOGITS.clone()
+    expected[4] -= 0.5 + 2 * 0.25  # output tokens only: 4 twice, 2 once; the prompt's are untouched
+    expected[2] -= 0.5 + 0.25
+    torch.testing.assert_close(penalized, expected)
+    biased = adjust(LOGITS, Sampling(logit_bias=((3, 100.0),)), [], [], None)
+    assert pick(biased).token == 3 and pick(LOGITS, Sampling(logit_bias=((3, 100.0),))).token == 3
+    assert adjust(LOGITS, Sampling(), prompt, generated, 4) is LOGITS  # nothing asked: nothing copied
+
+
+def test_a_repetition_penalty_steers_greedy_decoding_away_from_what_was_seen() -> None:
+    assert pick(LOGITS).token == 4
+    assert pick(LOGITS, Sampling(repetition_penalty=2.0), prompt=[4]).token == 0
+
+
+def test_min_tokens_holds_the_end_of_sequence_back_and_ignore_eos_never_ends() -> None:
+    eos = 4  # the likeliest token: greedy decoding would end at once
+    logits = LOGITS.repeat(8, 1)
+    held = Completion([1], 6, Sampling(min_tokens=3), stop_token=eos)
+    for row in logits:
+        if held.done:
+            break
+        held.advance(row)
+    assert held.tokens == [0, 0, 0, eos] and held.stopped  # the end of sequence comes right after
+    ignoring = Completion([1], 5, Sampling(ignore_eos=True), stop_token=eos)
+    for row in logits:
+        if ignoring.done:
+            break
+        ignoring.advance(row)
+    assert ignoring.tokens == [eos] * 5 and not ignoring.stopped  # ran to max_tokens
+
+
+def test_logprobs_are_the_raw_distributions_and_do_not_change_the_choice() -> None:
+    sampling = Sampling(temperature=0.7, top_k=3, repetition_penalty=1.5, logprobs=3)
+    a = pick(LOGITS, sampling, torch.Generator().manual_seed(1), prompt=[4])
+    b = pick(LOGITS, Sampling(temperature=0.7, top_k=3, repetition_penalty=1.5), torch.Generator().manual_seed(1),
+             prompt=[4])
+    assert a.token == b.token and b.logprob is None
+    raw = torch.log_softmax(LOGITS, -1)
+    assert math.isclose(a.logprob, float(raw[a.token]), rel_tol=1e-6)
+    assert [t for t, _ in a.top] == [4, 0, 1]
+    assert all(math.isclose(lp, float(raw[t]), rel_tol=1e-6) for t, lp in a.top)
+    assert pick(LOGITS, Sampling(logprobs=0)).top == ()
+
+
+def test_a_seeded_draw_repeats_and_nan_logits_are_an_error() -> None:
+    sampling = Sampling(temperature=1.0, top_k=4, min_p=0.05, top_p=0.9)
+    first = [pick(LOGITS, sampling, g).token for g in [torch.Generator().manual_seed(7)] for _ in range(20)]
+    again = [pick(LOGITS, sampling, g).token for g in [torch.Generator().manual_seed(7)] for _ in range(20)]
+    assert first == again
+    with pytest.raises(RuntimeError, match="NaN"):
+        pick(torch.tensor([0.0, float("nan")]))
