@@ -84,6 +84,12 @@ def run_model(model: torch.nn.Module, x: torch.Tensor, extra: Extra, cache: KVCa
     return out
 
 
+def last_position(logits: torch.Tensor, extra: Extra) -> torch.Tensor:
+    """What leaves the shard group: a cached step's caller reads only the last position's logits
+    (the next token), so a prefill's others (prompt length x vocabulary) need not travel."""
+    return logits[:, -1:] if isinstance(extra, CacheStep) else logits
+
+
 def supports_kv_cache(spec: GPTSpec | HFSpec | CustomSpec) -> bool:
     """Whether the engine can decode this model with its KV cache (models/kv_cache.py): the own GPT,
     and a Hugging Face model whose every layer attends over the whole served context (full
@@ -108,8 +114,9 @@ class PipelineShard:
     """Blocks [start, end) of the model in `checkpoint_dir` (the whole model when `whole`), on
     this actor's device."""
 
-    def __init__(self, checkpoint_dir: str, start: int, end: int, whole: bool, use_gpu: bool,
+    def __init__(self, checkpoint_dir: str, start: int, end: int, whole: bool, last: bool, use_gpu: bool,
                  cache_rows: int, trust_factory: str | None = None) -> None:
+        self.last = last  # its output is the logits (else hidden states for the next shard)
         self.device = select_device(0) if use_gpu else torch.device("cpu")
         # Only this shard's blocks are read and held, never the whole model.
         self.stage = load_model_part(checkpoint_dir, lambda m: m if whole else m.pipeline_stage(start, end),
@@ -121,7 +128,8 @@ class PipelineShard:
     @torch.no_grad()
     def forward(self, x: torch.Tensor, extra: Extra) -> torch.Tensor:
         extra = extra.to(self.device) if isinstance(extra, torch.Tensor) else extra
-        return run_model(self.stage, x.to(self.device), extra, self.cache).cpu()
+        out = run_model(self.stage, x.to(self.device), extra, self.cache)
+        return (last_position(out, extra) if self.last else out).cpu()
 
     def describe(self) -> dict:
         return {"blocks": self.blocks, "device": str(self.device),
@@ -164,7 +172,7 @@ class TensorShard:
     def forward(self, x: torch.Tensor, extra: Extra) -> torch.Tensor | None:
         extra = extra.to(self.device) if isinstance(extra, torch.Tensor) else extra
         out = run_model(self.model, x.to(self.device), extra, self.cache)
-        return out.cpu() if self.rank == 0 else None  # the same logits on every rank: send one
+        return last_position(out, extra).cpu() if self.rank == 0 else None  # the same logits on every rank: send one
 
     def describe(self) -> dict:
         local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
@@ -312,7 +320,7 @@ class ShardedModel:
 
         if self.sharding == "pipeline":
             self.shards = [PipelineShard.options(**in_bundle(i)).remote(self.checkpoint_dir, start, end, self.whole,
-                                                                          self.use_gpu, self.cache_rows,
+                                                                          i == len(self.ranges) - 1, self.use_gpu, self.cache_rows,
                                                                           self.trust_factory)
                            for i, (start, end) in enumerate(self.ranges)]
         else:
