@@ -100,20 +100,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--servers", nargs="+", choices=["shardyard", "vllm"], default=["shardyard", "vllm"])
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         directory = model_directory(out / "llama", hidden=512, layers=8, heads=8, context=1024)
-        rows = (shardyard_rows(directory, out, args.concurrency, args.prompts)
-                + vllm_rows(directory, out, args.concurrency, args.prompts))
+        runs = {"shardyard": shardyard_rows, "vllm": vllm_rows}
+        rows = [row for server in args.servers for row in runs[server](directory, out, args.concurrency, args.prompts)]
     by = {(r["server"], r["streams"]): r for r in rows}
-    for concurrency in args.concurrency:
+    for concurrency in args.concurrency if len(args.servers) == 2 else []:
         ours, theirs = by[("shardyard", concurrency)], by[("vllm", concurrency)]
         ours["tok_per_s_vs_vllm"] = ours["output_tok_per_s"] / theirs["output_tok_per_s"]
         ours["ttft_vs_vllm"] = ours["ttft_p50_ms"] / theirs["ttft_p50_ms"]
         ours["tpot_vs_vllm"] = ours["tpot_p50_ms"] / theirs["tpot_p50_ms"]
     print_table(f"Built-in engine against vLLM ({PROMPT_TOKENS} tokens in, {OUTPUT_TOKENS} out, vllm bench serve)", rows)
-    write_json("serve_vs_vllm", {"prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, "rows": rows})
+    if len(args.servers) == 2:  # a figure is a side-by-side comparison, or nothing
+        write_json("serve_vs_vllm", {"prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -140,6 +140,35 @@ def test_the_engine_gives_each_request_its_tokens_alone(ddp_checkpoint: Path, ro
 
 
 @pytest.mark.timeout(120)
+def test_a_model_decoded_in_the_replicas_process_gives_each_request_its_tokens_alone(ddp_checkpoint: Path) -> None:
+    """One shard's worth of model served in the calling process (serve/local_model.py, what a
+    one-shard app uses): a run directory resolves to its newest checkpoint, held while served;
+    its cached steps send only the last position's logits; the engine over it is exact."""
+    from shardyard.checkpoint.lease import live_holds
+    from shardyard.checkpoint.store import RunStorage
+    from shardyard.serve.local_model import LocalModel
+
+    storage = RunStorage(str(ddp_checkpoint.parent))
+
+    model = load_model(ddp_checkpoint).eval()
+    local = LocalModel(str(ddp_checkpoint.parent), cache_rows=3)  # the run directory
+    try:
+        assert local.checkpoint_dir == str(ddp_checkpoint) and live_holds(storage, ddp_checkpoint.name)
+        prompt = torch.tensor([encode("def f(x)")])
+        logits = local.forward(prompt, CacheStep("prefill"))
+        assert logits.shape == (1, 1, model.spec.vocab_size)
+        with torch.no_grad():
+            torch.testing.assert_close(logits[0, -1], model(prompt)[0, -1], rtol=0, atol=1e-5)
+        local.forward(torch.zeros((1, 1), dtype=torch.long), CacheStep("reset"))
+        engine = DecodingEngine(local.forward, 3, local.block_size, TokenBudget(8, 60.0, 4), lambda: None, ())
+        got = asyncio.run(serve_all(engine, fresh(), join_after=3))
+        assert got == alone(model)
+    finally:
+        local.close()
+    assert not live_holds(storage, ddp_checkpoint.name)  # closed: training may prune it again
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("fail_at_call", [1, 9])
 def test_a_lost_cache_is_prefilled_again_and_decoding_goes_on_exactly(ddp_checkpoint: Path, fail_at_call: int) -> None:
     """Lost under the first prefill (the request being prefilled is neither running nor waiting

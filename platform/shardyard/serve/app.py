@@ -28,6 +28,7 @@ error, an unhandled one (500) included, is counted by status and route (serve/gu
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from shardyard.serve.config import parse_config
 from shardyard.serve.engine import DecodingEngine, LostTwice
 from shardyard.serve.guard import ChoiceLimit, ClientError, GuardSettings, error_response, install
 from shardyard.serve.generation import Completion, TextCodec, decode_steps
+from shardyard.serve.local_model import LocalModel
 from shardyard.serve.metrics import ServingMetrics, scrape_cluster
 from shardyard.serve.shards import SHARD_LOST, CachesLost, ShardedModel, check_room, shard_bundle
 from shardyard.spec import LANGUAGE_MODELS, SpecError
@@ -123,8 +125,12 @@ class ModelServer:
             self.mlp = load_model(self.config.checkpoint, self.config.trust_factory).eval()
             self.in_dim = model_spec.in_dim
 
-    def _shards(self, use_gpu: bool) -> ShardedModel:
+    def _shards(self, use_gpu: bool) -> ShardedModel | LocalModel:
         cfg = self.config
+        if cfg.num_shards == 1:  # decoded in this process: its bundle holds the shard's CPUs
+            # Its CPUs as threads, rounded up: the model is what this process spends them on.
+            torch.set_num_threads(max(1, math.ceil(REPLICA_CPUS + cfg.cpus_per_shard)))
+            return LocalModel(cfg.source, use_gpu, cfg.cache_rows, cfg.trust_factory)
         return ShardedModel(cfg.source, cfg.num_shards, use_gpu, cfg.multi_node, cfg.sharding,
                             cpus_per_shard=cfg.cpus_per_shard, cache_rows=cfg.cache_rows,
                             trust_factory=cfg.trust_factory)
@@ -426,6 +432,18 @@ class ModelServer:
                                    f"'{self.config.model_id}' (GET /v1/models)", "model", "model_not_found")
 
 
+def _describe(bundle: dict[str, float]) -> str:
+    return f"{bundle['CPU']:g} CPU" + (" and 1 GPU" if bundle.get("GPU") else "")
+
+
+def _check_room(bundles: list[dict[str, float]], cfg: Any, what: str) -> None:
+    """A replica no node can hold would leave the app waiting forever: refuse it before."""
+    try:
+        check_room(bundles, cfg.multi_node, what)
+    except ValueError as err:
+        raise SpecError(f"invalid serve config: {err}") from None
+
+
 def build_app(args: dict[str, Any]) -> "serve.Application":
     """The Serve application for `args` (ServeConfig keys), validated before anything starts."""
     cfg = parse_config(args)
@@ -442,13 +460,14 @@ def build_app(args: dict[str, Any]) -> "serve.Application":
     else:  # scale on requests in flight: a replica is busy at one full batch
         options["autoscaling_config"] = {"min_replicas": cfg.num_replicas, "max_replicas": cfg.max_replicas,
                                          "target_ongoing_requests": cfg.max_batch_size}
-    if generates:  # the replica's own bundle, then one per shard: Serve reserves them together
+    if generates and cfg.num_shards == 1:  # the model in the replica: the replica holds its shard's bundle
+        bundle = shard_bundle(cfg.use_gpu, REPLICA_CPUS + cfg.cpus_per_shard)
+        _check_room([bundle], cfg, f"a replica decoding in its own process ({_describe(bundle)})")
+        options["ray_actor_options"] = {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0.0)}
+    elif generates:  # the replica's own bundle, then one per shard: Serve reserves them together
         bundles = [{"CPU": REPLICA_CPUS}] + [shard_bundle(cfg.use_gpu, cfg.cpus_per_shard)] * cfg.num_shards
-        try:  # a group no node can hold would leave the app waiting forever
-            check_room(bundles, cfg.multi_node, f"a replica (its {REPLICA_CPUS} CPU and {cfg.num_shards} "
-                                                f"shards of {cfg.cpus_per_shard:g} CPU{' and 1 GPU' if cfg.use_gpu else ''})")
-        except ValueError as err:
-            raise SpecError(f"invalid serve config: {err}") from None
+        _check_room(bundles, cfg, f"a replica (its {REPLICA_CPUS} CPU and {cfg.num_shards} shards of "
+                                  f"{_describe(bundles[1])})")
         options["placement_group_bundles"] = bundles
         options["placement_group_strategy"] = "PACK" if cfg.multi_node else "STRICT_PACK"
     # The checkpoint as given: a replica started later (autoscaling, a replacement) loads the

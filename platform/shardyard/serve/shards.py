@@ -260,6 +260,20 @@ def sharding_problem(spec: GPTSpec | HFSpec | CustomSpec, num_shards: int, shard
     return None
 
 
+def hold_served(source: str, fallback: str, hold: ExitStack) -> str:
+    """Find what to serve (a run directory's newest committed checkpoint, or the checkpoint as
+    given; `fallback` if `source` has none now) and hold it in `hold` until that closes: training
+    does not prune it under the model that reads it now and may read it again (a rebuild)."""
+    while True:
+        found = servable(source) or Path(fallback)
+        if committed_record(found) is None:  # a Hugging Face model directory: not training's to prune
+            return str(found)
+        hold.enter_context(holding(str(found.parent), found.name))
+        if committed_record(found) is not None:  # still there once held: pruning now keeps it
+            return str(found)
+        hold.close()  # pruned between finding and holding it: find the newest again
+
+
 class ShardedModel:
     """The caller's handle on a group of shards; rebuilds the group when a shard dies."""
 
@@ -338,18 +352,7 @@ class ShardedModel:
             self.graph = node.experimental_compile()
 
     def _hold_served(self) -> None:
-        """Find what to serve (a run directory's newest committed checkpoint, or the checkpoint as
-        given) and hold it for this group's life: training does not prune it under the group, whose
-        shards read it now and whose rebuild may read it again."""
-        while True:
-            found = servable(self.source) or Path(self.checkpoint_dir)
-            if committed_record(found) is None:  # a Hugging Face model directory: not training's to prune
-                break
-            self._hold.enter_context(holding(str(found.parent), found.name))
-            if committed_record(found) is not None:  # still there once held: pruning now keeps it
-                break
-            self._hold.close()  # pruned between finding and holding it: find the newest again
-        self.checkpoint_dir = str(found)
+        self.checkpoint_dir = hold_served(self.source, self.checkpoint_dir, self._hold)
 
     def _started(self, refs: Any, what: str) -> Any:
         """A start-up call's result; a shard that never answers (a hung load, a node gone) is an

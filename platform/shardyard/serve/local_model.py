@@ -1,0 +1,60 @@
+"""A language model that fits one device, decoded inside the replica's own process: no shard
+actor, so no hop per decoding step (each step of a one-shard group crosses from the replica to the
+shard actor and back). The same calls as ShardedModel, so the engine and the static batches run
+over either; the replica's own bundle holds the CPUs (and GPU) a shard's would have.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import ExitStack
+
+import torch
+
+from shardyard.checkpoint.layout import read_spec, trusted
+from shardyard.checkpoint.loaders import load_model_part, servable
+from shardyard.models.kv_cache import KVCache
+from shardyard.runtime import select_device
+from shardyard.serve.shards import Extra, hold_served, last_position, run_model
+from shardyard.spec import LANGUAGE_MODELS
+
+
+class LocalModel:
+    def __init__(self, source: str, use_gpu: bool = False, cache_rows: int = 0,
+                 trust_factory: str | None = None) -> None:
+        """`source`: a checkpoint, a model directory, or a run directory (its newest committed
+        checkpoint, held while served). `cache_rows`: sequences the KV cache holds (0: none)."""
+        found = servable(source)
+        if found is None:
+            raise ValueError(f"no checkpoint at {source!r}")
+        self._hold = ExitStack()
+        self.checkpoint_dir = hold_served(source, str(found), self._hold)
+        spec = trusted(read_spec(self.checkpoint_dir), self.checkpoint_dir, trust_factory).model
+        if not isinstance(spec, LANGUAGE_MODELS):
+            self._hold.close()
+            raise ValueError(f"{self.checkpoint_dir} holds a '{spec.name}' model; this is for language models")
+        self.block_size = spec.block_size
+        self.device = select_device(0) if use_gpu else torch.device("cpu")
+        self.model = load_model_part(self.checkpoint_dir, lambda m: m, self.device, trust_factory=trust_factory).eval()
+        self.cache = KVCache(cache_rows, self.block_size) if cache_rows else None
+        self.rebuilds = 0  # nothing here dies apart from the replica, which Serve replaces
+        self._lock = threading.Lock()  # one forward pass at a time over the one cache
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, extra: Extra = None) -> torch.Tensor:
+        with self._lock:
+            extra = extra.to(self.device) if isinstance(extra, torch.Tensor) else extra
+            out = run_model(self.model, tokens.to(self.device), extra, self.cache)
+            return last_position(out, extra).cpu()
+
+    def healthy(self, timeout_s: float = 5.0) -> bool:
+        return True  # in the replica's process: if the replica answers, so does the model
+
+    def heal(self, rebuild_if_slow: bool = False, timeout_s: float = 5.0) -> bool:
+        return False  # no shard to lose
+
+    def rebuild(self, failed: int | None = None) -> bool:
+        return False
+
+    def close(self) -> None:
+        self._hold.close()
