@@ -328,8 +328,11 @@ def test_every_bad_input_gets_its_status_and_the_server_keeps_serving(server) ->
                         ({"prompt": "hi", "max_tokenz": 3}, "max_tokenz"), ({}, "prompt"),
                         ({"prompt": "hi", "max_tokens": 5000}, "max_tokens"),
                         ({"prompt": "hi", "seed": 2**70}, "seed"), ({"prompt": "hi", "seed": -1}, "seed"),
-                        ({"prompt": "hi", "n": 2}, "n"), ({"prompt": "hi", "echo": True}, "echo"),
-                        ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+                        ({"prompt": "hi", "n": 9}, "n"), ({"prompt": "hi", "echo": True}, "echo"),
+                        ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+                        ({"prompt": "hi", "top_k": -2}, "top_k"), ({"prompt": "hi", "best_of": 2}, "best_of"),
+                        ({"prompt": "hi", "max_tokens": 3, "min_tokens": 4}, "min_tokens"),
+                        ({"prompt": "hi", "logprobs": 21}, "logprobs"),
                         ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
                         ({"prompt": "hi", "top_p": 0}, "top_p")]:
         answer = requests.post(url, json=body, headers=HEADERS, timeout=60)

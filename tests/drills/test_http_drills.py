@@ -73,6 +73,17 @@ def app() -> Iterator[tuple[App, str]]:
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
+def read_answer(sock: socket.socket) -> bytes:
+    """An HTTP answer with a JSON body, read off a raw socket."""
+    answer = b""
+    while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        answer += chunk
+    return answer
+
+
 def head_only(url: str, headers: dict[str, str]) -> tuple[int, dict]:
     """Send a POST's head, declaring a body that never comes, and read the answer: a guard that
     reads the body first would wait for it (and the socket's timeout would fail the drill)."""
@@ -80,12 +91,7 @@ def head_only(url: str, headers: dict[str, str]) -> tuple[int, dict]:
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         sock.sendall(f"POST /v1/echo HTTP/1.1\r\nHost: {host}\r\n{head}\r\n".encode())
-        answer = b""
-        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
-            chunk = sock.recv(4096)
-            if not chunk:
-                break
-            answer += chunk
+        answer = read_answer(sock)
     status_line, _, rest = answer.partition(b"\r\n")
     return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
 
@@ -201,15 +207,7 @@ def test_bodies_trickled_by_many_clients_get_408_and_hold_nothing_after_the_dead
     try:
         started = time.monotonic()
         assert requests.post(f"{url}/v1/echo", data=b"{}", headers=AUTH, timeout=10).json() == {"bytes": 2}
-        answers = []
-        for sock in slow:
-            answer = b""
-            while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
-                chunk = sock.recv(4096)
-                if not chunk:
-                    break
-                answer += chunk
-            answers.append(answer)
+        answers = [read_answer(sock) for sock in slow]
         assert all(a.startswith(b"HTTP/1.1 408") and b"not received within" in a for a in answers), answers[0]
         assert time.monotonic() - started < BODY_TIMEOUT_S + 20
         assert b"x" not in app.bodies  # no trickled body reached the route

@@ -15,12 +15,13 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from shardyard.serve.sampling import MAX_LOGPROBS, Sampling
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI's API
+DEFAULT_MAX_TOKENS = 16  # as OpenAI's completions API
 
 
 class StreamOptions(BaseModel):
@@ -33,7 +34,7 @@ class _Sampling(BaseModel):
     """What completions and chat requests share."""
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1, description="default 16")
+    max_tokens: int | None = Field(None, ge=1, description=f"default {DEFAULT_MAX_TOKENS}")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, description="-1 or 0: every token")
@@ -68,7 +69,7 @@ class _Sampling(BaseModel):
 
     @property
     def new_tokens(self) -> int:
-        return self.max_tokens or 16
+        return self.max_tokens or DEFAULT_MAX_TOKENS
 
     def sampling(self) -> Sampling:
         """The request's sampling; `top_alternatives` (each request kind names its log-probability
@@ -79,11 +80,13 @@ class _Sampling(BaseModel):
                         ignore_eos=self.ignore_eos, logprobs=self.top_alternatives,
                         logit_bias=tuple(sorted((self.logit_bias or {}).items())))
 
-    @model_validator(mode="after")
-    def _at_least_within_at_most(self) -> _Sampling:
-        if self.min_tokens > self.new_tokens:
-            raise ValueError(f"min_tokens {self.min_tokens} is over max_tokens {self.new_tokens}")
-        return self
+    @field_validator("min_tokens")
+    @classmethod
+    def _at_least_within_at_most(cls, min_tokens: int, info: ValidationInfo) -> int:
+        at_most = info.data.get("max_tokens") or DEFAULT_MAX_TOKENS
+        if min_tokens > at_most:
+            raise ValueError(f"min_tokens {min_tokens} is over max_tokens {at_most}")
+        return min_tokens
 
 
 class CompletionRequest(_Sampling):
