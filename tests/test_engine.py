@@ -43,10 +43,12 @@ class CachedModel:
         self.model, self.rows, self.fail_at_call, self.error_at_call = model, rows, fail_at_call, error_at_call
         self.cache = KVCache(rows, model.spec.block_size)
         self.calls, self.most_active = 0, 0
+        self.steps: list[CacheStep] = []
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, step: CacheStep) -> torch.Tensor:
         self.calls += 1
+        self.steps.append(step)
         if self.calls == self.fail_at_call:
             raise CacheLost
         if self.calls == self.error_at_call:  # after the step began: the cache is half updated
@@ -99,9 +101,10 @@ async def serve_all(engine: DecodingEngine, requests: list[Completion], join_aft
     return got
 
 
-def engine_for(model: CachedModel, budget: int = 8) -> DecodingEngine:
+def engine_for(model: CachedModel, budget: int = 8, min_chunk: int = 32, increment: int = 4) -> DecodingEngine:
     return DecodingEngine(model.forward, model.rows, model.model.spec.block_size,
-                          TokenBudget(budget, step_target_s=60.0, increment=4), model.recover, (CacheLost,))
+                          TokenBudget(budget, step_target_s=60.0, increment=increment), model.recover, (CacheLost,),
+                          min_chunk=min_chunk)
 
 
 @pytest.mark.timeout(30)
@@ -166,6 +169,64 @@ def test_a_model_decoded_in_the_replicas_process_gives_each_request_its_tokens_a
     finally:
         local.close()
     assert not live_holds(storage, ddp_checkpoint.name)  # closed: training may prune it again
+
+
+def test_a_partial_prompts_row_stays_last_when_rows_before_it_are_released() -> None:
+    """Chunked prefill: rows 1 and 2 end while row 3's prompt is half in the cache; the rows left
+    keep their own keys, the partial prompt moves to the new last row with its chunk, and the
+    next chunk extends it, attending over the first."""
+    cache = KVCache(rows=4, max_len=8)
+    for sequence in range(4):
+        cache.begin(CacheStep("prefill"))
+        key = torch.full((1, 1, 2, 1), float(sequence))
+        cache.update("0", key, key)
+        cache.end(2)
+    cache.begin(CacheStep("decode", rows=1, release=(1, 2), partial=True))
+    order = list(range(4))
+    compact(order, (1, 2), partial=True)
+    assert order == [0, 3] and cache.lengths == [2, 2]
+    assert cache.keys["0"][:2, 0, :2, 0].tolist() == [[0.0, 0.0], [3.0, 3.0]]
+    cache.update("0", torch.full((1, 1, 1, 1), 9.0), torch.full((1, 1, 1, 1), 9.0))
+    cache.end(1)
+    assert cache.lengths == [3, 2]  # the decode step grew row 0 only
+    cache.begin(CacheStep("extend", partial=True))
+    assert cache.positions(3, torch.device("cpu")).tolist() == [[2, 3, 4]]
+    assert cache.attention_mask(3, torch.device("cpu"))[0, 0].int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0],
+                                                                                 [1, 1, 1, 1, 1]]
+    keys, _ = cache.update("0", torch.full((1, 1, 3, 1), 7.0), torch.full((1, 1, 3, 1), 7.0))
+    assert keys[0, 0, :, 0].tolist() == [3.0, 3.0, 7.0, 7.0, 7.0]
+    cache.end(3)
+    assert cache.lengths == [3, 5]
+    with pytest.raises(RuntimeError, match="partial prompt"):
+        cache.begin(CacheStep("extend"))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("architecture", ["gpt", "llama"])
+def test_prompts_prefilled_in_chunks_between_decode_steps_decode_exactly(ddp_checkpoint: Path,
+                                                                         architecture: str) -> None:
+    """A budget of 3 prompt tokens an iteration: every prompt longer than that is prefilled in
+    chunks of at least 2 (each attending over those before it), with other requests decoding in
+    between and one abandoned mid-way; every request still gets its tokens alone."""
+    if architecture == "gpt":
+        model = load_model(ddp_checkpoint).eval()
+    else:
+        from shardyard.models import build_model
+        from shardyard.spec import HFSpec
+        from test_models import MODELS
+
+        torch.manual_seed(0)
+        spec = MODELS["llama"]
+        model = build_model(HFSpec(**{**spec, "config": {**spec["config"], "initializer_range": 0.5}})).eval()
+    expected = alone(model)
+    cached = CachedModel(model, rows=3)
+    got = asyncio.run(serve_all(engine_for(cached, budget=3, min_chunk=2, increment=0), fresh(), join_after=3,
+                                abandon=2))
+    assert got[2] == expected[2][:2]
+    del got[2], expected[2]
+    assert got == expected
+    kinds = [s.kind for s in cached.steps]
+    assert "extend" in kinds and any(s.kind == "decode" and s.partial for s in cached.steps)
 
 
 @pytest.mark.timeout(120)

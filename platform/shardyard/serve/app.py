@@ -46,7 +46,7 @@ from shardyard.serve.choices import ChoiceText
 from shardyard.serve.streams import END, Interleaved
 from shardyard.serve.batching import AdaptiveBatchSize, calibrate, prefill_budget
 from shardyard.serve.config import parse_config
-from shardyard.serve.engine import DecodingEngine, LostTwice
+from shardyard.serve.engine import MIN_CHUNK, DecodingEngine, LostTwice
 from shardyard.serve.guard import ChoiceLimit, ClientError, GuardSettings, error_response, install
 from shardyard.serve.generation import Completion, TextCodec, decode_steps
 from shardyard.serve.local_model import LocalModel
@@ -145,7 +145,8 @@ class ModelServer:
             self.model = self._shards(cfg.use_gpu)
             budget = prefill_budget(self.model.forward, self.block_size, cfg.cache_rows, target)
             self.engine = DecodingEngine(self.model.forward, cfg.cache_rows, self.block_size, budget,
-                                         lambda: self._heal(rebuild_if_slow=True), (*SHARD_LOST, CachesLost))
+                                         lambda: self._heal(rebuild_if_slow=True), (*SHARD_LOST, CachesLost),
+                                         min_chunk=MIN_CHUNK if cfg.chunked_prefill else self.block_size)
             print(f"shardyard: continuous batching, {cfg.cache_rows} requests at once, prefill budget "
                   f"{budget.tokens} tokens per iteration", flush=True)
             return

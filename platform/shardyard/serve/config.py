@@ -44,6 +44,9 @@ class ServeConfig(BaseModel):
     max_kv_tokens: int | None = Field(None, ge=1, description="continuous: tokens the KV cache holds, "
                                       "a context window per running request (default max_batch_size x "
                                       "the context); beyond it requests wait")
+    chunked_prefill: bool = Field(True, description="continuous: a prompt longer than the iteration's prefill "
+                                  "budget is prefilled in chunks between decode steps (smoother inter-token "
+                                  "latency; more forward passes); false: each prompt whole at once")
     model_id: str | None = Field(None, min_length=1, max_length=128, description="the id /v1/models lists "
                                  "and requests name (default: the run's name or the model directory's)")
     batch_wait_timeout_s: float = Field(0.01, ge=0, description="fixed batching: longest wait to fill a batch")

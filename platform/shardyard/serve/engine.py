@@ -1,15 +1,17 @@
 """A decoding engine per replica: continuous batching (iteration-level scheduling, as in Orca and
 vLLM) over a model that keeps a KV cache (models/kv_cache.py).
 
-Requests wait in a queue. Every iteration first admits waiting requests while the prompt tokens
-it prefills stay within the token budget (at least one, so nothing starves) and a cache row is
-free, each prefill giving its request's first token; then decodes one token for every running
-request in one forward pass. A request that has its tokens, or whose caller stopped waiting (timed
+Requests wait in a queue. Every iteration first prefills prompt tokens within the token budget
+and while a cache row is free: the rest of a prompt begun earlier, then waiting requests; a
+prompt longer than what is left of the budget is prefilled in chunks (chunked prefill: at least
+`min_chunk` tokens, so nothing starves), one per iteration, each attending over the chunks before
+it, and its request gets its first token with the last chunk. Then the iteration decodes one
+token for every running request whose prompt is whole, in one forward pass. A request that has its tokens, or whose caller stopped waiting (timed
 out, disconnected, hit a stop string), leaves at its next iteration and frees its row for the
 next one waiting: a request arriving mid-way waits one iteration, not a whole batch.
 
-The budget is what keeps decoding smooth: prefilling a long prompt stalls every running request's
-next token. It starts from a measurement (how long a prompt token takes to prefill, how long a
+The budget is what keeps decoding smooth: prefilling a long prompt at once would stall every
+running request's next token for as long as it takes. It starts from a measurement (how long a prompt token takes to prefill, how long a
 decode step takes, against the per-token latency target) and adapts online: halved after an
 iteration over the target, grown after a full one well under it.
 
@@ -34,6 +36,10 @@ from shardyard.serve.generation import Completion
 
 # (token ids, what the pass does with the cache) -> logits (B, T, V)
 CachedForward = Callable[[torch.Tensor, CacheStep], torch.Tensor]
+# The fewest prompt tokens a prefill chunk takes: each chunk is a forward pass that reads every weight,
+# so prompts up to this long are prefilled whole (benchmarks/serve_vs_vllm.py: chunks of 32 cost 14%
+# of the throughput at 128-token prompts) and only longer ones are spread over iterations.
+MIN_CHUNK = 128
 
 
 class LostTwice(RuntimeError):
@@ -50,6 +56,7 @@ class Sequence:
     finished: bool = False
     losses: int = 0          # shard groups lost under it
     first_token_at: float | None = None
+    cached: int = 0          # tokens of its prompt in the cache (less than all: a partial prefill)
 
     @property
     def leaving(self) -> bool:
@@ -85,13 +92,15 @@ class EngineStats:
 
 class DecodingEngine:
     def __init__(self, forward: CachedForward, rows: int, context: int, budget: TokenBudget,
-                 recover: Callable[[], None], lost: tuple[type[BaseException], ...]) -> None:
+                 recover: Callable[[], None], lost: tuple[type[BaseException], ...], min_chunk: int = MIN_CHUNK) -> None:
         """`rows`: sequences the cache holds at once; `context`: tokens per sequence.
-        `recover`: rebuild the model's shards (blocking) after `forward` raised one of `lost`."""
+        `recover`: rebuild the model's shards (blocking) after `forward` raised one of `lost`.
+        `min_chunk`: the fewest prompt tokens a prefill chunk takes (fewer only to end a prompt)."""
         self.forward, self.rows, self.context, self.budget = forward, rows, context, budget
-        self.recover, self.lost = recover, lost
+        self.recover, self.lost, self.min_chunk = recover, lost, min_chunk
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # index = cache row
+        self.partial: Sequence | None = None  # a prompt part-prefilled: always the last running one
         self.stats = EngineStats()
         self._wake = asyncio.Event()
         self._loop: asyncio.Task | None = None
@@ -143,42 +152,66 @@ class DecodingEngine:
             self.stats.waiting, self.stats.running = len(self.waiting), len(self.running)
             self.stats.cache_rows_used = len(self.running)
 
-    async def _step(self, kind: str, prompt: list[int] | None = None) -> torch.Tensor:
-        """One forward pass: a prefill of `prompt`, or a decode step over every running request.
-        Rows that are leaving are released by the same call, before it computes."""
+    async def _step(self, kind: str, chunk: list[int] | None = None) -> torch.Tensor:
+        """One forward pass: a prefill or extend of `chunk`, or a decode step over every running
+        request whose prompt is whole. Rows that are leaving are released by the same call, before
+        it computes."""
+        if self.partial is not None and self.partial.leaving:
+            self.partial = None  # abandoned mid-prompt: released like any leaving row
+        partial = self.partial is not None
         release = tuple(row for row, seq in enumerate(self.running) if seq.leaving)
-        compact(self.running, release)
-        tokens = [prompt] if kind == "prefill" else [[s.request.tokens[-1]] for s in self.running]
-        step = CacheStep(kind, rows=len(tokens), release=release)
+        compact(self.running, release, partial)
+        decoding = self.running[:len(self.running) - partial]
+        tokens = [chunk] if kind != "decode" else [[s.request.tokens[-1]] for s in decoding]
+        step = CacheStep(kind, rows=len(tokens), release=release, partial=partial)
         logits = await asyncio.to_thread(self.forward, torch.tensor(tokens, dtype=torch.long), step)
         return logits[:, -1, :].float()
 
     async def _admit(self) -> int:
+        """Prefill within the budget: the partial prompt's next chunk, then waiting requests."""
         prefilled = 0
-        while self.waiting:
+        if self.partial is not None and not self.partial.leaving:
+            prefilled += await self._prefill(self.partial, prefilled)
+        while self.waiting and (self.partial is None or self.partial.leaving):
             seq = self.waiting[0]
             if seq.abandoned:
                 self.waiting.popleft()
                 continue
             in_use = sum(1 for s in self.running if not s.leaving)
-            prompt = seq.request.prompt + seq.request.tokens
-            if in_use >= self.rows or (prefilled and prefilled + len(prompt) > self.budget.tokens):
+            if in_use >= self.rows or (prefilled and self.budget.tokens - prefilled < self.min_chunk):
                 break
             self.waiting.popleft()
-            try:
-                logits = await self._step("prefill", prompt)
-            finally:  # running even when the step failed under it: recovered with the others, not lost
-                self.running.append(seq)
-            prefilled += len(prompt)
-            if not seq.leaving:
-                self._emit(seq, logits[0])
+            seq.cached = 0
+            prefilled += await self._prefill(seq, prefilled)
         return prefilled
 
+    async def _prefill(self, seq: Sequence, prefilled: int) -> int:
+        """The next chunk of `seq`'s prompt (its prompt and any tokens it had before a lost
+        cache), as much as the budget leaves; its first token once the prompt is whole."""
+        prompt = seq.request.prompt + seq.request.tokens
+        size = max(self.budget.tokens - prefilled, self.min_chunk)
+        if len(prompt) - seq.cached - size < self.min_chunk:  # no last chunk smaller than min_chunk
+            size = len(prompt) - seq.cached
+        chunk = prompt[seq.cached:seq.cached + size]
+        opening = seq.cached == 0
+        try:
+            logits = await self._step("prefill" if opening else "extend", chunk)
+        finally:  # running even when the step failed under it: recovered with the others, not lost
+            if opening:
+                self.running.append(seq)
+        seq.cached += len(chunk)
+        self.partial = seq if seq.cached < len(prompt) else None
+        if self.partial is None and not seq.leaving:
+            self._emit(seq, logits[0])
+        return len(chunk)
+
     async def _decode(self) -> None:
-        if not any(not s.leaving for s in self.running):
+        decoding = self.running[:len(self.running) - (self.partial is not None)]
+        if not any(not s.leaving for s in decoding):
             return
         logits = await self._step("decode")
-        for seq, row in zip(self.running, logits):
+        decoding = self.running[:len(self.running) - (self.partial is not None)]  # as the step compacted it
+        for seq, row in zip(decoding, logits):
             if not seq.leaving:  # abandoned while the step ran: its token is not wanted
                 self._emit(seq, row)
 
@@ -220,5 +253,5 @@ class DecodingEngine:
                 seq.out.put_nowait(failed or LostTwice("the model's shards were lost twice under this request"))
             else:
                 again.append(seq)
-        self.running = []
+        self.running, self.partial = [], None
         self.waiting.extendleft(reversed(again))
