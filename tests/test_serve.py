@@ -333,6 +333,7 @@ def test_every_bad_input_gets_its_status_and_the_server_keeps_serving(server) ->
                         ({"prompt": "hi", "top_k": -2}, "top_k"), ({"prompt": "hi", "best_of": 2}, "best_of"),
                         ({"prompt": "hi", "max_tokens": 3, "min_tokens": 4}, "min_tokens"),
                         ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+                        ({"prompt": ["a"] * 9}, "prompt"),  # more choices than a request may carry
                         ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
                         ({"prompt": "hi", "top_p": 0}, "top_p")]:
         answer = requests.post(url, json=body, headers=HEADERS, timeout=60)
