@@ -233,3 +233,8 @@ def test_a_replicas_limit_counts_choices_not_requests() -> None:
     limit.give_back(3)
     limit.take(2)
     assert limit.in_flight == 7
+    limit.admit(1)  # fits: nothing counted until the stream holds it
+    assert limit.in_flight == 7
+    limit.hold(1)
+    with pytest.raises(ClientError):
+        limit.admit(1)

@@ -240,19 +240,17 @@ class ModelServer:
                       chat: bool) -> Any:
         id_ = oa.completion_id(chat)
         requests = self._completions(prompts, body)
+        prompt_tokens = sum(len(p) for p in prompts)
+        if body.stream:  # counted and decoded once the response streams: a client gone before holds nothing
+            self.choices.admit(len(requests))
+            options = body.stream_options or oa.StreamOptions()
+            return StreamingResponse(self._stream(requests, body.stop, chat, id_, options, prompt_tokens),
+                                     media_type="text/event-stream")
         self.choices.take(len(requests))
+        gens: list[Generation] = []
         try:
             gens = [self._generate(r) for r in requests]
             choices = [ChoiceText(r, self.codec, body.stop, chat) for r in requests]
-        except BaseException:
-            self.choices.give_back(len(requests))
-            raise
-        prompt_tokens = sum(len(p) for p in prompts)
-        if body.stream:
-            options = body.stream_options or oa.StreamOptions()
-            return StreamingResponse(self._stream(gens, choices, chat, id_, options, prompt_tokens),
-                                     media_type="text/event-stream")
-        try:
             await asyncio.wait_for(asyncio.gather(*(self._collect(g, c) for g, c in zip(gens, choices))),
                                    self.config.request_timeout_s)
         except asyncio.TimeoutError:
@@ -278,14 +276,14 @@ class ModelServer:
                 return
         choice.finish()
 
-    async def _stream(self, gens: list[Generation], choices: list[ChoiceText], chat: bool, id_: str,
+    async def _stream(self, requests: list[Completion], stops: list[str], chat: bool, id_: str,
                       options: oa.StreamOptions, prompt_tokens: int) -> AsyncIterator[str]:
         """OpenAI's stream: chunks of text per choice as it is decoded (a chunk carries every
         token a choice got since its last one), each choice's last with its finish_reason, then
         (if asked) one with the usage, then [DONE]. A character split over several tokens appears
         with its last one, and nothing of a stop string is sent."""
         model, deadline = self.config.model_id, time.perf_counter() + self.config.request_timeout_s
-        requests = [c.request for c in choices]
+        choices = [ChoiceText(r, self.codec, stops, chat) for r in requests]
 
         def chunk(index: int, piece: str, reason: str | None = None, first: bool = False) -> str:
             used = None
@@ -294,8 +292,12 @@ class ModelServer:
             return _event(oa.body(id_, model, [oa.choice(index, piece, reason, chat, delta=True, first=first,
                                                          logprobs=choices[index].logprobs())],
                                   chat, chunk=True, usage=used))
-        streams = Interleaved([g.tokens for g in gens], deadline)
+        self.choices.hold(len(requests))
+        gens: list[Generation] = []
+        streams: Interleaved | None = None
         try:
+            gens = [self._generate(r) for r in requests]
+            streams = Interleaved([g.tokens for g in gens], deadline)
             if chat:
                 for index in range(len(choices)):
                     yield chunk(index, "", first=True)
@@ -321,10 +323,11 @@ class ModelServer:
         except RuntimeError as err:
             yield _event(oa.error_body(500, f"this request could not be decoded: {err}"))
         finally:  # finished, timed out or disconnected: either way its decoders stop computing it
-            streams.close()
+            if streams is not None:
+                streams.close()
             for gen in gens:
                 gen.abandon()
-            self.choices.give_back(len(gens))
+            self.choices.give_back(len(requests))
         yield _event("[DONE]")
 
     def _generate(self, request: Completion) -> Generation:

@@ -78,10 +78,18 @@ class ChoiceLimit:
     def __init__(self, limit: int) -> None:
         self.limit, self.in_flight = limit, 0
 
-    def take(self, choices: int) -> None:
+    def admit(self, choices: int) -> None:
+        """Refuse (503) a request whose choices do not fit now."""
         if self.in_flight and self.in_flight + choices > self.limit:
             raise ClientError(503, f"busy: {self.in_flight} choices in flight and this request adds {choices}; "
                                    f"the limit is {self.limit}", retry_after_s=1)
+
+    def take(self, choices: int) -> None:
+        self.admit(choices)
+        self.in_flight += choices
+
+    def hold(self, choices: int) -> None:
+        """Count choices admitted earlier (a stream's, once its response starts)."""
         self.in_flight += choices
 
     def give_back(self, choices: int) -> None:
