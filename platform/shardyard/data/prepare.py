@@ -14,6 +14,7 @@ import hashlib
 import json
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -368,5 +369,21 @@ def main(config: str, overrides: list[str]) -> int:
     except (SpecError, PrepareError) as err:
         print(f"shardyard prepare: {err}", file=sys.stderr)
         return 2
+    finish_ray_data()
     return 0
+
+
+# Ray Data's executor threads (named "StreamingExecutor-<dataset>") wind down after a dataset is
+# consumed, and its own shutdown waits 2 s for them. On a loaded machine one may still run when
+# the interpreter exits and Ray shuts down: its next call into Ray then makes Ray's core worker
+# end the process with exit status 1 ("The core worker has already been shutdown"), a finished
+# `prepare` reported as failed (seen in CI). So they are waited for, up to this long, first.
+RAY_DATA_WIND_DOWN_S = 60.0
+
+
+def finish_ray_data() -> None:
+    deadline = time.monotonic() + RAY_DATA_WIND_DOWN_S
+    for thread in threading.enumerate():
+        if thread.name.startswith("StreamingExecutor"):
+            thread.join(max(0.0, deadline - time.monotonic()))
 
