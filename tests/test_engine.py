@@ -107,18 +107,24 @@ def engine_for(model: CachedModel, budget: int = 8, min_chunk: int = 32, increme
                           min_chunk=min_chunk)
 
 
+def filled_cache(rows: int, max_len: int) -> KVCache:
+    """A one-layer cache whose every row holds a 2-token prompt of keys and values equal to its row."""
+    cache = KVCache(rows=rows, max_len=max_len)
+    for sequence in range(rows):
+        cache.begin(CacheStep("prefill"))
+        key = torch.full((1, 1, 2, 1), float(sequence))
+        cache.update("0", key, key)
+        cache.end(2)
+    return cache
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("release, kept", [((2, 4), [0, 1, 3]), ((1, 3), [0, 4, 2]), ((0, 1), [3, 4, 2])])
 def test_rows_released_in_one_step_leave_each_remaining_sequence_its_own_keys(release: tuple[int, ...],
                                                                            kept: list[int]) -> None:
     """Two sequences ending in the same step (one finished, one abandoned): each freed row takes
     the last row still active, in the order the engine's own list moves them (`compact`)."""
-    cache = KVCache(rows=5, max_len=4)
-    for sequence in range(5):
-        cache.begin(CacheStep("prefill"))
-        key = torch.full((1, 1, 2, 1), float(sequence))
-        cache.update("0", key, key)
-        cache.end(2)
+    cache = filled_cache(rows=5, max_len=4)
     cache.begin(CacheStep("decode", rows=3, release=release))
     order = list(range(5))
     compact(order, release)
@@ -175,12 +181,7 @@ def test_a_partial_prompts_row_stays_last_when_rows_before_it_are_released() -> 
     """Chunked prefill: rows 1 and 2 end while row 3's prompt is half in the cache; the rows left
     keep their own keys, the partial prompt moves to the new last row with its chunk, and the
     next chunk extends it, attending over the first."""
-    cache = KVCache(rows=4, max_len=8)
-    for sequence in range(4):
-        cache.begin(CacheStep("prefill"))
-        key = torch.full((1, 1, 2, 1), float(sequence))
-        cache.update("0", key, key)
-        cache.end(2)
+    cache = filled_cache(rows=4, max_len=8)
     cache.begin(CacheStep("decode", rows=1, release=(1, 2), partial=True))
     order = list(range(4))
     compact(order, (1, 2), partial=True)
