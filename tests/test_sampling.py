@@ -97,3 +97,27 @@ def test_a_seeded_draw_repeats_and_nan_logits_are_an_error() -> None:
     assert first == again
     with pytest.raises(RuntimeError, match="NaN"):
         pick(torch.tensor([0.0, float("nan")]))
+
+
+def test_stop_strings_count_only_from_min_tokens_on() -> None:
+    """vLLM's rule: before `min_tokens` a stop string is text like any other; from there on the
+    first one ends the choice, the text cut before it."""
+    from shardyard.serve.choices import ChoiceText
+    from shardyard.serve.generation import TextCodec, encode
+
+    def served(min_tokens: int) -> tuple[str, str]:
+        request = Completion([1], 20, Sampling(min_tokens=min_tokens))
+        choice = ChoiceText(request, TextCodec(), ["ab"], chat=False)
+        for token in encode("xabyyabzz"):
+            request.tokens.append(token)
+            choice.push(token)
+            if choice.stopped:
+                break
+        else:
+            choice.finish()
+        return choice.text(), choice.finish_reason
+
+    assert served(0) == ("x", "stop")
+    assert served(3) == ("x", "stop")  # the first "ab" ends with token 3: counted from there
+    assert served(4) == ("xabyy", "stop")  # ...but not before
+    assert served(9) == ("xabyyabzz", "length")
