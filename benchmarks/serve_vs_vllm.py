@@ -113,14 +113,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         directory = model_directory(out / "llama", hidden=512, layers=8, heads=8, context=1024)
-        rows = [row for server in args.servers for row in SERVERS[server](directory, out, args.concurrency, args.prompts)]
+        rows = [row for server in args.servers
+                for row in SERVERS[server](directory, out, args.concurrency, args.prompts)]
     by = {(r["server"], r["streams"]): r for r in rows}
     for ours in [r for r in rows if r["server"] != "vllm"] if "vllm" in args.servers else []:
         theirs = by[("vllm", ours["streams"])]
         ours["tok_per_s_vs_vllm"] = ours["output_tok_per_s"] / theirs["output_tok_per_s"]
         ours["ttft_vs_vllm"] = ours["ttft_p50_ms"] / theirs["ttft_p50_ms"]
         ours["tpot_vs_vllm"] = ours["tpot_p50_ms"] / theirs["tpot_p50_ms"]
-    print_table(f"Built-in engine against vLLM ({PROMPT_TOKENS} tokens in, {OUTPUT_TOKENS} out, vllm bench serve)", rows)
+    print_table(f"Built-in engine against vLLM ({PROMPT_TOKENS} tokens in, {OUTPUT_TOKENS} out, "
+                "vllm bench serve)", rows)
     if set(args.servers) == set(SERVERS):  # a figure is a side-by-side comparison, or nothing
         write_json("serve_vs_vllm", {"prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, "rows": rows})
 

@@ -43,7 +43,8 @@ def model_directory(out: Path, hidden: int = 64, layers: int = 2, heads: int = 4
 
 
 def bench(url: str, tokenizer: Path, out: Path, *, backend: str = "openai", prompt_tokens: int = 32,
-          output_tokens: int = 16, prompts: int = 24, concurrency: int = 8, model_id: str | None = None) -> dict[str, Any]:
+          output_tokens: int = 16, prompts: int = 24, concurrency: int = 8,
+          model_id: str | None = None) -> dict[str, Any]:
     """`vllm bench serve` on random prompts against the server at `url` (base, without /v1);
     its saved result (completed, failed, throughput, TTFT, TPOT, ...)."""
     import requests

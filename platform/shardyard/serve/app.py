@@ -14,8 +14,8 @@ Language models are decoded by the engine (serve/engine.py: KV cache, continuous
 they have a KV cache, else by static batches grouped with `@serve.batch` (ragged prompts
 left-padded and masked, so each answer equals the unbatched one), fixed or adaptive in size
 (serve/batching.py). Streaming (`stream: true`) sends each choice's text as it is decoded (several
-choices interleaved, serve/streams.py), as `data: {chunk}` lines ending with `data: [DONE]`. A shard lost under a batch gets the shard group
-rebuilt and the batch resumed where it stopped. Every mistake a client can make gets a 4xx in
+choices interleaved, serve/streams.py), as `data: {chunk}` lines ending with `data: [DONE]`. A
+shard lost under a batch gets the shard group rebuilt and the batch resumed where it stopped. Every mistake a client can make gets a 4xx in
 OpenAI's error shape with a reason: malformed JSON 400, a prompt beyond the context 400, bad or
 missing credentials 401 (checked first, before the body is read), another model or route 404,
 body too large 413 (checked before reading it), invalid fields 422 (naming the field), too slow

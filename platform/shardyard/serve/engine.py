@@ -6,14 +6,16 @@ and while a cache row is free: the rest of a prompt begun earlier, then waiting 
 prompt longer than what is left of the budget is prefilled in chunks (chunked prefill: at least
 `min_chunk` tokens, so nothing starves), one per iteration, each attending over the chunks before
 it, and its request gets its first token with the last chunk. Then the iteration decodes one
-token for every running request whose prompt is whole, in one forward pass. A request that has its tokens, or whose caller stopped waiting (timed
-out, disconnected, hit a stop string), leaves at its next iteration and frees its row for the
-next one waiting: a request arriving mid-way waits one iteration, not a whole batch.
+token for every running request whose prompt is whole, in one forward pass. A request that has
+its tokens, or whose caller stopped waiting (timed out, disconnected, hit a stop string), leaves
+at its next iteration and frees its row for the next one waiting: a request arriving mid-way
+waits one iteration, not a whole batch.
 
 The budget is what keeps decoding smooth: prefilling a long prompt at once would stall every
-running request's next token for as long as it takes. It starts from a measurement (how long a prompt token takes to prefill, how long a
-decode step takes, against the per-token latency target) and adapts online: halved after an
-iteration over the target, grown after a full one well under it.
+running request's next token for as long as it takes. It starts from a measurement (how long a
+prompt token takes to prefill, how long a decode step takes, against the per-token latency
+target) and adapts online: halved after an iteration over the target, grown after a full one
+well under it.
 
 A shard group lost under an iteration loses its caches: the engine has the group rebuilt and
 prefills every running request again from its prompt and the tokens it already has (its random
@@ -92,7 +94,8 @@ class EngineStats:
 
 class DecodingEngine:
     def __init__(self, forward: CachedForward, rows: int, context: int, budget: TokenBudget,
-                 recover: Callable[[], None], lost: tuple[type[BaseException], ...], min_chunk: int = MIN_CHUNK) -> None:
+                 recover: Callable[[], None], lost: tuple[type[BaseException], ...],
+                 min_chunk: int = MIN_CHUNK) -> None:
         """`rows`: sequences the cache holds at once; `context`: tokens per sequence.
         `recover`: rebuild the model's shards (blocking) after `forward` raised one of `lost`.
         `min_chunk`: the fewest prompt tokens a prefill chunk takes (fewer only to end a prompt)."""
@@ -161,8 +164,7 @@ class DecodingEngine:
         partial = self.partial is not None
         release = tuple(row for row, seq in enumerate(self.running) if seq.leaving)
         compact(self.running, release, partial)
-        decoding = self.running[:len(self.running) - partial]
-        tokens = [chunk] if kind != "decode" else [[s.request.tokens[-1]] for s in decoding]
+        tokens = [chunk] if kind != "decode" else [[s.request.tokens[-1]] for s in self.decoding]
         step = CacheStep(kind, rows=len(tokens), release=release, partial=partial)
         logits = await asyncio.to_thread(self.forward, torch.tensor(tokens, dtype=torch.long), step)
         return logits[:, -1, :].float()
@@ -205,13 +207,16 @@ class DecodingEngine:
             self._emit(seq, logits[0])
         return len(chunk)
 
+    @property
+    def decoding(self) -> list[Sequence]:
+        """The running requests whose prompts are whole: all but a partial prompt (the last)."""
+        return self.running[:len(self.running) - (self.partial is not None)]
+
     async def _decode(self) -> None:
-        decoding = self.running[:len(self.running) - (self.partial is not None)]
-        if not any(not s.leaving for s in decoding):
+        if not any(not s.leaving for s in self.decoding):
             return
         logits = await self._step("decode")
-        decoding = self.running[:len(self.running) - (self.partial is not None)]  # as the step compacted it
-        for seq, row in zip(decoding, logits):
+        for seq, row in zip(self.decoding, logits):  # as the step compacted them
             if not seq.leaving:  # abandoned while the step ran: its token is not wanted
                 self._emit(seq, row)
 

@@ -166,8 +166,8 @@ def render_chat(messages: list[Message], tokenizer: Any) -> str:
     """The prompt for a conversation: the tokenizer's own chat template when it has one, else
     PLAIN_CHAT_TEMPLATE per message followed by "assistant:"."""
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": TEMPLATE_ROLES.get(m.role, m.role), "content": m.text} for m in messages],
-                                             tokenize=False, add_generation_prompt=True)
+        turns = [{"role": TEMPLATE_ROLES.get(m.role, m.role), "content": m.text} for m in messages]
+        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     return "".join(PLAIN_CHAT_TEMPLATE.format(role=m.role, content=m.text) for m in messages) + "assistant:"
 
 

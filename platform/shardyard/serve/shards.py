@@ -333,8 +333,9 @@ class ShardedModel:
             return bundle_actor_options(self.bundle, p.group, p.first_bundle + i)
 
         if self.sharding == "pipeline":
+            last = len(self.ranges) - 1
             self.shards = [PipelineShard.options(**in_bundle(i)).remote(self.checkpoint_dir, start, end, self.whole,
-                                                                          i == len(self.ranges) - 1, self.use_gpu, self.cache_rows,
+                                                                          i == last, self.use_gpu, self.cache_rows,
                                                                           self.trust_factory)
                            for i, (start, end) in enumerate(self.ranges)]
         else:
