@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -364,26 +364,16 @@ def _user_error(err: BaseException) -> Exception:
 
 
 def main(config: str, overrides: list[str]) -> int:
+    # Ray Data's usage telemetry starts a thread that polls the cluster every 10 s for as long as
+    # the process lives. A poll that falls during Ray's shutdown at interpreter exit makes Ray's
+    # core worker end the process with status 1 ("The core worker has already been shutdown"):
+    # a finished `prepare` reported as failed (seen in CI, more often on a loaded machine). This
+    # is Ray Data's own opt-out of that telemetry, for this process only.
+    os.environ.setdefault("RAY_DATA_USAGE_DISABLED", "1")
     try:
         prepare(load_prepare_spec(config, overrides))
     except (SpecError, PrepareError) as err:
         print(f"shardyard prepare: {err}", file=sys.stderr)
         return 2
-    finish_ray_data()
     return 0
-
-
-# Ray Data's executor threads (named "StreamingExecutor-<dataset>") wind down after a dataset is
-# consumed, and its own shutdown waits 2 s for them. On a loaded machine one may still run when
-# the interpreter exits and Ray shuts down: its next call into Ray then makes Ray's core worker
-# end the process with exit status 1 ("The core worker has already been shutdown"), a finished
-# `prepare` reported as failed (seen in CI). So they are waited for, up to this long, first.
-RAY_DATA_WIND_DOWN_S = 60.0
-
-
-def finish_ray_data() -> None:
-    deadline = time.monotonic() + RAY_DATA_WIND_DOWN_S
-    for thread in threading.enumerate():
-        if thread.name.startswith("StreamingExecutor"):
-            thread.join(max(0.0, deadline - time.monotonic()))
 
