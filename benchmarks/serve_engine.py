@@ -156,7 +156,7 @@ def sweep(app: str, application: serve.Application, port: int, duration: float, 
 def decode_steps(batch: int, repeats: int = 20) -> list[dict[str, Any]]:
     """One decode step at each context length: cached (the engine) and recomputed (static)."""
     from shardyard.models.gpt import GPT
-    from shardyard.models.kv_cache import CacheStep, KVCache
+    from shardyard.models.kv_cache import BLOCK_TOKENS, CacheStep, KVCache
     from shardyard.serve.shards import run_model
     from shardyard.spec import GPTSpec
 
@@ -165,15 +165,17 @@ def decode_steps(batch: int, repeats: int = 20) -> list[dict[str, Any]]:
     rows = []
     with torch.no_grad():
         for context in (16, 256, 1024):
-            cache = KVCache(batch, 1024)
-            for _ in range(batch):
-                run_model(model, torch.randint(0, 256, (1, context - 1)), CacheStep("prefill"), cache)
+            per_row = 1024 // BLOCK_TOKENS
+            cache = KVCache(batch * per_row)
+            tables = [tuple(range(row * per_row, (row + 1) * per_row)) for row in range(batch)]
+            for table in tables:
+                run_model(model, torch.randint(0, 256, (1, context - 1)), CacheStep((table,), (0,)), cache)
             cached = []
-            for _ in range(repeats):
+            for _ in range(repeats):  # every step at the same position
                 start = time.perf_counter()
-                run_model(model, torch.randint(0, 256, (batch, 1)), CacheStep("decode", rows=batch), cache)
+                run_model(model, torch.randint(0, 256, (batch, 1)), CacheStep(tuple(tables), (context - 1,) * batch),
+                          cache)
                 cached.append(time.perf_counter() - start)
-                cache.lengths = [context - 1] * batch  # stay at this position
             tokens = torch.randint(0, 256, (batch, context))
             recomputed = []
             for _ in range(max(3, repeats // 4)):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardyard.models.kv_cache import CacheStep, KVCache, compact
+from shardyard.models.kv_cache import BLOCK_TOKENS, CacheStep, KVCache
 from shardyard.serve.engine import DecodingEngine, TokenBudget
 from shardyard.serve.sampling import Sampling
 from shardyard.serve.generation import Completion, encode, generate
@@ -36,30 +36,32 @@ class CacheLost(Exception):
 
 
 class CachedModel:
-    """A whole model with its KV cache, as one pipeline shard holds it; can lose its cache."""
+    """A whole model with its KV cache, as one pipeline shard holds it; can lose its cache.
+    `rows`: sequences decoded at once; `blocks`: the cache's (default: a context window a row)."""
 
     def __init__(self, model: torch.nn.Module, rows: int, fail_at_call: int | None = None,
-                 error_at_call: int | None = None) -> None:
+                 error_at_call: int | None = None, blocks: int | None = None) -> None:
         self.model, self.rows, self.fail_at_call, self.error_at_call = model, rows, fail_at_call, error_at_call
-        self.cache = KVCache(rows, model.spec.block_size)
+        self.blocks = blocks or rows * -(-model.spec.block_size // BLOCK_TOKENS)
+        self.cache = KVCache(self.blocks)
         self.calls, self.most_active = 0, 0
-        self.steps: list[CacheStep] = []
+        self.steps: list[tuple[int, CacheStep]] = []  # (new tokens per row, step)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, step: CacheStep) -> torch.Tensor:
         self.calls += 1
-        self.steps.append(step)
+        self.steps.append((x.shape[1], step))
         if self.calls == self.fail_at_call:
             raise CacheLost
         if self.calls == self.error_at_call:  # after the step began: the cache is half updated
-            self.cache.begin(step)
+            self.cache.begin(step, x.shape[1], x.device)
             raise ValueError("a bug in a step")
         out = run_model(self.model, x, step, self.cache)
-        self.most_active = max(self.most_active, self.cache.active)
+        self.most_active = max(self.most_active, len(step.tables))
         return out
 
     def recover(self) -> None:
-        self.cache = KVCache(self.rows, self.model.spec.block_size)
+        self.cache = KVCache(self.blocks)
 
 
 def fresh() -> list[Completion]:
@@ -102,35 +104,41 @@ async def serve_all(engine: DecodingEngine, requests: list[Completion], join_aft
 
 
 def engine_for(model: CachedModel, budget: int = 8, min_chunk: int = 32, increment: int = 4) -> DecodingEngine:
-    return DecodingEngine(model.forward, model.rows, model.model.spec.block_size,
+    return DecodingEngine(model.forward, model.rows, model.model.spec.block_size, model.blocks,
                           TokenBudget(budget, step_target_s=60.0, increment=increment), model.recover, (CacheLost,),
                           min_chunk=min_chunk)
 
 
-def filled_cache(rows: int, max_len: int) -> KVCache:
-    """A one-layer cache whose every row holds a 2-token prompt of keys and values equal to its row."""
-    cache = KVCache(rows=rows, max_len=max_len)
-    for sequence in range(rows):
-        cache.begin(CacheStep("prefill"))
-        key = torch.full((1, 1, 2, 1), float(sequence))
-        cache.update("0", key, key)
-        cache.end(2)
-    return cache
+def whole(blocks: int) -> tuple[int, ...]:
+    return tuple(range(blocks))
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("release, kept", [((2, 4), [0, 1, 3]), ((1, 3), [0, 4, 2]), ((0, 1), [3, 4, 2])])
-def test_rows_released_in_one_step_leave_each_remaining_sequence_its_own_keys(release: tuple[int, ...],
-                                                                           kept: list[int]) -> None:
-    """Two sequences ending in the same step (one finished, one abandoned): each freed row takes
-    the last row still active, in the order the engine's own list moves them (`compact`)."""
-    cache = filled_cache(rows=5, max_len=4)
-    cache.begin(CacheStep("decode", rows=3, release=release))
-    order = list(range(5))
-    compact(order, release)
-    assert order == kept
-    assert cache.keys["0"][:3, 0, :2, 0].tolist() == [[float(s)] * 2 for s in kept]
-    assert cache.values["0"][:3, 0, :2, 0].tolist() == [[float(s)] * 2 for s in kept]
+def test_each_row_reads_its_own_blocks_wherever_they_lie() -> None:
+    """Two sequences in blocks scattered over the pool (2 positions a block): a decode step
+    writes each new token into its row's block for that position and returns each row its own
+    past in order, masked past its own length; a chunk of a prompt attends over the chunk before."""
+    cache, cpu = KVCache(blocks=6, block_tokens=2), torch.device("cpu")
+
+    def run(tables: tuple[tuple[int, ...], ...], starts: tuple[int, ...], keys: list[list[float]]) -> torch.Tensor:
+        new = torch.tensor(keys)[:, None, :, None]  # (rows, 1 head, tokens, 1)
+        cache.begin(CacheStep(tables, starts), new.shape[2], cpu)
+        return cache.update("0", new, new)[0][:, 0, :, 0]
+
+    assert run(((4, 1),), (0,), [[1.0, 2.0, 3.0]]).tolist() == [[1.0, 2.0, 3.0]]
+    assert run(((0,),), (0,), [[7.0, 8.0]]).tolist() == [[7.0, 8.0]]
+    got = run(((4, 1), (0, 5)), (3, 2), [[4.0], [9.0]])
+    assert got[0].tolist() == [1.0, 2.0, 3.0, 4.0] and got[1, :3].tolist() == [7.0, 8.0, 9.0]
+    assert cache.positions(1, cpu).tolist() == [[3], [2]]
+    assert cache.attention_mask(1, cpu)[:, 0, 0].tolist() == [[True] * 4, [True, True, True, False]]
+    assert cache.keys["0"][[8, 9, 2, 3], 0, 0].tolist() == [1.0, 2.0, 3.0, 4.0]  # blocks 4 then 1
+    chunk = run(((0, 5, 2),), (3,), [[10.0, 11.0]])  # the second sequence's next chunk
+    assert chunk[0].tolist() == [7.0, 8.0, 9.0, 10.0, 11.0]
+    assert cache.attention_mask(2, cpu)[0, 0].int().tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    with pytest.raises(RuntimeError, match="hold 2 positions"):
+        cache.begin(CacheStep(((3,),), (1,)), 2, cpu)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cache.begin(CacheStep(((6,),), (0,)), 1, cpu)
 
 
 @pytest.mark.timeout(120)
@@ -160,46 +168,20 @@ def test_a_model_decoded_in_the_replicas_process_gives_each_request_its_tokens_a
     storage = RunStorage(str(ddp_checkpoint.parent))
 
     model = load_model(ddp_checkpoint).eval()
-    local = LocalModel(str(ddp_checkpoint.parent), cache_rows=3)  # the run directory
+    local = LocalModel(str(ddp_checkpoint.parent), cache_blocks=3)  # the run directory: a 16-token block a request
     try:
         assert local.checkpoint_dir == str(ddp_checkpoint) and live_holds(storage, ddp_checkpoint.name)
         prompt = torch.tensor([encode("def f(x)")])
-        logits = local.forward(prompt, CacheStep("prefill"))
+        logits = local.forward(prompt, CacheStep((whole(1),), (0,)))
         assert logits.shape == (1, 1, model.spec.vocab_size)
         with torch.no_grad():
             torch.testing.assert_close(logits[0, -1], model(prompt)[0, -1], rtol=0, atol=1e-5)
-        local.forward(torch.zeros((1, 1), dtype=torch.long), CacheStep("reset"))
-        engine = DecodingEngine(local.forward, 3, local.block_size, TokenBudget(8, 60.0, 4), lambda: None, ())
+        engine = DecodingEngine(local.forward, 3, local.block_size, 3, TokenBudget(8, 60.0, 4), lambda: None, ())
         got = asyncio.run(serve_all(engine, fresh(), join_after=3))
         assert got == alone(model)
     finally:
         local.close()
     assert not live_holds(storage, ddp_checkpoint.name)  # closed: training may prune it again
-
-
-def test_a_partial_prompts_row_stays_last_when_rows_before_it_are_released() -> None:
-    """Chunked prefill: rows 1 and 2 end while row 3's prompt is half in the cache; the rows left
-    keep their own keys, the partial prompt moves to the new last row with its chunk, and the
-    next chunk extends it, attending over the first."""
-    cache = filled_cache(rows=4, max_len=8)
-    cache.begin(CacheStep("decode", rows=1, release=(1, 2), partial=True))
-    order = list(range(4))
-    compact(order, (1, 2), partial=True)
-    assert order == [0, 3] and cache.lengths == [2, 2]
-    assert cache.keys["0"][:2, 0, :2, 0].tolist() == [[0.0, 0.0], [3.0, 3.0]]
-    cache.update("0", torch.full((1, 1, 1, 1), 9.0), torch.full((1, 1, 1, 1), 9.0))
-    cache.end(1)
-    assert cache.lengths == [3, 2]  # the decode step grew row 0 only
-    cache.begin(CacheStep("extend", partial=True))
-    assert cache.positions(3, torch.device("cpu")).tolist() == [[2, 3, 4]]
-    assert cache.attention_mask(3, torch.device("cpu"))[0, 0].int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0],
-                                                                                 [1, 1, 1, 1, 1]]
-    keys, _ = cache.update("0", torch.full((1, 1, 3, 1), 7.0), torch.full((1, 1, 3, 1), 7.0))
-    assert keys[0, 0, :, 0].tolist() == [3.0, 3.0, 7.0, 7.0, 7.0]
-    cache.end(3)
-    assert cache.lengths == [3, 5]
-    with pytest.raises(RuntimeError, match="partial prompt"):
-        cache.begin(CacheStep("extend"))
 
 
 @pytest.mark.timeout(120)
@@ -226,8 +208,8 @@ def test_prompts_prefilled_in_chunks_between_decode_steps_decode_exactly(ddp_che
     assert got[2] == expected[2][:2]
     del got[2], expected[2]
     assert got == expected
-    kinds = [s.kind for s in cached.steps]
-    assert "extend" in kinds and any(s.kind == "decode" and s.partial for s in cached.steps)
+    chunks = [(n, step) for n, step in cached.steps if len(step.tables) == 1 and n > 1]
+    assert any(step.starts[0] > 0 for _, step in chunks)  # a prompt's later chunk, over the first
 
 
 @pytest.mark.timeout(120)
@@ -319,10 +301,11 @@ def test_a_decode_step_computes_the_same_early_and_late_in_the_context() -> None
         return {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
 
     def cached_step(context: int) -> dict[str, int]:
-        cache = KVCache(1, 1024)
+        cache = KVCache(1024 // BLOCK_TOKENS)
         with torch.no_grad():
-            run_model(model, torch.randint(0, 256, (1, context)), CacheStep("prefill"), cache)
-        return flops(lambda: run_model(model, torch.randint(0, 256, (1, 1)), CacheStep("decode"), cache))
+            run_model(model, torch.randint(0, 256, (1, context)), CacheStep((whole(cache.blocks),), (0,)), cache)
+        return flops(lambda: run_model(model, torch.randint(0, 256, (1, 1)), CacheStep((whole(cache.blocks),),
+                                                                                          (context,)), cache))
 
     early, late = cached_step(10), cached_step(1000)
     assert early and early == late, (early, late)

@@ -89,9 +89,9 @@ def test_the_engine_over_sharded_caches_gives_each_request_its_tokens_alone(ray_
     from test_engine import alone, fresh, serve_all
 
     model = load_model(checkpoints["ddp"]).eval()
-    sharded = ShardedModel(str(checkpoints["ddp"]), 2, sharding=sharding, cache_rows=3)
+    sharded = ShardedModel(str(checkpoints["ddp"]), 2, sharding=sharding, cache_blocks=3)  # a 16-token block a request
     try:
-        engine = DecodingEngine(sharded.forward, 3, model.spec.block_size, TokenBudget(8, 60.0, 4),
+        engine = DecodingEngine(sharded.forward, 3, model.spec.block_size, 3, TokenBudget(8, 60.0, 4),
                                 lambda: sharded.heal(rebuild_if_slow=True), (*SHARD_LOST, CachesLost))
         got = asyncio.run(serve_all(engine, fresh(), join_after=3, midway=sharded.rebuild))
     finally:
@@ -166,7 +166,7 @@ def test_a_hugging_face_model_is_served_sharded_and_decodes_as_transformers_does
         ray_cluster, llama_checkpoint, sharding: str, num_shards: int) -> None:
     """Whole on one shard, or over two split by decoder layers (its `base_model_pp_plan`) or by
     its own tensor-parallel plan, decoded by the engine through the KV cache (each pipeline shard
-    caching its layers, each tensor shard its heads' share; 3 requests for 2 rows, so one waits
+    caching its layers, each tensor shard its heads' share; 3 requests, 2 at once, so one waits
     for a row): every request gets, token for token, what `generate` gives its prompt alone."""
     from shardyard.serve.engine import DecodingEngine, TokenBudget
     from shardyard.serve.shards import SHARD_LOST, CachesLost, ShardedModel
@@ -174,10 +174,10 @@ def test_a_hugging_face_model_is_served_sharded_and_decodes_as_transformers_does
     model = load_model(llama_checkpoint).eval()
     # 7 new tokens keep the longest prompt (9) within block_size 16, the context served.
     prompts = ["def", "import os", "x ="]
-    sharded = ShardedModel(str(llama_checkpoint), num_shards, sharding=sharding, cache_rows=2)
+    sharded = ShardedModel(str(llama_checkpoint), num_shards, sharding=sharding, cache_blocks=2)
 
     async def decode_all() -> list[list[int]]:
-        engine = DecodingEngine(sharded.forward, 2, sharded.block_size, TokenBudget(8, 60.0, 4), sharded.heal,
+        engine = DecodingEngine(sharded.forward, 2, sharded.block_size, 2, TokenBudget(8, 60.0, 4), sharded.heal,
                                 (*SHARD_LOST, CachesLost))
 
         async def one(prompt: str) -> list[int]:
@@ -452,7 +452,7 @@ def test_the_openai_client_completes_chats_and_streams_against_the_engine(engine
         client.completions.create(model="tiny-gpt", prompt="x" * 60, max_tokens=8)
     assert err.value.code == "context_length_exceeded"
 
-    async def concurrently() -> list[str]:  # more requests than the engine's 4 rows: they queue
+    async def concurrently() -> list[str]:  # more requests than the engine decodes at once (4): they queue
         aclient = AsyncOpenAI(base_url=f"{engine_server}/v1", api_key="none")
         answers = await asyncio.gather(*(aclient.completions.create(model="tiny-gpt", prompt=f"n{i}", max_tokens=6,
                                                                     temperature=0) for i in range(10)))
@@ -460,7 +460,7 @@ def test_the_openai_client_completes_chats_and_streams_against_the_engine(engine
 
     assert asyncio.run(concurrently()) == [alone(f"n{i}", 6) for i in range(10)]
     metric(engine_server, "ray_shardyard_time_to_first_token_seconds_count", "engine_app", lambda n: n >= 10)
-    metric(engine_server, "ray_shardyard_kv_cache_rows", "engine_app", lambda n: n == 4)
+    metric(engine_server, "ray_shardyard_kv_cache_blocks", "engine_app", lambda n: n == 16)  # 4 x 64 tokens
 
 
 @pytest.mark.timeout(240)
@@ -575,7 +575,7 @@ def test_serve_config_mistakes_are_named_before_anything_starts(ray_cluster, tmp
     with pytest.raises(SpecError, match=r"max_kv_tokens \(8\) is below one context window \(16 tokens\)"):
         parse_config({"checkpoint": trained, "max_kv_tokens": 8})
     assert parse_config({"checkpoint": trained}).batching == "continuous"  # auto: the GPT has a KV cache
-    assert parse_config({"checkpoint": trained, "max_kv_tokens": 40}).cache_rows == 2
+    assert parse_config({"checkpoint": trained, "max_kv_tokens": 40}).cache_blocks == 3  # of 16 tokens
     assert build_app({"checkpoint": trained, "num_shards": 4, "cpus_per_shard": 0.75})
 
 

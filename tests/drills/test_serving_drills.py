@@ -46,7 +46,7 @@ class PoisonedPrompts(CachedModel):
 
     def forward(self, x: torch.Tensor, step) -> torch.Tensor:
         out = super().forward(x, step)
-        if step.kind == "prefill" and bool((x == POISON).any()):
+        if x.shape[1] > 1 and bool((x == POISON).any()):  # a prompt (a prefill), not a decode step
             out = torch.full_like(out, float("nan"))
         return out
 

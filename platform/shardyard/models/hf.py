@@ -194,7 +194,7 @@ class HFCausalLM(nn.Module):
 
 
 class EngineCache(Cache):
-    """The serving engine's KV cache (models/kv_cache.py: a slab row per running request) behind
+    """The serving engine's KV cache (models/kv_cache.py: a pool of blocks, each request's named by its block table) behind
     transformers' `Cache` interface, through which every attention layer of a transformers model
     stores its new keys and values and gets back the past to attend over. Layers are keyed by
     their index in the whole model, so a pipeline stage's layers keep their own."""
@@ -208,7 +208,7 @@ class EngineCache(Cache):
         return self.engine_cache.update(str(layer_idx), key_states, value_states)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return max(self.engine_cache.lengths, default=0)
+        return self.engine_cache.past
 
 
 class SparseLayers(nn.Module):

@@ -46,7 +46,9 @@ from shardyard.serve.choices import ChoiceText
 from shardyard.serve.streams import END, Interleaved
 from shardyard.serve.batching import AdaptiveBatchSize, calibrate, prefill_budget
 from shardyard.serve.config import parse_config
-from shardyard.serve.engine import MIN_CHUNK, DecodingEngine, LostTwice
+from shardyard.models.kv_cache import BLOCK_TOKENS
+from shardyard.serve.engine import DecodingEngine
+from shardyard.serve.scheduler import MIN_CHUNK, LostTwice
 from shardyard.serve.guard import ChoiceLimit, ClientError, GuardSettings, error_response, install
 from shardyard.serve.generation import Completion, TextCodec, decode_steps
 from shardyard.serve.local_model import LocalModel
@@ -130,9 +132,9 @@ class ModelServer:
         if cfg.num_shards == 1:  # decoded in this process: its bundle holds the shard's CPUs
             # Its CPUs as threads, rounded up: the model is what this process spends them on.
             torch.set_num_threads(max(1, math.ceil(REPLICA_CPUS + cfg.cpus_per_shard)))
-            return LocalModel(cfg.source, use_gpu, cfg.cache_rows, cfg.trust_factory)
+            return LocalModel(cfg.source, use_gpu, cfg.cache_blocks, cfg.trust_factory)
         return ShardedModel(cfg.source, cfg.num_shards, use_gpu, cfg.multi_node, cfg.sharding,
-                            cpus_per_shard=cfg.cpus_per_shard, cache_rows=cfg.cache_rows,
+                            cpus_per_shard=cfg.cpus_per_shard, cache_blocks=cfg.cache_blocks,
                             trust_factory=cfg.trust_factory)
 
     def _start_model(self) -> None:
@@ -143,12 +145,15 @@ class ModelServer:
         target = cfg.token_latency_target_ms / 1000
         if cfg.batching == "continuous":
             self.model = self._shards(cfg.use_gpu)
-            budget = prefill_budget(self.model.forward, self.block_size, cfg.cache_rows, target)
-            self.engine = DecodingEngine(self.model.forward, cfg.cache_rows, self.block_size, budget,
-                                         lambda: self._heal(rebuild_if_slow=True), (*SHARD_LOST, CachesLost),
-                                         min_chunk=MIN_CHUNK if cfg.chunked_prefill else self.block_size)
-            print(f"shardyard: continuous batching, {cfg.cache_rows} requests at once, prefill budget "
-                  f"{budget.tokens} tokens per iteration", flush=True)
+            budget = prefill_budget(self.model.forward, self.block_size, cfg.max_batch_size, target)
+            self.engine = DecodingEngine(self.model.forward, cfg.max_batch_size, self.block_size, cfg.cache_blocks,
+                                         budget, lambda: self._heal(rebuild_if_slow=True), (*SHARD_LOST, CachesLost),
+                                         min_chunk=MIN_CHUNK if cfg.chunked_prefill else self.block_size,
+                                         prefix_caching=cfg.prefix_caching)
+            print(f"shardyard: continuous batching, up to {cfg.max_batch_size} requests at once, a KV cache of "
+                  f"{cfg.cache_blocks} blocks of {BLOCK_TOKENS} tokens (prefix caching "
+                  f"{'on' if cfg.prefix_caching else 'off'}), prefill budget {budget.tokens} tokens per iteration",
+                  flush=True)
             return
         if cfg.batching != "adaptive":
             self.model = self._shards(cfg.use_gpu)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardyard.serve.engine import TokenBudget
+from shardyard.serve.scheduler import TokenBudget
 from shardyard.serve.generation import Forward
 
 # Prompts of this many tokens stand for typical traffic while calibrating.

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from shardyard.data.tokenizer import run_tokenizer
+from shardyard.models.kv_cache import BLOCK_TOKENS
 from shardyard.serve.shards import sharding_problem, supports_kv_cache
 from shardyard.spec import LANGUAGE_MODELS, validate
 from shardyard.checkpoint.layout import is_hf_directory, read_spec
@@ -41,9 +42,11 @@ class ServeConfig(BaseModel):
         "with a KV cache (the GPT), else adaptive")
     max_batch_size: int = Field(16, ge=1, description="the batch size (fixed), its upper bound (adaptive), "
                                 "or the requests decoded at once (continuous)")
-    max_kv_tokens: int | None = Field(None, ge=1, description="continuous: tokens the KV cache holds, "
-                                      "a context window per running request (default max_batch_size x "
-                                      "the context); beyond it requests wait")
+    max_kv_tokens: int | None = Field(None, ge=1, description="continuous: tokens the paged KV cache holds "
+                                      "(default max_batch_size x the context); a request takes blocks for its "
+                                      "prompt and max_tokens, and waits while there are not enough")
+    prefix_caching: bool = Field(True, description="continuous: prompts that begin with the same blocks of "
+                                 "tokens as one in the cache read those blocks instead of prefilling them")
     chunked_prefill: bool = Field(True, description="continuous: a prompt longer than the iteration's prefill "
                                   "budget is prefilled in chunks between decode steps (smoother inter-token "
                                   "latency; more forward passes); false: each prompt whole at once")
@@ -138,11 +141,9 @@ class ServeConfig(BaseModel):
         return max(2 * self.max_batch_size, 8)
 
     @property
-    def cache_rows(self) -> int:
-        """Requests the KV cache holds at once (continuous batching), else 0."""
-        if self.batching != "continuous":
-            return 0
-        return self.max_kv_tokens // read_spec(self.checkpoint).model.block_size
+    def cache_blocks(self) -> int:
+        """Blocks of the paged KV cache (continuous batching), else 0."""
+        return -(-self.max_kv_tokens // BLOCK_TOKENS) if self.batching == "continuous" else 0
 
     @property
     def use_gpu(self) -> bool:

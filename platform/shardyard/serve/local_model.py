@@ -20,10 +20,11 @@ from shardyard.spec import LANGUAGE_MODELS
 
 
 class LocalModel:
-    def __init__(self, source: str, use_gpu: bool = False, cache_rows: int = 0,
+    def __init__(self, source: str, use_gpu: bool = False, cache_blocks: int = 0,
                  trust_factory: str | None = None) -> None:
         """`source`: a checkpoint, a model directory, or a run directory (its newest committed
-        checkpoint, held while served). `cache_rows`: sequences the KV cache holds (0: none)."""
+        checkpoint, held while served). `cache_blocks`: blocks (of BLOCK_TOKENS positions) the KV
+        cache holds (0: none)."""
         found = servable(source)
         if found is None:
             raise ValueError(f"no checkpoint at {source!r}")
@@ -36,7 +37,7 @@ class LocalModel:
         self.block_size = spec.block_size
         self.device = select_device(0) if use_gpu else torch.device("cpu")
         self.model = load_model_part(self.checkpoint_dir, lambda m: m, self.device, trust_factory=trust_factory).eval()
-        self.cache = KVCache(cache_rows, self.block_size) if cache_rows else None
+        self.cache = KVCache(cache_blocks) if cache_blocks else None
         self.rebuilds = 0  # nothing here dies apart from the replica, which Serve replaces
         self._lock = threading.Lock()  # one forward pass at a time over the one cache
 

@@ -36,8 +36,10 @@ class ServingMetrics:
                                              boundaries=LATENCY_BUCKETS)
         self.running = metrics.Gauge("shardyard_running_requests", "requests decoding")
         self.waiting = metrics.Gauge("shardyard_waiting_requests", "requests waiting for a KV cache row")
-        self.kv_rows = metrics.Gauge("shardyard_kv_cache_rows_used", "KV cache rows in use")
-        self.kv_rows_total = metrics.Gauge("shardyard_kv_cache_rows", "KV cache rows (requests decoded at once)")
+        self.kv_blocks = metrics.Gauge("shardyard_kv_cache_blocks_used", "KV cache blocks held by running requests")
+        self.kv_blocks_total = metrics.Gauge("shardyard_kv_cache_blocks", "KV cache blocks")
+        self.prefix_hit_rate = metrics.Gauge("shardyard_prefix_cache_hit_rate",
+                                             "share of prompt tokens found in the KV cache (prefix caching)")
         self.prefill_budget = metrics.Gauge("shardyard_prefill_token_budget", "prompt tokens one iteration may prefill")
         # Static batches.
         self.queue = metrics.Histogram("shardyard_queue_seconds", "arrival to batch start", boundaries=LATENCY_BUCKETS)
@@ -89,9 +91,10 @@ class ServingMetrics:
             self._engine_tokens = stats.tokens
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
-        self.kv_rows.set(stats.cache_rows_used)
-        self.kv_rows_total.set(engine.rows)
-        self.prefill_budget.set(engine.budget.tokens)
+        self.kv_blocks.set(stats.cache_blocks_used)
+        self.kv_blocks_total.set(engine.pool.blocks)
+        self.prefix_hit_rate.set(stats.prefix_hit_rate)
+        self.prefill_budget.set(engine.scheduler.budget.tokens)
 
 
 def scrape_cluster(timeout_s: float = 5.0) -> str:

@@ -76,12 +76,10 @@ def run_model(model: torch.nn.Module, x: torch.Tensor, extra: Extra, cache: KVCa
     """`model` on `x`, as `extra` says: left padding, or a step of KV-cached decoding."""
     if not isinstance(extra, CacheStep):
         return model(x, extra)
-    cache.begin(extra)
-    if extra.kind == "reset":
+    if extra.reset:
         return x
-    out = model(x, cache=cache)
-    cache.end(x.shape[1])
-    return out
+    cache.begin(extra, x.shape[1], x.device)
+    return model(x, cache=cache)
 
 
 def last_position(logits: torch.Tensor, extra: Extra) -> torch.Tensor:
@@ -115,7 +113,7 @@ class PipelineShard:
     this actor's device."""
 
     def __init__(self, checkpoint_dir: str, start: int, end: int, whole: bool, last: bool, use_gpu: bool,
-                 cache_rows: int, trust_factory: str | None = None) -> None:
+                 cache_blocks: int, trust_factory: str | None = None) -> None:
         self.last = last  # its output is the logits (else hidden states for the next shard)
         self.device = select_device(0) if use_gpu else torch.device("cpu")
         # Only this shard's blocks are read and held, never the whole model.
@@ -123,7 +121,7 @@ class PipelineShard:
                                      self.device, trust_factory=trust_factory).eval()
         self.blocks = (start, end)
         # This shard's layers' keys and values (allocated at their first use).
-        self.cache = KVCache(cache_rows, read_spec(checkpoint_dir).model.block_size) if cache_rows else None
+        self.cache = KVCache(cache_blocks) if cache_blocks else None
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, extra: Extra) -> torch.Tensor:
@@ -140,14 +138,14 @@ class PipelineShard:
 class TensorShard:
     """Rank `rank` of `num_shards`: its slice of every block's linears, the small rest whole."""
 
-    def __init__(self, checkpoint_dir: str, rank: int, num_shards: int, use_gpu: bool, cache_rows: int,
+    def __init__(self, checkpoint_dir: str, rank: int, num_shards: int, use_gpu: bool, cache_blocks: int,
                  trust_factory: str | None = None) -> None:
         self.checkpoint_dir, self.rank, self.num_shards = checkpoint_dir, rank, num_shards
         self.trust_factory = trust_factory
         self.device = select_device(0) if use_gpu else torch.device("cpu")
         self.model: torch.nn.Module | None = None
         # Keys and values of this rank's heads only.
-        self.cache = KVCache(cache_rows, read_spec(checkpoint_dir).model.block_size) if cache_rows else None
+        self.cache = KVCache(cache_blocks) if cache_blocks else None
 
     def rendezvous_address(self) -> str:
         """Where the other shards find this one (rank 0) to form their process group."""
@@ -279,11 +277,12 @@ class ShardedModel:
 
     def __init__(self, source: str, num_shards: int, use_gpu: bool = False,
                  multi_node: bool = False, sharding: Sharding = "pipeline", compiled: bool = True,
-                 cpus_per_shard: float = 1.0, cache_rows: int = 0, trust_factory: str | None = None) -> None:
+                 cpus_per_shard: float = 1.0, cache_blocks: int = 0, trust_factory: str | None = None) -> None:
         """`source`: a checkpoint, a model directory, or a run directory, whose newest good
         checkpoint each (re)build loads (training may have pruned the one loaded before; a run
-        keeps its model, so the split stays valid). `cache_rows`: sequences each shard's KV cache
-        holds (0: no cache; forward passes then take left padding, not cache steps).
+        keeps its model, so the split stays valid). `cache_blocks`: blocks (of BLOCK_TOKENS positions)
+        each shard's KV cache holds (0: no cache; forward passes then take left padding, not cache
+        steps).
         `trust_factory`: a custom model's factory, named by the user (checkpoint/layout.py)."""
         self.source, self.num_shards, self.use_gpu = source, num_shards, use_gpu
         self.trust_factory = trust_factory
@@ -292,7 +291,7 @@ class ShardedModel:
             raise ValueError(f"no checkpoint at {source!r}")
         self.checkpoint_dir = str(found)
         self.bundle = shard_bundle(use_gpu, cpus_per_shard)
-        self.multi_node, self.sharding, self.cache_rows = multi_node, sharding, cache_rows
+        self.multi_node, self.sharding, self.cache_blocks = multi_node, sharding, cache_blocks
         self.compiled = compiled and sharding == "pipeline"  # tensor shards talk over torch.distributed
         self.graph = None
         self._hold = ExitStack()  # the served checkpoint, held while a group serves it
@@ -335,12 +334,12 @@ class ShardedModel:
         if self.sharding == "pipeline":
             last = len(self.ranges) - 1
             self.shards = [PipelineShard.options(**in_bundle(i)).remote(self.checkpoint_dir, start, end, self.whole,
-                                                                          i == last, self.use_gpu, self.cache_rows,
+                                                                          i == last, self.use_gpu, self.cache_blocks,
                                                                           self.trust_factory)
                            for i, (start, end) in enumerate(self.ranges)]
         else:
             self.shards = [TensorShard.options(**in_bundle(i)).remote(
-                self.checkpoint_dir, i, self.num_shards, self.use_gpu, self.cache_rows, self.trust_factory)
+                self.checkpoint_dir, i, self.num_shards, self.use_gpu, self.cache_blocks, self.trust_factory)
                 for i in range(self.num_shards)]
             address = self._started(self.shards[0].rendezvous_address.remote(), "give its rendezvous address")
             self._started([s.join.remote(address) for s in self.shards], "form their process group")
@@ -423,7 +422,7 @@ class ShardedModel:
         `extra`: left padding per row, or a KV-cache step (every shard applies it to its cache)."""
         with self._lock:  # waits out a rebuild instead of using a half-built group
             if isinstance(extra, CacheStep):
-                if extra.kind != "reset" and self._cache_group not in (None, self.rebuilds):
+                if not extra.reset and self._cache_group not in (None, self.rebuilds):
                     self._cache_group = None
                     raise CachesLost("the shard group was rebuilt: its KV caches start empty")
                 self._cache_group = self.rebuilds

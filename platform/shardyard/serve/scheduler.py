@@ -1,0 +1,189 @@
+"""What the decoding engine runs next: the scheduler decides, the model (the executor) runs, and
+the scheduler takes the output (vLLM v1's `schedule()` -> run -> `update_from_output()`). Nothing
+here touches a model or a thread, so each decision can be tested alone.
+
+Every iteration first prefills prompt tokens within the token budget: the rest of a prompt
+begun earlier, then waiting requests while the batch has room and the KV cache has blocks for
+their prompt and max_tokens (prefix blocks already cached are read, not prefilled again). A
+prompt longer than what is left of the budget is prefilled in chunks (chunked prefill: at least
+`min_chunk` tokens, so nothing starves), one per iteration, each attending over the chunks
+before it; its request gets its first token with the last chunk. Then one decode pass gives
+every running request whose tokens are all in the cache but its newest one its next token. A
+request that has its tokens, or whose caller stopped waiting, gives its blocks back at the next
+decision: a request arriving mid-way waits one iteration, not a whole batch.
+
+The budget is what keeps decoding smooth: prefilling a long prompt at once would stall every
+running request's next token for as long as it takes. It starts from a measurement (how long a
+prompt token takes to prefill, how long a decode step takes, against the per-token latency
+target) and adapts online: halved after an iteration over the target, grown after a full one
+well under it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from shardyard.models.kv_cache import CacheStep
+from shardyard.serve.generation import Completion
+from shardyard.serve.kv_blocks import BlockPool, block_hashes
+
+# The fewest prompt tokens a prefill chunk takes: each chunk is a forward pass that reads every weight,
+# so prompts up to this long are prefilled whole (benchmarks/serve_vs_vllm.py: chunks of 32 cost 14%
+# of the throughput at 128-token prompts) and only longer ones are spread over iterations.
+MIN_CHUNK = 128
+
+
+class LostTwice(RuntimeError):
+    """A request caught in a second loss of the shard group (the caller may retry it)."""
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request inside the engine."""
+    request: Completion
+    arrived: float
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)  # tokens; None when done; an error
+    abandoned: bool = False  # its caller stopped waiting: leave at the next decision
+    finished: bool = False
+    losses: int = 0          # shard groups lost under it
+    first_token_at: float | None = None
+    table: list[int] = field(default_factory=list)    # its KV cache blocks
+    cached: int = 0                                   # of its tokens, those in the cache
+    hashes: list[bytes] = field(default_factory=list)  # of its cached full blocks
+
+    @property
+    def leaving(self) -> bool:
+        return self.finished or self.abandoned
+
+    @property
+    def tokens(self) -> list[int]:
+        """Its prompt and the tokens it has been given: what the cache must hold to go on."""
+        return self.request.prompt + self.request.tokens
+
+
+@dataclass
+class Pass:
+    """One forward pass for the executor: a prefill chunk of one sequence, or one decode token for
+    each of several."""
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # (rows, new tokens per row)
+    step: CacheStep
+
+
+class TokenBudget:
+    """Prompt tokens one iteration may prefill: additive increase, multiplicative decrease
+    around the per-iteration latency target."""
+
+    def __init__(self, tokens: int, step_target_s: float, increment: int) -> None:
+        self.tokens, self.step_target_s, self.increment = max(1, tokens), step_target_s, increment
+
+    def observe(self, iteration_s: float, prefilled: int) -> None:
+        if iteration_s > self.step_target_s:
+            self.tokens = max(1, self.tokens // 2)
+        elif prefilled >= self.tokens and iteration_s < 0.8 * self.step_target_s:
+            self.tokens += self.increment
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_running: int, budget: TokenBudget, min_chunk: int = MIN_CHUNK) -> None:
+        self.pool, self.max_running, self.budget, self.min_chunk = pool, max_running, budget, min_chunk
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return any(not s.leaving for s in self.waiting) or any(not s.leaving for s in self.running)
+
+    def prefills(self) -> list[Pass]:
+        """This iteration's prefill chunks, within the budget: running prompts not yet whole
+        first, then waiting requests admitted while there is room."""
+        self._release_leaving()
+        passes, budget = [], self.budget.tokens
+        for seq in self.running:
+            if len(seq.tokens) - seq.cached > 1 and budget > 0:
+                passes.append(self._chunk(seq, budget))
+                budget -= passes[-1].tokens.shape[1]
+        while self.waiting and len(self.running) < self.max_running and budget >= min(self.min_chunk, self.budget.tokens):
+            seq = self.waiting[0]
+            if seq.abandoned:
+                self.waiting.popleft()
+                continue
+            tokens = seq.tokens
+            seq.hashes = block_hashes(tokens, self.pool.block_tokens, [])
+            allocated = self.pool.allocate(tokens, seq.hashes, len(seq.request.prompt) + seq.request.max_tokens)
+            if allocated is None:
+                break  # in line: no request overtakes one that waits for room
+            self.waiting.popleft()
+            seq.table, seq.cached = allocated
+            self.running.append(seq)
+            if len(tokens) - seq.cached > 1:  # else all but its newest token was cached: it decodes
+                passes.append(self._chunk(seq, budget))
+                budget -= passes[-1].tokens.shape[1]
+        return passes
+
+    def _chunk(self, seq: Sequence, budget: int) -> Pass:
+        """The next chunk of `seq`'s tokens, as much as `budget` leaves and at least `min_chunk`,
+        with no last chunk smaller than that."""
+        left = len(seq.tokens) - seq.cached
+        size = max(budget, self.min_chunk)
+        if left - size < self.min_chunk:
+            size = left
+        chunk = seq.tokens[seq.cached:seq.cached + size]
+        return Pass([seq], torch.tensor([chunk], dtype=torch.long), CacheStep((tuple(seq.table),), (seq.cached,)))
+
+    def decode(self) -> Pass | None:
+        """One token for every running request whose tokens are in the cache but its newest."""
+        self._release_leaving()
+        seqs = [s for s in self.running if len(s.tokens) - s.cached == 1]
+        if not seqs:
+            return None
+        return Pass(seqs, torch.tensor([[s.tokens[-1]] for s in seqs], dtype=torch.long),
+                    CacheStep(tuple(tuple(s.table) for s in seqs), tuple(s.cached for s in seqs)))
+
+    def update(self, done: Pass, logits: torch.Tensor) -> list[tuple[Sequence, torch.Tensor]]:
+        """A pass ran: its tokens are in the cache (their full blocks findable from now on).
+        Returns each sequence whose tokens are now all in the cache, with its next token's
+        logits (a prompt's last chunk, or a decode step), unless it is leaving."""
+        ready = []
+        for seq, row in zip(done.seqs, logits):
+            seq.cached += done.tokens.shape[1]
+            tokens = seq.tokens
+            seq.hashes = block_hashes(tokens[:seq.cached], self.pool.block_tokens, seq.hashes)
+            self.pool.register(seq.table, seq.hashes)
+            if seq.cached == len(tokens) and not seq.leaving:
+                ready.append((seq, row))
+        return ready
+
+    def _release_leaving(self) -> None:
+        for seq in self.running:
+            if seq.leaving:
+                self.pool.release(seq.table)
+        self.running = [s for s in self.running if not s.leaving]
+
+    def start_over(self, failed: Exception | None = None) -> None:
+        """The cache's contents are gone (a shard died, the group was replaced) or can no longer
+        be trusted (`failed`: an unexpected error mid-step): forget every block, then put every
+        running request first in line to be prefilled again from its prompt and the tokens it
+        has (its random generator carries on, so it gets the tokens it would have got), or fail
+        those caught twice, or all of them with `failed`. Waiting requests are untouched."""
+        again = []
+        for seq in self.running:
+            if seq.leaving:
+                continue
+            seq.losses += 1
+            if failed is not None or seq.losses > 1:
+                seq.abandoned = True
+                seq.out.put_nowait(failed or LostTwice("the model's shards were lost twice under this request"))
+            else:
+                seq.table, seq.cached, seq.hashes = [], 0, []
+                again.append(seq)
+        self.running = []
+        self.pool.clear()
+        self.waiting.extendleft(reversed(again))
