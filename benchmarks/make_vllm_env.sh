@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Makes the environment vLLM's CPU build runs in (for tests/test_vllm_client.py and the serving
-# benchmark): apart from the project's, since vLLM pins its own transformers.
+# Makes the environment vLLM's CPU build runs in (for tests/test_vllm_client.py, `engine: vllm`
+# with tests/test_vllm_engine.py, and the serving benchmark): apart from the project's, since vLLM
+# pins its own transformers. shardyard is installed into it too (editable), so that a Serve
+# replica started from it can import vLLM.
 #   benchmarks/make_vllm_env.sh [DIR]      (default .vllm-env; tests also read SHARDYARD_VLLM_ENV)
 # What it needs on an x86 CPU machine without AVX-512 (../shared/FIELD_NOTES.md): torchvision,
 # torchaudio and torchcodec removed (their wheels do not match vLLM's torch), and a distribution
@@ -15,4 +17,5 @@ site=$("$dir/bin/python" -c "import site; print(site.getsitepackages()[0])")
 mkdir -p "$site/vllm-$version+cpu.dist-info"
 printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$version" > "$site/vllm-$version+cpu.dist-info/METADATA"
 echo pip > "$site/vllm-$version+cpu.dist-info/INSTALLER"
+"$dir/bin/pip" install -e "$(dirname "$0")/..[dev]"
 "$dir/bin/vllm" --version

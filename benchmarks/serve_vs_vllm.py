@@ -1,16 +1,19 @@
-"""shardyard's built-in engine against vLLM, on the same model directory and the same load, both
-measured by vLLM's own client (`vllm bench serve`: random prompts, 128 tokens in, 64 out, at 1 and
-16 concurrent streams).
+"""shardyard's built-in engine against vLLM, on the same model directory and the same loads, all
+measured by vLLM's own client (`vllm bench serve`): random prompts, 128 tokens in, 64 out, at 1,
+16 and 64 concurrent streams; and a shared-prefix load, every prompt the same 1,000 random tokens
+then 128 of its own, at 16 streams, served with prefix caching on and off.
 
-    python benchmarks/serve_vs_vllm.py [--concurrency 1 16] [--prompts 64]
+    .vllm-env/bin/python benchmarks/serve_vs_vllm.py [--concurrency 1 16 64] [--prompts 64]
 
 The model: a Llama directory of about 27M parameters (8 layers, hidden 512, head_dim 64, which
-vLLM's CPU attention needs), random weights, float32. shardyard serves it as README's app does
-(one replica, continuous batching, 16 requests at once, one shard here: a 2-core machine) on a
-local Ray of 2 CPUs, with chunked prefill (the default) and without; then `vllm serve` (its CPU
-build, 2 GiB of KV cache) serves it alone. Needs
-vLLM's environment (make_vllm_env.sh). Reported: output tokens/s, time to first token and time per
-output token (p50), inter-token latency (p99), and shardyard's ratio to vLLM for each.
+vLLM's CPU attention needs), random weights, float32, a 2,048-token context. shardyard serves it
+as README's app does (one replica, continuous batching, 16 requests at once, one shard here: a
+2-core machine) on a local Ray of 2 CPUs, with its built-in engine and with `engine: vllm`; then
+`vllm serve` (its CPU build, 2 GiB of KV cache, prefix caching on, its default) serves it alone.
+Run by the python of vLLM's environment (make_vllm_env.sh) with shardyard installed into it: the
+`engine: vllm` replica imports vLLM.
+Reported: output tokens/s, time to first token and time per output token (p50), inter-token
+latency (p99), and shardyard's ratio to vLLM for each.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import requests
 from common import print_table, write_json
 from vllm_bench import VLLM, bench, model_directory
 
-PROMPT_TOKENS, OUTPUT_TOKENS = 128, 64
+PROMPT_TOKENS, OUTPUT_TOKENS, SHARED_PREFIX_TOKENS, CONTEXT = 128, 64, 1000, 2048
+SHARED_PREFIX_STREAMS = 16
 
 
 def wait_ready(url: str, process: subprocess.Popen | None, timeout_s: float = 600) -> None:
@@ -44,38 +48,54 @@ def wait_ready(url: str, process: subprocess.Popen | None, timeout_s: float = 60
     raise TimeoutError(f"{url} did not answer within {timeout_s} s")
 
 
-def measure(server: str, url: str, directory: Path, out: Path, concurrencies: list[int], prompts: int) -> list[dict]:
+def measure(server: str, url: str, directory: Path, out: Path, concurrencies: list[int], prompts: int,
+            prefix_tokens: int = 0) -> list[dict]:
     rows = []
     for concurrency in concurrencies:
         count = prompts if concurrency > 1 else max(8, prompts // 4)  # one stream: fewer, for time
         result = bench(url, directory, out / server, prompt_tokens=PROMPT_TOKENS, output_tokens=OUTPUT_TOKENS,
-                       prompts=count, concurrency=concurrency)
-        rows.append({"server": server, "streams": concurrency, "requests": count, "failed": result["failed"],
+                       prompts=count, concurrency=concurrency, prefix_tokens=prefix_tokens)
+        rows.append({"server": server, "load": "shared prefix" if prefix_tokens else "random",
+                     "streams": concurrency, "requests": count, "failed": result["failed"],
                      "output_tok_per_s": result["output_throughput"], "ttft_p50_ms": result["median_ttft_ms"],
                      "tpot_p50_ms": result["median_tpot_ms"], "itl_p99_ms": result["p99_itl_ms"]})
         print(rows[-1], flush=True)
     return rows
 
 
+def loads(server: str, url: str, directory: Path, out: Path, concurrencies: list[int], prompts: int,
+          random_load: bool = True) -> list[dict]:
+    """The random load at each concurrency (unless not `random_load`), then the shared-prefix load."""
+    rows = measure(server, url, directory, out, concurrencies, prompts) if random_load else []
+    return rows + measure(server, url, directory, out, [SHARED_PREFIX_STREAMS], prompts, SHARED_PREFIX_TOKENS)
+
+
 def shardyard_rows(directory: Path, out: Path, concurrencies: list[int], prompts: int,
-                   chunked_prefill: bool = True) -> list[dict]:
+                   prefix_caching: bool = True, engine: str = "builtin") -> list[dict]:
     import ray
     from ray import serve
 
     from shardyard.localdist import free_port
     from shardyard.serve.app import build_app
 
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # engine: vllm's KV cache: the GiB vllm_rows gives vLLM
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app({"checkpoint": str(directory), "max_batch_size": 16, "max_tokens_limit": 256,
-                             "max_prompt_chars": 16384, "max_body_bytes": 65536, "chunked_prefill": chunked_prefill}),
+                             "max_prompt_chars": 65536, "max_body_bytes": 262144, "prefix_caching": prefix_caching,
+                             "engine": engine}),
                   name="bench", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, None)
-        name = "shardyard" if chunked_prefill else "shardyard (whole prefills)"
-        return measure(name, url, directory, out, concurrencies, prompts)
+        if requests.get(f"{url}/healthz", timeout=30).json()["engine"] != engine:
+            raise RuntimeError(f"engine: {engine} asked for, another serves (see the replica's log)")
+        if engine == "vllm":
+            return loads("shardyard, engine: vllm", url, directory, out, concurrencies, prompts)
+        if prefix_caching:
+            return loads("shardyard", url, directory, out, concurrencies, prompts)
+        return loads("shardyard, no prefix caching", url, directory, out, concurrencies, prompts, random_load=False)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -87,44 +107,51 @@ def vllm_rows(directory: Path, out: Path, concurrencies: list[int], prompts: int
     port = free_port()
     log = (out / "vllm_serve.log").open("w")
     process = subprocess.Popen([str(VLLM), "serve", str(directory), "--served-model-name", "llama", "--dtype",
-                                "float32", "--max-model-len", "1024", "--port", str(port)],
+                                "float32", "--max-model-len", str(CONTEXT), "--port", str(port)],
                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2",
                                                                           "HF_HUB_OFFLINE": "1"})
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, process)
-        return measure("vllm", url, directory, out, concurrencies, prompts)
+        return loads("vllm", url, directory, out, concurrencies, prompts)
     finally:
         process.terminate()
         process.wait(60)
 
 
 SERVERS = {"shardyard": shardyard_rows,
-           "shardyard-whole-prefills": lambda *a: shardyard_rows(*a, chunked_prefill=False),
+           "shardyard-no-prefix-caching": lambda *a: shardyard_rows(*a, prefix_caching=False),
+           "shardyard-vllm-engine": lambda *a: shardyard_rows(*a, engine="vllm"),
            "vllm": vllm_rows}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--servers", nargs="+", choices=list(SERVERS), default=list(SERVERS))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        directory = model_directory(out / "llama", hidden=512, layers=8, heads=8, context=1024)
+        directory = model_directory(out / "llama", hidden=512, layers=8, heads=8, context=CONTEXT)
         rows = [row for server in args.servers
                 for row in SERVERS[server](directory, out, args.concurrency, args.prompts)]
-    by = {(r["server"], r["streams"]): r for r in rows}
+    by = {(r["server"], r["load"], r["streams"]): r for r in rows}
     for ours in [r for r in rows if r["server"] != "vllm"] if "vllm" in args.servers else []:
-        theirs = by[("vllm", ours["streams"])]
+        theirs = by[("vllm", ours["load"], ours["streams"])]
         ours["tok_per_s_vs_vllm"] = ours["output_tok_per_s"] / theirs["output_tok_per_s"]
         ours["ttft_vs_vllm"] = ours["ttft_p50_ms"] / theirs["ttft_p50_ms"]
         ours["tpot_vs_vllm"] = ours["tpot_p50_ms"] / theirs["tpot_p50_ms"]
+    on, off = (by.get((server, "shared prefix", SHARED_PREFIX_STREAMS))
+               for server in ("shardyard", "shardyard, no prefix caching"))
+    summary = {"prefix_caching_ttft_cut": off["ttft_p50_ms"] / on["ttft_p50_ms"]} if on and off else {}
     print_table(f"Built-in engine against vLLM ({PROMPT_TOKENS} tokens in, {OUTPUT_TOKENS} out, "
                 "vllm bench serve)", rows)
     if set(args.servers) == set(SERVERS):  # a figure is a side-by-side comparison, or nothing
-        write_json("serve_vs_vllm", {"prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, "rows": rows})
+        write_json("serve_vs_vllm", {"prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS,
+                                     "shared_prefix_tokens": SHARED_PREFIX_TOKENS, "rows": rows, **summary})
+    if summary:
+        print(f"prefix caching cuts TTFT p50 on the shared-prefix load {summary['prefix_caching_ttft_cut']:.1f}x")
 
 
 if __name__ == "__main__":

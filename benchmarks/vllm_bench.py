@@ -18,9 +18,12 @@ VLLM_ENV = Path(os.environ.get("SHARDYARD_VLLM_ENV", ROOT / ".vllm-env"))
 VLLM = VLLM_ENV / "bin" / "vllm"
 
 
-def model_directory(out: Path, hidden: int = 64, layers: int = 2, heads: int = 4, context: int = 128) -> Path:
+def model_directory(out: Path, hidden: int = 64, layers: int = 2, heads: int = 4, context: int = 128,
+                    initializer_range: float = 0.02) -> Path:
     """A Llama saved by transformers (random weights, seeded) with a byte-level BPE tokenizer of
-    its own: the client needs one to make its random prompts, and vLLM one to serve."""
+    its own: the client needs one to make its random prompts, and vLLM one to serve. Weights
+    drawn wider than transformers' default make the likeliest token clearly so (no near ties for
+    two engines' rounding to break differently)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -37,24 +40,27 @@ def model_directory(out: Path, hidden: int = 64, layers: int = 2, heads: int = 4
     config = LlamaConfig(vocab_size=len(fast), hidden_size=hidden, intermediate_size=4 * hidden,
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads // 2,
                          max_position_embeddings=context, eos_token_id=fast.eos_token_id,
+                         initializer_range=initializer_range,
                          bos_token_id=fast.eos_token_id)
     LlamaForCausalLM(config).save_pretrained(out)
     return out
 
 
 def bench(url: str, tokenizer: Path, out: Path, *, backend: str = "openai", prompt_tokens: int = 32,
-          output_tokens: int = 16, prompts: int = 24, concurrency: int = 8,
+          output_tokens: int = 16, prompts: int = 24, concurrency: int = 8, prefix_tokens: int = 0,
           model_id: str | None = None) -> dict[str, Any]:
-    """`vllm bench serve` on random prompts against the server at `url` (base, without /v1);
-    its saved result (completed, failed, throughput, TTFT, TPOT, ...)."""
+    """`vllm bench serve` on random prompts against the server at `url` (base, without /v1),
+    each after the same `prefix_tokens` random tokens; its saved result (completed, failed,
+    throughput, TTFT, TPOT, ...)."""
     import requests
 
     model_id = model_id or requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     endpoint = "/v1/chat/completions" if backend == "openai-chat" else "/v1/completions"
-    name = f"{backend}-{concurrency}.json"
+    name = f"{backend}-{concurrency}-{prefix_tokens}.json"
     command = [str(VLLM), "bench", "serve", "--backend", backend, "--base-url", url, "--endpoint", endpoint,
                "--model", model_id, "--tokenizer", str(tokenizer), "--dataset-name", "random",
                "--random-input-len", str(prompt_tokens), "--random-output-len", str(output_tokens),
+               "--random-prefix-len", str(prefix_tokens),
                "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--save-result",
                "--result-dir", str(out), "--result-filename", name, "--ready-check-timeout-sec", "120"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=1200,

@@ -52,11 +52,12 @@ from shardyard.serve.scheduler import MIN_CHUNK, LostTwice
 from shardyard.serve.guard import ChoiceLimit, ClientError, GuardSettings, error_response, install
 from shardyard.serve.generation import Completion, TextCodec, decode_steps
 from shardyard.serve.local_model import LocalModel
+from shardyard.serve.vllm_engine import VllmEngine, start_vllm, vllm_model_directory
 from shardyard.serve.metrics import ServingMetrics, scrape_cluster
 from shardyard.serve.shards import SHARD_LOST, CachesLost, ShardedModel, check_room, shard_bundle
 from shardyard.spec import LANGUAGE_MODELS, SpecError
 from shardyard.checkpoint.loaders import load_model
-from shardyard.checkpoint.layout import read_spec
+from shardyard.checkpoint.layout import is_hf_directory, read_spec
 
 api = FastAPI(title="shardyard")
 install(api)  # auth and body limits before anything else; one error shape (serve/guard.py)
@@ -115,7 +116,7 @@ class ModelServer:
         self.kind = model_spec.name
         self.generates = isinstance(model_spec, LANGUAGE_MODELS)  # else the MLP regressor
         self.adaptive: AdaptiveBatchSize | None = None
-        self.engine: DecodingEngine | None = None
+        self.engine: DecodingEngine | VllmEngine | None = None
         if self.generates:
             self.tokenizer = self.config.tokenizer
             self.codec = TextCodec(self.tokenizer)
@@ -126,6 +127,11 @@ class ModelServer:
         else:  # the MLP: small, served whole by the replica
             self.mlp = load_model(self.config.checkpoint, self.config.trust_factory).eval()
             self.in_dim = model_spec.in_dim
+
+    def __del__(self) -> None:
+        """Serve calls this as it stops the replica: vLLM's engine process goes with it."""
+        if isinstance(getattr(self, "engine", None), VllmEngine):
+            self.engine.close()
 
     def _shards(self, use_gpu: bool) -> ShardedModel | LocalModel:
         cfg = self.config
@@ -143,6 +149,8 @@ class ModelServer:
         the device that decodes fastest in time."""
         cfg = self.config
         target = cfg.token_latency_target_ms / 1000
+        if cfg.engine == "vllm" and self._start_vllm():
+            return
         if cfg.batching == "continuous":
             self.model = self._shards(cfg.use_gpu)
             budget = prefill_budget(self.model.forward, self.block_size, cfg.max_batch_size, target)
@@ -186,6 +194,22 @@ class ModelServer:
         print(f"shardyard: adaptive batching on {'cuda' if chosen else 'cpu'}: step seconds by batch size "
               f"{ {b: round(t, 4) for b, t in calibration.step_s.items()} }; max_batch_size {size}, "
               f"wait {calibration.wait_timeout_s(size):.4f} s", flush=True)
+
+    def _start_vllm(self) -> bool:
+        """vLLM as the engine, or (logged, with the reason) False: the built-in engine serves."""
+        cfg = self.config
+        directory = vllm_model_directory(cfg.checkpoint, is_hf_directory(cfg.checkpoint), cfg.trust_factory)
+        started = (start_vllm(directory, cfg.num_shards, cfg.sharding, self.block_size, cfg.max_batch_size,
+                              cfg.prefix_caching, cfg.use_gpu)
+                   if directory else f"vLLM does not load this '{self.kind}' model (only Hugging Face ones)")
+        if isinstance(started, str):
+            print(f"shardyard: engine: vllm asked for, the built-in engine serves: {started}", flush=True)
+            return False
+        self.engine, self.model = started, None
+        print(f"shardyard: vLLM's engine serves {directory} ({cfg.num_shards} {cfg.sharding} shard(s), up to "
+              f"{cfg.max_batch_size} requests at once, prefix caching {'on' if cfg.prefix_caching else 'off'})",
+              flush=True)
+        return True
 
     def _set_batching(self, max_batch_size: int, wait_timeout_s: float) -> None:
         self._decode.set_max_batch_size(max_batch_size)
@@ -355,8 +379,9 @@ class ModelServer:
 
     @api.get("/healthz")
     async def healthz(self) -> Response:
-        if not self.generates or await asyncio.to_thread(self.model.healthy):
-            return JSONResponse({"status": "ok", "model": self.kind})
+        if not self.generates or self.model is None or await asyncio.to_thread(self.model.healthy):
+            engine = None if not self.generates else "vllm" if isinstance(self.engine, VllmEngine) else "builtin"
+            return JSONResponse({"status": "ok", "model": self.kind, "engine": engine})
         return error_response(503, "a model shard is not answering; the shard group is being rebuilt")
 
     @api.get("/metrics")
@@ -379,7 +404,7 @@ class ModelServer:
     async def _publish(self) -> None:
         while True:
             if self.engine is not None:
-                self.metrics.read_engine(self.engine)
+                self.metrics.read_engine(self.engine.stats)
             elif self.generates:
                 self.metrics.max_batch_size.set(self.batch_limit)
             await asyncio.sleep(PUBLISH_EVERY_S)
@@ -387,7 +412,7 @@ class ModelServer:
     def check_health(self) -> None:
         """Serve's periodic health check: a dead shard gets the whole group rebuilt; only a group
         that cannot be rebuilt fails the replica (Serve then replaces it)."""
-        if self.generates:
+        if self.generates and self.model is not None:  # vLLM's engine checks its own workers
             self._heal()
 
     # ------------------------------------------------------------------ static batching

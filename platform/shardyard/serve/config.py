@@ -45,6 +45,10 @@ class ServeConfig(BaseModel):
     max_kv_tokens: int | None = Field(None, ge=1, description="continuous: tokens the paged KV cache holds "
                                       "(default max_batch_size x the context); a request takes blocks for its "
                                       "prompt and max_tokens, and waits while there are not enough")
+    engine: Literal["builtin", "vllm"] = Field(
+        "builtin", description="vllm: vLLM's engine decodes a Hugging Face model (a model directory, or a run's "
+        "model written out as one) behind the same routes, guard and metrics; where vLLM is not installed or "
+        "cannot load the model, the built-in engine serves and says why in the replica's log")
     prefix_caching: bool = Field(True, description="continuous: prompts that begin with the same blocks of "
                                  "tokens as one in the cache read those blocks instead of prefilling them")
     chunked_prefill: bool = Field(True, description="continuous: a prompt longer than the iteration's prefill "

@@ -35,8 +35,10 @@ class EngineStats:
     tokens: int = 0
     waiting: int = 0
     running: int = 0
+    cache_blocks: int = 0
     cache_blocks_used: int = 0
     prefix_hit_rate: float = 0.0
+    prefill_budget: int = 0
     time_to_first_token_s: list[float] = field(default_factory=list)  # drained by the reader
     inter_token_s: list[float] = field(default_factory=list)
     rebuilds: int = 0
@@ -53,7 +55,7 @@ class DecodingEngine:
         self.forward, self.context, self.recover, self.lost = forward, context, recover, lost
         self.pool = BlockPool(blocks, BLOCK_TOKENS, prefix_caching)
         self.scheduler = Scheduler(self.pool, max_running, budget, min_chunk)
-        self.stats = EngineStats()
+        self.stats = EngineStats(cache_blocks=blocks, prefill_budget=budget.tokens)
         self._wake = asyncio.Event()
         self._loop: asyncio.Task | None = None
 
@@ -109,6 +111,7 @@ class DecodingEngine:
             self.stats.iterations += 1
             self.stats.waiting, self.stats.running = len(self.scheduler.waiting), len(self.scheduler.running)
             self.stats.cache_blocks_used, self.stats.prefix_hit_rate = self.pool.used, self.pool.hit_rate
+            self.stats.prefill_budget = self.scheduler.budget.tokens
 
     async def _execute(self, work: Pass) -> None:
         """The executor runs one pass; the scheduler takes its output; ready requests get a token."""

@@ -18,7 +18,7 @@ import urllib.request
 import ray
 from ray.serve import metrics
 
-from shardyard.serve.engine import DecodingEngine
+from shardyard.serve.engine import EngineStats
 
 # Seconds: from a few milliseconds (a decode step on a GPU) to a long queue.
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
@@ -76,10 +76,9 @@ class ServingMetrics:
     def count_error(self, status: int, route: str) -> None:
         self.errors.inc(tags={"status": str(status), "route": route})
 
-    def read_engine(self, engine: DecodingEngine) -> None:
-        """Bring in what the engine measured since the last call (it keeps plain numbers, so it
-        runs without Ray in tests)."""
-        stats = engine.stats
+    def read_engine(self, stats: EngineStats) -> None:
+        """Bring in what the engine (built-in or vLLM) measured since the last call (it keeps
+        plain numbers, so it runs without Ray in tests)."""
         ttft, stats.time_to_first_token_s = stats.time_to_first_token_s, []
         gaps, stats.inter_token_s = stats.inter_token_s, []
         for value in ttft:
@@ -92,9 +91,9 @@ class ServingMetrics:
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.kv_blocks.set(stats.cache_blocks_used)
-        self.kv_blocks_total.set(engine.pool.blocks)
+        self.kv_blocks_total.set(stats.cache_blocks)
         self.prefix_hit_rate.set(stats.prefix_hit_rate)
-        self.prefill_budget.set(engine.scheduler.budget.tokens)
+        self.prefill_budget.set(stats.prefill_budget)
 
 
 def scrape_cluster(timeout_s: float = 5.0) -> str:

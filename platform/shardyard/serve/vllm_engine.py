@@ -1,0 +1,140 @@
+"""vLLM as the decoding engine (`engine: vllm`) for models vLLM loads: a Hugging Face model
+directory, or a training run's Hugging Face model written out as one. vLLM's async engine runs
+inside the replica, behind the same routes, guard (auth, body limits and deadlines, error
+shape), choice limits, text handling and metrics as the built-in engine: it only replaces what
+turns a prompt's tokens into the next tokens. It takes the calls DecodingEngine takes
+(`submit`, `tokens`, `stats`), so the app holds either.
+
+vLLM is optional (`pip install shardyard[vllm]`; on CPU, vLLM's CPU build, see
+../shared/FIELD_NOTES.md). `start_vllm` says why it cannot be used (not installed, a model it
+cannot load); the app then serves with the built-in engine and logs the reason.
+"""
+
+from __future__ import annotations
+
+import itertools
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardyard.serve.engine import EngineStats
+from shardyard.serve.generation import Completion
+from shardyard.serve.sampling import Pick
+
+_request_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class VllmRequest:
+    """One choice handed to vLLM; `abandoned` (set by the app) makes vLLM drop it."""
+    request: Completion
+    request_id: str
+    arrived: float
+    abandoned: bool = False
+
+
+class VllmEngine:
+    def __init__(self, engine: Any, sampling_params: type) -> None:
+        self.engine, self.sampling_params = engine, sampling_params
+        self.stats = EngineStats()
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+    def submit(self, request: Completion) -> VllmRequest:
+        return VllmRequest(request, f"shardyard-{next(_request_ids)}", time.perf_counter())
+
+    def _params(self, request: Completion) -> Any:
+        from vllm.sampling_params import RequestOutputKind
+
+        s = request.sampling
+        return self.sampling_params(
+            n=1, max_tokens=request.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+            min_p=s.min_p, repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty, min_tokens=s.min_tokens, ignore_eos=s.ignore_eos,
+            logprobs=s.logprobs, logit_bias=dict(s.logit_bias) or None, seed=request.seed,
+            detokenize=False, output_kind=RequestOutputKind.DELTA)  # the end of sequence: the model's own
+
+    async def tokens(self, handle: VllmRequest) -> AsyncIterator[int]:
+        """The choice's tokens as vLLM decodes them (appended to its Completion, with their
+        log-probabilities when asked for, as the built-in engine does); vLLM drops the request
+        when its caller stops reading or abandons it."""
+        request, finished, last = handle.request, False, None
+        try:
+            async for output in self.engine.generate({"prompt_token_ids": request.prompt}, self._params(request),
+                                                     handle.request_id):
+                choice = output.outputs[0]
+                logprobs = choice.logprobs or [None] * len(choice.token_ids)
+                for token, alternatives in zip(choice.token_ids, logprobs):
+                    request.tokens.append(token)
+                    if request.sampling.logprobs is not None:
+                        request.picks.append(_pick(token, alternatives, request.sampling.logprobs))
+                    self._count(handle, last)
+                    last = time.perf_counter()
+                    yield token
+                    if handle.abandoned:
+                        return
+                finished = output.finished
+        finally:
+            if not finished:
+                await self.engine.abort(handle.request_id)
+
+    def _count(self, handle: VllmRequest, last: float | None) -> None:
+        now = time.perf_counter()
+        self.stats.tokens += 1
+        if last is None:
+            self.stats.time_to_first_token_s.append(now - handle.arrived)
+        else:
+            self.stats.inter_token_s.append(now - last)
+
+
+def _pick(token: int, alternatives: dict[int, Any] | None, k: int) -> Pick:
+    """vLLM's log-probabilities of a step (the chosen token's, and the k likeliest by rank) as the
+    built-in sampler reports them."""
+    if not alternatives:
+        return Pick(token)
+    top = sorted(((t, a) for t, a in alternatives.items() if a.rank is not None and a.rank <= k),
+                 key=lambda item: item[1].rank)
+    return Pick(token, alternatives[token].logprob, tuple((t, a.logprob) for t, a in top))
+
+
+def vllm_model_directory(checkpoint: str, hf_directory: bool, trust_factory: str | None) -> str | None:
+    """A directory vLLM loads: the model directory itself, or a training run's Hugging Face
+    model written out as one (in a temporary directory the replica keeps); None for models
+    vLLM does not know (the own GPT, custom modules)."""
+    from shardyard.checkpoint.layout import read_spec
+    from shardyard.spec import HFSpec
+
+    if hf_directory:
+        return checkpoint
+    if not isinstance(read_spec(checkpoint).model, HFSpec):
+        return None
+    from shardyard.checkpoint.loaders import load_model
+    from shardyard.models.hf import export_hf_directory
+
+    out = Path(tempfile.mkdtemp(prefix="shardyard-vllm-"))
+    return str(export_hf_directory(load_model(checkpoint, trust_factory), out))
+
+
+def start_vllm(model_dir: str, num_shards: int, sharding: str, context: int, max_running: int,
+               prefix_caching: bool, use_gpu: bool) -> VllmEngine | str:
+    """vLLM's async engine over `model_dir` (tensor or pipeline parallel over `num_shards`), or
+    why it cannot serve it."""
+    try:
+        from vllm import SamplingParams
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+    except ImportError as err:
+        return f"vLLM is not installed here ({err}); pip install 'shardyard[vllm]'"
+    parallel = {"tensor_parallel_size": num_shards} if sharding == "tensor" else {"pipeline_parallel_size": num_shards}
+    args = AsyncEngineArgs(model=model_dir, max_model_len=context, max_num_seqs=max_running,
+                           enable_prefix_caching=prefix_caching, dtype="auto" if use_gpu else "float32",
+                           distributed_executor_backend="ray" if num_shards > 1 else None,
+                           disable_log_stats=True, **parallel)
+    try:
+        return VllmEngine(AsyncLLM.from_engine_args(args), SamplingParams)
+    except Exception as err:  # noqa: BLE001 - any reason vLLM cannot load it: the built-in engine serves
+        return f"vLLM could not load {model_dir}: {type(err).__name__}: {err}"
