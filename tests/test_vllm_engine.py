@@ -11,7 +11,6 @@ tests/test_vllm_engine.py`. Elsewhere (the main environment, CI) these tests are
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -37,9 +36,9 @@ def test_vllm_decodes_a_model_directory_as_transformers_does_behind_the_guard(se
 
     directory = model_directory(tmp_path / "llama", hidden=256, layers=2, heads=4, context=256,
                                 initializer_range=0.3)  # head_dim 64: what vLLM's CPU attention takes
-    os.environ["SHARDYARD_TEST_TOKEN"] = TOKEN  # the replica inherits the driver's environment
+    (tmp_path / "token").write_text(TOKEN)
     url = serving("vllm", {"checkpoint": str(directory), "engine": "vllm", "model_id": "llama",
-                           "bearer_token_env": "SHARDYARD_TEST_TOKEN", "max_batch_size": 4, "cpus_per_shard": 1.0})
+                           "bearer_token_file": str(tmp_path / "token"), "max_batch_size": 4, "cpus_per_shard": 1.0})
     assert requests.get(f"{url}/healthz", timeout=30).json()["engine"] == "vllm"
 
     tokenizer = AutoTokenizer.from_pretrained(directory)
@@ -53,7 +52,11 @@ def test_vllm_decodes_a_model_directory_as_transformers_does_behind_the_guard(se
         assert answer.status_code == 200, answer.text
         choice = answer.json()["choices"][0]
         assert choice["text"] == tokenizer.decode(expected)
-        assert len(choice["logprobs"]["top_logprobs"]) == 8 and all(len(t) == 2 for t in choice["logprobs"]["top_logprobs"])
+        logprobs = choice["logprobs"]
+        assert len(logprobs["token_logprobs"]) == 8 and all(p <= 0 for p in logprobs["token_logprobs"])
+        # Two alternatives a token, keyed by their text (tokens of one text, such as pieces of a
+        # character, share a key).
+        assert all(1 <= len(top) <= 2 for top in logprobs["top_logprobs"])
 
     several = complete(url, {"prompt": "the", "max_tokens": 4, "n": 3, "temperature": 1.0, "seed": 5})
     assert several.status_code == 200 and len(several.json()["choices"]) == 3

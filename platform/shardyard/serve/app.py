@@ -199,8 +199,9 @@ class ModelServer:
         """vLLM as the engine, or (logged, with the reason) False: the built-in engine serves."""
         cfg = self.config
         directory = vllm_model_directory(cfg.checkpoint, is_hf_directory(cfg.checkpoint), cfg.trust_factory)
+        kv_tokens = cfg.max_kv_tokens or cfg.max_batch_size * self.block_size
         started = (start_vllm(directory, cfg.num_shards, cfg.sharding, self.block_size, cfg.max_batch_size,
-                              cfg.prefix_caching, cfg.use_gpu)
+                              kv_tokens, cfg.prefix_caching, cfg.use_gpu)
                    if directory else f"vLLM does not load this '{self.kind}' model (only Hugging Face ones)")
         if isinstance(started, str):
             print(f"shardyard: engine: vllm asked for, the built-in engine serves: {started}", flush=True)

@@ -119,10 +119,24 @@ def vllm_model_directory(checkpoint: str, hf_directory: bool, trust_factory: str
     return str(export_hf_directory(load_model(checkpoint, trust_factory), out))
 
 
+def kv_cache_bytes(model_dir: str, tokens: int, use_gpu: bool) -> int:
+    """The memory `tokens` positions of keys and values take in vLLM: the app's `max_kv_tokens`
+    as vLLM's `kv_cache_memory_bytes` (else vLLM reserves a fraction of the whole machine, on CPU
+    too, and refuses to start where less is free)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    element = 2 if use_gpu else 4  # vLLM's `auto` dtype on GPUs is 16-bit; float32 on CPU here
+    return tokens * 2 * config.num_hidden_layers * kv_heads * head_dim * element
+
+
 def start_vllm(model_dir: str, num_shards: int, sharding: str, context: int, max_running: int,
-               prefix_caching: bool, use_gpu: bool) -> VllmEngine | str:
-    """vLLM's async engine over `model_dir` (tensor or pipeline parallel over `num_shards`), or
-    why it cannot serve it."""
+               kv_tokens: int, prefix_caching: bool, use_gpu: bool) -> VllmEngine | str:
+    """vLLM's async engine over `model_dir` (tensor or pipeline parallel over `num_shards`, a KV
+    cache of `kv_tokens` positions), or why it cannot serve it."""
     try:
         from vllm import SamplingParams
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -132,6 +146,7 @@ def start_vllm(model_dir: str, num_shards: int, sharding: str, context: int, max
     parallel = {"tensor_parallel_size": num_shards} if sharding == "tensor" else {"pipeline_parallel_size": num_shards}
     args = AsyncEngineArgs(model=model_dir, max_model_len=context, max_num_seqs=max_running,
                            enable_prefix_caching=prefix_caching, dtype="auto" if use_gpu else "float32",
+                           kv_cache_memory_bytes=kv_cache_bytes(model_dir, kv_tokens, use_gpu),
                            distributed_executor_backend="ray" if num_shards > 1 else None,
                            disable_log_stats=True, **parallel)
     try:
