@@ -49,10 +49,11 @@ def test_missing_sections_take_defaults() -> None:
     "overrides, expected",
     [
         (["optim.lrr=1"], ["unknown key 'optim.lrr'", "lr", "warmup_steps"]),
-        (["model.n_layr=2"], ["unknown key 'model.n_layr'", "n_layer"]),
+        (["model.n_layr=2"], ["unknown key 'model.n_layr' (did you mean 'n_layer'?)"]),
         (["trainer.steps=2"], ["unknown key 'trainer'", "parallelism", "scaling"]),
-        (["parallelism.strategy=ddpp"], ["parallelism.strategy", "'ddp'"]),
+        (["parallelism.strategy=ddpp"], ["parallelism.strategy", "(got 'ddpp'; did you mean 'ddp'?)"]),
         (["model.name=bert"], ["model", "'gpt'", "'mlp'"]),
+        (["model.name=gtp"], ["(got 'gtp'; did you mean 'gpt'?)"]),
         (["run.steps=ten"], ["run.steps", "integer", "'ten'"]),
         (["run.steps=0"], ["run.steps", "greater than or equal to 1"]),
         (["scaling.use_gpu=maybe"], ["scaling.use_gpu", "'auto'"]),
@@ -167,8 +168,9 @@ def test_unreadable_files_are_named(tmp_path: Path) -> None:
         load_spec(tmp_path / "nope.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [unclosed\n")
-    with pytest.raises(SpecError, match="not valid YAML"):
+    with pytest.raises(SpecError, match="not valid YAML") as err:
         load_spec(bad)
+    assert f'in "{bad}", line 2' in str(err.value)  # YAML's own pointer names the file
     bad.write_text("- just\n- a list\n")
     with pytest.raises(SpecError, match="must be a mapping"):
         load_spec(bad)

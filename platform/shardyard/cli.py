@@ -5,6 +5,7 @@
     shardyard export CHECKPOINT_OR_RUN_DIR OUT.safetensors
     shardyard export CHECKPOINT_OR_RUN_DIR --format hf OUT_DIR
     shardyard plan CONFIG.yaml [--gpus N --gpu-memory 80GB --nodes M] [--set key=value ...]
+    shardyard serve RUN_OR_CHECKPOINT_OR_MODEL_DIR [--tensor-parallel-size N] [--port 8000] ...
 """
 
 from __future__ import annotations
@@ -12,17 +13,20 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from importlib.metadata import version
 
+from shardyard.serve import command as serve_command
 from shardyard.spec import SpecError, load_spec
 
 
-def add_spec_arguments(parser: argparse.ArgumentParser, config_flag: bool) -> None:
+def add_spec_arguments(parser: argparse.ArgumentParser, config_flag: bool, what: str = "YAML job spec",
+                       example: str = "optim.lr=3e-4") -> None:
     if config_flag:
-        parser.add_argument("--config", required=True, help="YAML job spec")
+        parser.add_argument("--config", required=True, help=what)
     else:
-        parser.add_argument("config", help="YAML job spec")
+        parser.add_argument("config", help=what)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one key, e.g. --set optim.lr=3e-4 (repeatable)")
+                        help=f"override one key, e.g. --set {example} (repeatable)")
 
 
 def add_train_arguments(parser: argparse.ArgumentParser, config_flag: bool) -> None:
@@ -86,6 +90,14 @@ def run_export(checkpoint: str, out: str, fmt: str, trust_factory: str | None = 
         return 2
 
 
+def count(n: float) -> str:
+    """A parameter count as people write it: 850K, 12.3M, 7.24B."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return f"{n:g}"
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """Print every plan's memory and communication, and the recommended one with its reason."""
     import os
@@ -110,7 +122,7 @@ def run_plan(args: argparse.Namespace) -> int:
     chosen, plans, reason = recommend(spec, cluster, shape)
     kind = "GPU" if cluster.gpu else "CPU worker"
     print(f"{cluster.devices} {kind}s on {cluster.nodes} node(s), {memory / 2**30:.1f} GiB each; "
-          f"model {spec.model.name} ({shape.total / 1e9:.2f}B parameters), global batch {spec.batch.global_batch_size}, micro-batch "
+          f"model {spec.model.name} ({count(shape.total)} parameters), global batch {spec.batch.global_batch_size}, micro-batch "
           f"{spec.batch.micro_batch_size}\n")
     print(table(plans, chosen, 0.9 * memory))
     print(f"\nrecommended: {reason}")
@@ -118,13 +130,16 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shardyard", description=__doc__)
+    parser = argparse.ArgumentParser(prog="shardyard", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"shardyard {version('shardyard')}")
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train a model from a job spec on Ray Train")
     add_train_arguments(train, config_flag=False)
     prepare = commands.add_parser("prepare", help="raw text (files, JSON Lines, Parquet) to token shards for "
                                                    "data.name 'shards', as a Ray Data job")
-    add_spec_arguments(prepare, config_flag=False)
+    add_spec_arguments(prepare, config_flag=False, what="YAML data spec (source, tokenizer, output)",
+                       example="workers=4")
     export = commands.add_parser("export", help="checkpoint -> one safetensors state_dict file, or a "
                                                  "Hugging Face model directory")
     export.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its latest)")
@@ -142,7 +157,13 @@ def main(argv: list[str] | None = None) -> int:
                                                            "machine's CPUs at the spec's world size)")
     plan.add_argument("--gpu-memory", default="80GB", help="memory per GPU, e.g. 80GB, 24GiB")
     plan.add_argument("--nodes", type=int, default=1)
+    serve = commands.add_parser("serve", help="serve a run, a checkpoint or a Hugging Face model directory over "
+                                               "HTTP (OpenAI API), with vLLM's flag names",
+                                description=serve_command.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve_command.add_serve_arguments(serve)
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        return serve_command.run_serve(args)
     if args.command == "plan":
         return run_plan(args)
     if args.command == "prepare":

@@ -6,6 +6,7 @@ and impossible combinations raise `SpecError` with a message naming the key and 
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import re
 import types
@@ -663,7 +664,8 @@ def read_yaml(path: str | Path | None, overrides: list[str] | tuple[str, ...], w
         if not path.is_file():
             raise SpecError(f"{what} {str(path)!r} does not exist")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            with path.open() as stream:  # from the file, so that YAML's message names it, not "<unicode string>"
+                raw = yaml.safe_load(stream) or {}
         except yaml.YAMLError as err:
             raise SpecError(f"{what} {str(path)!r} is not valid YAML: {err}") from None
         if not isinstance(raw, dict):
@@ -729,8 +731,15 @@ def explain_errors(err: ValidationError, root: type[BaseModel], title: str) -> s
     for e in err.errors():
         where, cls = _walk(e["loc"], root)
         if e["type"] == "extra_forbidden":
-            valid = ", ".join(sorted(cls.model_fields)) if cls else "?"
-            lines.append(f"unknown key {where!r}; valid keys here: {valid}")
+            valid = sorted(cls.model_fields) if cls else []
+            hint = did_you_mean(str(e["loc"][-1]), valid)
+            lines.append(f"unknown key {where!r}{f' ({hint})' if hint else ''}; valid keys here: "
+                         f"{', '.join(valid) or '?'}")
+        elif e["type"] in ("literal_error", "union_tag_invalid"):  # a choice: the closest one named
+            got = e.get("input") if e["type"] == "literal_error" else e["ctx"].get("tag")
+            choices = re.findall(r"'([^']*)'", str(e["ctx"].get("expected", e["ctx"].get("expected_tags", ""))))
+            hint = did_you_mean(str(got), choices)
+            lines.append(f"{where or 'spec'}: {e['msg']} (got {got!r}{f'; {hint}' if hint else ''})")
         elif e["type"] == "value_error":  # a section's own check names its keys; a field's does not
             msg = e["msg"].removeprefix("Value error, ")
             lines.append(f"{where}: {msg}" if "." in where else msg)
@@ -739,6 +748,12 @@ def explain_errors(err: ValidationError, root: type[BaseModel], title: str) -> s
             shown = "" if isinstance(got, dict) or got is None else f" (got {got!r})"
             lines.append(f"{where or 'spec'}: {e['msg']}{shown}")
     return f"{title}:\n  - " + "\n  - ".join(lines)
+
+
+def did_you_mean(word: str, choices: list[str]) -> str:
+    """"did you mean 'x'?" for the closest of `choices` to a misspelled `word`, or ""."""
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}?" if close else ""
 
 
 def _walk(loc: tuple, root: type[BaseModel]) -> tuple[str, type[BaseModel] | None]:

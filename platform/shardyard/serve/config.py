@@ -19,6 +19,11 @@ from shardyard.checkpoint.loaders import servable
 DEFAULT_CHECKPOINT = "runs/gpt_ddp"  # where README's default training job writes
 
 
+# vLLM's names (`vllm serve` flags, without dashes) for settings that mean the same here;
+# tensor_parallel_size and pipeline_parallel_size set num_shards and sharding.
+VLLM_NAMES = {"max_num_seqs": "max_batch_size", "served_model_name": "model_id"}
+
+
 class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     _source: str = PrivateAttr("")
@@ -83,6 +88,33 @@ class ServeConfig(BaseModel):
         if isinstance(args, dict) and "bearer_token" in args:
             raise ValueError("bearer_token: deployment arguments are shown by Serve's dashboard and API; put the "
                              "token in an environment variable (bearer_token_env=NAME) or a file (bearer_token_file=PATH)")
+        return args
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_names(cls, args: Any) -> Any:
+        """vLLM's names for the settings that mean the same here, for its users' configs."""
+        if not isinstance(args, dict):
+            return args
+        args = dict(args)
+        for theirs, ours in VLLM_NAMES.items():
+            if theirs in args:
+                if ours in args:
+                    raise ValueError(f"{theirs} is vLLM's name for {ours}: give one of them")
+                args[ours] = args.pop(theirs)
+        tensor, pipeline = args.pop("tensor_parallel_size", None), args.pop("pipeline_parallel_size", None)
+        if tensor is None and pipeline is None:
+            return args
+        if "num_shards" in args or "sharding" in args:
+            raise ValueError("tensor_parallel_size / pipeline_parallel_size set num_shards and sharding: give one "
+                             "or the other")
+        if tensor not in (None, 1) and pipeline not in (None, 1):
+            raise ValueError("a model is split one way here: tensor_parallel_size or pipeline_parallel_size above "
+                             "1, not both")
+        if tensor not in (None, 1):
+            args.update(num_shards=tensor, sharding="tensor")
+        else:
+            args.update(num_shards=pipeline if pipeline is not None else 1, sharding="pipeline")
         return args
 
     @model_validator(mode="after")

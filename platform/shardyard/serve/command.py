@@ -1,0 +1,97 @@
+"""`shardyard serve SOURCE`: the serving application (the same one `serve run
+serve_apps/config.yaml` runs) on this machine's Ray, or on the cluster RAY_ADDRESS names, with
+vLLM's flag names where they mean the same thing. Ctrl-C stops it.
+
+    shardyard serve runs/gpt_ddp
+    shardyard serve ./my-llama --tensor-parallel-size 2 --max-num-seqs 32 --api-key-file /etc/token
+    shardyard serve runs/llama_fsdp --served-model-name llama --port 8080 --set max_tokens_limit=512
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from shardyard.spec import SpecError, apply_override
+
+API_KEY_ENV = "SHARDYARD_API_KEY"  # where --api-key travels to the replicas of a Ray started here
+APP_NAME = "shardyard"
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", help="a run directory (its newest checkpoint), a checkpoint, or a Hugging "
+                                       "Face model directory")
+    parser.add_argument("--tensor-parallel-size", type=int, help="shards, each with a slice of every layer")
+    parser.add_argument("--pipeline-parallel-size", type=int, help="shards, each with a contiguous run of layers")
+    parser.add_argument("--max-num-seqs", type=int, help="requests decoded at once (max_batch_size)")
+    parser.add_argument("--served-model-name", help="the model id clients name (default: the run's name or the "
+                                                    "directory's)")
+    parser.add_argument("--engine", choices=("builtin", "vllm"), help="vllm: vLLM decodes (needs vLLM installed)")
+    key = parser.add_mutually_exclusive_group()
+    key.add_argument("--api-key", help="the bearer token requests need (on a cluster, use --api-key-file)")
+    key.add_argument("--api-key-file", help="a file holding it, at that path on every node")
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="any other serving setting, e.g. --set max_tokens_limit=512 (repeatable)")
+
+
+def serve_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The application's arguments from the command line (ServeConfig keys; vLLM's names where
+    the config takes them too)."""
+    config: dict[str, Any] = {"checkpoint": args.source}
+    for flag in ("tensor_parallel_size", "pipeline_parallel_size", "max_num_seqs", "served_model_name", "engine"):
+        if getattr(args, flag) is not None:
+            config[flag] = getattr(args, flag)
+    if args.api_key_file:
+        config["bearer_token_file"] = os.path.abspath(args.api_key_file)
+    elif args.api_key:
+        if os.environ.get("RAY_ADDRESS"):  # a cluster's replicas do not get this process's environment
+            raise SpecError("--api-key reaches the replicas of a Ray started here only; on a cluster "
+                            "(RAY_ADDRESS is set) use --api-key-file with a path every node has")
+        os.environ[API_KEY_ENV] = args.api_key  # inherited by the local Ray's workers, not shown by Serve
+        config["bearer_token_env"] = API_KEY_ENV
+    for item in args.overrides:
+        apply_override(config, item)
+    return config
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Validate, start (or join) Ray and Serve, run the application until Ctrl-C or SIGTERM."""
+    try:
+        config = serve_config(args)
+    except SpecError as err:
+        print(f"shardyard: {err}", file=sys.stderr)
+        return 2
+    import ray
+    from ray import serve
+
+    from shardyard.serve.app import build_app
+
+    ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)  # none: this machine's, started if need be
+    try:
+        try:
+            app = build_app(config)
+        except SpecError as err:
+            print(f"shardyard: {err}", file=sys.stderr)
+            return 2
+        serve.start(http_options={"host": args.host, "port": args.port})
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        try:
+            serve.run(app, name=APP_NAME, route_prefix="/")
+        except RuntimeError as err:  # a replica that could not start: Serve's reason, not a traceback
+            print(f"shardyard: the application did not start: {err}", file=sys.stderr)
+            return 1
+        print(f"shardyard: serving on http://{args.host}:{args.port}/v1 (OpenAI API; Ctrl-C stops)", flush=True)
+        while not stop.wait(1.0):
+            pass
+        serve.delete(APP_NAME)  # on a shared cluster the other applications stay
+        return 0
+    finally:
+        ray.shutdown()

@@ -1,0 +1,37 @@
+"""The `shardyard` command's own surface, as a user first meets it: help, version, the plan's
+summary line, and a bad spec as a message with exit status 2. No Ray."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from shardyard.cli import count, main
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_help_lists_each_command_on_its_own_line_and_version_answers(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    lines = capsys.readouterr().out.splitlines()
+    for command in ("train", "prepare", "export", "plan", "serve"):
+        assert any(line.strip().startswith(f"shardyard {command} ") for line in lines), command
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.startswith("shardyard ")
+    with pytest.raises(SystemExit):
+        main(["prepare", "--help"])
+    text = capsys.readouterr().out
+    assert "data spec" in text and "optim." not in text  # its own example, not training's
+
+
+def test_plan_names_a_small_models_size_and_a_bad_spec_is_status_2(capsys, tmp_path: Path) -> None:
+    assert (count(834_000), count(12_300_000), count(7.24e9), count(512)) == ("834K", "12.3M", "7.24B", "512")
+    main(["plan", str(REPO / "jobs" / "configs" / "gpt_ddp.yaml")])
+    assert "model gpt (8" in capsys.readouterr().out  # the default GPT: hundreds of thousands, not "0.00B"
+    (tmp_path / "bad.yaml").write_text("model:\n  name: gpt\n  n_layr: 2\n")
+    assert main(["train", str(tmp_path / "bad.yaml")]) == 2
+    assert "did you mean 'n_layer'?" in capsys.readouterr().err

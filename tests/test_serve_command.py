@@ -1,0 +1,95 @@
+"""`shardyard serve`: vLLM's flag names (and the same names in a serving config), checked without
+Ray; then the command as a user on this 2-core machine runs it, with no Ray running (it starts
+its own), a real HTTP client against it, and Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from conftest import ray_files_of_their_own, user_environment
+from shardyard.cli import main
+from shardyard.localdist import free_port, run_distributed
+from shardyard.spec import SpecError
+from test_serve_run import save_default_job_checkpoint
+
+SHARDYARD = str(Path(sys.executable).with_name("shardyard"))
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("serve_command") / "gpt_ddp"
+    run_distributed(save_default_job_checkpoint, 1, str(out))
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_vllms_names_mean_the_same_settings_and_conflicts_are_refused(run_dir: Path) -> None:
+    from shardyard.serve.config import parse_config
+
+    config = parse_config({"checkpoint": str(run_dir), "tensor_parallel_size": 2, "max_num_seqs": 4,
+                           "served_model_name": "tiny"})
+    assert (config.num_shards, config.sharding, config.max_batch_size, config.model_id) == (2, "tensor", 4, "tiny")
+    config = parse_config({"checkpoint": str(run_dir), "pipeline_parallel_size": 2})
+    assert (config.num_shards, config.sharding) == (2, "pipeline")
+    for bad, message in [({"max_num_seqs": 4, "max_batch_size": 8}, "max_num_seqs is vLLM's name for max_batch_size"),
+                         ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, "not both"),
+                         ({"tensor_parallel_size": 2, "num_shards": 2}, "give one or the other")]:
+        with pytest.raises(SpecError, match=message):
+            parse_config({"checkpoint": str(run_dir), **bad})
+
+
+@pytest.mark.timeout(60)
+def test_bad_serve_arguments_are_a_message_and_status_2(run_dir: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    assert main(["serve", str(run_dir), "--api-key", "k"]) == 2  # refused before Ray is touched
+    assert "--api-key-file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", str(run_dir), "--api-key", "k", "--api-key-file", "f"])  # argparse: one or the other
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(420)
+def test_shardyard_serve_answers_with_vllms_flags_on_a_two_core_machine(run_dir: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with ray_files_of_their_own() as ray_tmp:
+        proc = subprocess.Popen([SHARDYARD, "serve", str(run_dir), "--port", str(port), "--served-model-name", "tiny",
+                                 "--max-num-seqs", "4", "--api-key", "secret", "--set", "max_tokens_limit=32"],
+                                start_new_session=True, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env=user_environment(ray_tmp))
+        try:
+            deadline = time.monotonic() + 240
+            while True:
+                try:
+                    if requests.get(f"{url}/healthz", timeout=10).status_code == 200:
+                        break
+                except requests.ConnectionError:
+                    pass
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+                time.sleep(2)
+            from openai import AuthenticationError, OpenAI
+
+            client = OpenAI(base_url=f"{url}/v1", api_key="secret")
+            assert [m.id for m in client.models.list().data] == ["tiny"]
+            answer = client.completions.create(model="tiny", prompt="def ", max_tokens=6, temperature=0)
+            assert answer.usage.completion_tokens == 6
+            with pytest.raises(AuthenticationError):
+                OpenAI(base_url=f"{url}/v1", api_key="wrong").completions.create(model="tiny", prompt="x", max_tokens=1)
+            too_many = requests.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 33},
+                                     headers={"Authorization": "Bearer secret"}, timeout=30)
+            assert too_many.status_code == 422  # --set reached the config
+            os.killpg(proc.pid, signal.SIGINT)  # the user's Ctrl-C
+            assert proc.wait(timeout=90) == 0
+            assert "serving on" in proc.stdout.read()
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
