@@ -130,6 +130,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--servers", nargs="+", choices=list(SERVERS), default=list(SERVERS))
+    parser.add_argument("--name", default="serve_vs_vllm", help="the JSON's name in benchmarks/results/")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
@@ -147,8 +148,8 @@ def main() -> None:
     summary = {"prefix_caching_ttft_cut": off["ttft_p50_ms"] / on["ttft_p50_ms"]} if on and off else {}
     print_table(f"Built-in engine against vLLM ({PROMPT_TOKENS} tokens in, {OUTPUT_TOKENS} out, "
                 "vllm bench serve)", rows)
-    if set(args.servers) == set(SERVERS):  # a figure is a side-by-side comparison, or nothing
-        write_json("serve_vs_vllm", {"prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS,
+    if "vllm" in args.servers and len(args.servers) > 1:  # a figure is a side-by-side comparison, or nothing
+        write_json(args.name, {"prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS,
                                      "shared_prefix_tokens": SHARED_PREFIX_TOKENS, "rows": rows, **summary})
     if summary:
         print(f"prefix caching cuts TTFT p50 on the shared-prefix load {summary['prefix_caching_ttft_cut']:.1f}x")
