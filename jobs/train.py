@@ -23,7 +23,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_arguments(parser, config_flag=True)
     args = parser.parse_args()
-    return run_train(args.config, args.overrides, attach_to_running=True, take_over=args.take_over)
+    return run_train(args.config, args.overrides, attach_to_running=True, take_over=args.take_over,
+                     print_config=args.print_config)
 
 
 if __name__ == "__main__":

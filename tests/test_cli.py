@@ -35,3 +35,20 @@ def test_plan_names_a_small_models_size_and_a_bad_spec_is_status_2(capsys, tmp_p
     (tmp_path / "bad.yaml").write_text("model:\n  name: gpt\n  n_layr: 2\n")
     assert main(["train", str(tmp_path / "bad.yaml")]) == 2
     assert "did you mean 'n_layer'?" in capsys.readouterr().err
+
+
+def test_print_config_shows_the_resolved_spec_and_schema_is_json_schema(capsys) -> None:
+    import json
+
+    import yaml
+
+    assert main(["train", str(REPO / "jobs" / "configs" / "llama_fsdp.yaml"), "--set", "run.steps=3",
+                 "--print-config"]) == 0
+    resolved = yaml.safe_load(capsys.readouterr().out)
+    assert resolved["model"]["name"] == "hf" and resolved["optim"]["warmup_steps"] == 20  # from its base
+    assert resolved["run"]["steps"] == 3 and "base" not in resolved
+    assert main(["schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert schema["title"] == "JobSpec" and "parallelism" in schema["properties"]
+    assert main(["schema", "--serve"]) == 0
+    assert "max_batch_size" in json.loads(capsys.readouterr().out)["properties"]

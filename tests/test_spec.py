@@ -234,3 +234,25 @@ def test_prepare_refuses_bad_input_with_exit_2_and_no_traceback(tmp_path: Path) 
     assert done.returncode == 2 and "matches no text files" in done.stderr and "Traceback" not in done.stderr, done.stderr
     done = run_entrypoint([SHARDYARD, "prepare", str(spec), "--set", "output.shard_tokens=5"])
     assert done.returncode == 2 and "output.shard_tokens" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_config_extends_another_section_by_section(tmp_path: Path) -> None:
+    """`base:` merges a file's sections over another's (a model of another kind replaces the
+    base's whole), overrides come last, and a loop or a missing base is named."""
+    (tmp_path / "base.yaml").write_text("model: {name: gpt, n_layer: 2, n_head: 2}\noptim: {lr: 0.01, warmup_steps: 5}\n"
+                                        "run: {name: base, steps: 7}\n")
+    (tmp_path / "top.yaml").write_text("base: base.yaml\noptim: {lr: 0.02}\nrun: {name: top}\n")
+    spec = load_spec(tmp_path / "top.yaml", ["run.steps=9"])
+    assert (spec.model.n_layer, spec.optim.lr, spec.optim.warmup_steps, spec.run.name, spec.run.steps) == \
+        (2, 0.02, 5, "top", 9)
+    (tmp_path / "hf.yaml").write_text("base: base.yaml\nmodel: {name: mlp, in_dim: 4}\ndata: {name: synthetic}\n")
+    assert load_spec(tmp_path / "hf.yaml").model.in_dim == 4  # no GPT keys carried into the MLP
+    (tmp_path / "loop.yaml").write_text("base: loop2.yaml\n")
+    (tmp_path / "loop2.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(SpecError, match="extends itself"):
+        load_spec(tmp_path / "loop.yaml")
+    (tmp_path / "orphan.yaml").write_text("base: nowhere.yaml\n")
+    with pytest.raises(SpecError, match="does not exist \\(the base of"):
+        load_spec(tmp_path / "orphan.yaml")
+    for name in ("gpt_shards", "llama_fsdp"):  # the shipped configs extend the default job
+        assert load_spec(REPO / "jobs" / "configs" / f"{name}.yaml").optim.warmup_steps == 20

@@ -6,14 +6,18 @@
     shardyard export CHECKPOINT_OR_RUN_DIR --format hf OUT_DIR
     shardyard plan CONFIG.yaml [--gpus N --gpu-memory 80GB --nodes M] [--set key=value ...]
     shardyard serve RUN_OR_CHECKPOINT_OR_MODEL_DIR [--tensor-parallel-size N] [--port 8000] ...
+    shardyard schema [--serve]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 from importlib.metadata import version
+
+import yaml
 
 from shardyard.serve import command as serve_command
 from shardyard.spec import SpecError, load_spec
@@ -34,12 +38,19 @@ def add_train_arguments(parser: argparse.ArgumentParser, config_flag: bool) -> N
     parser.add_argument("--take-over", action="store_true",
                         help="train the run even if another launch's lease on it has not expired "
                              "(that launch is gone, on another host)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the spec as it will run (base files merged, overrides and defaults "
+                             "applied) as YAML, and train nothing")
 
 
-def run_train(config: str, overrides: list[str], attach_to_running: bool, take_over: bool = False) -> int:
+def run_train(config: str, overrides: list[str], attach_to_running: bool, take_over: bool = False,
+              print_config: bool = False) -> int:
     """Validate, then train. A bad spec is a message and exit code 2, never a traceback."""
     try:
         spec = load_spec(config, overrides)
+        if print_config:
+            print(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False), end="")
+            return 0
         from shardyard.train.launcher import Preempted, RunGaveUp, launch  # imports Ray: only once the spec is valid
 
         try:
@@ -161,7 +172,15 @@ def main(argv: list[str] | None = None) -> int:
                                                "HTTP (OpenAI API), with vLLM's flag names",
                                 description=serve_command.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     serve_command.add_serve_arguments(serve)
+    schema = commands.add_parser("schema", help="the job spec's JSON schema (for editors' completion and checks)")
+    schema.add_argument("--serve", action="store_true", help="the serving config's instead")
     args = parser.parse_args(argv)
+    if args.command == "schema":
+        from shardyard.serve.config import ServeConfig
+        from shardyard.spec import JobSpec
+
+        print(json.dumps((ServeConfig if args.serve else JobSpec).model_json_schema(), indent=2))
+        return 0
     if args.command == "serve":
         return serve_command.run_serve(args)
     if args.command == "plan":
@@ -173,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export":
         return run_export(args.checkpoint, args.out, args.fmt, args.trust_factory)
     # Local Ray unless RAY_ADDRESS names a cluster.
-    return run_train(args.config, args.overrides, attach_to_running=False, take_over=args.take_over)
+    return run_train(args.config, args.overrides, attach_to_running=False, take_over=args.take_over,
+                     print_config=args.print_config)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
 import re
 import types
 import typing
@@ -30,13 +31,13 @@ class Section(BaseModel):
 
 class GPTSpec(Section):
     name: Literal["gpt"] = "gpt"
-    n_layer: int = Field(4, ge=1)
-    n_head: int = Field(4, ge=1)
-    n_embd: int = Field(128, ge=1)
+    n_layer: int = Field(4, ge=1, description="transformer blocks")
+    n_head: int = Field(4, ge=1, description="attention heads per block (divides n_embd)")
+    n_embd: int = Field(128, ge=1, description="hidden size")
     block_size: int = Field(64, ge=2, description="context length in tokens")
     vocab_size: int = Field(256, ge=2, description="256 for the byte-level corpus")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    tie_weights: bool = True
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout probability while training")
+    tie_weights: bool = Field(True, description="the output layer shares the token embedding (false for pipeline parallelism)")
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> GPTSpec:
@@ -63,9 +64,9 @@ class GPTSpec(Section):
 
 class MLPSpec(Section):
     name: Literal["mlp"] = "mlp"
-    in_dim: int = Field(32, ge=1)
-    hidden_dim: int = Field(64, ge=1)
-    out_dim: int = Field(8, ge=1)
+    in_dim: int = Field(32, ge=1, description="input features")
+    hidden_dim: int = Field(64, ge=1, description="width of each hidden layer")
+    out_dim: int = Field(8, ge=1, description="outputs")
     n_layer: int = Field(3, ge=1, description="number of hidden layers")
 
     def pipeline_blocks(self, training: bool = True) -> int:
@@ -272,7 +273,9 @@ LANGUAGE_MODELS = (GPTSpec, HFSpec, CustomSpec)
 
 
 class DataSpec(Section):
-    name: Literal["corpus", "synthetic", "shards"] = "corpus"
+    name: Literal["corpus", "synthetic", "shards"] = Field(
+        "corpus", description="corpus: byte-level text read into memory; shards: what `shardyard prepare` wrote; "
+        "synthetic: random regression data (the MLP)")
     path: str | None = Field(
         None, description="text file or folder for `corpus` (default: the Python stdlib sources); the "
                           "directory `shardyard prepare` wrote for `shards` (local or object storage)"
@@ -293,14 +296,14 @@ class DataSpec(Section):
 
 
 class OptimSpec(Section):
-    name: Literal["adamw", "sgd"] = "adamw"
-    lr: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    name: Literal["adamw", "sgd"] = Field("adamw", description="the optimizer (SGD without momentum works under every strategy)")
+    lr: float = Field(1e-3, gt=0, description="peak learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="on linear layers' matrices only, not biases, norms or embeddings")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW's moment decay rates")
     momentum: float = Field(0.0, ge=0, description="for sgd")
     grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables clipping")
-    warmup_steps: int = Field(0, ge=0)
-    schedule: Literal["cosine", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0, description="linear warmup from 0 to lr over this many steps")
+    schedule: Literal["cosine", "constant"] = Field("cosine", description="after warmup: cosine decay to lr x min_lr_ratio, or constant")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
 
 
@@ -327,10 +330,11 @@ class ParallelismSpec(Section):
     (DDP over any remaining dp); tensor shards every linear layer over all ranks (tp = world size).
     """
 
-    strategy: Strategy = "ddp"
+    strategy: Strategy = Field("ddp", description="how the model and its training are split over the workers (docs/parallelism.md)")
     tp: int = Field(1, ge=1, description="tensor-parallel degree")
     pp: int = Field(1, ge=1, description="pipeline stages (over ranks)")
-    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
+        "1f1b", description="pipeline schedule (interleaved_1f1b needs stages_per_rank >= 2)")
     stages_per_rank: int = Field(1, ge=1, description="model chunks per pipeline rank (interleaved)")
     split_points: list[int] | None = Field(
         None, description="block index where each stage after the first begins; default: balanced"
@@ -382,11 +386,13 @@ class ParallelismSpec(Section):
 
 
 class ScalingSpec(Section):
-    num_workers: int | None = Field(None, ge=1)
-    min_workers: int | None = Field(None, ge=1)
-    max_workers: int | None = Field(None, ge=1)
-    use_gpu: bool | Literal["auto"] = "auto"
-    resources_per_worker: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})
+    num_workers: int | None = Field(None, ge=1, description="a fixed world size (default 2 unless min/max_workers)")
+    min_workers: int | None = Field(None, ge=1, description="elastic: the fewest workers training goes on with")
+    max_workers: int | None = Field(None, ge=1, description="elastic: the most workers it grows to")
+    use_gpu: bool | Literal["auto"] = Field(
+        "auto", description="auto: GPUs when the cluster has them (nccl, bf16 autocast), else CPU (gloo, fp32)")
+    resources_per_worker: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0},
+                                                   description="Ray resources each worker reserves")
     max_failures: int = Field(0, ge=-1, description="worker-group restarts allowed; -1: forever")
     resize_check_interval_s: float = Field(
         10.0, gt=0, description="elastic: how often Ray Train looks for room to grow the group")
@@ -436,7 +442,7 @@ class CheckpointSpec(Section):
     storage_path: str = Field(
         "runs", description="where runs live; relative paths resolve against the current directory"
     )
-    every_n_steps: int = Field(50, ge=1)
+    every_n_steps: int = Field(50, ge=1, description="a checkpoint every N steps (and at the last)")
     keep: int = Field(2, ge=1, description="newest checkpoints kept; older ones are deleted")
     async_write: bool = Field(
         False, description="write and upload checkpoints in the background while training goes on")
@@ -458,9 +464,9 @@ class EvalSpec(Section):
 
 class RunSpec(Section):
     name: str = Field("gpt_ddp", description="the run's directory under checkpoint.storage_path")
-    steps: int = Field(200, ge=1)
-    seed: int = 0
-    log_every: int = Field(10, ge=1)
+    steps: int = Field(200, ge=1, description="optimizer steps in all (a resumed run trains up to this)")
+    seed: int = Field(0, description="seeds the weights and the data order")
+    log_every: int = Field(10, ge=1, description="metrics every N steps")
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="auto: bf16 autocast on GPU, fp32 on CPU"
     )
@@ -572,6 +578,9 @@ class JobSpec(Section):
         if "://" in self.checkpoint.storage_path:
             raise ValueError("scaling.recovery 'hot' writes checkpoints straight to a local or "
                              "shared filesystem: checkpoint.storage_path cannot be a URI")
+        if importlib.util.find_spec("torchft") is None:  # an extra: it has no wheels for every platform
+            raise ValueError("scaling.recovery 'hot' runs on TorchFT, which is not installed: "
+                             "pip install 'shardyard[hot]'")
 
     def at_world_size(self, world_size: int) -> JobSpec:
         """The spec as it runs at `world_size`: the mesh re-planned if it no longer fits and the
@@ -657,22 +666,47 @@ class JobSpec(Section):
 
 
 def read_yaml(path: str | Path | None, overrides: list[str] | tuple[str, ...], what: str) -> dict[str, Any]:
-    """A YAML spec file as a mapping (empty without a file), with `key.path=value` overrides applied."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise SpecError(f"{what} {str(path)!r} does not exist")
-        try:
-            with path.open() as stream:  # from the file, so that YAML's message names it, not "<unicode string>"
-                raw = yaml.safe_load(stream) or {}
-        except yaml.YAMLError as err:
-            raise SpecError(f"{what} {str(path)!r} is not valid YAML: {err}") from None
-        if not isinstance(raw, dict):
-            raise SpecError(f"{what} {str(path)!r} must be a mapping of sections, not {type(raw).__name__}")
+    """A YAML spec file as a mapping (empty without a file), with `key.path=value` overrides applied.
+    A file may extend another (`base: other.yaml`, relative to the file): its keys are merged into
+    the base's, section by section, and the overrides come last."""
+    raw = _read_file(Path(path), what, ()) if path is not None else {}
     for item in overrides:
         apply_override(raw, item)
     return raw
+
+
+def _read_file(path: Path, what: str, extending: tuple[Path, ...]) -> dict[str, Any]:
+    if not path.is_file():
+        raise SpecError(f"{what} {str(path)!r} does not exist"
+                        + (f" (the base of {str(extending[-1])!r})" if extending else ""))
+    try:
+        with path.open() as stream:  # from the file, so that YAML's message names it, not "<unicode string>"
+            raw = yaml.safe_load(stream) or {}
+    except yaml.YAMLError as err:
+        raise SpecError(f"{what} {str(path)!r} is not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise SpecError(f"{what} {str(path)!r} must be a mapping of sections, not {type(raw).__name__}")
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise SpecError(f"{what} {str(path)!r}: base must be the path of another YAML file")
+    base_path = (path.parent / base).resolve()
+    if base_path in (*extending, path.resolve()):
+        raise SpecError(f"{what} {str(path)!r}: base {base!r} extends itself through "
+                        + " -> ".join(str(p) for p in (*extending, path)))
+    return _merged(_read_file(base_path, what, (*extending, path.resolve())), raw)
+
+
+def _merged(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """`top` over `base`: sections merged key by key, anything else replaced, and a section that
+    names another kind (`model: {name: hf}` over a GPT) replaced whole."""
+    out = dict(base)
+    for key, value in top.items():
+        below = out.get(key)
+        same_kind = isinstance(below, dict) and isinstance(value, dict) and value.get("name", below.get("name")) == below.get("name")
+        out[key] = _merged(below, value) if same_kind else value
+    return out
 
 
 def load_spec(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:

@@ -36,7 +36,7 @@ class ServeConfig(BaseModel):
     num_shards: int = Field(1, ge=1, description="shard actors the model is split across")
     sharding: Literal["pipeline", "tensor"] = Field(
         "pipeline", description="pipeline: contiguous blocks per shard; tensor: a slice of every linear")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: a GPU per shard when the cluster has them")
     multi_node: bool = Field(False, description="PACK shards across nodes instead of STRICT_PACK on one")
     cpus_per_shard: float = Field(1.0, gt=0, description="Ray CPUs each shard's bundle reserves (beside a GPU "
                                   "each on GPUs); the replica's own bundle reserves 0.5")
@@ -72,7 +72,7 @@ class ServeConfig(BaseModel):
     max_queued_requests: int = Field(64, ge=1, description="beyond this, 503 with Retry-After")
     request_timeout_s: float = Field(30.0, gt=0, description="beyond this, 408")
     max_body_bytes: int = Field(16_384, ge=256, description="larger bodies get 413")
-    max_prompt_chars: int = Field(4096, ge=1)
+    max_prompt_chars: int = Field(4096, ge=1, description="longer prompts get 422")
     max_tokens_limit: int = Field(256, ge=1, description="largest max_tokens a request may ask for")
     max_choices_per_request: int = Field(8, ge=1, description="prompts times n one request may ask for; each "
                                          "choice counts against the replica's concurrency like a request")
