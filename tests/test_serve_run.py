@@ -1,7 +1,8 @@
-"""README's serving command exactly as a user on this machine runs it: `serve run
-serve_apps/config.yaml` from the checkout after the default training job, with no Ray cluster
-running, so `serve run` starts a local Ray instance with this machine's CPUs (2 here, as on the
-machine README documents); a real HTTP client against it."""
+"""README's serving commands exactly as a user on this machine runs them: `shardyard serve
+runs/gpt_ddp` (README's quick start) and `serve run serve_apps/config.yaml` (docs/serving.md) from
+the checkout after the default training job, with no Ray cluster running, so each starts a local
+Ray instance with this machine's CPUs (2 here, as on the machine README documents); a real HTTP
+client against it."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from shardyard.checkpoint.layout import TrainState
 from test_serve import metric
 
 SERVE = str(Path(sys.executable).with_name("serve"))
+SHARDYARD = str(Path(sys.executable).with_name("shardyard"))
 README_URL = "http://127.0.0.1:8000"  # serve_apps/config.yaml's address, as README gives it
 
 
@@ -89,5 +91,37 @@ def answer_readme_requests(checkout: Path, ray_tmp: str) -> None:
             try:
                 proc.wait(timeout=90)
             except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(420)
+def test_readme_quick_start_serve_command_answers_its_query_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+    """`.venv/bin/shardyard serve runs/gpt_ddp`, then README's curl (no model named, a sampled
+    completion), then Ctrl-C: the command exits 0 and the local Ray it started goes with it."""
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", 8000)) != 0, "port 8000 (README's) is taken on this machine"
+    run_distributed(save_default_job_checkpoint, 1, str(tmp_path / "runs" / "gpt_ddp"))
+    with ray_files_of_their_own() as ray_tmp:
+        proc = subprocess.Popen([SHARDYARD, "serve", "runs/gpt_ddp"], cwd=tmp_path, start_new_session=True, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=user_environment(ray_tmp))
+        try:
+            deadline = time.monotonic() + 240
+            while True:
+                try:
+                    answer = requests.post(f"{README_URL}/v1/completions", timeout=30,
+                                           json={"prompt": "def main(", "max_tokens": 40, "temperature": 0.8})
+                    if answer.status_code == 200:
+                        break
+                except requests.ConnectionError:
+                    pass
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+                time.sleep(2)
+            assert answer.json()["usage"]["completion_tokens"] <= 40 and answer.json()["model"] == "gpt_ddp"
+            os.killpg(proc.pid, signal.SIGINT)
+            assert proc.wait(timeout=90) == 0, proc.stdout.read()[-3000:]
+        finally:
+            if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)

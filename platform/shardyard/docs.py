@@ -1,0 +1,86 @@
+"""The configuration reference (docs/reference.md), written from the spec's own fields: their
+names, types, defaults and descriptions, so that the documentation cannot drift from what the
+validator accepts (tests/test_docs.py checks the committed page is current).
+
+    python -m shardyard.docs            # rewrites docs/reference.md
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from shardyard.serve.config import VLLM_NAMES, ServeConfig
+from shardyard.spec import JobSpec, _members
+
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "reference.md"
+
+
+def _type(annotation: Any) -> str:
+    """A field's type as a reader writes it in YAML terms."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return " \\| ".join(str(a) for a in typing.get_args(annotation))
+    if origin in (typing.Union, types.UnionType):
+        return " \\| ".join(_type(a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return "null"
+    return (getattr(annotation, "__name__", None) or str(annotation)).replace("typing.", "")
+
+
+def _default(field: Any) -> str:
+    if field.default_factory is not None:
+        value = field.default_factory()
+    elif field.default is PydanticUndefined:
+        return "required"
+    else:
+        value = field.default
+    return "null" if value is None else f"`{value}`"
+
+
+def _rows(cls: type[BaseModel], prefix: str) -> list[str]:
+    rows = []
+    for name, field in cls.model_fields.items():
+        if name == "name" and prefix.startswith("model."):
+            continue  # the union's tag: named in the section's heading
+        description = (field.description or "").replace("|", "\\|").replace("\n", " ")
+        rows.append(f"| `{prefix}{name}` | {_type(field.annotation)} | {_default(field)} | {description} |")
+    return rows
+
+
+def _table(rows: list[str]) -> str:
+    return "| key | type | default | meaning |\n| --- | --- | --- | --- |\n" + "\n".join(rows) + "\n"
+
+
+def reference() -> str:
+    out = ["# Reference\n",
+           "Every key the job spec and the serving config accept, written from their definitions "
+           "(`python -m shardyard.docs`). [The job spec](job-spec.md) explains them by topic.\n",
+           "## Job spec\n"]
+    for section, field in JobSpec.model_fields.items():
+        members = _members(field.annotation)
+        if len(members) > 1:  # model: one table per kind of model
+            for member in members:
+                kind = member.model_fields["name"].default
+                out.append(f"### `{section}` with `name: {kind}`\n")
+                out.append(_table(_rows(member, f"{section}.")))
+        elif isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            out.append(f"### `{section}`\n")
+            out.append(_table(_rows(field.annotation, f"{section}.")))
+    out.append("## Serving config\n")
+    out.append("The arguments of `serve_apps.gpt:app` (a Serve config file's `args:`) and of `shardyard serve` "
+               "(`--set key=value`). vLLM's names are accepted for the same settings: "
+               + ", ".join(f"`{theirs}` for `{ours}`" for theirs, ours in VLLM_NAMES.items())
+               + ", and `tensor_parallel_size` or `pipeline_parallel_size` for `num_shards` with `sharding`.\n")
+    out.append(_table(_rows(ServeConfig, "")))
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    PAGE.write_text(reference())
+    print(PAGE)
