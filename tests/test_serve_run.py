@@ -54,21 +54,26 @@ def test_readme_serving_command_answers_http_on_a_two_core_machine(tmp_path: Pat
         answer_readme_requests(tmp_path, ray_tmp)
 
 
+def first_answer(proc: subprocess.Popen, body: dict, timeout_s: float = 240) -> requests.Response:
+    """The first 200 to README's completion request while the command starts (its output, if it
+    exits first or takes too long)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            answer = requests.post(f"{README_URL}/v1/completions", json=body, timeout=30)
+            if answer.status_code == 200:
+                return answer
+        except requests.ConnectionError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(2)
+
+
 def answer_readme_requests(checkout: Path, ray_tmp: str) -> None:
     proc = subprocess.Popen([SERVE, "run", "serve_apps/config.yaml"], cwd=checkout, start_new_session=True,
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=user_environment(ray_tmp))
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            try:
-                answer = requests.post(f"{README_URL}/v1/completions", json={"prompt": "def ", "max_tokens": 5},
-                                       timeout=30)
-                if answer.status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
-            time.sleep(2)
+        answer = first_answer(proc, {"prompt": "def ", "max_tokens": 5})
         assert answer.json()["usage"]["completion_tokens"] == 5
         assert requests.get(f"{README_URL}/healthz", timeout=10).json()["status"] == "ok"
         # The official OpenAI client, as README shows it: completions, chat, streaming.
@@ -107,17 +112,7 @@ def test_readme_quick_start_serve_command_answers_its_query_and_stops_on_ctrl_c(
         proc = subprocess.Popen([SHARDYARD, "serve", "runs/gpt_ddp"], cwd=tmp_path, start_new_session=True, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=user_environment(ray_tmp))
         try:
-            deadline = time.monotonic() + 240
-            while True:
-                try:
-                    answer = requests.post(f"{README_URL}/v1/completions", timeout=30,
-                                           json={"prompt": "def main(", "max_tokens": 40, "temperature": 0.8})
-                    if answer.status_code == 200:
-                        break
-                except requests.ConnectionError:
-                    pass
-                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
-                time.sleep(2)
+            answer = first_answer(proc, {"prompt": "def main(", "max_tokens": 40, "temperature": 0.8})
             assert answer.json()["usage"]["completion_tokens"] <= 40 and answer.json()["model"] == "gpt_ddp"
             os.killpg(proc.pid, signal.SIGINT)
             assert proc.wait(timeout=90) == 0, proc.stdout.read()[-3000:]
