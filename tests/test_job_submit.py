@@ -1,8 +1,8 @@
-"""End to end, as README's "On a Ray cluster" gives it and a user on this 2-core machine runs it:
+"""End to end, as README's "On a cluster" gives it and a user on this 2-core machine runs it:
 `ray start --head --node-ip-address=127.0.0.1` (Ray's default ports, the machine's real CPUs, no
 cluster of the test session's), then `ray job submit --working-dir . -- python jobs/train.py
 --config ...`, `ray job status`, `ray job logs`; a job stopped mid-run (`ray job stop`) and
-submitted again resumes where it stopped."""
+submitted again as `ray job submit ... -- shardyard train CONFIG` resumes where it stopped."""
 
 from __future__ import annotations
 
@@ -39,11 +39,11 @@ def ray_job(cluster: dict[str, str], *args: str, timeout: float = 120) -> subpro
                           env=cluster)
 
 
-README_JOB = ["python", "jobs/train.py", "--config", "jobs/configs/gpt_ddp.yaml"]
+SCRIPT_JOB = ["python", "jobs/train.py", "--config", "jobs/configs/gpt_ddp.yaml"]
 
 
 def submit(cluster: dict[str, str], overrides: list[str], env: dict[str, str] | None = None,
-           entrypoint: list[str] = README_JOB) -> str:
+           entrypoint: list[str] = SCRIPT_JOB) -> str:
     runtime = ["--runtime-env-json", json.dumps({"env_vars": env})] if env else []
     deadline = time.monotonic() + 60
     while True:
@@ -90,7 +90,9 @@ def test_submitted_job_stopped_and_submitted_again_resumes_and_writes_outputs(cl
     stopped_at = int(find_latest(run_dir).name.rsplit("_", 1)[1])
     assert stopped_at == 20
 
-    status, logs = wait_until_done(cluster, submit(cluster, overrides))
+    # Submitted again in the other shape README gives: the `shardyard train` command itself.
+    status, logs = wait_until_done(cluster, submit(cluster, overrides,
+                                                   entrypoint=["shardyard", "train", "jobs/configs/gpt_ddp.yaml"]))
     assert re.search(r"succeeded", status, re.IGNORECASE), f"{status}\n{logs[-3000:]}"
     starts = [e for e in read_events(run_dir) if e["event"] == "start"]
     assert len(starts) == 2 and starts[1]["restored_step"] == stopped_at, starts

@@ -133,9 +133,10 @@ def every_case(rank: int, world: int, out: str) -> dict[str, str | None]:
     return results
 
 
-def steps(engine, spec, start: int, stop: int) -> list[float]:
+def steps(engine, spec, start: int, stop: int, grad_norms: list[float] | None = None) -> list[float]:
     """An engine's math without the Trainer (the single-process oracle, and tests that look at
-    every step): train from step `start` to `stop`, return the global mean loss of each step."""
+    every step): train from step `start` to `stop`, return the global mean loss of each step
+    (and append each step's gradient norm to `grad_norms`)."""
     dataset = build_dataset(spec)
     order = GlobalSampleOrder(len(dataset), spec.run.seed)
     accum = spec.grad_accum_steps(dist.get_world_size() if dist.is_initialized() else 1)
@@ -147,6 +148,8 @@ def steps(engine, spec, start: int, stop: int) -> list[float]:
         if dist.is_initialized():
             dist.all_reduce(loss)
         losses.append(loss.item() / engine.loss_ranks)
+        if grad_norms is not None:
+            grad_norms.append(float(engine.grad_norm))
     return losses
 
 
@@ -159,8 +162,11 @@ def oracle_run(tie_weights: bool, optim: str = "adamw",
     spec = parse_spec(raw)
     torch.manual_seed(spec.run.seed)
     engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
-    losses = steps(engine, spec, 0, STEPS)
+    losses = steps(engine, spec, 0, STEPS, ORACLE_GRAD_NORMS.setdefault((tie_weights, optim, global_batch), []))
     return losses, {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+
+
+ORACLE_GRAD_NORMS: dict[tuple, list[float]] = {}  # oracle_run's, per step, by its arguments
 
 
 @pytest.fixture(scope="module")
@@ -193,8 +199,15 @@ def test_strategy_matches_single_process_and_resumes(case: str, optim: str, trai
     assert error is None, f"{case} ({optim}) raised on rank 0:\n{error}"
     oracle_losses, oracle_params = oracle_run(raw["model"]["tie_weights"], optim)
 
-    losses = [row["loss"] for row in read_metrics(case_dir / "straight" / "run")]
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(oracle_losses), rtol=LOSS_RTOL, atol=0)
+    rows = read_metrics(case_dir / "straight" / "run")
+    torch.testing.assert_close(torch.tensor([row["loss"] for row in rows]), torch.tensor(oracle_losses),
+                               rtol=LOSS_RTOL, atol=0)
+    # The logged gradient norm is the whole model's (every shard's, every rank's), as one process
+    # measures it; and each row says what the step cost and held.
+    norms = ORACLE_GRAD_NORMS[(raw["model"]["tie_weights"], optim, 16)]
+    torch.testing.assert_close(torch.tensor([row["grad_norm"] for row in rows]), torch.tensor(norms),
+                               rtol=1e-4, atol=0)
+    assert all(row["model_tflops_per_s"] > 0 and row["peak_memory_gib"] > 0 and "mfu" not in row for row in rows)
     straight_dir = find_latest(case_dir / "straight" / "run")
     assert straight_dir.name == checkpoint_name(STEPS)
     straight = load_model(straight_dir).state_dict()

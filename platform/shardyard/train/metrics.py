@@ -73,6 +73,8 @@ class Progress:
         text = (f"step {metrics['step']}/{self.total} | loss {metrics['loss']:.4f} | "
                 f"{metrics['tokens_per_s']:,.0f} tok/s | {metrics['samples_per_s']:,.1f} samples/s"
                 f" | world {metrics['world_size']}")
+        if "mfu" in metrics:
+            text += f" | MFU {metrics['mfu']:.1%}"
         if "val_loss" in metrics:
             text += f" | val loss {metrics['val_loss']:.4f}"
         if self._bar is None:
@@ -103,7 +105,8 @@ class MetricsLog:
     """Rank 0's log: one row per logged step into `metrics.jsonl`, and the same scalars into
     TensorBoard event files under the run directory (local storage)."""
 
-    SCALARS = ("loss", "lr", "tokens_per_s", "samples_per_s", "step_time_s", "world_size")
+    SCALARS = ("loss", "lr", "tokens_per_s", "samples_per_s", "step_time_s", "world_size", "model_tflops_per_s",
+               "mfu", "peak_memory_gib", "grad_norm")
     VALIDATION = ("val_loss", "val_perplexity")
 
     def __init__(self, run_dir: str | Path, resume_step: int) -> None:
@@ -158,6 +161,22 @@ def plot_loss(rows: list[dict[str, Any]], title: str) -> bytes:
     return buffer.getvalue()
 
 
+def efficiency(steady: list[dict[str, Any]]) -> dict[str, Any]:
+    """The end-of-run table's hardware figures: mean model TFLOP/s and MFU over the steady rows,
+    the peak memory of any rank, the last gradient norm (rows written before these were measured
+    have none)."""
+    out: dict[str, Any] = {}
+    for key in ("model_tflops_per_s", "mfu"):
+        values = [r[key] for r in steady if key in r]
+        if values:
+            out[key] = sum(values) / len(values)
+    if any("peak_memory_gib" in r for r in steady):
+        out["peak_memory_gib"] = max(r.get("peak_memory_gib", 0.0) for r in steady)
+    if "grad_norm" in steady[-1]:
+        out["last_grad_norm"] = steady[-1]["grad_norm"]
+    return out
+
+
 def summarize(run_dir: str | Path, title: str, wall_s: float) -> dict[str, Any]:
     """Write the loss plot beside the metrics; return the numbers for the end-of-run table."""
     rows = read_metrics(run_dir)
@@ -178,6 +197,7 @@ def summarize(run_dir: str | Path, title: str, wall_s: float) -> dict[str, Any]:
         "tokens_per_s": sum(r["tokens_per_s"] for r in steady) / len(steady),
         "samples_per_s": sum(r["samples_per_s"] for r in steady) / len(steady),
         "world_size": rows[-1]["world_size"],
+        **efficiency(steady),
         "wall_s": wall_s,
         "loss_plot": storage.url(LOSS_PLOT),
         "metrics": storage.url(METRICS_FILE),

@@ -23,11 +23,13 @@ from shardyard.data import (Dataset, GlobalSampleOrder, SequentialOrder, build_d
                             micro_batch_ids)
 from shardyard.models import build_for_job
 from shardyard.parallel import Engine, build_engine
+from shardyard.planner import ModelShape
 from shardyard.spec import LANGUAGE_MODELS, JobSpec
 from shardyard.checkpoint.events import log_event
 from shardyard.checkpoint.manager import CheckpointManager, Fence
 from shardyard.checkpoint.layout import TrainState
 from shardyard.checkpoint.lease import LeaseLost
+from shardyard.train.efficiency import device_peak_flops, flops_per_token, peak_memory_bytes
 from shardyard.train.metrics import MetricsLog, Progress, Throughput
 from shardyard.train.step_guard import Diverged, StepGuard
 
@@ -80,6 +82,10 @@ class Trainer:
         self._drain_saved = False  # the drain under way of a worker's node has its checkpoint
         engine.skip_nonfinite = spec.run.on_nonfinite == "skip"
         self.tokens_per_sample = spec.model.block_size if isinstance(spec.model, LANGUAGE_MODELS) else 1
+        shape = ModelShape.of(spec)
+        self.flops_per_token = flops_per_token(shape.total, shape.n_layer, shape.n_embd,
+                                               self.tokens_per_sample if shape.n_embd else 0)
+        self.peak_flops = device_peak_flops(engine.device)
 
     @classmethod
     def build(cls, written: JobSpec, rank: int, world_size: int, device: torch.device, *,
@@ -182,6 +188,7 @@ class Trainer:
             metrics = {**self._mean_loss(since_report), "lr": self.engine.lr, "world_size": self.world_size,
                        "global_batch": self.global_batch, "samples_seen": self.state.samples_seen,
                        "epoch": self.state.samples_seen / len(self.dataset), **throughput.read()}
+            metrics |= self._efficiency(metrics["tokens_per_s"])
             if eval_now:
                 metrics |= self.evaluate()
                 throughput.restart()  # the evaluation's time is not training time
@@ -223,6 +230,21 @@ class Trainer:
             dist.all_reduce(total)
         loss = total.item() / (batches * self.engine.loss_ranks)
         return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0))}
+
+    def _efficiency(self, tokens_per_s: float) -> dict[str, Any]:
+        """Achieved model FLOP/s, MFU (where the device's peak is known), the most memory any rank
+        has held, and the last step's gradient norm. Collective: a max over the ranks."""
+        device = self.engine.device
+        peak = torch.tensor(float(peak_memory_bytes(device)), device=device)
+        if dist.is_initialized():
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        achieved = tokens_per_s * self.flops_per_token
+        out: dict[str, Any] = {"model_tflops_per_s": achieved / 1e12, "peak_memory_gib": peak.item() / 2**30}
+        if self.peak_flops is not None:
+            out["mfu"] = achieved / (self.peak_flops * self.world_size)
+        if self.engine.grad_norm is not None:
+            out["grad_norm"] = float(self.engine.grad_norm)
+        return out
 
     def _mean_loss(self, steps: int) -> dict[str, Any]:
         """The global mean loss of the last `steps` steps: one small all-reduce per report."""

@@ -1,0 +1,42 @@
+"""How well a run uses its hardware: the model FLOPs a token costs to train, the FLOP/s achieved,
+model FLOPs utilization (MFU) against the devices' peak where it is known, and peak memory.
+
+Model FLOPs per token follow PaLM's accounting (Chowdhery et al. 2022, appendix B): 6 per
+parameter (a multiply and an add, forward and twice backward) plus the attention scores,
+12 x layers x width x context. Recomputation (activation checkpointing) is not counted: it is
+hardware work, not model work. MFU divides by the devices' dense bf16 peak, the figure MFU is
+quoted against; on CPUs there is no such figure, so no MFU is reported.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+
+# Dense bf16 tensor-core peak, FLOP/s, by the name CUDA reports (the first match wins).
+PEAK_BF16 = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12), ("A10G", 70e12),
+             ("L4", 121e12), ("A10", 125e12), ("V100", 125e12), ("T4", 65e12))
+
+
+def flops_per_token(parameters: int, layers: int, width: int, context: int) -> float:
+    """Model FLOPs to train on one token (forward and backward)."""
+    return 6.0 * parameters + 12.0 * layers * width * context
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak, or None where it is not known (CPUs, unlisted GPUs)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16 if key in name), None)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """The most memory this process has held: on a GPU, what torch allocated there; on a CPU, the
+    process's peak resident size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
