@@ -113,9 +113,9 @@ class Engine:
     def train_step(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
         """One optimizer step; returns this rank's mean loss (zero where it holds none)."""
         loss = self.forward_backward(micro_batches)
-        norm = None
-        if self.grad_clip > 0 or self.skip_nonfinite:  # (an infinite bound only measures the norm)
-            norm = self.clip_grad_norm(self.grad_clip if self.grad_clip > 0 else math.inf)
+        # Measured every step (a reduction of one number per mesh), for the metrics and the step
+        # guard; an infinite bound only measures it.
+        norm = self.clip_grad_norm(self.grad_clip if self.grad_clip > 0 else math.inf)
         self.grad_norm = norm
         self.skipped = self.skip_nonfinite and not self._finite_everywhere(loss, norm)
         if self.skipped:
@@ -162,8 +162,9 @@ class Engine:
             total = total ** 2
             dist.all_reduce(total, group=group)
             total = total.sqrt()
-        for same_kind in kinds.values():  # DTensors of different meshes cannot be scaled in one call
-            torch.nn.utils.clip_grads_with_norm_(same_kind, max_norm, total, foreach=True)
+        if math.isfinite(max_norm):
+            for same_kind in kinds.values():  # DTensors of different meshes cannot be scaled in one call
+                torch.nn.utils.clip_grads_with_norm_(same_kind, max_norm, total, foreach=True)
         return total
 
 

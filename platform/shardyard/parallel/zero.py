@@ -86,6 +86,8 @@ class ZeroEngine(Engine):
             self.ds.backward(loss)  # scaled by 1/accumulation inside
             self.ds.step()          # optimizer + LR step on the accumulation boundary only
             total += loss.detach() / len(micro_batches)
+        norm = self.ds.get_global_grad_norm()  # DeepSpeed's own, measured as it stepped
+        self.grad_norm = None if norm is None else torch.as_tensor(float(norm))
         return total
 
 

@@ -23,6 +23,7 @@ from typing import Any
 from shardyard.serve.engine import EngineStats
 from shardyard.serve.generation import Completion
 from shardyard.serve.sampling import Pick
+from shardyard.spec import HFSpec
 
 _request_ids = itertools.count()
 
@@ -106,7 +107,6 @@ def vllm_model_directory(checkpoint: str, hf_directory: bool, trust_factory: str
     model written out as one (in a temporary directory the replica keeps); None for models
     vLLM does not know (the own GPT, custom modules)."""
     from shardyard.checkpoint.layout import read_spec
-    from shardyard.spec import HFSpec
 
     if hf_directory:
         return checkpoint
@@ -119,13 +119,10 @@ def vllm_model_directory(checkpoint: str, hf_directory: bool, trust_factory: str
     return str(export_hf_directory(load_model(checkpoint, trust_factory), out))
 
 
-def kv_cache_bytes(model_dir: str, tokens: int, use_gpu: bool) -> int:
-    """The memory `tokens` positions of keys and values take in vLLM: the app's `max_kv_tokens`
-    as vLLM's `kv_cache_memory_bytes` (else vLLM reserves a fraction of the whole machine, on CPU
-    too, and refuses to start where less is free)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_dir)
+def kv_cache_bytes(config: Any, tokens: int, use_gpu: bool) -> int:
+    """The memory `tokens` positions of keys and values take in vLLM, for a model of this
+    transformers `config`: the app's `max_kv_tokens` as vLLM's `kv_cache_memory_bytes` (else vLLM
+    reserves a fraction of the whole machine, on CPU too, and refuses to start where less is free)."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -136,7 +133,8 @@ def kv_cache_bytes(model_dir: str, tokens: int, use_gpu: bool) -> int:
 def start_vllm(model_dir: str, num_shards: int, sharding: str, context: int, max_running: int,
                kv_tokens: int, prefix_caching: bool, use_gpu: bool) -> VllmEngine | str:
     """vLLM's async engine over `model_dir` (tensor or pipeline parallel over `num_shards`, a KV
-    cache of `kv_tokens` positions), or why it cannot serve it."""
+    cache of `kv_tokens` positions), or why it cannot serve it. The model's shape comes through
+    the spec's HFSpec, the one place (with the model adapter) that reads transformers configs."""
     try:
         from vllm import SamplingParams
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -146,7 +144,8 @@ def start_vllm(model_dir: str, num_shards: int, sharding: str, context: int, max
     parallel = {"tensor_parallel_size": num_shards} if sharding == "tensor" else {"pipeline_parallel_size": num_shards}
     args = AsyncEngineArgs(model=model_dir, max_model_len=context, max_num_seqs=max_running,
                            enable_prefix_caching=prefix_caching, dtype="auto" if use_gpu else "float32",
-                           kv_cache_memory_bytes=kv_cache_bytes(model_dir, kv_tokens, use_gpu),
+                           kv_cache_memory_bytes=kv_cache_bytes(HFSpec(path=model_dir).hf_config(), kv_tokens,
+                                                                use_gpu),
                            distributed_executor_backend="ray" if num_shards > 1 else None,
                            disable_log_stats=True, **parallel)
     try:
