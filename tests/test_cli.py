@@ -32,6 +32,9 @@ def test_plan_names_a_small_models_size_and_a_bad_spec_is_status_2(capsys, tmp_p
     assert (count(834_000), count(12_300_000), count(7.24e9), count(512)) == ("834K", "12.3M", "7.24B", "512")
     main(["plan", str(REPO / "jobs" / "configs" / "gpt_ddp.yaml")])
     assert "model gpt (8" in capsys.readouterr().out  # the default GPT: hundreds of thousands, not "0.00B"
+    main(["plan", str(REPO / "jobs" / "configs" / "gpt_ddp.yaml"), "--gpus", "8"])  # README's command
+    out = capsys.readouterr().out
+    assert out.startswith("8 GPUs on 1 node(s), 80.0 GiB each") and "recommended:" in out
     (tmp_path / "bad.yaml").write_text("model:\n  name: gpt\n  n_layr: 2\n")
     assert main(["train", str(tmp_path / "bad.yaml")]) == 2
     assert "did you mean 'n_layer'?" in capsys.readouterr().err
