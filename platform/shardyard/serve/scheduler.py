@@ -116,12 +116,13 @@ class Scheduler:
                 self.waiting.popleft()
                 continue
             tokens = seq.tokens
-            seq.hashes = block_hashes(tokens, self.pool.block_tokens, [])
-            allocated = self.pool.allocate(tokens, seq.hashes, len(seq.request.prompt) + seq.request.max_tokens)
+            hashes = block_hashes(tokens, self.pool.block_tokens, [])
+            allocated = self.pool.allocate(tokens, hashes, len(seq.request.prompt) + seq.request.max_tokens)
             if allocated is None:
                 break  # in line: no request overtakes one that waits for room
             self.waiting.popleft()
             seq.table, seq.cached = allocated
+            seq.hashes = hashes[:seq.cached // self.pool.block_tokens]  # those of the blocks it found
             self.running.append(seq)
             if len(tokens) - seq.cached > 1:  # else all but its newest token was cached: it decodes
                 passes.append(self._chunk(seq, budget))
@@ -155,8 +156,9 @@ class Scheduler:
         for seq, row in zip(done.seqs, logits):
             seq.cached += done.tokens.shape[1]
             tokens = seq.tokens
-            seq.hashes = block_hashes(tokens[:seq.cached], self.pool.block_tokens, seq.hashes)
-            self.pool.register(seq.table, seq.hashes)
+            if seq.cached // self.pool.block_tokens > len(seq.hashes):  # a block filled: hash it, findable
+                seq.hashes = block_hashes(tokens[:seq.cached], self.pool.block_tokens, seq.hashes)
+                self.pool.register(seq.table, seq.hashes)
             if seq.cached == len(tokens) and not seq.leaving:
                 ready.append((seq, row))
         return ready
