@@ -17,7 +17,7 @@ from shardyard.models.kv_cache import BLOCK_TOKENS, CacheStep, KVCache
 from shardyard.serve.engine import DecodingEngine, TokenBudget
 from shardyard.serve.sampling import Sampling
 from shardyard.serve.generation import Completion, encode, generate
-from shardyard.serve.shards import run_model
+from shardyard.serve.shards import Draws, model_output, run_model
 from shardyard.checkpoint.loaders import load_model
 from shardyard.localdist import run_distributed
 from test_serve import train_and_save
@@ -48,7 +48,7 @@ class CachedModel:
         self.steps: list[tuple[int, CacheStep]] = []  # (new tokens per row, step)
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, step: CacheStep) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: CacheStep, draws: Draws = None) -> torch.Tensor:
         self.calls += 1
         self.steps.append((x.shape[1], step))
         if self.calls == self.fail_at_call:
@@ -58,7 +58,7 @@ class CachedModel:
             raise ValueError("a bug in a step")
         out = run_model(self.model, x, step, self.cache)
         self.most_active = max(self.most_active, len(step.tables))
-        return out
+        return model_output(out, step, draws)  # as a shard answers: the picks, or the last position's logits
 
     def recover(self) -> None:
         self.cache = KVCache(self.blocks)

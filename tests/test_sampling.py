@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardyard.serve.generation import Completion
-from shardyard.serve.sampling import Sampling, adjust, pick
+from shardyard.serve.sampling import Draw, Pick, Sampling, adjust, choose_rows, pick
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -97,6 +97,43 @@ def test_a_seeded_draw_repeats_and_nan_logits_are_an_error() -> None:
     assert first == again
     with pytest.raises(RuntimeError, match="NaN"):
         pick(torch.tensor([0.0, float("nan")]))
+
+
+def test_a_draw_depends_on_its_seed_and_index_alone_so_it_can_be_made_anywhere_and_again() -> None:
+    """What a shard gets to pick a token: the same draw picks the same token wherever and however
+    often it is made; a request's tokens resumed from a copy (a rebuilt shard group) go on as they
+    would have; the draw carries the history only where penalties or min_tokens read it."""
+    sampling = Sampling(temperature=1.5)
+    hot = torch.zeros(50)
+    assert Draw(sampling, 7, 3).pick(hot) == Draw(sampling, 7, 3).pick(hot)
+    by_index = [Draw(sampling, 7, i).pick(hot).token for i in range(40)]
+    by_seed = [Draw(sampling, s, 0).pick(hot).token for s in range(40)]
+    assert len(set(by_index)) > 10 and len(set(by_seed)) > 10  # each token its own stream, not one draw repeated
+
+    request = Completion([1, 2, 3], 12, sampling, seed=11)
+    whole = [request.advance(hot) for _ in range(12)]
+    resumed = Completion([1, 2, 3], 12, sampling, seed=11)
+    resumed.tokens = whole[:5]
+    assert [resumed.advance(hot) for _ in range(7)] == whole[5:]
+
+    plain = Completion([1, 2], 4, Sampling(temperature=0.5), seed=1, tokens=[9])
+    assert plain.draw() == Draw(Sampling(temperature=0.5), 1, 1)  # nothing else travels
+    penalized = Completion([1, 2], 4, Sampling(repetition_penalty=1.2, min_tokens=2), tokens=[9])
+    assert (penalized.draw().prompt, penalized.draw().generated) == ((1, 2), (9,))
+
+
+def test_rows_are_picked_together_and_a_nan_row_fails_alone() -> None:
+    """choose_rows, what an executor runs over a pass's logits: plain greedy rows in one argmax,
+    equal to each picked alone; a row with NaN logits gets its own error and the others their
+    tokens; a row with no draw (a prompt chunk before its last) gets nothing."""
+    logits = torch.randn(5, 30)
+    logits[3, 4] = float("nan")
+    draws = [Draw(Sampling()), Draw(Sampling(temperature=0.8), 3, 0), None, Draw(Sampling()),
+             Draw(Sampling(logprobs=2))]
+    out = choose_rows(logits, draws)
+    assert out[0] == Pick(int(logits[0].argmax())) and out[1] == draws[1].pick(logits[1]) and out[2] is None
+    assert isinstance(out[3], RuntimeError) and "NaN" in str(out[3])
+    assert out[4] == pick(logits[4], Sampling(logprobs=2)) and len(out[4].top) == 2
 
 
 def test_stop_strings_count_only_from_min_tokens_on() -> None:

@@ -12,7 +12,7 @@ import torch
 
 from shardyard.serve.generation import Completion, generate
 from shardyard.serve.kv_blocks import BlockPool, block_hashes
-from shardyard.serve.sampling import Sampling
+from shardyard.serve.sampling import Pick, Sampling
 from shardyard.serve.scheduler import Scheduler, Sequence, TokenBudget
 
 pytestmark = pytest.mark.timeout(60)
@@ -79,10 +79,9 @@ def sequence(prompt: list[int], max_tokens: int) -> Sequence:
     return Sequence(Completion(prompt, max_tokens), 0.0)
 
 
-def logits_for(token: int, rows: int = 1) -> torch.Tensor:
-    out = torch.zeros(rows, 100)
-    out[:, token] = 1.0
-    return out
+def picks_of(token: int, rows: int = 1) -> list[Pick]:
+    """What the executor returns for a pass: each row's chosen token."""
+    return [Pick(token)] * rows
 
 
 def test_the_scheduler_chunks_long_prompts_admits_within_room_and_decodes_whole_ones() -> None:
@@ -97,7 +96,8 @@ def test_the_scheduler_chunks_long_prompts_admits_within_room_and_decodes_whole_
     first = scheduler.prefills()  # the long prompt's first chunk takes the budget: nothing else fits
     assert [(p.seqs, p.tokens.tolist(), p.step.starts) for p in first] == [([long], [list(range(6))], (0,))]
     assert long.table == [0, 1, 2, 3] and scheduler.running == [long]  # room for 13 tokens
-    assert scheduler.update(first[0], logits_for(5)) == []  # no token before the prompt is whole
+    assert first[0].draws() == [None]  # no token before the prompt is whole
+    assert scheduler.update(first[0], [None]) == []
     assert scheduler.decode() is None
 
     second = scheduler.prefills()  # its last 4 tokens (no last chunk under 2), then the short prompt
@@ -105,17 +105,19 @@ def test_the_scheduler_chunks_long_prompts_admits_within_room_and_decodes_whole_
                                                                            ([short], [[7, 8]], (0,))]
     assert len(scheduler.waiting) == 1  # two running: the third waits
     for work in second:
-        for seq, row in scheduler.update(work, logits_for(5)):
-            seq.request.advance(row)
+        assert [d is not None for d in work.draws()] == [True]  # each prompt's last chunk asks for a token
+        for seq, chosen in scheduler.update(work, picks_of(5)):
+            seq.request.accept(chosen)
     assert long.request.tokens == [5] and short.request.tokens == [5]
     step = scheduler.decode()
     assert step.seqs == [long, short] and step.tokens.tolist() == [[5], [5]]
     assert step.step.tables == ((0, 1, 2, 3), (4,)) and step.step.starts == (10, 2)
 
     short.abandoned = True  # its caller left: its block comes back at the next decision
-    ready = scheduler.update(step, logits_for(6, rows=2))
+    assert step.draws()[1] is None  # a leaving sequence is not drawn for
+    ready = scheduler.update(step, [Pick(6), None])
     assert [seq for seq, _ in ready] == [long]
-    long.request.advance(ready[0][1])
+    long.request.accept(ready[0][1])
     assert scheduler.prefills() == []  # a one-token prompt has nothing to prefill: it decodes
     assert scheduler.running == [long, late] and late.table == [4] and pool.used == 5
     assert scheduler.decode().step.starts == (11, 0)

@@ -21,8 +21,8 @@ import torch
 
 from shardyard.localdist import free_port, run_distributed
 from shardyard.serve.batching import AdaptiveBatchSize, calibrate
-from shardyard.serve.sampling import Sampling
-from shardyard.serve.generation import Completion, decode, decode_steps, encode, generate
+from shardyard.serve.sampling import Draw, Pick, Sampling, choose_rows
+from shardyard.serve.generation import Completion, decode, decode_steps, encode, generate, sampled_here
 from shardyard.checkpoint.loaders import find_latest, load_model
 from test_strategies import job, train, with_storage
 
@@ -73,6 +73,14 @@ def test_sharded_outputs_equal_unsharded(ray_cluster, checkpoints, sharding: str
         full = sum(p.numel() for p in whole.parameters())
         assert all(p["parameters"] < full for p in parts) or num_shards == 1  # each holds only its part
         torch.testing.assert_close(sharded.forward(tokens, pad), expected, rtol=0, atol=1e-5)
+        # Given each row's draw, the shards pick: token ids come back, the logits never do.
+        draws = [Draw(Sampling()), Draw(Sampling(temperature=0.9, top_k=20, logprobs=3), seed=5, index=2),
+                 Draw(Sampling(repetition_penalty=1.3, presence_penalty=0.5), None, 1, prompt=(100, 101), generated=(32,))]
+        picks = sharded.forward(tokens, pad, draws)
+        assert all(isinstance(p, Pick) for p in picks)
+        alone = choose_rows(expected[:, -1], draws)
+        assert [p.token for p in picks] == [p.token for p in alone]
+        assert picks[1].logprob == pytest.approx(alone[1].logprob, abs=1e-4)
     finally:
         sharded.close()
 
@@ -114,7 +122,7 @@ def test_batched_generation_equals_one_request_at_a_time_and_resumes_exactly(che
     assert [len(t) for t in together] == [12, 20, 8]
     # Decoding cut off after 5 tokens (a lost shard) and started again ends where it would have.
     cut = fresh()
-    steps = decode_steps(forward, cut, model.spec.block_size)
+    steps = decode_steps(sampled_here(forward), cut, model.spec.block_size)
     for _ in range(5):
         next(steps)
     steps.close()

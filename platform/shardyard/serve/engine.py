@@ -1,9 +1,10 @@
 """A decoding engine per replica: continuous batching (iteration-level scheduling, as in Orca and
 vLLM) over a model that keeps a paged KV cache (models/kv_cache.py). The scheduler
 (serve/scheduler.py) decides what each iteration runs; the model's `forward` (a LocalModel or a
-ShardedModel: the executor) runs it in a thread, off the event loop; this engine hands the
-scheduler's passes to the executor and their logits back, samples each ready request's next
-token and streams it to the request's caller.
+ShardedModel: the executor) runs it in a thread, off the event loop and picks the ready
+requests' next tokens where the logits are (each request's Draw goes with the pass; only token
+ids come back); this engine hands the scheduler's passes to the executor and their tokens back,
+and streams each token to its request's caller.
 
 A shard group lost under an iteration loses its caches: the engine has the group rebuilt and
 the scheduler prefills every running request again from its prompt and the tokens it already
@@ -22,10 +23,12 @@ import torch
 from shardyard.models.kv_cache import BLOCK_TOKENS, CacheStep
 from shardyard.serve.generation import Completion
 from shardyard.serve.kv_blocks import BlockPool
+from shardyard.serve.sampling import Draw, Outcome
 from shardyard.serve.scheduler import MIN_CHUNK, Pass, Scheduler, Sequence, TokenBudget
 
-# (token ids, what the pass does with the cache) -> logits (B, T, V)
-CachedForward = Callable[[torch.Tensor, CacheStep], torch.Tensor]
+# (token ids, what the pass does with the cache, each row's draw) -> each row's outcome (a pass
+# that only resets the caches goes without draws)
+CachedForward = Callable[[torch.Tensor, CacheStep, list[Draw | None] | None], list[Outcome]]
 
 
 @dataclass
@@ -114,19 +117,19 @@ class DecodingEngine:
             self.stats.prefill_budget = self.scheduler.budget.tokens
 
     async def _execute(self, work: Pass) -> None:
-        """The executor runs one pass; the scheduler takes its output; ready requests get a token."""
-        logits = await asyncio.to_thread(self.forward, work.tokens, work.step)
-        for seq, row in self.scheduler.update(work, logits[:, -1, :].float()):
-            self._emit(seq, row)
+        """The executor runs one pass and picks; the scheduler takes its output; ready requests
+        get their token."""
+        outcomes = await asyncio.to_thread(self.forward, work.tokens, work.step, work.draws())
+        for seq, outcome in self.scheduler.update(work, outcomes):
+            self._emit(seq, outcome)
 
-    def _emit(self, seq: Sequence, logits: torch.Tensor) -> None:
+    def _emit(self, seq: Sequence, outcome: Outcome) -> None:
         request = seq.request
-        try:
-            token = request.advance(logits)
-        except RuntimeError as err:  # this request's sampling alone: the others in the step go on
+        if isinstance(outcome, RuntimeError):  # this request's sampling alone: the others in the step go on
             seq.abandoned = True
-            seq.out.put_nowait(err)
+            seq.out.put_nowait(outcome)
             return
+        token = request.accept(outcome)
         self.stats.tokens += 1
         if seq.first_token_at is None:
             seq.first_token_at = time.perf_counter()
@@ -140,7 +143,7 @@ class DecodingEngine:
         """Get a working shard group with empty caches, then let the scheduler start over."""
         try:
             await asyncio.to_thread(self.recover)
-            await asyncio.to_thread(self.forward, torch.zeros((1, 1), dtype=torch.long), CacheStep(reset=True))
+            await asyncio.to_thread(self.forward, torch.zeros((1, 1), dtype=torch.long), CacheStep(reset=True), None)
         except self.lost:
             pass  # the next iteration finds out and recovers again
         self.stats.rebuilds += 1

@@ -2,7 +2,8 @@
 
 Prompts of different lengths are left-padded into one batch and the padding masked out (see
 GPT.forward's `pad`), so each row's tokens equal those of its prompt generated alone. Each row
-samples with its own temperature and its own seeded generator, in the same order as alone.
+samples as its own request says (sampling.Draw), wherever the logits are: the executor that runs
+the model picks the tokens, and only token ids come back.
 """
 
 from __future__ import annotations
@@ -13,16 +14,18 @@ from typing import Any
 
 import torch
 
-from shardyard.serve.sampling import GREEDY, Pick, Sampling, pick
+from shardyard.serve.sampling import GREEDY, Draw, Outcome, Pick, Sampling, choose_rows
 
 Forward = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]  # (tokens, pad) -> logits
+# (tokens, pad, each row's draw) -> each row's outcome: the model picks its tokens where it runs
+SampledForward = Callable[[torch.Tensor, torch.Tensor | None, Sequence[Draw | None]], list[Outcome]]
 
 
 @dataclass
 class Completion:
     """One choice's decoding state. `tokens` grows as they are generated; decoding that stops
-    (a lost shard) resumes from prompt + tokens with the same random generator, so a retried
-    request still gets the tokens it would have got."""
+    (a lost shard) resumes from prompt + tokens, and since each token's draw depends only on the
+    seed and its index, a retried request still gets the tokens it would have got."""
     prompt: list[int]
     max_tokens: int
     sampling: Sampling = GREEDY
@@ -30,10 +33,6 @@ class Completion:
     stop_token: int | None = None  # the tokenizer's end of sequence, if it has one
     tokens: list[int] = field(default_factory=list)
     picks: list[Pick] = field(default_factory=list)  # with logprobs asked for: one per token
-    generator: torch.Generator | None = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self.generator = torch.Generator().manual_seed(self.seed) if self.seed is not None else None
 
     @property
     def stopped(self) -> bool:
@@ -44,13 +43,23 @@ class Completion:
     def done(self) -> bool:
         return len(self.tokens) >= self.max_tokens or self.stopped
 
-    def advance(self, logits: torch.Tensor) -> int:
-        """Choose the next token from its (V,) logits and append it."""
-        chosen = pick(logits, self.sampling, self.generator, self.prompt, self.tokens, self.stop_token)
+    def draw(self) -> Draw:
+        """What choosing the next token needs, to send where the logits are."""
+        s = self.sampling
+        return Draw(s, self.seed, len(self.tokens), self.stop_token,
+                    prompt=tuple(self.prompt) if s.repetition_penalty != 1.0 else (),
+                    generated=tuple(self.tokens) if s.penalized or s.min_tokens else ())
+
+    def accept(self, chosen: Pick) -> int:
+        """Append the token chosen for it."""
         self.tokens.append(chosen.token)
         if self.sampling.logprobs is not None:
             self.picks.append(chosen)
         return chosen.token
+
+    def advance(self, logits: torch.Tensor) -> int:
+        """Choose the next token from its (V,) logits here and append it."""
+        return self.accept(self.draw().pick(logits))
 
 
 def encode(text: str) -> list[int]:
@@ -111,7 +120,13 @@ def left_pad(prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tens
     return tokens, torch.tensor([width - len(p) for p in prompts])
 
 
-def decode_steps(forward: Forward, requests: Sequence[Completion], block_size: int,
+def sampled_here(forward: Forward) -> SampledForward:
+    """A forward pass that returns logits, with the tokens picked in this process (a model run
+    in-process, such as the one-process reference)."""
+    return lambda tokens, pad, draws: choose_rows(forward(tokens, pad)[:, -1, :], draws)
+
+
+def decode_steps(forward: SampledForward, requests: Sequence[Completion], block_size: int,
                  abandoned: Callable[[int], bool] = lambda row: False) -> Iterator[list[int]]:
     """Decode every unfinished request together, one token per forward pass; after each pass,
     yield the rows (indices into `requests`) that got a token, appended to their `tokens`.
@@ -125,8 +140,11 @@ def decode_steps(forward: Forward, requests: Sequence[Completion], block_size: i
     tokens, pad = left_pad([requests[i].prompt + requests[i].tokens for i in rows])
     while rows:
         overflow = max(0, tokens.shape[1] - block_size)  # crop to the context window
-        logits = forward(tokens[:, overflow:], (pad - overflow).clamp(min=0))[:, -1, :].float()
-        chosen = [requests[row].advance(logits[k]) for k, row in enumerate(rows)]
+        outcomes = forward(tokens[:, overflow:], (pad - overflow).clamp(min=0), [requests[r].draw() for r in rows])
+        for outcome in outcomes:
+            if isinstance(outcome, RuntimeError):
+                raise outcome
+        chosen = [requests[row].accept(outcome) for row, outcome in zip(rows, outcomes)]
         yield rows
         tokens = torch.cat([tokens, torch.tensor(chosen).unsqueeze(1)], dim=1)
         keep = [k for k, row in enumerate(rows) if not requests[row].done and not abandoned(row)]
@@ -137,7 +155,7 @@ def decode_steps(forward: Forward, requests: Sequence[Completion], block_size: i
 
 
 def generate(forward: Forward, requests: Sequence[Completion], block_size: int) -> list[list[int]]:
-    """Every request's new tokens: `max_tokens` each, as its sampling says."""
-    for _ in decode_steps(forward, requests, block_size):
+    """Every request's new tokens: `max_tokens` each, as its sampling says (picked here)."""
+    for _ in decode_steps(sampled_here(forward), requests, block_size):
         pass
     return [r.tokens for r in requests]

@@ -15,7 +15,8 @@ from shardyard.checkpoint.layout import read_spec, trusted
 from shardyard.checkpoint.loaders import load_model_part, servable
 from shardyard.models.kv_cache import KVCache
 from shardyard.runtime import select_device
-from shardyard.serve.shards import Extra, hold_served, last_position, run_model
+from shardyard.serve.sampling import Outcome
+from shardyard.serve.shards import Draws, Extra, hold_served, model_output, run_model
 from shardyard.spec import LANGUAGE_MODELS
 
 
@@ -42,11 +43,10 @@ class LocalModel:
         self._lock = threading.Lock()  # one forward pass at a time over the one cache
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, extra: Extra = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, extra: Extra = None, draws: Draws = None) -> torch.Tensor | list[Outcome]:
         with self._lock:
             extra = extra.to(self.device) if isinstance(extra, torch.Tensor) else extra
-            out = run_model(self.model, tokens.to(self.device), extra, self.cache)
-            return last_position(out, extra).cpu()
+            return model_output(run_model(self.model, tokens.to(self.device), extra, self.cache), extra, draws)
 
     def healthy(self, timeout_s: float = 5.0) -> bool:
         return True  # in the replica's process: if the replica answers, so does the model

@@ -8,17 +8,24 @@ temperature 0, else temperature, top-k, min-p and top-p (nucleus) filtering and 
 request's own generator. Reported log-probabilities are those of the model's raw distribution,
 before any of this (vLLM's default, `raw_logprobs`): what the model thinks, not what the
 sampler did with it.
+
+A seeded request's draw for its i-th token comes from a generator seeded by (seed, i) alone, not
+from a generator carried along: a `Draw` is then everything a token's choice needs, so it is made
+where the logits are (the shard that computes them: only token ids leave it) and comes out the
+same after a lost shard group is rebuilt and the request prefilled again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Union
 
 import torch
 import torch.nn.functional as F
 
 MAX_LOGPROBS = 20  # alternatives per token a client may ask for (vLLM's default limit)
+_MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -106,3 +113,64 @@ def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator
         outside = ordered.cumsum(-1) - ordered >= sampling.top_p * ordered.sum()
         probs = torch.zeros_like(probs).scatter(-1, order, ordered.masked_fill(outside, 0.0))
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclass(frozen=True)
+class Draw:
+    """What choosing one sequence's next token needs besides its logits: small, so it travels to
+    the shard that holds the logits instead of the logits travelling back. `prompt` and
+    `generated` are carried only where penalties or `min_tokens` read them."""
+    sampling: Sampling
+    seed: int | None = None
+    index: int = 0  # tokens the sequence has generated before this one
+    stop_token: int | None = None
+    prompt: tuple[int, ...] = ()
+    generated: tuple[int, ...] = ()
+
+    @property
+    def plain_greedy(self) -> bool:
+        """The argmax of the raw logits, nothing reported: a whole batch of these is one argmax."""
+        s = self.sampling
+        return s.temperature <= 0 and s.logprobs is None and not s.penalized and (s.min_tokens == 0 or s.ignore_eos)
+
+    def generator(self) -> torch.Generator | None:
+        return None if self.seed is None else torch.Generator().manual_seed(token_seed(self.seed, self.index))
+
+    def pick(self, logits: torch.Tensor) -> Pick:
+        return pick(logits, self.sampling, self.generator(), self.prompt, self.generated, self.stop_token)
+
+
+def token_seed(seed: int, index: int) -> int:
+    """The seed of token `index`'s draw: SplitMix64 of (seed, index), so neighbouring tokens' (and
+    neighbouring seeds') generators share no stream."""
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+# A row's outcome: its pick, its own error (NaN logits fail that request alone), or None where no
+# token was asked for (a prompt chunk that is not its last).
+Outcome = Union[Pick, RuntimeError, None]
+
+
+def choose_rows(logits: torch.Tensor, draws: Sequence[Draw | None]) -> list[Outcome]:
+    """Each row's next token from its (V,) logits in `logits` (B, V), as its draw says."""
+    logits = logits.float()
+    fast = [i for i, d in enumerate(draws) if d is not None and d.plain_greedy]
+    # Plain greedy rows: one argmax for all of them. A NaN row goes the slow way, to its own error.
+    argmax = dict(zip(fast, logits[fast].argmax(-1).tolist())) if fast else {}
+    for i in torch.isnan(logits).any(-1).nonzero().flatten().tolist():
+        argmax.pop(i, None)
+    # The rest are picked on the CPU, where their generators and penalty indices are.
+    slow = {i: logits[i].cpu() for i, d in enumerate(draws) if d is not None and i not in argmax}
+    out: list[Outcome] = []
+    for i, draw in enumerate(draws):
+        if draw is None or i in argmax:
+            out.append(None if draw is None else Pick(argmax[i]))
+            continue
+        try:
+            out.append(draw.pick(slow[i]))
+        except RuntimeError as err:
+            out.append(err)
+    return out

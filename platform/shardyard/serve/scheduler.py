@@ -30,6 +30,7 @@ import torch
 from shardyard.models.kv_cache import CacheStep
 from shardyard.serve.generation import Completion
 from shardyard.serve.kv_blocks import BlockPool, block_hashes
+from shardyard.serve.sampling import Draw, Outcome
 
 # The fewest prompt tokens a prefill chunk takes: each chunk is a forward pass that reads every weight,
 # so prompts up to this long are prefilled whole (benchmarks/serve_vs_vllm.py: chunks of 32 cost 14%
@@ -72,6 +73,13 @@ class Pass:
     seqs: list[Sequence]
     tokens: torch.Tensor  # (rows, new tokens per row)
     step: CacheStep
+
+    def draws(self) -> list[Draw | None]:
+        """What the executor needs to pick each row's next token: for a sequence whose tokens
+        will all be in the cache after this pass (a prompt's last chunk, a decode step); None
+        for a prompt's earlier chunks, and for a sequence leaving anyway."""
+        width = self.tokens.shape[1]
+        return [s.request.draw() if s.cached + width == len(s.tokens) and not s.leaving else None for s in self.seqs]
 
 
 class TokenBudget:
@@ -148,19 +156,19 @@ class Scheduler:
         return Pass(seqs, torch.tensor([[s.tokens[-1]] for s in seqs], dtype=torch.long),
                     CacheStep(tuple(tuple(s.table) for s in seqs), tuple(s.cached for s in seqs)))
 
-    def update(self, done: Pass, logits: torch.Tensor) -> list[tuple[Sequence, torch.Tensor]]:
+    def update(self, done: Pass, outcomes: list[Outcome]) -> list[tuple[Sequence, Outcome]]:
         """A pass ran: its tokens are in the cache (their full blocks findable from now on).
-        Returns each sequence whose tokens are now all in the cache, with its next token's
-        logits (a prompt's last chunk, or a decode step), unless it is leaving."""
+        Returns each sequence whose tokens are now all in the cache, with the outcome of its
+        draw (a prompt's last chunk, or a decode step), unless it is leaving."""
         ready = []
-        for seq, row in zip(done.seqs, logits):
+        for seq, outcome in zip(done.seqs, outcomes):
             seq.cached += done.tokens.shape[1]
             tokens = seq.tokens
             if seq.cached // self.pool.block_tokens > len(seq.hashes):  # a block filled: hash it, findable
                 seq.hashes = block_hashes(tokens[:seq.cached], self.pool.block_tokens, seq.hashes)
                 self.pool.register(seq.table, seq.hashes)
-            if seq.cached == len(tokens) and not seq.leaving:
-                ready.append((seq, row))
+            if seq.cached == len(tokens) and not seq.leaving and outcome is not None:
+                ready.append((seq, outcome))
         return ready
 
     def _release_leaving(self) -> None:
@@ -173,7 +181,8 @@ class Scheduler:
         """The cache's contents are gone (a shard died, the group was replaced) or can no longer
         be trusted (`failed`: an unexpected error mid-step): forget every block, then put every
         running request first in line to be prefilled again from its prompt and the tokens it
-        has (its random generator carries on, so it gets the tokens it would have got), or fail
+        has (its draws depend on its seed and their index only, so it gets the tokens it would
+        have got), or fail
         those caught twice, or all of them with `failed`. Waiting requests are untouched."""
         again = []
         for seq in self.running:

@@ -18,6 +18,10 @@ Hugging Face model's `base_model_tp_plan`, over a process group of the shard act
 all shards run each forward pass together and combine partial results with an all-reduce per
 attention and per MLP, over torch.distributed rather than through Ray.
 
+Sampling happens where the logits are: a forward pass given each row's draw (serve/sampling.py)
+returns the rows' picks, token ids, from the last pipeline shard or tensor rank 0, never the
+logits (batch x vocabulary floats per step).
+
 Any training checkpoint loads here, whatever strategy wrote it, and each shard reads only its part
 of it (checkpoint.load_model_part): a model too large for one device never materialises whole.
 """
@@ -30,6 +34,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import ray
@@ -45,6 +50,7 @@ from shardyard.models.kv_cache import CacheStep, KVCache
 from shardyard.parallel.pipeline import balanced_split
 from shardyard.parallel.tensor import apply_tensor_parallel
 from shardyard.runtime import select_device
+from shardyard.serve.sampling import Draw, Outcome, choose_rows
 from shardyard.spec import LANGUAGE_MODELS, CustomSpec, GPTSpec, HFSpec
 from shardyard.checkpoint.loaders import committed_record, load_model_part, servable
 from shardyard.checkpoint.layout import read_spec, trusted
@@ -82,10 +88,16 @@ def run_model(model: torch.nn.Module, x: torch.Tensor, extra: Extra, cache: KVCa
     return model(x, cache=cache)
 
 
-def last_position(logits: torch.Tensor, extra: Extra) -> torch.Tensor:
-    """What leaves the shard group: a cached step's caller reads only the last position's logits
-    (the next token), so a prefill's others (prompt length x vocabulary) need not travel."""
-    return logits[:, -1:] if isinstance(extra, CacheStep) else logits
+Draws = Sequence[Draw | None] | None
+
+
+def model_output(logits: torch.Tensor, extra: Extra, draws: Draws) -> torch.Tensor | list[Outcome]:
+    """What leaves the model: with draws, each row's pick from its last position's logits (token
+    ids, not logits); without, the logits, of the last position only for a cached step (its
+    caller reads only the next token's, so a prefill's others need not travel)."""
+    if draws is not None:
+        return choose_rows(logits[:, -1, :], draws)
+    return (logits[:, -1:] if isinstance(extra, CacheStep) else logits).cpu()
 
 
 def supports_kv_cache(spec: GPTSpec | HFSpec | CustomSpec) -> bool:
@@ -124,10 +136,10 @@ class PipelineShard:
         self.cache = KVCache(cache_blocks) if cache_blocks else None
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, extra: Extra) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, extra: Extra, draws: Draws = None) -> torch.Tensor | list[Outcome]:
         extra = extra.to(self.device) if isinstance(extra, torch.Tensor) else extra
         out = run_model(self.stage, x.to(self.device), extra, self.cache)
-        return (last_position(out, extra) if self.last else out).cpu()
+        return model_output(out, extra, draws) if self.last else out.cpu()
 
     def describe(self) -> dict:
         return {"blocks": self.blocks, "device": str(self.device),
@@ -167,10 +179,10 @@ class TensorShard:
                                      collective=True).eval()
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, extra: Extra) -> torch.Tensor | None:
+    def forward(self, x: torch.Tensor, extra: Extra, draws: Draws = None) -> torch.Tensor | list[Outcome] | None:
         extra = extra.to(self.device) if isinstance(extra, torch.Tensor) else extra
         out = run_model(self.model, x.to(self.device), extra, self.cache)
-        return last_position(out, extra).cpu() if self.rank == 0 else None  # the same logits on every rank: send one
+        return model_output(out, extra, draws) if self.rank == 0 else None  # the same logits on every rank: one picks
 
     def describe(self) -> dict:
         local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
@@ -345,10 +357,11 @@ class ShardedModel:
             self._started([s.join.remote(address) for s in self.shards], "form their process group")
         self._started([s.describe.remote() for s in self.shards], f"load {self.checkpoint_dir}")  # loaded and ready
         if self.compiled:
-            with InputNode() as given:  # given[0]: tokens, given[1]: padding counts or a cache step
+            # given[0]: tokens, given[1]: padding counts or a cache step, given[2]: draws or None
+            with InputNode() as given:
                 node = given[0]
                 for shard in self.shards:
-                    node = shard.forward.bind(node, given[1])
+                    node = shard.forward.bind(node, given[1], given[2])
             self.graph = node.experimental_compile()
 
     def _hold_served(self) -> None:
@@ -416,28 +429,29 @@ class ShardedModel:
             ray.kill(shard, no_restart=True)
         self._hold.close()
 
-    def forward(self, tokens: torch.Tensor, extra: Extra = None) -> torch.Tensor:
-        """Logits of the whole model. Pipeline: each shard's output goes to the next as a Ray
-        reference. Tensor: every shard gets the same input and rank 0 returns the logits.
-        `extra`: left padding per row, or a KV-cache step (every shard applies it to its cache)."""
+    def forward(self, tokens: torch.Tensor, extra: Extra = None, draws: Draws = None) -> torch.Tensor | list[Outcome]:
+        """Logits of the whole model, or with `draws` each row's pick. Pipeline: each shard's
+        output goes to the next as a Ray reference. Tensor: every shard gets the same input and
+        rank 0 returns the result. `extra`: left padding per row, or a KV-cache step (every shard
+        applies it to its cache)."""
         with self._lock:  # waits out a rebuild instead of using a half-built group
             if isinstance(extra, CacheStep):
                 if not extra.reset and self._cache_group not in (None, self.rebuilds):
                     self._cache_group = None
                     raise CachesLost("the shard group was rebuilt: its KV caches start empty")
                 self._cache_group = self.rebuilds
-            return self._forward(tokens, extra)
+            return self._forward(tokens, extra, draws)
 
-    def _forward(self, tokens: torch.Tensor, extra: Extra) -> torch.Tensor:
+    def _forward(self, tokens: torch.Tensor, extra: Extra, draws: Draws) -> torch.Tensor | list[Outcome]:
         if self.graph is not None:
-            return ray.get(self.graph.execute(tokens, extra))
+            return ray.get(self.graph.execute(tokens, extra, draws))
         if self.sharding == "pipeline":
             ref = tokens
             for shard in self.shards:
-                ref = shard.forward.remote(ref, extra)
+                ref = shard.forward.remote(ref, extra, draws)
             return ray.get(ref)
-        tokens_ref, extra_ref = ray.put(tokens), ray.put(extra)
-        refs = [shard.forward.remote(tokens_ref, extra_ref) for shard in self.shards]
+        tokens_ref, extra_ref, draws_ref = ray.put(tokens), ray.put(extra), ray.put(draws)
+        refs = [shard.forward.remote(tokens_ref, extra_ref, draws_ref) for shard in self.shards]
         pending = refs
         while pending:  # a dead shard raises at once, not after its peers' collective times out
             done, pending = ray.wait(pending, num_returns=1)
