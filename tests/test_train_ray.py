@@ -15,7 +15,8 @@ from shardyard.spec import load_spec
 from shardyard.checkpoint.layout import TrainState
 from shardyard.checkpoint.loaders import find_latest, load_model
 from shardyard.train.launcher import launch
-from shardyard.train.metrics import LOSS_PLOT, TENSORBOARD_DIR, read_metrics
+from shardyard.train.metrics import LOSS_PLOT, read_metrics
+from shardyard.train.tracking import TENSORBOARD_DIR
 from shardyard.train.trainer import Trainer
 
 

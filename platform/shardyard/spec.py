@@ -476,6 +476,26 @@ class RunSpec(Section):
     on_nonfinite: Literal["stop", "skip"] = Field(
         "stop", description="a step whose loss or gradient norm is not finite: stop the run naming the step "
                             "(nothing from it is committed), or skip the step's update and go on")
+    loggers: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
+        default_factory=lambda: ["tensorboard"],
+        description="experiment trackers that get every logged step besides metrics.jsonl: tensorboard (event "
+                    "files in the run directory), mlflow, wandb (extra shardyard[tracking])")
+    experiment: str = Field("shardyard", min_length=1,
+                            description="the MLflow experiment, or the Weights & Biases project, the run is filed under")
+    peak_tflops: float | None = Field(
+        None, gt=0, description="one device's peak TFLOP/s that MFU is computed against, for devices shardyard "
+                                "does not know (CPUs, unlisted GPUs); unset: the GPU's dense bf16 peak where known")
+    tracking_uri: str | None = Field(
+        None, description="the MLflow tracking server (http://host:5000); unset: MLflow's own MLFLOW_TRACKING_URI")
+
+    @field_validator("loggers")
+    @classmethod
+    def _trackers_installed(cls, loggers: list[str]) -> list[str]:
+        clients = {"mlflow": "mlflow", "wandb": "wandb"}
+        missing = [name for name in loggers if name in clients and importlib.util.find_spec(clients[name]) is None]
+        if missing:
+            raise ValueError(f"{', '.join(missing)} named but not installed: pip install 'shardyard[tracking]'")
+        return list(dict.fromkeys(loggers))
 
     @field_validator("name")
     @classmethod

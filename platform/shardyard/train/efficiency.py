@@ -5,7 +5,8 @@ Model FLOPs per token follow PaLM's accounting (Chowdhery et al. 2022, appendix 
 parameter (a multiply and an add, forward and twice backward) plus the attention scores,
 12 x layers x width x context. Recomputation (activation checkpointing) is not counted: it is
 hardware work, not model work. MFU divides by the devices' dense bf16 peak, the figure MFU is
-quoted against; on CPUs there is no such figure, so no MFU is reported.
+quoted against; on CPUs there is no such figure, so no MFU is reported unless the user gives the
+peak (`run.peak_tflops`, also for GPUs the table does not list).
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ def flops_per_token(parameters: int, layers: int, width: int, context: int) -> f
     return 6.0 * parameters + 12.0 * layers * width * context
 
 
-def device_peak_flops(device: torch.device) -> float | None:
-    """The device's dense bf16 peak, or None where it is not known (CPUs, unlisted GPUs)."""
+def device_peak_flops(device: torch.device, given_tflops: float | None = None) -> float | None:
+    """The device's dense bf16 peak: as the user gave it (run.peak_tflops), else from the table;
+    None where it is not known (CPUs, unlisted GPUs)."""
+    if given_tflops is not None:
+        return given_tflops * 1e12
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)

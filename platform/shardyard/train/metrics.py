@@ -1,4 +1,5 @@
-"""Throughput, progress output, the metrics log, TensorBoard and the end-of-run report.
+"""Throughput, progress output, the metrics log (and the trackers, train/tracking.py) and the
+end-of-run report.
 
 Metrics do not travel through `ray.train.report`: in Ray Train V2 each report waits for the
 controller, which drains a one-slot queue on its health-check poll (every 2 s), so reporting at
@@ -20,10 +21,10 @@ from shardyard.spec import JobSpec
 from shardyard.checkpoint.events import JsonLines
 from shardyard.checkpoint.store import RunStorage
 from shardyard.tables import format_table
+from shardyard.train.tracking import open_trackers
 
 METRICS_FILE = "metrics.jsonl"
 LOSS_PLOT = "loss_curve.png"
-TENSORBOARD_DIR = "tensorboard"
 
 
 @dataclass
@@ -102,36 +103,23 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 class MetricsLog:
-    """Rank 0's log: one row per logged step into `metrics.jsonl`, and the same scalars into
-    TensorBoard event files under the run directory (local storage)."""
+    """Rank 0's log: one row per logged step into `metrics.jsonl`, and the same scalars to each
+    tracker `run.loggers` names."""
 
-    SCALARS = ("loss", "lr", "tokens_per_s", "samples_per_s", "step_time_s", "world_size", "model_tflops_per_s",
-               "mfu", "peak_memory_gib", "grad_norm")
-    VALIDATION = ("val_loss", "val_perplexity")
-
-    def __init__(self, run_dir: str | Path, resume_step: int) -> None:
-        self.file = JsonLines(RunStorage(run_dir), METRICS_FILE)
+    def __init__(self, spec: JobSpec, resume_step: int) -> None:
+        self.file = JsonLines(RunStorage(spec.run_uri), METRICS_FILE)
         self.file.append({"resumed_at": resume_step, "time": time.time()})
-        self._tensorboard = None
-        if "://" not in str(run_dir):
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tensorboard = SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR))
+        self.trackers = open_trackers(spec)
 
     def append(self, row: dict[str, Any]) -> None:
-        self.file.append({**row, "time": time.time()})
-        if self._tensorboard is not None:
-            for key in self.SCALARS:
-                if isinstance(row.get(key), (int, float)):
-                    self._tensorboard.add_scalar(f"train/{key}", row[key], row["step"])
-            for key in self.VALIDATION:
-                if key in row:
-                    self._tensorboard.add_scalar(f"validation/{key.removeprefix('val_')}", row[key], row["step"])
-            self._tensorboard.flush()
+        row = {**row, "time": time.time()}
+        self.file.append(row)
+        for tracker in self.trackers:
+            tracker.log(row)
 
     def close(self) -> None:
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 # ----------------------------------------------------------------------------- the end of a run

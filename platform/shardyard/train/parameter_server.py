@@ -396,7 +396,7 @@ class ParameterServerRun:
         self.next_worker += 1
 
     def _train(self) -> None:
-        log = MetricsLog(self.spec.run_uri, self.state.step)
+        log = MetricsLog(self.spec, self.state.step)
         progress = Progress(self.spec.run.steps, self.state.step, sys.stdout.isatty())
         throughput = Throughput()
         tokens_per_sample = getattr(self.spec.model, "block_size", 1)

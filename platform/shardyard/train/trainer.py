@@ -85,7 +85,7 @@ class Trainer:
         shape = ModelShape.of(spec)
         self.flops_per_token = flops_per_token(shape.total, shape.n_layer, shape.n_embd,
                                                self.tokens_per_sample if shape.n_embd else 0)
-        self.peak_flops = device_peak_flops(engine.device)
+        self.peak_flops = device_peak_flops(engine.device, spec.run.peak_tflops)
 
     @classmethod
     def build(cls, written: JobSpec, rank: int, world_size: int, device: torch.device, *,
@@ -156,7 +156,7 @@ class Trainer:
             callback.on_train_start(self)
         is_logger = self.rank == 0
         progress = Progress(self.spec.run.steps, self.state.step, self.progress_bar) if is_logger else None
-        log = MetricsLog(self.spec.run_uri, self.state.step) if is_logger else None
+        log = MetricsLog(self.spec, self.state.step) if is_logger else None
         throughput = Throughput()
         since_report = 0
         last = self.spec.run.steps if until is None else min(until, self.spec.run.steps)
