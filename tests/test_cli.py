@@ -55,3 +55,13 @@ def test_print_config_shows_the_resolved_spec_and_schema_is_json_schema(capsys) 
     assert schema["title"] == "JobSpec" and "parallelism" in schema["properties"]
     assert main(["schema", "--serve"]) == 0
     assert "max_batch_size" in json.loads(capsys.readouterr().out)["properties"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("config", ["llama3_8b_fsdp", "qwen2_5_7b_fsdp_tp"])
+def test_the_docs_show_what_plan_says_of_the_real_model_configs(capsys, config: str) -> None:
+    main(["plan", str(REPO / "jobs" / "configs" / f"{config}.yaml"), "--gpus", "8", "--gpu-memory", "80GB"])
+    out = capsys.readouterr().out.rstrip()
+    assert out.splitlines()[0].startswith("8 GPUs on 1 node(s), 80.0 GiB each; model hf (")
+    # A stale page fails here: regenerate its blocks with the command they show.
+    assert out in (REPO / "docs" / "models.md").read_text()

@@ -12,6 +12,8 @@ resumes at another world size; bad model sections are refused before anything st
 
 from __future__ import annotations
 
+import math
+import re
 import shutil
 import traceback
 from pathlib import Path
@@ -24,10 +26,12 @@ from shardyard.cli import main as shardyard
 from shardyard.localdist import run_distributed
 from shardyard.models import build_for_job, build_model
 from shardyard.parallel import single_process
-from shardyard.spec import SpecError, parse_spec
+from shardyard.spec import SpecError, load_spec, parse_spec
 from shardyard.checkpoint.layout import read_spec
 from shardyard.checkpoint.loaders import committed_record, find_latest, load_model
 from shardyard.checkpoint.record import checkpoint_name
+from shardyard.train.metrics import read_metrics
+from shardyard.train.trainer import Trainer
 from test_strategies import PARAM_TOL, steps, train
 
 STEPS = 3
@@ -363,3 +367,34 @@ def test_a_model_directory_with_a_tokenizer_has_its_text_tokenized_with_it(tmp_p
     stream = TextStream(codec)
     pieces = [stream.push(token) for token in codec.encode(text[:200])] + [stream.finish()]
     assert "".join(pieces) == text[:200] and "\ufffd" not in "".join(pieces)
+
+
+def documented_shrink() -> list[str]:
+    """The `--set` overrides docs/models.md gives to train the real model shapes on a CPU."""
+    text = (Path(__file__).parents[1] / "docs" / "models.md").read_text()
+    command = text[text.index("shardyard train jobs/configs/llama3_8b_fsdp.yaml \\"):]
+    return re.findall(r"--set (\S+)", command[:command.index("```")])
+
+
+def train_config(rank: int, world: int, config: str, overrides: list[str]) -> None:
+    Trainer.build(load_spec(config, overrides), rank, world, torch.device("cpu")).train()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("config, architecture", [("llama3_8b_fsdp", "LlamaForCausalLM"),
+                                                  ("qwen2_5_7b_fsdp_tp", "Qwen2ForCausalLM")])
+def test_a_real_model_config_shrunk_as_the_docs_say_trains_on_a_cpu(config: str, architecture: str,
+                                                                   tmp_path: Path) -> None:
+    """The Llama-3-8B and Qwen2.5-7B configs, shrunk by the docs' --set lines, keep their
+    architecture, attention layout, parallelism and optimizer and train on 4 CPU ranks (FSDP over
+    4; FSDP x TP as a 2 x 2 mesh)."""
+    path = str(Path(__file__).parents[1] / "jobs" / "configs" / f"{config}.yaml")
+    full = load_spec(path)
+    overrides = [*documented_shrink(), f"checkpoint.storage_path={tmp_path}", "run.log_every=1"]
+    shrunk = load_spec(path, overrides)
+    assert shrunk.parallelism == full.parallelism and shrunk.model.config["architecture"] == full.model.config["architecture"]
+    assert shrunk.optim.name == full.optim.name and shrunk.model.config["rope_theta"] == full.model.config["rope_theta"]
+    run_distributed(train_config, 4, path, overrides)
+    rows = read_metrics(tmp_path / shrunk.run.name)
+    assert [r["step"] for r in rows] == list(range(1, 7)) and all(math.isfinite(r["loss"]) for r in rows)
+    assert type(load_model(find_latest(tmp_path / shrunk.run.name)).hf).__name__ == architecture
