@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
-from pydantic_core import PydanticUndefined
 
 from shardyard.serve.config import VLLM_NAMES, ServeConfig
 from shardyard.spec import JobSpec, _members
@@ -34,10 +33,10 @@ def _type(annotation: Any) -> str:
 
 
 def _default(field: Any) -> str:
+    if field.is_required():
+        return "required"
     if field.default_factory is not None:
         value = field.default_factory()
-    elif field.default is PydanticUndefined:
-        return "required"
     else:
         value = field.default
     return "null" if value is None else f"`{value}`"
