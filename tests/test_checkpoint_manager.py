@@ -96,17 +96,19 @@ def test_events_from_concurrent_writers_are_all_kept(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_metrics_survive_a_cut_off_line_and_drop_rows_a_restart_recomputes(tmp_path: Path) -> None:
     row = {"loss": 1.0, "tokens_per_s": 1.0, "samples_per_s": 1.0, "world_size": 1, "lr": 0.1}
-    log = MetricsLog(tmp_path, resume_step=0)
+    spec = parse_spec({"checkpoint": {"storage_path": str(tmp_path)}, "run": {"name": "run"}})
+    run_dir = tmp_path / "run"
+    log = MetricsLog(spec, resume_step=0)
     for step in (10, 20, 30):
         log.append({**row, "step": step})
     log.close()
-    restarted = MetricsLog(tmp_path, resume_step=20)  # resumed from step 20's checkpoint
+    restarted = MetricsLog(spec, resume_step=20)  # resumed from step 20's checkpoint
     restarted.append({**row, "step": 30, "loss": 0.5})
     restarted.close()
-    with (tmp_path / METRICS_FILE).open("a") as f:
+    with (run_dir / METRICS_FILE).open("a") as f:
         f.write('{"step": 40, "lo')  # a writer killed mid-line
-    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(10, 1.0), (20, 1.0), (30, 0.5)]
-    with (tmp_path / METRICS_FILE).open("a") as f:
+    assert [(r["step"], r["loss"]) for r in read_metrics(run_dir)] == [(10, 1.0), (20, 1.0), (30, 0.5)]
+    with (run_dir / METRICS_FILE).open("a") as f:
         f.write('\n{"step": 50}\n')  # the cut-off line is now in the middle: that is damage
     with pytest.raises(ValueError, match="line 7 is not JSON"):
-        read_metrics(tmp_path)
+        read_metrics(run_dir)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardyard.models import build_model
-from shardyard.serve.sampling import Sampling
+from shardyard.serve.sampling import Sampling, choose_rows
 from shardyard.serve.generation import Completion, encode, generate
 from shardyard.spec import GPTSpec
 from test_engine import CachedModel, engine_for, serve_all
@@ -44,11 +44,11 @@ class PoisonedPrompts(CachedModel):
     """The model, except that a prompt holding '~' comes out of its prefill as NaN logits (as a
     numerical fault in one request's row would)."""
 
-    def forward(self, x: torch.Tensor, step) -> torch.Tensor:
-        out = super().forward(x, step)
+    def forward(self, x: torch.Tensor, step, draws=None):
+        out = super().forward(x, step)  # the last position's logits
         if x.shape[1] > 1 and bool((x == POISON).any()):  # a prompt (a prefill), not a decode step
             out = torch.full_like(out, float("nan"))
-        return out
+        return out if draws is None else choose_rows(out[:, -1], draws)  # picked where the logits are
 
 
 @pytest.mark.drill(outcome="that request fails alone", lost="nothing")
