@@ -29,6 +29,7 @@ import ray
 import torch
 
 from common import print_table, write_json
+from shardyard.parallel.world_size import grad_accum_steps
 from shardyard.data import GlobalSampleOrder, build_dataset, micro_batch_ids
 from shardyard.localdist import run_distributed
 from shardyard.models import build_model
@@ -61,7 +62,7 @@ def collective_worker(rank: int, world: int, args: list[str], slow: bool) -> tup
     engine = build_engine(spec, build_model(spec.model), torch.device("cpu"))
     dataset = build_dataset(spec)
     order = GlobalSampleOrder(len(dataset), spec.run.seed)
-    accum = spec.grad_accum_steps(world)
+    accum = grad_accum_steps(spec, world)
     losses, times, origin = [], [], None
     for step in range(spec.run.steps):
         started = time.perf_counter()

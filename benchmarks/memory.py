@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from common import print_table, write_json
+from shardyard.parallel.world_size import grad_accum_steps
 from shardyard.data import GlobalSampleOrder, build_dataset, micro_batch_ids
 from shardyard.localdist import run_distributed
 from shardyard.models import build_model
@@ -75,7 +76,7 @@ def measure(rank: int, world: int, raw: dict) -> dict:
     engine = build_engine(spec, build_model(spec.model), torch.device("cpu"))
     dataset = build_dataset(spec)
     order = GlobalSampleOrder(len(dataset), 0)
-    accum = spec.grad_accum_steps(world)
+    accum = grad_accum_steps(spec, world)
     batch = lambda step: [dataset.batch(i) for i in micro_batch_ids(  # noqa: E731
         order, step * spec.batch.global_batch_size, engine.dp_rank, engine.dp_size,
         spec.batch.micro_batch_size, accum)]

@@ -20,6 +20,7 @@ import common  # noqa: F401  (puts the package on sys.path)
 import torch
 
 from common import print_table, write_json
+from shardyard.parallel.world_size import grad_accum_steps
 from shardyard.data import GlobalSampleOrder, build_dataset, micro_batch_ids
 from shardyard.localdist import run_distributed
 from shardyard.models import build_model
@@ -47,7 +48,7 @@ def time_steps(rank: int, world: int, config: str, overrides: list[str], steps: 
     engine = build_engine(spec, build_model(spec.model), torch.device("cpu"))
     dataset = build_dataset(spec)
     order = GlobalSampleOrder(len(dataset), 0)
-    accum = spec.grad_accum_steps(world)
+    accum = grad_accum_steps(spec, world)
     times = []
     for step in range(steps):
         ids = micro_batch_ids(order, step * spec.batch.global_batch_size, engine.dp_rank,

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from shardyard.parallel.world_size import grad_accum_steps
 from shardyard.data import GlobalSampleOrder, build_dataset, micro_batch_ids
 from shardyard.models import build_model, loss_fn_for
 from shardyard.spec import load_spec
@@ -39,7 +40,7 @@ def main() -> None:
     loss_fn = loss_fn_for(spec.model)
     dataset = build_dataset(spec)
     order = GlobalSampleOrder(len(dataset), spec.run.seed)
-    accum = spec.grad_accum_steps(world)
+    accum = grad_accum_steps(spec, world)
 
     step_times = []
     for step in range(spec.run.steps):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardyard.parallel.world_size import grad_accum_steps
 from shardyard.localdist import run_distributed
 from shardyard.data import GlobalSampleOrder, build_dataset, micro_batch_ids
 from shardyard.models import build_model
@@ -38,7 +39,7 @@ def train(rank: int, world_size: int, raw: dict, strategy) -> dict[str, torch.Te
     engine = strategy(spec, build_model(spec.model), torch.device("cpu"))
     dataset = build_dataset(spec)
     order = GlobalSampleOrder(len(dataset), spec.run.seed)
-    accum = spec.grad_accum_steps(world_size)
+    accum = grad_accum_steps(spec, world_size)
     seen = 0
     for _ in range(STEPS):
         ids = micro_batch_ids(order, seen, rank, world_size, spec.batch.micro_batch_size, accum)

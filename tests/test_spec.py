@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from conftest import REPO
+from shardyard.parallel.world_size import at_world_size, grad_accum_steps
 from shardyard.cli import main
 from shardyard.spec import JobSpec, SpecError, load_spec
 
@@ -28,7 +29,7 @@ def test_default_job_is_valid() -> None:
     spec = load_spec(DEFAULT_JOB)
     assert spec.parallelism.strategy == "ddp"
     assert spec.scaling.num_workers == 2
-    assert spec.grad_accum_steps(2) == 2
+    assert grad_accum_steps(spec, 2) == 2
     assert Path(spec.checkpoint.storage_path).is_absolute()
 
 
@@ -37,7 +38,7 @@ def test_overrides_parse_values_and_nest() -> None:
     assert spec.optim.lr == pytest.approx(3e-4)
     assert spec.scaling.num_workers == 4
     assert spec.run.name == "other"
-    assert spec.grad_accum_steps(4) == 1
+    assert grad_accum_steps(spec, 4) == 1
 
 
 def test_missing_sections_take_defaults() -> None:
@@ -138,13 +139,13 @@ def test_elastic_pipeline_is_replanned_when_world_size_does_not_fit() -> None:
                                    "model.tie_weights=false", "batch.micro_batch_size=4",
                                    "batch.global_batch_size=48"])
     # 4 and 2 keep two stages (fewer data-parallel replicas); 3 cannot, and runs without a pipeline.
-    assert spec.at_world_size(4) is spec and spec.at_world_size(2) is spec
-    three = spec.at_world_size(3).parallelism
+    assert at_world_size(spec, 4) is spec and at_world_size(spec, 2) is spec
+    three = at_world_size(spec, 3).parallelism
     assert (three.strategy, three.pp, three.dp_size(3)) == ("ddp", 1, 3)
     fsdp_pp = load_spec(DEFAULT_JOB, [*ELASTIC, "scaling.max_workers=6", "parallelism.strategy=fsdp",
                                       "parallelism.pp=3", "model.tie_weights=false",
                                       "batch.micro_batch_size=2", "batch.global_batch_size=120"])
-    assert (fsdp_pp.at_world_size(4).parallelism.pp, fsdp_pp.at_world_size(4).parallelism.strategy) == (2, "fsdp")
+    assert (at_world_size(fsdp_pp, 4).parallelism.pp, at_world_size(fsdp_pp, 4).parallelism.strategy) == (2, "fsdp")
 
 
 def test_global_batch_change_only_when_allowed() -> None:
@@ -152,9 +153,9 @@ def test_global_batch_change_only_when_allowed() -> None:
     with pytest.raises(SpecError, match="not for world size 3"):
         load_spec(DEFAULT_JOB, overrides)
     spec = load_spec(DEFAULT_JOB, [*overrides, "batch.allow_global_batch_change=true"])
-    assert spec.at_world_size(4).batch.global_batch_size == 32
-    assert spec.at_world_size(3).batch.global_batch_size == 36  # nearest multiple of 4 x 3
-    assert spec.at_world_size(3).grad_accum_steps(3) == 3
+    assert at_world_size(spec, 4).batch.global_batch_size == 32
+    assert at_world_size(spec, 3).batch.global_batch_size == 36  # nearest multiple of 4 x 3
+    assert grad_accum_steps(at_world_size(spec, 3), 3) == 3
 
 
 def test_mlp_needs_synthetic_data() -> None:

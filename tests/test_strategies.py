@@ -29,6 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from shardyard.parallel.world_size import grad_accum_steps
 from shardyard.data import GlobalSampleOrder, build_dataset, micro_batch_ids
 from shardyard.localdist import run_distributed
 from shardyard.models import build_model
@@ -139,7 +140,7 @@ def steps(engine, spec, start: int, stop: int, grad_norms: list[float] | None = 
     (and append each step's gradient norm to `grad_norms`)."""
     dataset = build_dataset(spec)
     order = GlobalSampleOrder(len(dataset), spec.run.seed)
-    accum = spec.grad_accum_steps(dist.get_world_size() if dist.is_initialized() else 1)
+    accum = grad_accum_steps(spec, dist.get_world_size() if dist.is_initialized() else 1)
     losses = []
     for step in range(start, stop):
         ids = micro_batch_ids(order, step * spec.batch.global_batch_size, engine.dp_rank,

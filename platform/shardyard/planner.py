@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shardyard.models.capabilities import check_tensor_parallel, pipeline_blocks
 from shardyard.spec import LANGUAGE_MODELS, ZERO_STAGES, GPTSpec, HFSpec, JobSpec
 
 FP32 = 4
@@ -151,7 +152,7 @@ def estimate(spec: JobSpec, shape: ModelShape, strategy: str, dp: int, tp: int =
 
 def _splits_tensor(spec: JobSpec, tp: int) -> bool:
     try:
-        spec.model.check_tensor_parallel(tp)
+        check_tensor_parallel(spec.model, tp)
     except ValueError:
         return False
     return True
@@ -161,7 +162,7 @@ def _pipeline_blocks(spec: JobSpec) -> int:
     """Blocks a pipeline could split (a tied GPT counts: untying is a one-key change), 1 if none."""
     model = spec.model.model_copy(update={"tie_weights": False}) if isinstance(spec.model, GPTSpec) else spec.model
     try:
-        return model.pipeline_blocks()
+        return pipeline_blocks(model)
     except ValueError:
         return 1
 

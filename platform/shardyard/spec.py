@@ -1,7 +1,11 @@
-"""The job spec: one YAML file parsed into typed, validated config objects.
+"""The job spec: one YAML file parsed into typed, validated config objects, and its loading
+(`base:` files, `--set` overrides, messages that name the key and the valid choices).
 
-Everything a run needs is decided here, before any Ray worker starts: unknown keys, wrong types
-and impossible combinations raise `SpecError` with a message naming the key and the valid choices.
+Everything a run needs is decided when a spec is validated, before any Ray worker starts: unknown
+keys, wrong types and impossible combinations raise `SpecError`. What a model can be split into
+is its family's own rule (models/capabilities.py) and how a run lays out at each world size it may
+train at is the mesh planner's (parallel/world_size.py): validation asks both, importing them
+only then (and transformers only for a Hugging Face model, whose config it checks).
 """
 
 from __future__ import annotations
@@ -47,20 +51,6 @@ class GPTSpec(Section):
             )
         return self
 
-    def pipeline_blocks(self, training: bool = True) -> int:
-        """How many blocks pipeline stages split, or ValueError saying why this model cannot.
-        (Serving splits a model with a tied head too: each end keeps its own copy.)"""
-        if training and self.tie_weights:
-            raise ValueError("pipeline stages cannot share the embedding with the output "
-                             "head: set model.tie_weights=false")
-        return self.n_layer
-
-    def check_tensor_parallel(self, tp: int, key: str = "parallelism.tp") -> None:
-        """ValueError saying why the model cannot be split `tp` ways (`key` names that number)."""
-        if self.n_head % tp:
-            raise ValueError(f"model.n_head ({self.n_head}) must be divisible by {key} ({tp}) to shard "
-                             f"attention heads")
-
 
 class MLPSpec(Section):
     name: Literal["mlp"] = "mlp"
@@ -69,26 +59,9 @@ class MLPSpec(Section):
     out_dim: int = Field(8, ge=1, description="outputs")
     n_layer: int = Field(3, ge=1, description="number of hidden layers")
 
-    def pipeline_blocks(self, training: bool = True) -> int:
-        raise ValueError("pipeline parallelism splits a language model's blocks; for model.name "
-                         "'mlp' use ddp, fsdp, local_sgd or zero1/2/3")
-
-    def check_tensor_parallel(self, tp: int, key: str = "parallelism.tp") -> None:
-        raise ValueError("tensor parallelism follows a model's plan and the MLP has none; for "
-                         "model.name 'mlp' use ddp, fsdp, local_sgd or zero1/2/3")
-
 
 # What marks a Hugging Face model directory as bringing its own tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
-# The styles of transformers' tensor-parallel plans that parallel/tensor.py applies.
-TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce",
-             "packed_colwise", "packed_rowwise", "moe_tp_experts")
-
-
-def refuse_unknown_styles(plan: dict[str, str], whose: str) -> None:
-    """ValueError naming the styles of `plan` that parallel/tensor.py does not apply, if any."""
-    if unsupported := sorted({style for style in plan.values() if style not in TP_STYLES}):
-        raise ValueError(f"{whose} uses {unsupported}; shardyard applies {', '.join(TP_STYLES)} (parallel/tensor.py)")
 
 
 class HFSpec(Section):
@@ -157,42 +130,6 @@ class HFSpec(Section):
         """A model directory with tokenizer files: text is tokenized with it, in training and serving."""
         return self.path is not None and any((Path(self.path) / name).is_file() for name in TOKENIZER_FILES)
 
-    def pipeline_blocks(self, training: bool = True) -> int:
-        config = self.hf_config()
-        if not getattr(config, "base_model_pp_plan", None):
-            raise ValueError(f"model '{config.model_type}' ships no pipeline plan (base_model_pp_plan): "
-                             f"use parallelism.pp 1 with ddp, fsdp, tensor or zero")
-        if training and getattr(config, "tie_word_embeddings", False):
-            raise ValueError("pipeline stages cannot share the input embedding with the output head: "
-                             "set model.config.tie_word_embeddings false (a model directory that ties "
-                             "them cannot be pipelined)")
-        return config.num_hidden_layers
-
-    def check_tensor_parallel(self, tp: int, key: str = "parallelism.tp") -> None:
-        self.block_tp_plan(tp, key)
-
-    def block_tp_plan(self, tp: int, key: str = "parallelism.tp") -> dict[str, str]:
-        """The tensor-parallel plan of one decoder layer, from the model's own `base_model_tp_plan`
-        ("layers.*.self_attn.q_proj": "colwise" -> "self_attn.q_proj": "colwise"), or ValueError
-        saying why this model cannot be split `tp` ways."""
-        config = self.hf_config()
-        plan = getattr(config, "base_model_tp_plan", None)
-        if not plan:
-            raise ValueError(f"model '{config.model_type}' ships no tensor-parallel plan "
-                             f"(base_model_tp_plan): use parallelism.tp 1 with ddp, fsdp or zero")
-        block_plan = {key.split(".*.", 1)[1]: style for key, style in plan.items() if ".*." in key}
-        refuse_unknown_styles(block_plan, f"model '{config.model_type}': its tensor-parallel plan")
-        for name in ("num_attention_heads", "num_key_value_heads"):
-            heads = getattr(config, name, None)
-            if heads is not None and heads % tp:
-                raise ValueError(f"model.config {name} ({heads}) must be divisible by {key} ({tp})")
-        if "moe_tp_experts" in block_plan.values():  # each rank takes the same share of every expert
-            name = "moe_intermediate_size" if hasattr(config, "moe_intermediate_size") else "intermediate_size"
-            if getattr(config, name) % tp:
-                raise ValueError(f"model.config {name} ({getattr(config, name)}) must be divisible by {key} ({tp})")
-        return block_plan
-
-
 STORED = {"stored": True}  # validation context of a spec read from a checkpoint
 
 
@@ -235,36 +172,6 @@ class CustomSpec(Section):
                             f"imported only when the reader names it (--trust-factory, serving: trust_factory)")
         module, _, function = self.factory.partition(":")
         return getattr(importlib.import_module(module), function)(self)
-
-    def _skeleton(self) -> Any:
-        """The user's module on the meta device (no memory, no init): enough to ask what it supports."""
-        import torch
-
-        with torch.device("meta"):
-            return self.build()
-
-    def pipeline_blocks(self, training: bool = True) -> int:
-        model = self._skeleton()
-        if not (callable(getattr(model, "pipeline_layout", None)) and callable(getattr(model, "pipeline_stage", None))):
-            raise ValueError(f"model.factory's module ({type(model).__name__}) does not say how to split it "
-                             f"into pipeline stages: give it pipeline_layout() and pipeline_stage(start, end) "
-                             f"(README, 'Bringing a model'), or use ddp, fsdp, local_sgd or zero1/2/3")
-        return len(model.pipeline_layout().blocks)
-
-    def check_tensor_parallel(self, tp: int, key: str = "parallelism.tp") -> None:
-        model = self._skeleton()
-        if not isinstance(getattr(model, "block_tp_plan", None), dict):
-            raise ValueError(f"model.factory's module ({type(model).__name__}) has no tensor-parallel plan: "
-                             f"give it block_tp_plan ({{'linear name in a block': 'colwise' | 'rowwise'}}, "
-                             f"README, 'Bringing a model'), or use ddp, fsdp, local_sgd or zero1/2/3")
-        from shardyard.models.blocks import repeated_blocks
-
-        blocks = [getattr(parent, name) for parent, name in repeated_blocks(model)]
-        names = {name for block in blocks for name, _ in [*block.named_modules(), *block.named_parameters()]}
-        if unknown := sorted(entry for entry in model.block_tp_plan if entry not in names):
-            raise ValueError(f"model.factory's module ({type(model).__name__}): block_tp_plan names {unknown}, "
-                             f"which no block (_no_split_modules) holds")
-        refuse_unknown_styles(model.block_tp_plan, f"model.factory's module ({type(model).__name__}): block_tp_plan")
 
 
 ModelSpec = Annotated[Union[GPTSpec, MLPSpec, HFSpec, CustomSpec], Field(discriminator="name")]
@@ -567,11 +474,16 @@ class JobSpec(Section):
                              f"its engine applies each step as it computes it; use 'stop'")
         if read_from_storage(info):  # checked when it was launched; checking again may run its factory
             return self
-        self._check_model_fits_mesh()
         self._check_hot_recovery()
+        # What the model can be split into, and the run at every size it may train at: asked of the
+        # model family's own rules (models/capabilities.py) and the mesh planner (parallel/).
+        from shardyard.models.capabilities import check_fits_mesh
+        from shardyard.parallel.world_size import at_world_size
+
+        check_fits_mesh(self.model, par)
         if par.strategy != "parameter_server":  # its batches do not depend on how many are alive
             for ws in self.scaling.step_sizes:
-                self.at_world_size(ws)  # raises, naming the key, if nothing can run at this size
+                at_world_size(self, ws)  # raises, naming the key, if nothing can run at this size
         return self
 
     def _check_parameter_server(self) -> None:
@@ -601,75 +513,6 @@ class JobSpec(Section):
         if importlib.util.find_spec("torchft") is None:  # an extra: it has no wheels for every platform
             raise ValueError("scaling.recovery 'hot' runs on TorchFT, which is not installed: "
                              "pip install 'shardyard[hot]'")
-
-    def at_world_size(self, world_size: int) -> JobSpec:
-        """The spec as it runs at `world_size`: the mesh re-planned if it no longer fits and the
-        global batch changed if the spec allows it. `self` when nothing needs to change."""
-        par = self._mesh_at(world_size)
-        spec = self if par == self.parallelism else self.model_copy(update={"parallelism": par})
-        accum = spec.grad_accum_steps(world_size)
-        per_pass = self.batch.micro_batch_size * par.dp_size(world_size)
-        if accum is None and self.batch.allow_global_batch_change:
-            accum = max(1, round(self.batch.global_batch_size / per_pass))
-            batch = self.batch.model_copy(update={"global_batch_size": accum * per_pass})
-            spec = spec.model_copy(update={"batch": batch})
-        if accum is None:
-            raise ValueError(
-                f"batch.global_batch_size ({self.batch.global_batch_size}) must be a multiple of "
-                f"batch.micro_batch_size x data-parallel size; it is not for world size {world_size} "
-                f"({self.batch.micro_batch_size} x {par.dp_size(world_size)} = {per_pass}); set "
-                f"batch.allow_global_batch_change=true to train with the nearest multiple instead")
-        if par.pp > 1 and par.schedule != "gpipe" and accum < par.pp:
-            raise ValueError(
-                f"parallelism.schedule '{par.schedule}' needs at least parallelism.pp ({par.pp}) "
-                f"micro-batches per step; batch.global_batch_size / (batch.micro_batch_size x "
-                f"data-parallel size) is {accum} at world size {world_size}")
-        return spec
-
-    def _mesh_at(self, world_size: int) -> ParallelismSpec:
-        """Keep the configured mesh while the world size is a multiple of pp x tp (only the
-        data-parallel degree changes); otherwise use the most pipeline stages that divide it.
-        Checkpoint keys are the full model's parameter names, so any re-plan can load them."""
-        par = self.parallelism
-        if par.dp_size(world_size) is not None:
-            return par
-        # Asked once (a custom module is built to answer it); only a mesh of 3+ stages has smaller
-        # pipelines to fall back to, and a validated pipeline spec's model can answer.
-        blocks = self.model.pipeline_blocks() if par.pp > 2 else 0
-        for pp in range(par.pp - 1, 0, -1):
-            if world_size % (pp * par.tp) or (pp > 1 and blocks < pp * par.stages_per_rank):
-                continue
-            fields = par.model_dump() | {"pp": pp, "split_points": None}
-            if pp == 1:  # no pipeline left: plain data parallel over the same ranks
-                fields |= {"schedule": "1f1b", "stages_per_rank": 1,
-                           "strategy": "ddp" if par.strategy == "pipeline" else par.strategy}
-            return ParallelismSpec(**fields)
-        raise ValueError(f"world size {world_size} is not a multiple of parallelism.tp ({par.tp}): "
-                         f"no mesh fits it")
-
-    def _check_model_fits_mesh(self) -> None:
-        par, model = self.parallelism, self.model
-        if par.tp > 1:
-            model.check_tensor_parallel(par.tp)
-        if par.pp > 1:
-            blocks = model.pipeline_blocks()
-            if blocks < par.num_stages:
-                raise ValueError(f"the model's {blocks} blocks cannot be split into "
-                                 f"{par.num_stages} pipeline stages (pp x stages_per_rank)")
-            points = par.split_points
-            if points is not None and (len(points) != par.num_stages - 1 or points != sorted(set(points))
-                                       or points[0] < 1 or points[-1] >= blocks):
-                raise ValueError(f"parallelism.split_points must be {par.num_stages - 1} increasing "
-                                 f"block indices between 1 and {blocks - 1}, got {points}")
-
-    def grad_accum_steps(self, world_size: int) -> int | None:
-        """Micro-batches per optimizer step on each data-parallel rank (the pipeline's
-        n_microbatches) that keep the global batch exact, or None if none do."""
-        dp = self.parallelism.dp_size(world_size)
-        per_pass = self.batch.micro_batch_size * (dp or 0)
-        if not per_pass or self.batch.global_batch_size % per_pass:
-            return None
-        return self.batch.global_batch_size // per_pass
 
     @property
     def run_dir(self) -> Path:

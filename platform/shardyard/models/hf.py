@@ -21,6 +21,7 @@ from torch import nn
 from transformers import Cache
 
 from shardyard.models.blocks import names_of_each_parameter
+from shardyard.models.capabilities import hf_block_tp_plan
 from shardyard.models.initial_weights import copy_local
 from shardyard.models.kv_cache import KVCache
 from shardyard.models.stages import PipelineLayout
@@ -125,7 +126,7 @@ class HFCausalLM(nn.Module):
     def block_tp_plan(self) -> dict[str, str]:
         """The model's own plan for tensor parallelism, per decoder layer (the spec has checked it
         fits parallelism.tp before any worker started)."""
-        return self.spec.block_tp_plan(1)
+        return hf_block_tp_plan(self.spec)
 
     def _pp_sections(self) -> tuple[list[str], str, list[str]]:
         """Names in the base model of the modules before the decoder layers, of the layers, and

@@ -23,6 +23,7 @@ from shardyard.parallel.local_sgd import LocalSGDEngine
 from shardyard.parallel.mesh import build_mesh
 from shardyard.parallel.pipeline import PipelineEngine, build_schedule, build_stages
 from shardyard.parallel.tensor import apply_tensor_parallel
+from shardyard.parallel.world_size import grad_accum_steps
 from shardyard.runtime import autocast_dtype
 from shardyard.spec import ZERO_STAGES, JobSpec
 from shardyard.optim import build_optimizer, build_scheduler
@@ -45,7 +46,7 @@ def build_engine(spec: JobSpec, model: nn.Module, device: torch.device, replica_
     the same seed on every rank so every rank starts from the same weights. `replica_id` names
     this worker to its peers under hot recovery."""
     par, world = spec.parallelism, dist.get_world_size()
-    loss_fn, accum = loss_fn_for(spec.model), spec.grad_accum_steps(world)
+    loss_fn, accum = loss_fn_for(spec.model), grad_accum_steps(spec, world)
     amp = autocast_dtype(spec.run.precision, device)
     on_meta = any(p.is_meta for p in model.parameters())  # see models.build_for_job
 

@@ -46,6 +46,7 @@ from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from shardyard.models import build_model, repeated_blocks
+from shardyard.models.capabilities import check_tensor_parallel, pipeline_blocks
 from shardyard.models.kv_cache import CacheStep, KVCache
 from shardyard.parallel.pipeline import balanced_split
 from shardyard.parallel.tensor import apply_tensor_parallel
@@ -260,11 +261,11 @@ def sharding_problem(spec: GPTSpec | HFSpec | CustomSpec, num_shards: int, shard
         return None
     try:
         if sharding == "pipeline":
-            blocks = spec.pipeline_blocks(training=False)
+            blocks = pipeline_blocks(spec, training=False)
             if num_shards > blocks:
                 return f"cannot split {blocks} blocks into {num_shards} pipeline shards"
         else:
-            spec.check_tensor_parallel(num_shards, key="num_shards")
+            check_tensor_parallel(spec, num_shards, key="num_shards")
     except ValueError as err:
         return f"{sharding} sharding: {err}"
     return None

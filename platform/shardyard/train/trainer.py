@@ -23,6 +23,7 @@ from shardyard.data import (Dataset, GlobalSampleOrder, SequentialOrder, build_d
                             micro_batch_ids)
 from shardyard.models import build_for_job
 from shardyard.parallel import Engine, build_engine
+from shardyard.parallel.world_size import at_world_size
 from shardyard.planner import ModelShape
 from shardyard.spec import LANGUAGE_MODELS, JobSpec
 from shardyard.checkpoint.events import log_event
@@ -96,7 +97,7 @@ class Trainer:
         and (if the spec allows it) the global batch changed. `fence` raises once this launch no
         longer holds the run's lease (checkpoint/lease.py); `node_drained`, collective, says whether
         a worker's node is about to be reclaimed (the run then checkpoints at once and trains on)."""
-        spec = written.at_world_size(world_size)
+        spec = at_world_size(written, world_size)
         # Same seed on every rank: identical initial weights, as a single process would build them.
         torch.manual_seed(spec.run.seed)
         engine = build_engine(spec, build_for_job(spec), device, replica_id=replica_id)
