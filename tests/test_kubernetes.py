@@ -1,0 +1,109 @@
+"""The Kubernetes manifests (deploy/kuberay/) are what KubeRay accepts: each validates against
+KubeRay's own CRD schema (../shared/kuberay-crds/, OpenAPI v3) with a JSON-schema validator, made
+strict as `kubectl apply --validate=strict` is (a field the schema does not name is an error, not
+silently pruned). The RayService's embedded Serve config is a Serve config the app accepts, and
+the image they name is the one deploy/Dockerfile builds, at the Ray version they name."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from conftest import REPO
+
+CRDS = REPO.parent / "shared" / "kuberay-crds"
+MANIFESTS = {"rayjob.yaml": "ray.io_rayjobs.yaml", "rayservice.yaml": "ray.io_rayservices.yaml"}
+pytestmark = pytest.mark.skipif(not CRDS.is_dir(), reason=f"KubeRay's CRDs are not at {CRDS}")
+
+
+def strict(schema: dict) -> dict:
+    """`schema` with unknown fields refused wherever it lists an object's fields and does not
+    keep unknown ones (x-kubernetes-preserve-unknown-fields)."""
+    schema = copy.deepcopy(schema)
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            if ("properties" in node and "additionalProperties" not in node
+                    and not node.get("x-kubernetes-preserve-unknown-fields")):
+                node["additionalProperties"] = False
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(schema)
+    return schema
+
+
+def validator(manifest: dict, crd_file: str) -> jsonschema.Validator:
+    crd = yaml.safe_load((CRDS / crd_file).read_text())
+    assert manifest["kind"] == crd["spec"]["names"]["kind"]
+    group, version = manifest["apiVersion"].split("/")
+    assert group == crd["spec"]["group"]
+    served = {v["name"]: v for v in crd["spec"]["versions"] if v["served"]}
+    return jsonschema.Draft7Validator(strict(served[version]["schema"]["openAPIV3Schema"]))
+
+
+def manifest(name: str) -> dict:
+    return yaml.safe_load((REPO / "deploy" / "kuberay" / name).read_text())
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_a_manifest_validates_against_kuberays_crd(name: str) -> None:
+    errors = sorted(validator(manifest(name), MANIFESTS[name]).iter_errors(manifest(name)), key=str)
+    assert not errors, "\n".join(f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in errors)
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_the_crd_check_refuses_a_misspelled_field_and_a_wrong_type(name: str) -> None:
+    doc = manifest(name)
+    cluster = doc["spec"].get("rayClusterSpec") or doc["spec"]["rayClusterConfig"]
+    cluster["headGroupSpec"]["rayStartParam"] = {}  # misspelled
+    cluster["workerGroupSpecs"][0]["replicas"] = "two"
+    messages = [e.message for e in validator(doc, MANIFESTS[name]).iter_errors(doc)]
+    assert any("rayStartParam" in m for m in messages) and any("'two' is not of type 'integer'" in m for m in messages)
+
+
+def test_both_manifests_lock_the_cluster_down_and_use_the_projects_image() -> None:
+    dockerfile = (REPO / "deploy" / "Dockerfile").read_text()
+    ray_version = re.search(r"ARG RAY_VERSION=(\S+)", dockerfile).group(1)
+    workdir = re.search(r"^WORKDIR (\S+)", dockerfile, re.M).group(1)
+    for name in MANIFESTS:
+        spec = manifest(name)["spec"]
+        cluster = spec.get("rayClusterSpec") or spec["rayClusterConfig"]
+        assert cluster["authOptions"]["mode"] == "token" and cluster["rayVersion"] == ray_version
+        assert cluster["headGroupSpec"].get("serviceType", "ClusterIP") == "ClusterIP"  # the job API stays inside
+        groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+        assert {c["image"] for g in groups for c in g["template"]["spec"]["containers"]} == {"shardyard:latest"}
+    config = manifest("rayjob.yaml")["spec"]["entrypoint"].split()[2]
+    assert config.startswith(workdir + "/") and (REPO / Path(config).relative_to(workdir)).is_file()
+
+
+@pytest.mark.timeout(120)
+def test_the_rayservice_serves_a_serve_config_the_app_accepts_for_the_rayjobs_run(tmp_path: Path) -> None:
+    """Its arguments pass the app's own checks (Serve's schema drops unknown keys), against the run
+    the RayJob writes (the default job's checkpoint, here at a local path): the model splits as
+    the config says."""
+    from shardyard.localdist import run_distributed
+    from shardyard.serve.config import parse_config
+    from test_serve_run import save_default_job_checkpoint
+
+    serve = yaml.safe_load(manifest("rayservice.yaml")["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(serve)
+    (app,) = serve["applications"]
+    job_runs = manifest("rayjob.yaml")["spec"]["entrypoint"].split("checkpoint.storage_path=")[1].split()[0]
+    assert app["args"]["checkpoint"] == f"{job_runs}/gpt_ddp"  # the run the RayJob trains
+    run_dir = tmp_path / "gpt_ddp"
+    run_distributed(save_default_job_checkpoint, 2, str(run_dir))
+    token = tmp_path / "api-key"
+    token.write_text("secret\n")
+    # The volume's and the Secret's paths, as they are here.
+    config = parse_config({**app["args"], "checkpoint": str(run_dir), "bearer_token_file": str(token)})
+    assert config.num_shards == 2 and config.sharding == "pipeline" and app["import_path"] == "serve_apps.gpt:app"
