@@ -82,6 +82,28 @@ def test_a_run_files_its_loss_mfu_and_config_in_mlflow_and_a_relaunch_goes_on_in
     assert params["run.steps"] == "3" and params["model.n_layer"] == "4"  # the first launch's spec
 
 
+def test_a_tracking_server_outage_mid_run_is_reported_and_training_goes_on(mlflow_server: str, tmp_path: Path,
+                                                                          monkeypatch, capsys) -> None:
+    """metrics.jsonl is the record: a tracker that cannot take a row is said once, and the rows
+    keep being written (here the MLflow client is pointed at a closed port mid-run)."""
+    from mlflow import MlflowClient
+
+    from shardyard.train.metrics import MetricsLog
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    spec = parse_spec(tracked(tmp_path, 4, {"loggers": ["mlflow"], "tracking_uri": mlflow_server,
+                                            "experiment": "outage"}))
+    log = MetricsLog(spec, resume_step=0)
+    (tracker,) = log.trackers
+    log.append({"step": 1, "loss": 3.0})
+    tracker.client = MlflowClient(tracking_uri=f"http://127.0.0.1:{free_port()}")  # the server is gone
+    log.append({"step": 2, "loss": 2.5})
+    log.append({"step": 3, "loss": 2.0})
+    assert capsys.readouterr().out.count("did not take step") == 1
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
+
+
 def test_weights_and_biases_offline_files_a_run_and_a_relaunch_resumes_it(tmp_path: Path) -> None:
     """W&B's tracker, driven as rank 0 drives it. Offline, W&B keeps a run in one record file
     with no public reader: its JSON values are checked in the file's bytes."""

@@ -110,12 +110,22 @@ class MetricsLog:
         self.file = JsonLines(RunStorage(spec.run_uri), METRICS_FILE)
         self.file.append({"resumed_at": resume_step, "time": time.time()})
         self.trackers = open_trackers(spec)
+        self._failing: set = set()  # trackers whose last log failed
 
     def append(self, row: dict[str, Any]) -> None:
         row = {**row, "time": time.time()}
         self.file.append(row)
         for tracker in self.trackers:
-            tracker.log(row)
+            try:
+                tracker.log(row)
+            except Exception as err:  # noqa: BLE001 - a tracking server's outage must not stop training
+                # metrics.jsonl has the row: say so once per outage, not every step.
+                if tracker not in self._failing:
+                    print(f"shardyard: {type(tracker).__name__} did not take step {row['step']}'s metrics "
+                          f"({err}); metrics.jsonl has them, training goes on", flush=True)
+                self._failing.add(tracker)
+            else:
+                self._failing.discard(tracker)
 
     def close(self) -> None:
         for tracker in self.trackers:
