@@ -162,15 +162,15 @@ def choose_rows(logits: torch.Tensor, draws: Sequence[Draw | None]) -> list[Outc
     argmax = dict(zip(fast, logits[fast].argmax(-1).tolist())) if fast else {}
     for i in torch.isnan(logits).any(-1).nonzero().flatten().tolist():
         argmax.pop(i, None)
-    # The rest are picked on the CPU, where their generators and penalty indices are.
-    slow = {i: logits[i].cpu() for i, d in enumerate(draws) if d is not None and i not in argmax}
     out: list[Outcome] = []
     for i, draw in enumerate(draws):
-        if draw is None or i in argmax:
-            out.append(None if draw is None else Pick(argmax[i]))
-            continue
-        try:
-            out.append(draw.pick(slow[i]))
-        except RuntimeError as err:
-            out.append(err)
+        if draw is None:
+            out.append(None)
+        elif i in argmax:
+            out.append(Pick(argmax[i]))
+        else:
+            try:  # on the CPU, where its generator and penalty indices are
+                out.append(draw.pick(logits[i].cpu()))
+            except RuntimeError as err:
+                out.append(err)
     return out

@@ -182,8 +182,8 @@ class Scheduler:
         be trusted (`failed`: an unexpected error mid-step): forget every block, then put every
         running request first in line to be prefilled again from its prompt and the tokens it
         has (its draws depend on its seed and their index only, so it gets the tokens it would
-        have got), or fail
-        those caught twice, or all of them with `failed`. Waiting requests are untouched."""
+        have got), or fail those caught twice, or all of them with `failed`. Waiting requests are
+        untouched."""
         again = []
         for seq in self.running:
             if seq.leaving:
