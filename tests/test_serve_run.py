@@ -6,6 +6,7 @@ client against it."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -112,8 +113,12 @@ def test_readme_quick_start_serve_command_answers_its_query_and_stops_on_ctrl_c(
         proc = subprocess.Popen([SHARDYARD, "serve", "runs/gpt_ddp"], cwd=tmp_path, start_new_session=True, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=user_environment(ray_tmp))
         try:
-            answer = first_answer(proc, {"prompt": "def main(", "max_tokens": 40, "temperature": 0.8})
-            assert answer.json()["usage"]["completion_tokens"] <= 40 and answer.json()["model"] == "gpt_ddp"
+            first_answer(proc, {"prompt": "def main(", "max_tokens": 40, "temperature": 0.8})  # up and answering
+            # README's query line itself, run as a user runs it (curl's own request and headers).
+            (query,) = [line for line in (REPO / "README.md").read_text().splitlines()
+                        if line.startswith("curl -s 127.0.0.1:8000/v1/completions")]
+            answer = json.loads(subprocess.run(query, shell=True, capture_output=True, text=True, timeout=120).stdout)
+            assert answer["usage"]["completion_tokens"] <= 40 and answer["model"] == "gpt_ddp", answer
             os.killpg(proc.pid, signal.SIGINT)
             assert proc.wait(timeout=90) == 0, proc.stdout.read()[-3000:]
         finally:
