@@ -35,7 +35,8 @@ from shardyard.models import build_model
 from shardyard.parallel import single_process
 from shardyard.spec import load_spec
 from shardyard.checkpoint.loaders import find_latest, load_model
-from shardyard.train.callbacks import HOLD_ENV, release_file
+from shardyard.train.callbacks import HOLD_ENV, release
+from shardyard.train.callbacks import held_at as held
 from shardyard.checkpoint.events import read_events
 from shardyard.train.metrics import read_metrics
 from test_strategies import steps
@@ -97,16 +98,6 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, message: str) -> N
 
 def events(run_dir: Path) -> list[dict]:
     return read_events(run_dir)
-
-
-def held(run_dir: Path, step: int) -> dict | None:
-    """The run's `held` event at checkpoint `step` (SHARDYARD_HOLD_AT), once it is there."""
-    return next((e for e in events(run_dir) if e["event"] == "held" and e["step"] == step), None)
-
-
-def release(run_dir: Path, *steps: int) -> None:
-    for step in steps:
-        (run_dir / release_file(step)).touch()
 
 
 def job(storage: Path, name: str, strategy: str, steps: int) -> list[str]:

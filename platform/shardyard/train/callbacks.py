@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -140,3 +141,15 @@ class HoldAtSteps(Callback):
 
 def release_file(step: int) -> str:
     return f"release_{step}"
+
+
+def held_at(run: str | Path, step: int) -> dict | None:
+    """The run's `held` event at checkpoint `step` (SHARDYARD_HOLD_AT), once it is there."""
+    return next((e for e in read_events(run) if e["event"] == "held" and e["step"] == step), None)
+
+
+def release(run: str | Path, *steps: int) -> None:
+    """Lets a run held at these checkpoints go on (and never hold there)."""
+    storage = RunStorage(run)
+    for step in steps:
+        storage.write_bytes(b"", release_file(step))
