@@ -1,0 +1,195 @@
+"""`ray up deploy/onprem.yaml` for real: two machines made on this one (tests/cluster_hosts.py),
+launched, used and taken down through the real `ray` and `serve` command lines, as docs/clusters.md
+says: `ray up`, `ray dashboard`, `ray job submit` of README's training job, `serve deploy` of the
+serving app and a query, `ray down`. The worker machine is powered off mid-run and the run goes
+on at the world size what is left can hold, with every sample used exactly once.
+
+The config is deploy/onprem.yaml with the addresses and SSH key filled in, and its installing
+steps (a virtual environment, pip from PyPI and PyTorch's index) replaced by a link to this
+checkout's environment: these machines reach no package index, and share this one's disk.
+Everything else (file mounts, the PATH line, token auth, every start command) runs as written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from cluster_hosts import Host, Hosts, require
+from conftest import REPO
+from shardyard.localdist import free_port
+from shardyard.train.callbacks import held_at as held
+from shardyard.train.callbacks import release
+from test_elastic import CONFIG, EVERY, check_run, events, job, wait_for
+
+RAY = str(Path(sys.executable).with_name("ray"))
+SERVE = str(Path(sys.executable).with_name("serve"))
+STEPS = 100
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
+
+
+def launcher_config(hosts: list[Host], key: Path) -> dict:
+    config = yaml.safe_load((REPO / "deploy" / "onprem.yaml").read_text())
+    config["provider"].update(head_ip=hosts[0].ip, worker_ips=[h.ip for h in hosts[1:]])
+    config["auth"] = {"ssh_user": "root", "ssh_private_key": str(key)}
+    installing = [c for c in config["setup_commands"] if "pip install" in c or "-m venv" in c]
+    assert len(installing) == 4, config["setup_commands"]  # the config changed: re-check this substitution
+    config["setup_commands"] = [f"ln -sfn {Path(sys.prefix)} ~/shardyard-env"] + [
+        c for c in config["setup_commands"] if c not in installing]
+    return config
+
+
+class Client:
+    """This machine as the user's laptop: its own home (its Ray token there), the launcher's CLIs."""
+
+    def __init__(self, root: Path, config: Path) -> None:
+        self.home = root / "client"
+        self.home.mkdir()
+        self.config = config
+        self.env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+                    "HOME": str(self.home), "RAY_AUTH_MODE": "token"}
+
+    def run(self, *command: str, timeout_s: float = 300) -> str:
+        done = subprocess.run(command, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout_s)
+        assert done.returncode == 0, f"{' '.join(command)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        return done.stdout
+
+    def token(self) -> str:
+        return (self.home / ".ray" / "auth_token").read_text().strip()
+
+    def on_head(self, command: str) -> str:
+        return self.run(RAY, "exec", str(self.config), command)
+
+
+@pytest.fixture
+def hosts(tmp_path: Path) -> Iterator[tuple[list[Host], Path]]:
+    reason = require()
+    if reason:
+        pytest.skip(f"cannot make machines for the cluster launcher here: {reason}")
+    made = Hosts(tmp_path, 2)
+    with made as hosts:
+        yield hosts, made.client_key
+
+
+def test_onprem_cluster_launched_used_and_taken_down(hosts, tmp_path: Path) -> None:
+    machines, key = hosts
+    head, worker = machines
+    config = tmp_path / "onprem.yaml"
+    config.write_text(yaml.safe_dump(launcher_config(machines, key)))
+    client = Client(tmp_path, config)
+    client.run(RAY, "get-auth-token", "--generate")
+
+    client.run(RAY, "up", "-y", str(config), timeout_s=600)
+    # The head's autoscaler (Ray's local provider) sets up and starts the worker over SSH.
+    wait_for(lambda: worker.processes("raylet"), 300, "the worker machine never started Ray")
+    port = free_port()
+    tunnel = subprocess.Popen([RAY, "dashboard", str(config), "--port", str(port)], cwd=REPO, env=client.env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    api = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": f"Bearer {client.token()}"}
+    try:
+        wait_for(lambda: answers(f"{api}/api/version", auth), 120, "the dashboard tunnel never answered")
+        wait_for(lambda: len(alive_nodes(api, auth)) == 2, 120, "the worker machine never joined")
+        assert_locked_down(head, api)
+
+        run_dir = train_through_a_worker_loss(client, api, worker, tmp_path / "storage")
+        check_run(run_dir, [4, 2], STEPS)
+
+        answer = serve_and_query(client, api, run_dir, tmp_path)
+        assert answer["choices"][0]["text"] and answer["usage"]["completion_tokens"] == 8, answer
+    finally:
+        tunnel.kill()
+        down = subprocess.run([RAY, "down", "-y", str(config)], cwd=REPO, env=client.env,
+                              capture_output=True, text=True, timeout=300)
+    assert down.returncode == 0, down.stdout + down.stderr
+    # `ray down` ran `ray stop` on the head: nothing of Ray's is left there.
+    assert not head.processes("raylet|gcs_server"), head.processes("raylet|gcs_server")
+
+
+def answers(url: str, headers: dict[str, str]) -> bool:
+    try:
+        return requests.get(url, headers=headers, timeout=5).ok
+    except requests.RequestException:
+        return False
+
+
+def alive_nodes(api: str, auth: dict[str, str]) -> list[dict]:
+    listed = requests.get(f"{api}/api/v0/nodes", headers=auth, params={"limit": 100}, timeout=30).json()
+    return [n for n in listed["data"]["result"]["result"] if n["state"] == "ALIVE"]
+
+
+def assert_locked_down(head: Host, api: str) -> None:
+    """The job API runs code: without the token it refuses, and it is not on the network at all."""
+    submit = {"entrypoint": "echo pwned"}
+    refused = requests.post(f"{api}/api/jobs/", json=submit, timeout=30)
+    assert refused.status_code == 401, (refused.status_code, refused.text)
+    forged = requests.post(f"{api}/api/jobs/", json=submit, headers={"Authorization": "Bearer " + "0" * 64}, timeout=30)
+    assert forged.status_code in (401, 403), (forged.status_code, forged.text)
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"http://{head.ip}:8265/api/version", timeout=10)
+
+
+def train_through_a_worker_loss(client: Client, api: str, worker: Host, storage: Path) -> Path:
+    """README's training job, made small and elastic (2 to 4 workers), submitted as docs/clusters.md
+    does. It starts on 4 (2 CPUs per machine), waits at its checkpoint of step EVERY while the
+    worker machine is powered off, and finishes on the head's 2."""
+    overrides = [item for item in job(storage, "onprem", "ddp", STEPS) if not item.startswith("scaling.resources")]
+    command = [RAY, "job", "submit", "--address", api, "--no-wait", "--working-dir", ".",
+               "--runtime-env-json", json.dumps({"env_vars": {"SHARDYARD_HOLD_AT": str(EVERY)}}),
+               "--", "shardyard", "train", str(CONFIG.relative_to(REPO))]
+    for item in overrides:
+        command += ["--set", item]
+    submitted = client.run(*command)
+    job_id = re.search(r"raysubmit_\w+", submitted).group(0)
+    run_dir = storage / "onprem"
+    status = lambda: job_status(api, client, job_id)  # noqa: E731
+    try:
+        wait_for(lambda: held(run_dir, EVERY) or status() in ("FAILED", "STOPPED"), 300,
+                 f"the run never reached step {EVERY}")
+        assert held(run_dir, EVERY)["world_size"] == 4, events(run_dir)
+        assert any("RayTrainWorker" in p for p in worker.processes("ray::")), "no training worker on the worker"
+        worker.power_off()
+    finally:
+        release(run_dir, EVERY)
+    wait_for(lambda: status() in ("SUCCEEDED", "FAILED", "STOPPED"), 420, "the job did not finish")
+    assert status() == "SUCCEEDED", client.run(RAY, "job", "logs", "--address", api, job_id)[-4000:]
+    return run_dir
+
+
+def job_status(api: str, client: Client, job_id: str) -> str:
+    reply = requests.get(f"{api}/api/jobs/{job_id}", headers={"Authorization": f"Bearer {client.token()}"},
+                         timeout=30)
+    return reply.json()["status"]
+
+
+def serve_and_query(client: Client, api: str, run_dir: Path, root: Path) -> dict:
+    """`serve deploy` of serve_apps/config.yaml pointed at the run, then a query on the head (the
+    proxy listens on the head's localhost, as the config says)."""
+    serve_config = yaml.safe_load((REPO / "serve_apps" / "config.yaml").read_text())
+    serve_config["applications"][0]["args"]["checkpoint"] = str(run_dir)
+    path = root / "serve.yaml"
+    path.write_text(yaml.safe_dump(serve_config))
+    client.run(SERVE, "deploy", str(path), "--address", api)
+    wait_for(lambda: "RUNNING" in serve_status(client, api), 300, "the app never came up")
+    query = json.dumps({"prompt": "def ", "max_tokens": 8, "temperature": 0})  # the model's context: 16
+    output = client.on_head(f"curl -s 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' -d '{query}'")
+    replies = [line[line.index('{"'):] for line in output.splitlines() if '"choices"' in line]
+    assert replies, output[-3000:]
+    return json.loads(replies[-1].strip())
+
+
+def serve_status(client: Client, api: str) -> str:
+    done = subprocess.run([SERVE, "status", "--address", api], cwd=REPO, env=client.env,
+                          capture_output=True, text=True, timeout=60)
+    applications = yaml.safe_load(done.stdout or "{}") or {}
+    return str(applications.get("applications", {}).get("shardyard", {}).get("status", ""))
