@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from common import print_table, write_json
-from shardyard.parallel.world_size import grad_accum_steps
+from shardyard.layout.world_size import grad_accum_steps
 from shardyard.data import GlobalSampleOrder, build_dataset, micro_batch_ids
 from shardyard.localdist import run_distributed
 from shardyard.models import build_model

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from shardyard.parallel.world_size import grad_accum_steps
+from shardyard.layout.world_size import grad_accum_steps
 from shardyard.data import GlobalSampleOrder, build_dataset, micro_batch_ids
 from shardyard.models import build_model, loss_fn_for
 from shardyard.spec import load_spec

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardyard.parallel.world_size import grad_accum_steps
+from shardyard.layout.world_size import grad_accum_steps
 from shardyard.localdist import run_distributed
 from shardyard.data import GlobalSampleOrder, build_dataset, micro_batch_ids
 from shardyard.models import build_model

@@ -5,11 +5,14 @@ internal modules."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "platform" / "shardyard"
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "platform" / "shardyard"
 
 
 def module_name(path: Path) -> str:
@@ -102,3 +105,16 @@ def test_layers_point_down_checkpoint_below_train_and_serve_and_ray_train_in_one
     ray_train = {module_name(p) for p in PACKAGE.rglob("*.py")
                  if any(m == "ray.train" or m.startswith("ray.train.") for m in external_imports(p))}
     assert ray_train == {"shardyard.train.launcher"}, ray_train
+
+
+@pytest.mark.timeout(60)
+def test_validating_a_config_imports_no_torch() -> None:
+    """Every launch validates the spec before anything else: for README's job that stays a
+    fraction of a second because the rules it asks (layout/) are plain arithmetic. Importing
+    torch made it seconds (0.2 s -> 3 s). (A Hugging Face model's spec reads its config through
+    transformers, which imports torch: its shapes are needed.)"""
+    probe = ("import sys; from shardyard.spec import load_spec; "
+             f"load_spec({str(REPO / 'jobs' / 'configs' / 'gpt_ddp.yaml')!r}); "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'ray')))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    assert loaded.stdout.strip() == "[]", loaded.stdout[:500]

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from conftest import REPO
-from shardyard.parallel.world_size import at_world_size, grad_accum_steps
+from shardyard.layout.world_size import at_world_size, grad_accum_steps
 from shardyard.cli import main
 from shardyard.spec import JobSpec, SpecError, load_spec
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardyard.models.capabilities import check_tensor_parallel, pipeline_blocks
+from shardyard.layout.capabilities import check_tensor_parallel, pipeline_blocks
 from shardyard.spec import LANGUAGE_MODELS, ZERO_STAGES, GPTSpec, HFSpec, JobSpec
 
 FP32 = 4

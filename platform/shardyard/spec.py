@@ -3,8 +3,8 @@
 
 Everything a run needs is decided when a spec is validated, before any Ray worker starts: unknown
 keys, wrong types and impossible combinations raise `SpecError`. What a model can be split into
-is its family's own rule (models/capabilities.py) and how a run lays out at each world size it may
-train at is the mesh planner's (parallel/world_size.py): validation asks both, importing them
+is its family's own rule (layout/capabilities.py) and how a run lays out at each world size it may
+train at is the mesh planner's (layout/world_size.py): validation asks both, importing them
 only then (and transformers only for a Hugging Face model, whose config it checks).
 """
 
@@ -476,9 +476,9 @@ class JobSpec(Section):
             return self
         self._check_hot_recovery()
         # What the model can be split into, and the run at every size it may train at: asked of the
-        # model family's own rules (models/capabilities.py) and the mesh planner (parallel/).
-        from shardyard.models.capabilities import check_fits_mesh
-        from shardyard.parallel.world_size import at_world_size
+        # model family's own rules (layout/capabilities.py) and the mesh planner (parallel/).
+        from shardyard.layout.capabilities import check_fits_mesh
+        from shardyard.layout.world_size import at_world_size
 
         check_fits_mesh(self.model, par)
         if par.strategy != "parameter_server":  # its batches do not depend on how many are alive

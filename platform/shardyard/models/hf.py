@@ -21,7 +21,7 @@ from torch import nn
 from transformers import Cache
 
 from shardyard.models.blocks import names_of_each_parameter
-from shardyard.models.capabilities import hf_block_tp_plan
+from shardyard.layout.capabilities import hf_block_tp_plan
 from shardyard.models.initial_weights import copy_local
 from shardyard.models.kv_cache import KVCache
 from shardyard.models.stages import PipelineLayout

@@ -23,7 +23,7 @@ from shardyard.parallel.local_sgd import LocalSGDEngine
 from shardyard.parallel.mesh import build_mesh
 from shardyard.parallel.pipeline import PipelineEngine, build_schedule, build_stages
 from shardyard.parallel.tensor import apply_tensor_parallel
-from shardyard.parallel.world_size import grad_accum_steps
+from shardyard.layout.world_size import grad_accum_steps
 from shardyard.runtime import autocast_dtype
 from shardyard.spec import ZERO_STAGES, JobSpec
 from shardyard.optim import build_optimizer, build_scheduler

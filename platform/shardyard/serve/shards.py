@@ -46,7 +46,7 @@ from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from shardyard.models import build_model, repeated_blocks
-from shardyard.models.capabilities import check_tensor_parallel, pipeline_blocks
+from shardyard.layout.capabilities import check_tensor_parallel, pipeline_blocks
 from shardyard.models.kv_cache import CacheStep, KVCache
 from shardyard.parallel.pipeline import balanced_split
 from shardyard.parallel.tensor import apply_tensor_parallel

@@ -23,7 +23,7 @@ from shardyard.data import (Dataset, GlobalSampleOrder, SequentialOrder, build_d
                             micro_batch_ids)
 from shardyard.models import build_for_job
 from shardyard.parallel import Engine, build_engine
-from shardyard.parallel.world_size import at_world_size
+from shardyard.layout.world_size import at_world_size
 from shardyard.planner import ModelShape
 from shardyard.spec import LANGUAGE_MODELS, JobSpec
 from shardyard.checkpoint.events import log_event

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardyard.models.capabilities import pipeline_blocks
+from shardyard.layout.capabilities import pipeline_blocks
 
 
 def grad_accum_steps(spec: Any, world_size: int) -> int | None:
