@@ -100,7 +100,9 @@ def test_a_tracking_server_outage_mid_run_is_reported_and_training_goes_on(mlflo
     tracker.client = MlflowClient(tracking_uri=f"http://127.0.0.1:{free_port()}")  # the server is gone
     log.append({"step": 2, "loss": 2.5})
     log.append({"step": 3, "loss": 2.0})
-    assert capsys.readouterr().out.count("did not take step") == 1
+    log.close()  # the server still down at the end: said, and the run still succeeds
+    out = capsys.readouterr().out
+    assert out.count("did not take step") == 1 and "MLflow could not end its run" in out, out
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
 
 
