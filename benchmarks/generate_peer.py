@@ -99,11 +99,11 @@ class GeneratePeer:
             async for token in self._tokens(prompt, max_tokens):
                 count += 1
                 piece = self.codec.decode([token])
-                chunk = oa.body(id_, model, [oa.choice(0, piece, None, False, delta=True)], False, chunk=True)
+                chunk = oa.body(id_, model, model, [oa.choice(0, piece, None, False, delta=True)], False, chunk=True)
                 yield f"data: {json.dumps(chunk)}\n\n"
-            done = oa.body(id_, model, [oa.choice(0, "", "length", False, delta=True)], False, chunk=True)
+            done = oa.body(id_, model, model, [oa.choice(0, "", "length", False, delta=True)], False, chunk=True)
             yield f"data: {json.dumps(done)}\n\n"
-            usage = {**oa.body(id_, model, [], False, chunk=True), "usage": oa.usage(len(prompt), count)}
+            usage = {**oa.body(id_, model, model, [], False, chunk=True), "usage": oa.usage(len(prompt), count)}
             yield f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")

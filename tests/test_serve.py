@@ -23,7 +23,9 @@ from shardyard.localdist import free_port, run_distributed
 from shardyard.serve.batching import AdaptiveBatchSize, calibrate
 from shardyard.serve.sampling import Draw, Pick, Sampling, choose_rows
 from shardyard.serve.generation import Completion, decode, decode_steps, encode, generate, sampled_here
+from shardyard.checkpoint.layout import read_spec
 from shardyard.checkpoint.loaders import find_latest, load_model
+from shardyard.checkpoint.record import step_of
 from test_strategies import job, train, with_storage
 
 STRATEGIES = ("ddp", "fsdp", "zero2")
@@ -434,8 +436,16 @@ def test_the_openai_client_completes_chats_and_streams_against_the_engine(engine
     assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (6, 8)
     several = client.completions.create(model="tiny-gpt", prompt=["ab", "import"], max_tokens=5, temperature=0)
     assert [c.text for c in several.choices] == [alone("ab", 5), alone("import", 5)]
-    streamed = client.completions.create(model="tiny-gpt", prompt="def f(", max_tokens=8, temperature=0, stream=True)
+    streamed = list(client.completions.create(model="tiny-gpt", prompt="def f(", max_tokens=8, temperature=0,
+                                              stream=True))
     assert "".join(c.choices[0].text for c in streamed if c.choices) == whole.choices[0].text
+    # Every answer and every chunk says which weights made it: <run>@<step>; so do /v1/models and /metrics.
+    step = step_of(default_job_checkpoint.name)
+    fingerprint = f"{read_spec(default_job_checkpoint).run.name}@{step}"
+    assert whole.system_fingerprint == fingerprint and {c.system_fingerprint for c in streamed} == {fingerprint}
+    listed = requests.get(f"{engine_server}/v1/models", timeout=30).json()["data"][0]
+    assert (listed["served_step"], listed["system_fingerprint"]) == (step, fingerprint)
+    metric(engine_server, "ray_shardyard_served_step", "engine_app", lambda n: n == step)
     # A stop string ends the text before it, with finish_reason "stop", streamed or not.
     text = whole.choices[0].text
     stop = text[3:5]

@@ -235,7 +235,9 @@ class ModelServer:
     async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.config.model_id, "object": "model",
                                             "created": self.started, "owned_by": "shardyard",
-                                            "max_model_len": self.block_size if self.generates else None}]}
+                                            "max_model_len": self.block_size if self.generates else None,
+                                            "served_step": self.config.served_step,
+                                            "system_fingerprint": self.config.fingerprint}]}
 
     def _prompt_tokens(self, text: str, max_tokens: int, field: str = "prompt") -> list[int]:
         cfg = self.config
@@ -295,7 +297,7 @@ class ModelServer:
             self.choices.give_back(len(requests))
         out = [oa.choice(i, c.text(), c.finish_reason, chat, logprobs=c.logprobs()) for i, c in enumerate(choices)]
         used = oa.usage(prompt_tokens, sum(len(r.tokens) for r in requests))
-        return oa.body(id_, self.config.model_id, out, chat, usage=used)
+        return oa.body(id_, self.config.model_id, self.config.fingerprint, out, chat, usage=used)
 
     async def _collect(self, gen: Generation, choice: ChoiceText) -> None:
         """A choice's whole text, cut at a stop string."""
@@ -313,15 +315,16 @@ class ModelServer:
         (if asked) one with the usage, then [DONE]. A character split over several tokens appears
         with its last one, and nothing of a stop string is sent."""
         model, deadline = self.config.model_id, time.perf_counter() + self.config.request_timeout_s
+        fingerprint = self.config.fingerprint
         choices = [ChoiceText(r, self.codec, stops, chat) for r in requests]
 
         def chunk(index: int, piece: str, reason: str | None = None, first: bool = False) -> str:
             used = None
             if options.continuous_usage_stats:
                 used = oa.usage(prompt_tokens, sum(len(r.tokens) for r in requests))
-            return _event(oa.body(id_, model, [oa.choice(index, piece, reason, chat, delta=True, first=first,
-                                                         logprobs=choices[index].logprobs())],
-                                  chat, chunk=True, usage=used))
+            piece_choice = oa.choice(index, piece, reason, chat, delta=True, first=first,
+                                     logprobs=choices[index].logprobs())
+            return _event(oa.body(id_, model, fingerprint, [piece_choice], chat, chunk=True, usage=used))
         self.choices.hold(len(requests))
         gens: list[Generation] = []
         streams: Interleaved | None = None
@@ -345,7 +348,7 @@ class ModelServer:
                     yield chunk(index, piece)
             if options.include_usage:
                 used = oa.usage(prompt_tokens, sum(len(r.tokens) for r in requests))
-                yield _event(oa.body(id_, model, [], chat, chunk=True, usage=used))
+                yield _event(oa.body(id_, model, fingerprint, [], chat, chunk=True, usage=used))
         except asyncio.TimeoutError:
             yield _event(oa.error_body(408, f"not answered within {self.config.request_timeout_s} s"))
         except (*SHARD_LOST, LostTwice):
@@ -403,7 +406,9 @@ class ModelServer:
             self._publisher = asyncio.get_running_loop().create_task(self._publish())
 
     async def _publish(self) -> None:
+        step = self.config.served_step
         while True:
+            self.metrics.served_step.set(-1 if step is None else step)
             if self.engine is not None:
                 self.metrics.read_engine(self.engine.stats)
             elif self.generates:

@@ -15,6 +15,7 @@ from shardyard.serve.shards import sharding_problem, supports_kv_cache
 from shardyard.spec import LANGUAGE_MODELS, validate
 from shardyard.checkpoint.layout import is_hf_directory, read_spec
 from shardyard.checkpoint.loaders import servable
+from shardyard.checkpoint.record import step_of
 
 DEFAULT_CHECKPOINT = "runs/gpt_ddp"  # where README's default training job writes
 
@@ -27,6 +28,8 @@ VLLM_NAMES = {"max_num_seqs": "max_batch_size", "served_model_name": "model_id"}
 class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     _source: str = PrivateAttr("")
+    _served_step: int | None = PrivateAttr(None)
+    _fingerprint: str = PrivateAttr("")
     _tokenizer: Any = PrivateAttr(None)  # language models: the serving tokenizer (None: UTF-8 bytes)
     _token: str | None = PrivateAttr(None)  # read where the config is parsed; never in the bound arguments
 
@@ -150,7 +153,21 @@ class ServeConfig(BaseModel):
                              f"decodes at once ({self.concurrency}, from max_batch_size): no such request could run")
         if self.model_id is None:
             self.model_id = Path(self.checkpoint).name if is_hf_directory(self.checkpoint) else spec.run.name
+        self._served_step = None if is_hf_directory(self.checkpoint) else step_of(Path(self.checkpoint).name)
+        self._fingerprint = (Path(self.checkpoint).name if self._served_step is None
+                             else f"{spec.run.name}@{self._served_step}")
         return self
+
+    @property
+    def served_step(self) -> int | None:
+        """The training step of the checkpoint this replica loaded (None: a model directory)."""
+        return self._served_step
+
+    @property
+    def fingerprint(self) -> str:
+        """Which weights answer: `<run>@<step>` (a model directory: its name). Every response and
+        stream chunk carries it as OpenAI's `system_fingerprint`."""
+        return self._fingerprint
 
     @property
     def source(self) -> str:

@@ -38,6 +38,8 @@ class ServingMetrics:
         self.waiting = metrics.Gauge("shardyard_waiting_requests", "requests waiting for a KV cache row")
         self.kv_blocks = metrics.Gauge("shardyard_kv_cache_blocks_used", "KV cache blocks held by running requests")
         self.kv_blocks_total = metrics.Gauge("shardyard_kv_cache_blocks", "KV cache blocks")
+        self.served_step = metrics.Gauge("shardyard_served_step", "the training step of the weights answering "
+                                                                  "(-1: a model directory, not a run's checkpoint)")
         self.prefix_hit_rate = metrics.Gauge("shardyard_prefix_cache_hit_rate",
                                              "share of prompt tokens found in the KV cache (prefix caching)")
         self.prefill_budget = metrics.Gauge("shardyard_prefill_token_budget", "prompt tokens one iteration may prefill")

@@ -219,10 +219,12 @@ def choice(index: int, text: str, finish_reason: str | None, chat: bool, delta: 
     return {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def body(id_: str, model: str, choices: list[dict[str, Any]], chat: bool, chunk: bool = False,
+def body(id_: str, model: str, fingerprint: str, choices: list[dict[str, Any]], chat: bool, chunk: bool = False,
          usage: dict[str, int] | None = None) -> dict[str, Any]:
+    """A response or a stream chunk; `fingerprint` names the weights that made it."""
     kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chunk and chat else "")
-    out: dict[str, Any] = {"id": id_, "object": kind, "created": int(time.time()), "model": model, "choices": choices}
+    out: dict[str, Any] = {"id": id_, "object": kind, "created": int(time.time()), "model": model,
+                           "system_fingerprint": fingerprint, "choices": choices}
     if usage is not None or not chunk:
         out["usage"] = usage
     return out
