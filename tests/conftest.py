@@ -26,6 +26,7 @@ import torch
 from shardyard.localdist import free_port
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))  # the tests share the benchmarks' cluster helpers
 RAY = str(Path(sys.executable).with_name("ray"))
 # Ray 2.59+ clusters use token auth; clients (ray job submit, ray.init) must opt in to send it.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
@@ -125,23 +126,13 @@ def ray_files_of_their_own() -> Iterator[str]:
     is killed on the way out: `ray stop` would stop the session's cluster too. (Ray's client server
     names neither its session's directory nor a parent once `ray start` has exited: only its
     environment tells whose it is.)"""
-    import psutil
+    from fake_cluster import stop_processes_of
 
     ray_tmp = tempfile.mkdtemp(prefix="sy-", dir="/tmp")
     try:
         yield ray_tmp
     finally:
-        owned: list[psutil.Process] = []
-        for proc in psutil.process_iter(["cmdline", "environ"]):
-            if (any(ray_tmp in arg for arg in proc.info["cmdline"] or ())
-                    or (proc.info["environ"] or {}).get("RAY_TMPDIR") == ray_tmp):
-                owned += [proc, *proc.children(recursive=True)]
-        for proc in owned:
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(owned, timeout=30)
+        stop_processes_of(ray_tmp)
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 

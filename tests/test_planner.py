@@ -3,7 +3,6 @@ tensors for the state, autograd's saved tensors for activations), and its choice
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 import torch
@@ -15,8 +14,7 @@ from shardyard.models.gpt import lm_loss
 from shardyard.planner import Cluster, ModelShape, estimate, recommend
 from shardyard.spec import load_spec, parse_spec
 
-sys.path.insert(0, str(REPO / "benchmarks"))
-import memory as memory_benchmark  # noqa: E402
+import memory as memory_benchmark
 
 TOLERANCE = 0.15
 GiB = 2**30

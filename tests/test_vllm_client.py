@@ -10,15 +10,12 @@ Without it these tests are skipped, saying so.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
 from shardyard.localdist import free_port
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from vllm_bench import VLLM, VLLM_ENV, bench, model_directory  # noqa: E402
+from vllm_bench import VLLM, VLLM_ENV, bench, model_directory
 
 pytestmark = pytest.mark.skipif(not VLLM.exists(), reason=f"no vLLM environment at {VLLM_ENV}: make it with "
                                                           f"benchmarks/make_vllm_env.sh")
