@@ -593,6 +593,13 @@ def test_serve_config_mistakes_are_named_before_anything_starts(ray_cluster, tmp
     with pytest.raises(SpecError, match=r"max_kv_tokens \(8\) is below one context window \(16 tokens\)"):
         parse_config({"checkpoint": trained, "max_kv_tokens": 8})
     assert parse_config({"checkpoint": trained}).batching == "continuous"  # auto: the GPT has a KV cache
+    # A run directory is followed (new checkpoints swapped in) by default; a named checkpoint is not.
+    assert parse_config({"checkpoint": str(Path(trained).parent)}).follow
+    assert parse_config({"checkpoint": trained}).follow is False
+    with pytest.raises(SpecError, match="follow: true serves a run directory's new checkpoints"):
+        parse_config({"checkpoint": trained, "follow": True})
+    with pytest.raises(SpecError, match="follow: true serves a run directory's new checkpoints"):
+        parse_config({"checkpoint": str(Path(trained).parent), "follow": True, "batching": "fixed"})
     assert parse_config({"checkpoint": trained, "max_kv_tokens": 40}).cache_blocks == 3  # of 16 tokens
     assert build_app({"checkpoint": trained, "num_shards": 4, "cpus_per_shard": 0.75})
 

@@ -32,6 +32,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any
 
 import torch
@@ -56,7 +57,8 @@ from shardyard.serve.vllm_engine import VllmEngine, start_vllm, vllm_model_direc
 from shardyard.serve.metrics import ServingMetrics, scrape_cluster
 from shardyard.serve.shards import SHARD_LOST, CachesLost, ShardedModel, check_room, shard_bundle
 from shardyard.spec import LANGUAGE_MODELS, SpecError
-from shardyard.checkpoint.loaders import load_model
+from shardyard.checkpoint.loaders import committed_record, find_latest, load_model
+from shardyard.checkpoint.record import step_of
 from shardyard.checkpoint.layout import is_hf_directory, read_spec
 
 api = FastAPI(title="shardyard")
@@ -83,6 +85,7 @@ class Generation:
     request: Completion
     tokens: AsyncIterator[int]
     abandon: Callable[[], None]
+    weights: Callable[[], str]  # the fingerprint of the weights decoding it
 
 
 def _event(payload: dict[str, Any] | str) -> str:
@@ -109,6 +112,9 @@ class ModelServer:
         api.state.guard = GuardSettings(self.config.max_body_bytes, self.config.bearer_token,
                                         self.config.body_timeout_s, self.metrics.count_error, self.publish_metrics)
         self._publisher: asyncio.Task | None = None
+        self._follower: asyncio.Task | None = None
+        self.served_step, self.fingerprint = self.config.served_step, self.config.fingerprint
+        self.run_name = self.fingerprint.rsplit("@", 1)[0]
         self.started = int(time.time())
         self.choices = ChoiceLimit(self.config.concurrency)
         self._scrape, self._scrape_lock = (float("-inf"), ""), asyncio.Lock()
@@ -133,13 +139,19 @@ class ModelServer:
         if isinstance(getattr(self, "engine", None), VllmEngine):
             self.engine.close()
 
+    @property
+    def _model_source(self) -> str:
+        """Following a run, the checkpoint resolved at start (a rebuild loads the weights the
+        gate let through, never a newer checkpoint unchecked); else the checkpoint as given."""
+        return self.config.checkpoint if self.config.follow else self.config.source
+
     def _shards(self, use_gpu: bool) -> ShardedModel | LocalModel:
         cfg = self.config
         if cfg.num_shards == 1:  # decoded in this process: its bundle holds the shard's CPUs
             # Its CPUs as threads, rounded up: the model is what this process spends them on.
             torch.set_num_threads(max(1, math.ceil(REPLICA_CPUS + cfg.cpus_per_shard)))
-            return LocalModel(cfg.source, use_gpu, cfg.cache_blocks, cfg.trust_factory)
-        return ShardedModel(cfg.source, cfg.num_shards, use_gpu, cfg.multi_node, cfg.sharding,
+            return LocalModel(self._model_source, use_gpu, cfg.cache_blocks, cfg.trust_factory)
+        return ShardedModel(self._model_source, cfg.num_shards, use_gpu, cfg.multi_node, cfg.sharding,
                             cpus_per_shard=cfg.cpus_per_shard, cache_blocks=cfg.cache_blocks,
                             trust_factory=cfg.trust_factory)
 
@@ -157,7 +169,7 @@ class ModelServer:
             self.engine = DecodingEngine(self.model.forward, cfg.max_batch_size, self.block_size, cfg.cache_blocks,
                                          budget, lambda: self._heal(rebuild_if_slow=True), (*SHARD_LOST, CachesLost),
                                          min_chunk=MIN_CHUNK if cfg.chunked_prefill else self.block_size,
-                                         prefix_caching=cfg.prefix_caching)
+                                         prefix_caching=cfg.prefix_caching, weights=self.fingerprint)
             print(f"shardyard: continuous batching, up to {cfg.max_batch_size} requests at once, a KV cache of "
                   f"{cfg.cache_blocks} blocks of {BLOCK_TOKENS} tokens (prefix caching "
                   f"{'on' if cfg.prefix_caching else 'off'}), prefill budget {budget.tokens} tokens per iteration",
@@ -236,8 +248,8 @@ class ModelServer:
         return {"object": "list", "data": [{"id": self.config.model_id, "object": "model",
                                             "created": self.started, "owned_by": "shardyard",
                                             "max_model_len": self.block_size if self.generates else None,
-                                            "served_step": self.config.served_step,
-                                            "system_fingerprint": self.config.fingerprint}]}
+                                            "served_step": self.served_step,
+                                            "system_fingerprint": self.fingerprint}]}
 
     def _prompt_tokens(self, text: str, max_tokens: int, field: str = "prompt") -> list[int]:
         cfg = self.config
@@ -297,7 +309,7 @@ class ModelServer:
             self.choices.give_back(len(requests))
         out = [oa.choice(i, c.text(), c.finish_reason, chat, logprobs=c.logprobs()) for i, c in enumerate(choices)]
         used = oa.usage(prompt_tokens, sum(len(r.tokens) for r in requests))
-        return oa.body(id_, self.config.model_id, self.config.fingerprint, out, chat, usage=used)
+        return oa.body(id_, self.config.model_id, gens[0].weights(), out, chat, usage=used)
 
     async def _collect(self, gen: Generation, choice: ChoiceText) -> None:
         """A choice's whole text, cut at a stop string."""
@@ -315,7 +327,6 @@ class ModelServer:
         (if asked) one with the usage, then [DONE]. A character split over several tokens appears
         with its last one, and nothing of a stop string is sent."""
         model, deadline = self.config.model_id, time.perf_counter() + self.config.request_timeout_s
-        fingerprint = self.config.fingerprint
         choices = [ChoiceText(r, self.codec, stops, chat) for r in requests]
 
         def chunk(index: int, piece: str, reason: str | None = None, first: bool = False) -> str:
@@ -324,7 +335,7 @@ class ModelServer:
                 used = oa.usage(prompt_tokens, sum(len(r.tokens) for r in requests))
             piece_choice = oa.choice(index, piece, reason, chat, delta=True, first=first,
                                      logprobs=choices[index].logprobs())
-            return _event(oa.body(id_, model, fingerprint, [piece_choice], chat, chunk=True, usage=used))
+            return _event(oa.body(id_, model, gens[index].weights(), [piece_choice], chat, chunk=True, usage=used))
         self.choices.hold(len(requests))
         gens: list[Generation] = []
         streams: Interleaved | None = None
@@ -348,7 +359,7 @@ class ModelServer:
                     yield chunk(index, piece)
             if options.include_usage:
                 used = oa.usage(prompt_tokens, sum(len(r.tokens) for r in requests))
-                yield _event(oa.body(id_, model, fingerprint, [], chat, chunk=True, usage=used))
+                yield _event(oa.body(id_, model, gens[0].weights(), [], chat, chunk=True, usage=used))
         except asyncio.TimeoutError:
             yield _event(oa.error_body(408, f"not answered within {self.config.request_timeout_s} s"))
         except (*SHARD_LOST, LostTwice):
@@ -366,9 +377,12 @@ class ModelServer:
     def _generate(self, request: Completion) -> Generation:
         if self.engine is not None:
             seq = self.engine.submit(request)
-            return Generation(request, self.engine.tokens(seq), lambda: setattr(seq, "abandoned", True))
+            engine = self.engine
+            return Generation(request, engine.tokens(seq), lambda: setattr(seq, "abandoned", True),
+                              lambda: seq.weights or engine.weights)
         ticket = Ticket(request, time.perf_counter())
-        return Generation(request, self._decode(ticket), lambda: setattr(ticket, "abandoned", True))
+        return Generation(request, self._decode(ticket), lambda: setattr(ticket, "abandoned", True),
+                          lambda: self.fingerprint)
 
     @api.post("/v1/predict")
     async def predict(self, body: PredictRequest) -> dict[str, Any]:
@@ -401,14 +415,53 @@ class ModelServer:
             return Response(self._scrape[1], media_type="text/plain; version=0.0.4")
 
     def publish_metrics(self) -> None:
-        """Start (once, on the replica's event loop) the task that keeps the gauges current."""
+        """Start (once, on the replica's event loop, from a request's guard or Serve's health
+        check, whichever comes first) the task that keeps the gauges current and, serving a run
+        with `follow`, the one that follows it."""
+        loop = asyncio.get_running_loop()
         if self._publisher is None:
-            self._publisher = asyncio.get_running_loop().create_task(self._publish())
+            self._publisher = loop.create_task(self._publish())
+        if self.config.follow and self._follower is None and isinstance(self.engine, DecodingEngine):
+            self._follower = loop.create_task(self._follow())
+
+    async def _follow(self) -> None:
+        """Serves each checkpoint the run commits after the served one: each shard reads its own
+        part beside the serving weights, and finite weights are swapped in between iterations
+        (the engine's swap_weights). Weights that are not finite (a diverged run) are logged,
+        counted and never served; a checkpoint that cannot be read now is tried again."""
+        refused: set[str] = set()
+        while True:
+            await asyncio.sleep(self.config.follow_interval_s)
+            newest = await asyncio.to_thread(find_latest, self.config.source)
+            if newest is None or newest.name in refused or step_of(newest.name) <= (self.served_step or 0):
+                continue
+            fingerprint = f"{self.run_name}@{step_of(newest.name)}"
+            try:
+                if not await asyncio.to_thread(self.model.prepare, str(newest)):
+                    refused.add(newest.name)
+                    self.metrics.promotions_refused.inc()
+                    print(f"shardyard: {newest} has weights that are not finite: not served; "
+                          f"{self.fingerprint} still is", flush=True)
+                    continue
+                await self.engine.swap_weights(lambda: self._swap_in(newest, fingerprint))
+            except Exception as err:  # noqa: BLE001 - the served weights stay; tried again next time
+                print(f"shardyard: could not swap in {newest} ({type(err).__name__}: {err}); "
+                      f"{self.fingerprint} still serves", flush=True)
+                continue
+            committed_at = (committed_record(newest) or {}).get("time")
+            if committed_at is not None:
+                self.metrics.commit_to_serving.set(time.time() - committed_at)
+            self.metrics.promotions.inc()
+            print(f"shardyard: serving {fingerprint}", flush=True)
+
+    def _swap_in(self, checkpoint: Path, fingerprint: str) -> str:
+        self.model.swap()
+        self.served_step, self.fingerprint = step_of(checkpoint.name), fingerprint
+        return fingerprint
 
     async def _publish(self) -> None:
-        step = self.config.served_step
         while True:
-            self.metrics.served_step.set(-1 if step is None else step)
+            self.metrics.served_step.set(-1 if self.served_step is None else self.served_step)
             if self.engine is not None:
                 self.metrics.read_engine(self.engine.stats)
             elif self.generates:
@@ -418,6 +471,10 @@ class ModelServer:
     def check_health(self) -> None:
         """Serve's periodic health check: a dead shard gets the whole group rebuilt; only a group
         that cannot be rebuilt fails the replica (Serve then replaces it)."""
+        try:
+            self.publish_metrics()
+        except RuntimeError:  # called off the event loop: a request's guard starts them instead
+            pass
         if self.generates and self.model is not None:  # vLLM's engine checks its own workers
             self._heal()
 

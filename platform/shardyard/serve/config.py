@@ -62,6 +62,10 @@ class ServeConfig(BaseModel):
     chunked_prefill: bool = Field(True, description="continuous: a prompt longer than the iteration's prefill "
                                   "budget is prefilled in chunks between decode steps (smoother inter-token "
                                   "latency; more forward passes); false: each prompt whole at once")
+    follow: bool | None = Field(None, description="continuous batching over a run directory: load each newly "
+                                "committed checkpoint in the background and swap it in between iterations, once "
+                                "its weights are finite (default: true for a run directory, else false)")
+    follow_interval_s: float = Field(2.0, gt=0, description="follow: how often the run is looked at")
     model_id: str | None = Field(None, min_length=1, max_length=128, description="the id /v1/models lists "
                                  "and requests name (default: the run's name or the model directory's)")
     batch_wait_timeout_s: float = Field(0.01, ge=0, description="fixed batching: longest wait to fill a batch")
@@ -154,6 +158,12 @@ class ServeConfig(BaseModel):
         if self.model_id is None:
             self.model_id = Path(self.checkpoint).name if is_hf_directory(self.checkpoint) else spec.run.name
         self._served_step = None if is_hf_directory(self.checkpoint) else step_of(Path(self.checkpoint).name)
+        a_run = Path(self.checkpoint) != Path(self._source).expanduser().resolve()  # a run: its newest was found
+        if self.follow and not (a_run and self.batching == "continuous" and self.engine == "builtin"):
+            raise ValueError("follow: true serves a run directory's new checkpoints as they commit, with the built-in "
+                             "engine (batching: continuous); give checkpoint a run directory")
+        if self.follow is None:
+            self.follow = a_run and self.batching == "continuous" and self.engine == "builtin"
         self._fingerprint = (Path(self.checkpoint).name if self._served_step is None
                              else f"{spec.run.name}@{self._served_step}")
         return self

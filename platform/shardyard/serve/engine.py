@@ -50,17 +50,31 @@ class EngineStats:
 class DecodingEngine:
     def __init__(self, forward: CachedForward, max_running: int, context: int, blocks: int, budget: TokenBudget,
                  recover: Callable[[], None], lost: tuple[type[BaseException], ...],
-                 min_chunk: int = MIN_CHUNK, prefix_caching: bool = True) -> None:
+                 min_chunk: int = MIN_CHUNK, prefix_caching: bool = True, weights: str = "") -> None:
         """`max_running`: sequences decoded at once; `context`: tokens per sequence; `blocks`: the
         KV cache's blocks (of BLOCK_TOKENS positions). `recover`: rebuild the model's shards
         (blocking) after `forward` raised one of `lost`. `min_chunk`: the fewest prompt tokens a
-        prefill chunk takes (fewer only to end a prompt)."""
+        prefill chunk takes (fewer only to end a prompt). `weights`: the fingerprint of the
+        weights the model holds."""
         self.forward, self.context, self.recover, self.lost = forward, context, recover, lost
         self.pool = BlockPool(blocks, BLOCK_TOKENS, prefix_caching)
         self.scheduler = Scheduler(self.pool, max_running, budget, min_chunk)
         self.stats = EngineStats(cache_blocks=blocks, prefill_budget=budget.tokens)
+        self.weights = weights
+        self._swap: tuple[Callable[[], str], asyncio.Future] | None = None
         self._wake = asyncio.Event()
         self._loop: asyncio.Task | None = None
+
+    async def swap_weights(self, apply: Callable[[], str]) -> None:
+        """New weights at an iteration boundary: no request is admitted meanwhile, the running
+        ones finish on the weights they started with, then `apply` swaps the model's weights
+        (returning their fingerprint), every cached key and value (prefix-cache blocks too) is
+        dropped, and the waiting requests start on the new weights."""
+        done = asyncio.get_running_loop().create_future()
+        self._swap = (apply, done)
+        self.scheduler.admitting = False
+        self._ensure_running()
+        await done
 
     def submit(self, request: Completion) -> Sequence:
         total = len(request.prompt) + request.max_tokens
@@ -73,10 +87,13 @@ class DecodingEngine:
         seq = Sequence(request, time.perf_counter())
         self.scheduler.add(seq)
         self.stats.waiting = len(self.scheduler.waiting)
+        self._ensure_running()
+        return seq
+
+    def _ensure_running(self) -> None:
         if self._loop is None or self._loop.done():
             self._loop = asyncio.get_running_loop().create_task(self._run())
         self._wake.set()
-        return seq
 
     async def tokens(self, seq: Sequence) -> AsyncIterator[int]:
         """`seq`'s tokens as they are decoded; raises what the engine could not recover from."""
@@ -92,6 +109,9 @@ class DecodingEngine:
 
     async def _run(self) -> None:
         while True:
+            if self._swap is not None and not any(not s.leaving for s in self.scheduler.running):
+                await self._apply_swap()
+                continue
             if not self.scheduler.has_work:
                 self._wake.clear()
                 await self._wake.wait()
@@ -116,6 +136,22 @@ class DecodingEngine:
             self.stats.cache_blocks_used, self.stats.prefix_hit_rate = self.pool.used, self.pool.hit_rate
             self.stats.prefill_budget = self.scheduler.budget.tokens
 
+    async def _apply_swap(self) -> None:
+        apply, done = self._swap
+        try:
+            self.weights = await asyncio.to_thread(apply)
+            await asyncio.to_thread(self.forward, torch.zeros((1, 1), dtype=torch.long), CacheStep(reset=True), None)
+            # Only finished requests are left running: every block is forgotten, so none made by
+            # the old weights is found again.
+            self.scheduler.start_over()
+            done.set_result(None)
+        except Exception as err:  # noqa: BLE001 - the caller hears of it; serving goes on
+            if not done.done():
+                done.set_exception(err)
+        finally:
+            self._swap = None
+            self.scheduler.admitting = True
+
     async def _execute(self, work: Pass) -> None:
         """The executor runs one pass and picks; the scheduler takes its output; ready requests
         get their token."""
@@ -131,6 +167,7 @@ class DecodingEngine:
             return
         token = request.accept(outcome)
         self.stats.tokens += 1
+        seq.weights = seq.weights or self.weights
         if seq.first_token_at is None:
             seq.first_token_at = time.perf_counter()
             self.stats.time_to_first_token_s.append(seq.first_token_at - seq.arrived)

@@ -16,7 +16,7 @@ from shardyard.checkpoint.loaders import load_model_part, servable
 from shardyard.models.kv_cache import KVCache
 from shardyard.runtime import select_device
 from shardyard.serve.sampling import Outcome
-from shardyard.serve.shards import Draws, Extra, hold_served, model_output, run_model
+from shardyard.serve.shards import Draws, Extra, all_finite, hold_served, model_output, run_model
 from shardyard.spec import LANGUAGE_MODELS
 
 
@@ -37,10 +37,32 @@ class LocalModel:
             raise ValueError(f"{self.checkpoint_dir} holds a '{spec.name}' model; this is for language models")
         self.block_size = spec.block_size
         self.device = select_device(0) if use_gpu else torch.device("cpu")
-        self.model = load_model_part(self.checkpoint_dir, lambda m: m, self.device, trust_factory=trust_factory).eval()
+        self.trust_factory = trust_factory
+        self.model = self._load(self.checkpoint_dir)
+        self.staged: torch.nn.Module | None = None
+        self.staged_dir, self._staged_hold = "", ExitStack()
         self.cache = KVCache(cache_blocks) if cache_blocks else None
         self.rebuilds = 0  # nothing here dies apart from the replica, which Serve replaces
         self._lock = threading.Lock()  # one forward pass at a time over the one cache
+
+    def _load(self, checkpoint_dir: str) -> torch.nn.Module:
+        return load_model_part(checkpoint_dir, lambda m: m, self.device, trust_factory=self.trust_factory).eval()
+
+    def prepare(self, checkpoint_dir: str) -> bool:
+        """Reads `checkpoint_dir` (held from now on) beside the serving weights while passes go
+        on; whether its weights are finite."""
+        self._staged_hold.close()
+        self.staged_dir = hold_served(checkpoint_dir, checkpoint_dir, self._staged_hold)
+        self.staged = self._load(self.staged_dir)
+        return all_finite(self.staged)
+
+    def swap(self) -> None:
+        """The prepared weights serve from now on; the old checkpoint's hold is let go."""
+        with self._lock:
+            self.model, self.staged = self.staged, None
+            self.checkpoint_dir = self.staged_dir
+            self._hold, self._staged_hold = self._staged_hold, self._hold
+            self._staged_hold.close()
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, extra: Extra = None, draws: Draws = None) -> torch.Tensor | list[Outcome]:
@@ -59,3 +81,4 @@ class LocalModel:
 
     def close(self) -> None:
         self._hold.close()
+        self._staged_hold.close()

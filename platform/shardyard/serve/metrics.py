@@ -40,6 +40,11 @@ class ServingMetrics:
         self.kv_blocks_total = metrics.Gauge("shardyard_kv_cache_blocks", "KV cache blocks")
         self.served_step = metrics.Gauge("shardyard_served_step", "the training step of the weights answering "
                                                                   "(-1: a model directory, not a run's checkpoint)")
+        self.promotions = metrics.Counter("shardyard_weight_swaps", "newer checkpoints of the run swapped in")
+        self.promotions_refused = metrics.Counter("shardyard_weight_swaps_refused",
+                                                  "checkpoints refused (weights not finite)")
+        self.commit_to_serving = metrics.Gauge("shardyard_commit_to_serving_seconds",
+                                               "the last swap: from the checkpoint's commit to serving it")
         self.prefix_hit_rate = metrics.Gauge("shardyard_prefix_cache_hit_rate",
                                              "share of prompt tokens found in the KV cache (prefix caching)")
         self.prefill_budget = metrics.Gauge("shardyard_prefill_token_budget", "prompt tokens one iteration may prefill")

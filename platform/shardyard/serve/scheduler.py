@@ -55,6 +55,7 @@ class Sequence:
     table: list[int] = field(default_factory=list)    # its KV cache blocks
     cached: int = 0                                   # of its tokens, those in the cache
     hashes: list[bytes] = field(default_factory=list)  # of its cached full blocks
+    weights: str | None = None  # the weights that decode it (set with its first token)
 
     @property
     def leaving(self) -> bool:
@@ -101,6 +102,7 @@ class Scheduler:
         self.pool, self.max_running, self.budget, self.min_chunk = pool, max_running, budget, min_chunk
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.admitting = True  # False while new weights wait for the running requests to finish
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -118,7 +120,8 @@ class Scheduler:
             if len(seq.tokens) - seq.cached > 1 and budget > 0:
                 passes.append(self._chunk(seq, budget))
                 budget -= passes[-1].tokens.shape[1]
-        while self.waiting and len(self.running) < self.max_running and budget >= min(self.min_chunk, self.budget.tokens):
+        while (self.admitting and self.waiting and len(self.running) < self.max_running
+               and budget >= min(self.min_chunk, self.budget.tokens)):
             seq = self.waiting[0]
             if seq.abandoned:
                 self.waiting.popleft()

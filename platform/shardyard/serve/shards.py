@@ -129,12 +129,28 @@ class PipelineShard:
                  cache_blocks: int, trust_factory: str | None = None) -> None:
         self.last = last  # its output is the logits (else hidden states for the next shard)
         self.device = select_device(0) if use_gpu else torch.device("cpu")
-        # Only this shard's blocks are read and held, never the whole model.
-        self.stage = load_model_part(checkpoint_dir, lambda m: m if whole else m.pipeline_stage(start, end),
-                                     self.device, trust_factory=trust_factory).eval()
+        self.whole, self.trust_factory = whole, trust_factory
         self.blocks = (start, end)
+        self.stage = self._load(checkpoint_dir)
+        self.staged: torch.nn.Module | None = None
         # This shard's layers' keys and values (allocated at their first use).
         self.cache = KVCache(cache_blocks) if cache_blocks else None
+
+    def _load(self, checkpoint_dir: str) -> torch.nn.Module:
+        """Only this shard's blocks are read and held, never the whole model."""
+        start, end = self.blocks
+        return load_model_part(checkpoint_dir, lambda m: m if self.whole else m.pipeline_stage(start, end),
+                               self.device, trust_factory=self.trust_factory).eval()
+
+    def prepare(self, checkpoint_dir: str) -> bool:
+        """Reads this shard's part of another checkpoint beside the one serving (a compiled
+        graph's passes go on meanwhile, on their own thread); whether its weights are finite."""
+        self.staged = self._load(checkpoint_dir)
+        return all_finite(self.staged)
+
+    def swap(self) -> None:
+        """The prepared weights serve from now on (called between passes)."""
+        self.stage, self.staged = self.staged, None
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, extra: Extra, draws: Draws = None) -> torch.Tensor | list[Outcome]:
@@ -157,6 +173,7 @@ class TensorShard:
         self.trust_factory = trust_factory
         self.device = select_device(0) if use_gpu else torch.device("cpu")
         self.model: torch.nn.Module | None = None
+        self.staged: torch.nn.Module | None = None
         # Keys and values of this rank's heads only.
         self.cache = KVCache(cache_blocks) if cache_blocks else None
 
@@ -173,11 +190,22 @@ class TensorShard:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=address, rank=self.rank, world_size=self.num_shards,
                                 timeout=COLLECTIVE_TIMEOUT)
-        mesh = init_device_mesh(self.device.type, (self.num_shards,))
-        # Sharded while empty, then each rank reads only its slices (every rank at once).
-        self.model = load_model_part(self.checkpoint_dir, lambda m: apply_tensor_parallel(m, mesh), self.device,
-                                     trust_factory=self.trust_factory,
-                                     collective=True).eval()
+        self.mesh = init_device_mesh(self.device.type, (self.num_shards,))
+        self.model = self._load(self.checkpoint_dir)
+
+    def _load(self, checkpoint_dir: str) -> torch.nn.Module:
+        """Sharded while empty, then each rank reads only its slices (every rank at once)."""
+        return load_model_part(checkpoint_dir, lambda m: apply_tensor_parallel(m, self.mesh), self.device,
+                               trust_factory=self.trust_factory, collective=True).eval()
+
+    def prepare(self, checkpoint_dir: str) -> bool:
+        """Reads this rank's slices of another checkpoint beside the serving ones (a collective
+        read: every rank at once, between passes, which wait for it); whether they are finite."""
+        self.staged = self._load(checkpoint_dir)
+        return all_finite(self.staged)
+
+    def swap(self) -> None:
+        self.model, self.staged = self.staged, None
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, extra: Extra, draws: Draws = None) -> torch.Tensor | list[Outcome] | None:
@@ -271,6 +299,12 @@ def sharding_problem(spec: GPTSpec | HFSpec | CustomSpec, num_shards: int, shard
     return None
 
 
+def all_finite(module: torch.nn.Module) -> bool:
+    """No NaN or infinity in any weight (a tensor-parallel rank checks its own slices)."""
+    return all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
+               for p in module.parameters())
+
+
 def hold_served(source: str, fallback: str, hold: ExitStack) -> str:
     """Find what to serve (a run directory's newest committed checkpoint, or the checkpoint as
     given; `fallback` if `source` has none now) and hold it in `hold` until that closes: training
@@ -308,6 +342,7 @@ class ShardedModel:
         self.compiled = compiled and sharding == "pipeline"  # tensor shards talk over torch.distributed
         self.graph = None
         self._hold = ExitStack()  # the served checkpoint, held while a group serves it
+        self.staged_dir, self._staged_hold = "", ExitStack()  # one read beside it (prepare), held too
         spec = trusted(read_spec(self.checkpoint_dir), self.checkpoint_dir, trust_factory).model
         if not isinstance(spec, LANGUAGE_MODELS):
             raise ValueError(f"{self.checkpoint_dir} holds a '{spec.name}' model; sharded serving is for language models")
@@ -367,6 +402,30 @@ class ShardedModel:
 
     def _hold_served(self) -> None:
         self.checkpoint_dir = hold_served(self.source, self.checkpoint_dir, self._hold)
+
+    def prepare(self, checkpoint_dir: str) -> bool:
+        """Every shard reads its own part of `checkpoint_dir` (held from now on) beside the
+        serving weights; whether every part is finite. Pipeline shards read while passes go on;
+        tensor shards read collectively, so passes wait for it (a pass interleaved on one rank and
+        not another would pair the wrong collectives)."""
+        self._staged_hold.close()
+        self.staged_dir = hold_served(checkpoint_dir, checkpoint_dir, self._staged_hold)
+        with ExitStack() as stack:
+            if self.sharding == "tensor":
+                stack.enter_context(self._lock)
+            with self._lock:
+                shards = self.shards
+            return all(self._started([s.prepare.remote(self.staged_dir) for s in shards], f"load {self.staged_dir}"))
+
+    def swap(self) -> None:
+        """The prepared weights serve from now on; called between passes (the engine's caches are
+        emptied after). A rebuild after this loads the swapped-in checkpoint, not the run's
+        newest: only weights that passed the gate are ever served."""
+        with self._lock:
+            self._started([s.swap.remote() for s in self.shards], "swap weights")
+            self.source = self.checkpoint_dir = self.staged_dir
+            self._hold, self._staged_hold = self._staged_hold, self._hold
+            self._staged_hold.close()
 
     def _started(self, refs: Any, what: str) -> Any:
         """A start-up call's result; a shard that never answers (a hung load, a node gone) is an
@@ -460,6 +519,7 @@ class ShardedModel:
         return ray.get(refs[0])
 
     def close(self) -> None:
+        self._staged_hold.close()
         self._stop_shards()
         if self.placement.owned:
             ray.util.remove_placement_group(self.placement.group)
