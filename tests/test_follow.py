@@ -7,7 +7,9 @@ training writes them.
 Checked: no request fails across three swaps; within each stream the fingerprint (`<run>@<step>`)
 never goes backwards; after a swap the answer equals the new weights decoded alone (no key or
 value cached under the old weights is read, the prompt's own prefix-cache blocks included); the
-poisoned checkpoint is counted as refused and the served step stays.
+poisoned checkpoint is counted as refused and the served step stays; /admin/rollback and
+/admin/promote step back and forth with the bearer token only, the poisoned step refused there
+too.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from shardyard.models import build_model
 from shardyard.parallel import build_engine
 from shardyard.serve.generation import Completion, decode, encode, generate
 from shardyard.spec import load_spec
+from test_serve import TOKEN as SERVE_TEST_TOKEN
 from test_serve import metric
 
 PROMPT = "def main():\n    "
@@ -53,8 +56,12 @@ def commit(run_dir: Path, step: int, poisoned: bool = False) -> None:
     run_distributed(commit_checkpoint, 1, str(run_dir), step, poisoned)
 
 
+TOKEN = SERVE_TEST_TOKEN  # the one test_serve.metric sends to /metrics
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
 def served(url: str) -> dict:
-    return requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]
+    return requests.get(f"{url}/v1/models", headers=AUTH, timeout=30).json()["data"][0]
 
 
 def wait_for_step(url: str, step: int, timeout_s: float = 120) -> None:
@@ -74,7 +81,7 @@ class StreamingClient(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.is_set():
-            with requests.post(f"{self.url}/v1/completions", stream=True, timeout=60,
+            with requests.post(f"{self.url}/v1/completions", stream=True, timeout=60, headers=AUTH,
                                json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True}) as reply:
                 self.statuses.append(reply.status_code)
                 prints = [json.loads(line[6:]).get("system_fingerprint") for line in reply.iter_lines(decode_unicode=True)
@@ -95,15 +102,17 @@ def test_a_served_run_swaps_in_new_checkpoints_without_a_failed_request(ray_clus
 
     run_dir = tmp_path / "gpt_ddp"
     commit(run_dir, 10)
+    (tmp_path / "token").write_text(TOKEN)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({"checkpoint": str(run_dir), "num_shards": 2, "cpus_per_shard": 0.5, "max_batch_size": 4,
-                         "follow_interval_s": 0.5, "request_timeout_s": 60}), name="follow_app", route_prefix="/f")
+                         "follow_interval_s": 0.5, "request_timeout_s": 60,
+                         "bearer_token_file": str(tmp_path / "token")}), name="follow_app", route_prefix="/f")
     url = f"http://127.0.0.1:{port}/f"
     client = StreamingClient(url)
     try:
         assert served(url)["system_fingerprint"] == "gpt_ddp@10"
-        complete = lambda: requests.post(f"{url}/v1/completions", timeout=60,  # noqa: E731
+        complete = lambda: requests.post(f"{url}/v1/completions", timeout=60, headers=AUTH,  # noqa: E731
                                          json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0}).json()
         before = complete()  # its prompt's blocks are now in the prefix cache, made by step 10's weights
         assert before["choices"][0]["text"] == alone(run_dir / checkpoint_name(10))
@@ -121,6 +130,20 @@ def test_a_served_run_swaps_in_new_checkpoints_without_a_failed_request(ray_clus
         assert served(url)["served_step"] == 40 and complete()["system_fingerprint"] == "gpt_ddp@40"
         assert find_latest(run_dir).name == checkpoint_name(50)
         metric(url, "ray_shardyard_weight_swaps_total", "follow_app", lambda n: n == 3)
+
+        # An operator steps back and forth, through the same gate, with the token only.
+        admin = lambda route, **body: requests.post(f"{url}/admin/{route}", json=body or None,  # noqa: E731
+                                                    headers=AUTH, timeout=120)
+        assert requests.post(f"{url}/admin/rollback", timeout=30).status_code == 401
+        assert admin("rollback").json() == {"served_step": 30, "system_fingerprint": "gpt_ddp@30"}
+        back = complete()
+        assert back["system_fingerprint"] == "gpt_ddp@30"
+        assert back["choices"][0]["text"] == alone(run_dir / checkpoint_name(30))
+        refused = admin("promote", step=50)
+        assert refused.status_code == 422 and "not finite" in refused.json()["error"]["message"], refused.text
+        assert admin("promote", step=7).status_code == 404
+        assert admin("promote", step=40).json()["served_step"] == 40
+        assert served(url)["served_step"] == 40
     finally:
         client.stop.set()
         client.join(timeout=120)

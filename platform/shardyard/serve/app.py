@@ -5,7 +5,9 @@ speaking OpenAI's API (serve/openai_api.py) so that its clients and tools work u
                                logprobs, and sampling: OpenAI's fields and vLLM's extensions
                                (serve/openai_api.py, serve/sampling.py)  -> text_completion
     POST /v1/chat/completions  messages (the tokenizer's chat template, or a plain one) -> chat.completion
-    GET  /v1/models            the served model's id (a request naming another gets 404)
+    GET  /v1/models            the served model's id (a request naming another gets 404), its step
+    POST /admin/rollback       back to the weights served before (bearer token; a followed run)
+    POST /admin/promote        {"step": N}: the run's checkpoint of step N, through the gate
     POST /v1/predict           {"inputs": [[float, ...], ...]}        (MLP checkpoints)
     GET  /healthz              200 while every shard answers
     GET  /metrics              Prometheus text: latency, queue time, tokens, engine state
@@ -58,7 +60,7 @@ from shardyard.serve.metrics import ServingMetrics, scrape_cluster
 from shardyard.serve.shards import SHARD_LOST, CachesLost, ShardedModel, check_room, shard_bundle
 from shardyard.spec import LANGUAGE_MODELS, SpecError
 from shardyard.checkpoint.loaders import committed_record, find_latest, load_model
-from shardyard.checkpoint.record import step_of
+from shardyard.checkpoint.record import checkpoint_name, step_of
 from shardyard.checkpoint.layout import is_hf_directory, read_spec
 
 api = FastAPI(title="shardyard")
@@ -88,6 +90,15 @@ class Generation:
     weights: Callable[[], str]  # the fingerprint of the weights decoding it
 
 
+class WeightsRefused(RuntimeError):
+    """A checkpoint the gate keeps from serving (weights that are not finite)."""
+
+
+class PromoteRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    step: int = Field(ge=0, description="the step of a committed checkpoint of the served run")
+
+
 def _event(payload: dict[str, Any] | str) -> str:
     """One server-sent event."""
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
@@ -115,6 +126,9 @@ class ModelServer:
         self._follower: asyncio.Task | None = None
         self.served_step, self.fingerprint = self.config.served_step, self.config.fingerprint
         self.run_name = self.fingerprint.rsplit("@", 1)[0]
+        self.served = [Path(self.config.checkpoint)]  # every checkpoint served, in order
+        self.follow_after = self.served_step or 0  # the follower serves only steps after this
+        self._swapping = asyncio.Lock()
         self.started = int(time.time())
         self.choices = ChoiceLimit(self.config.concurrency)
         self._scrape, self._scrape_lock = (float("-inf"), ""), asyncio.Lock()
@@ -425,32 +439,42 @@ class ModelServer:
             self._follower = loop.create_task(self._follow())
 
     async def _follow(self) -> None:
-        """Serves each checkpoint the run commits after the served one: each shard reads its own
-        part beside the serving weights, and finite weights are swapped in between iterations
-        (the engine's swap_weights). Weights that are not finite (a diverged run) are logged,
-        counted and never served; a checkpoint that cannot be read now is tried again."""
+        """Serves each checkpoint the run commits after the served one (and after any an operator
+        passed over with /admin/rollback or /admin/promote). A checkpoint that is refused is
+        never tried again; one that cannot be read now is tried again."""
         refused: set[str] = set()
         while True:
             await asyncio.sleep(self.config.follow_interval_s)
             newest = await asyncio.to_thread(find_latest, self.config.source)
-            if newest is None or newest.name in refused or step_of(newest.name) <= (self.served_step or 0):
+            if newest is None or newest.name in refused or step_of(newest.name) <= self.follow_after:
                 continue
-            fingerprint = f"{self.run_name}@{step_of(newest.name)}"
             try:
-                if not await asyncio.to_thread(self.model.prepare, str(newest)):
-                    refused.add(newest.name)
-                    self.metrics.promotions_refused.inc()
-                    print(f"shardyard: {newest} has weights that are not finite: not served; "
-                          f"{self.fingerprint} still is", flush=True)
-                    continue
-                await self.engine.swap_weights(lambda: self._swap_in(newest, fingerprint))
+                await self._serve_checkpoint(newest)
+            except WeightsRefused as err:
+                refused.add(newest.name)
+                print(f"shardyard: {err}: not served; {self.fingerprint} still is", flush=True)
+                continue
             except Exception as err:  # noqa: BLE001 - the served weights stay; tried again next time
                 print(f"shardyard: could not swap in {newest} ({type(err).__name__}: {err}); "
                       f"{self.fingerprint} still serves", flush=True)
                 continue
+            self.follow_after = step_of(newest.name)
             committed_at = (committed_record(newest) or {}).get("time")
             if committed_at is not None:
                 self.metrics.commit_to_serving.set(time.time() - committed_at)
+
+    async def _serve_checkpoint(self, checkpoint: Path) -> None:
+        """The gate, then the swap: each shard reads its own part of `checkpoint` beside the
+        serving weights; weights that are not finite (a diverged run) are counted and refused
+        (WeightsRefused); finite ones are swapped in between iterations (the engine's
+        swap_weights). One at a time: the follower and the admin routes share it."""
+        async with self._swapping:
+            fingerprint = f"{self.run_name}@{step_of(checkpoint.name)}"
+            if not await asyncio.to_thread(self.model.prepare, str(checkpoint)):
+                self.metrics.promotions_refused.inc()
+                raise WeightsRefused(f"{checkpoint} has weights that are not finite")
+            await self.engine.swap_weights(lambda: self._swap_in(checkpoint, fingerprint))
+            self.served.append(checkpoint)
             self.metrics.promotions.inc()
             print(f"shardyard: serving {fingerprint}", flush=True)
 
@@ -458,6 +482,43 @@ class ModelServer:
         self.model.swap()
         self.served_step, self.fingerprint = step_of(checkpoint.name), fingerprint
         return fingerprint
+
+    @api.post("/admin/rollback")
+    async def rollback(self) -> dict[str, Any]:
+        """Back to the weights served before the current ones; the follower then waits for a
+        checkpoint committed after this call."""
+        self._expect_admin()
+        if len(self.served) < 2:
+            raise ClientError(409, "no earlier weights were served by this replica")
+        return await self._pin(self.served[-2])
+
+    @api.post("/admin/promote")
+    async def promote(self, body: PromoteRequest) -> dict[str, Any]:
+        """The run's checkpoint of `step`, through the same gate; the follower then waits for a
+        checkpoint committed after this call."""
+        self._expect_admin()
+        checkpoint = Path(self.config.source).expanduser().resolve() / checkpoint_name(body.step)
+        if committed_record(checkpoint) is None:
+            raise ClientError(404, f"the run has no committed checkpoint of step {body.step}", "step")
+        return await self._pin(checkpoint)
+
+    def _expect_admin(self) -> None:
+        """The admin routes change what every client is answered with: only with the app's bearer
+        token (the guard has checked it), and only on an app that follows a run."""
+        if self.config.bearer_token is None:
+            raise ClientError(403, "the admin routes need the app's bearer token (bearer_token_env or "
+                                   "bearer_token_file)")
+        if not self.config.follow:
+            raise ClientError(409, "the admin routes act on an app that follows a run directory (follow: true)")
+
+    async def _pin(self, checkpoint: Path) -> dict[str, Any]:
+        newest = await asyncio.to_thread(find_latest, self.config.source)
+        self.follow_after = max(self.follow_after, step_of(newest.name) if newest else 0)
+        try:
+            await self._serve_checkpoint(checkpoint)
+        except WeightsRefused as err:
+            raise ClientError(422, f"{err}: {self.fingerprint} still serves", "step") from None
+        return {"served_step": self.served_step, "system_fingerprint": self.fingerprint}
 
     async def _publish(self) -> None:
         while True:

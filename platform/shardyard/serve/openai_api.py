@@ -235,7 +235,8 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 409: "conflict_error",
                408: "timeout", 413: "invalid_request_error", 422: "invalid_request_error",
                500: "server_error", 503: "service_unavailable"}
 
