@@ -9,7 +9,8 @@ never goes backwards; after a swap the answer equals the new weights decoded alo
 value cached under the old weights is read, the prompt's own prefix-cache blocks included); the
 poisoned checkpoint is counted as refused and the served step stays; /admin/rollback and
 /admin/promote step back and forth with the bearer token only, the poisoned step refused there
-too.
+too; a checkpoint whose logged validation loss is worse than the served one's is refused, a better
+one served.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ import requests
 import torch
 
 from conftest import REPO
+from shardyard.checkpoint.events import METRICS_FILE, JsonLines
 from shardyard.checkpoint.layout import TrainState
 from shardyard.checkpoint.loaders import find_latest, load_model
 from shardyard.checkpoint.manager import CheckpointManager
 from shardyard.checkpoint.record import checkpoint_name
+from shardyard.checkpoint.store import RunStorage
 from shardyard.localdist import free_port, run_distributed
 from shardyard.models import build_model
 from shardyard.parallel import build_engine
@@ -144,6 +147,18 @@ def test_a_served_run_swaps_in_new_checkpoints_without_a_failed_request(ray_clus
         assert admin("promote", step=7).status_code == 404
         assert admin("promote", step=40).json()["served_step"] == 40
         assert served(url)["served_step"] == 40
+
+        # The run's own validation loss: a checkpoint worse than the served one's by more than
+        # val_loss_tolerance (5%) is refused, a better one is served.
+        log = JsonLines(RunStorage(run_dir), METRICS_FILE)
+        log.append({"step": 40, "loss": 2.0, "val_loss": 2.0})
+        log.append({"step": 60, "loss": 2.2, "val_loss": 2.2})
+        commit(run_dir, 60)
+        metric(url, "ray_shardyard_weight_swaps_refused_total", "follow_app", lambda n: n >= 2)
+        assert served(url)["served_step"] == 40
+        log.append({"step": 70, "loss": 1.9, "val_loss": 1.9})
+        commit(run_dir, 70)
+        wait_for_step(url, 70)
     finally:
         client.stop.set()
         client.join(timeout=120)
@@ -155,4 +170,4 @@ def test_a_served_run_swaps_in_new_checkpoints_without_a_failed_request(ray_clus
         steps = [int(p.split("@")[1]) for p in prints]
         assert steps == sorted(steps), prints  # never backwards within a stream
         steps_seen.update(steps)
-    assert steps_seen <= {10, 20, 30, 40} and 40 in steps_seen, steps_seen
+    assert steps_seen <= {10, 20, 30, 40, 70} and 40 in steps_seen, steps_seen  # never 50 or 60

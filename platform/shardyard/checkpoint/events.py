@@ -106,3 +106,25 @@ def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
     files = [p.rsplit("/", 1)[-1] for p in storage.fs.ls(storage.path(EVENTS_DIR), detail=False)]
     rows = [row for name in files if name.endswith(".jsonl") for row in JsonLines(storage, EVENTS_DIR, name).read()]
     return sorted(rows, key=lambda e: e["time"])
+
+
+METRICS_FILE = "metrics.jsonl"  # rank 0's row per logged step (train/metrics.py writes it)
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The run's metrics rows, one per logged step: a row logged again after a restart (the step
+    recomputed from a checkpoint) replaces the earlier one; `resumed_at` markers drop rows past
+    the checkpoint a restart resumed from."""
+    rows: dict[int, dict[str, Any]] = {}
+    for row in JsonLines(RunStorage(run_dir), METRICS_FILE).read():
+        if "resumed_at" in row:
+            rows = {step: r for step, r in rows.items() if step <= row["resumed_at"]}
+        else:
+            rows[row["step"]] = row
+    return [rows[s] for s in sorted(rows)]
+
+
+def validation_loss_at(rows: list[dict[str, Any]], step: int) -> float | None:
+    """The validation loss the run logged last at or before `step` (None: none yet)."""
+    logged = [r["val_loss"] for r in rows if "val_loss" in r and r["step"] <= step]
+    return logged[-1] if logged else None

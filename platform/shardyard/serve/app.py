@@ -61,6 +61,7 @@ from shardyard.serve.shards import SHARD_LOST, CachesLost, ShardedModel, check_r
 from shardyard.spec import LANGUAGE_MODELS, SpecError
 from shardyard.checkpoint.loaders import committed_record, find_latest, load_model
 from shardyard.checkpoint.record import checkpoint_name, step_of
+from shardyard.checkpoint.events import read_metrics, validation_loss_at
 from shardyard.checkpoint.layout import is_hf_directory, read_spec
 
 api = FastAPI(title="shardyard")
@@ -91,7 +92,8 @@ class Generation:
 
 
 class WeightsRefused(RuntimeError):
-    """A checkpoint the gate keeps from serving (weights that are not finite)."""
+    """A checkpoint the gate keeps from serving (weights that are not finite, or a validation
+    loss worse than the served one's)."""
 
 
 class PromoteRequest(BaseModel):
@@ -463,13 +465,19 @@ class ModelServer:
             if committed_at is not None:
                 self.metrics.commit_to_serving.set(time.time() - committed_at)
 
-    async def _serve_checkpoint(self, checkpoint: Path) -> None:
-        """The gate, then the swap: each shard reads its own part of `checkpoint` beside the
-        serving weights; weights that are not finite (a diverged run) are counted and refused
-        (WeightsRefused); finite ones are swapped in between iterations (the engine's
+    async def _serve_checkpoint(self, checkpoint: Path, operator: bool = False) -> None:
+        """The gate, then the swap: a validation loss worse than the served one's (as the run
+        logged them; not for an operator's own choice) or weights that are not finite (a diverged
+        run), read by each shard beside the serving weights, are counted and refused
+        (WeightsRefused); the others are swapped in between iterations (the engine's
         swap_weights). One at a time: the follower and the admin routes share it."""
         async with self._swapping:
-            fingerprint = f"{self.run_name}@{step_of(checkpoint.name)}"
+            step = step_of(checkpoint.name)
+            fingerprint = f"{self.run_name}@{step}"
+            worse = None if operator else await asyncio.to_thread(self._worse_validation, step)
+            if worse:
+                self.metrics.promotions_refused.inc()
+                raise WeightsRefused(f"{checkpoint}: {worse}")
             if not await asyncio.to_thread(self.model.prepare, str(checkpoint)):
                 self.metrics.promotions_refused.inc()
                 raise WeightsRefused(f"{checkpoint} has weights that are not finite")
@@ -477,6 +485,19 @@ class ModelServer:
             self.served.append(checkpoint)
             self.metrics.promotions.inc()
             print(f"shardyard: serving {fingerprint}", flush=True)
+
+    def _worse_validation(self, step: int) -> str | None:
+        """Why the run's own validation loss keeps `step` from serving (None: it does not, or the
+        run logged none to compare)."""
+        tolerance = self.config.val_loss_tolerance
+        if tolerance is None:
+            return None
+        rows = read_metrics(self.config.source)
+        candidate, served = validation_loss_at(rows, step), validation_loss_at(rows, self.served_step or 0)
+        if candidate is None or served is None or candidate <= served * (1 + tolerance):
+            return None
+        return (f"its validation loss {candidate:.4f} is worse than the served step {self.served_step}'s "
+                f"{served:.4f} by more than {tolerance:.0%}")
 
     def _swap_in(self, checkpoint: Path, fingerprint: str) -> str:
         self.model.swap()
@@ -515,7 +536,7 @@ class ModelServer:
         newest = await asyncio.to_thread(find_latest, self.config.source)
         self.follow_after = max(self.follow_after, step_of(newest.name) if newest else 0)
         try:
-            await self._serve_checkpoint(checkpoint)
+            await self._serve_checkpoint(checkpoint, operator=True)
         except WeightsRefused as err:
             raise ClientError(422, f"{err}: {self.fingerprint} still serves", "step") from None
         return {"served_step": self.served_step, "system_fingerprint": self.fingerprint}

@@ -66,6 +66,9 @@ class ServeConfig(BaseModel):
                                 "committed checkpoint in the background and swap it in between iterations, once "
                                 "its weights are finite (default: true for a run directory, else false)")
     follow_interval_s: float = Field(2.0, gt=0, description="follow: how often the run is looked at")
+    val_loss_tolerance: float | None = Field(
+        0.05, ge=0, description="follow: a checkpoint whose validation loss (the last the run logged at or "
+        "before its step) exceeds the served one's by more than this fraction is refused; null: not checked")
     model_id: str | None = Field(None, min_length=1, max_length=128, description="the id /v1/models lists "
                                  "and requests name (default: the run's name or the model directory's)")
     batch_wait_timeout_s: float = Field(0.01, ge=0, description="fixed batching: longest wait to fill a batch")

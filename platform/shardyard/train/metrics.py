@@ -18,12 +18,11 @@ from typing import Any
 
 from shardyard.checkpoint.record import newest_name
 from shardyard.spec import JobSpec
-from shardyard.checkpoint.events import JsonLines
+from shardyard.checkpoint.events import METRICS_FILE, JsonLines, read_metrics
 from shardyard.checkpoint.store import RunStorage
 from shardyard.tables import format_table
 from shardyard.train.tracking import open_trackers
 
-METRICS_FILE = "metrics.jsonl"
 LOSS_PLOT = "loss_curve.png"
 
 
@@ -87,19 +86,6 @@ class Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-
-
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The run's metrics rows, one per logged step: a row logged again after a restart (the step
-    recomputed from a checkpoint) replaces the earlier one; `resumed_at` markers drop rows past
-    the checkpoint a restart resumed from."""
-    rows: dict[int, dict[str, Any]] = {}
-    for row in JsonLines(RunStorage(run_dir), METRICS_FILE).read():
-        if "resumed_at" in row:
-            rows = {step: r for step, r in rows.items() if step <= row["resumed_at"]}
-        else:
-            rows[row["step"]] = row
-    return [rows[s] for s in sorted(rows)]
 
 
 class MetricsLog:
