@@ -59,8 +59,9 @@ from shardyard.serve.vllm_engine import VllmEngine, start_vllm, vllm_model_direc
 from shardyard.serve.metrics import ServingMetrics, scrape_cluster
 from shardyard.serve.shards import SHARD_LOST, CachesLost, ShardedModel, check_room, shard_bundle
 from shardyard.spec import LANGUAGE_MODELS, SpecError
-from shardyard.checkpoint.loaders import committed_record, find_latest, load_model
-from shardyard.checkpoint.record import checkpoint_name, step_of
+from shardyard.checkpoint.loaders import committed_record, load_model
+from shardyard.checkpoint.record import BadCheckpoint, checkpoint_name, newest_good, step_of
+from shardyard.checkpoint.store import RunStorage
 from shardyard.checkpoint.events import read_metrics, validation_loss_at
 from shardyard.checkpoint.layout import is_hf_directory, read_spec
 
@@ -447,12 +448,13 @@ class ModelServer:
         refused: set[str] = set()
         while True:
             await asyncio.sleep(self.config.follow_interval_s)
-            newest = await asyncio.to_thread(find_latest, self.config.source)
-            if newest is None or newest.name in refused or step_of(newest.name) <= self.follow_after:
+            found = await asyncio.to_thread(self._newest_committed)
+            if found is None or found[0].name in refused or step_of(found[0].name) <= self.follow_after:
                 continue
+            newest, record = found
             try:
                 await self._serve_checkpoint(newest)
-            except WeightsRefused as err:
+            except (WeightsRefused, BadCheckpoint) as err:  # a file that does not match its record too
                 refused.add(newest.name)
                 print(f"shardyard: {err}: not served; {self.fingerprint} still is", flush=True)
                 continue
@@ -461,9 +463,14 @@ class ModelServer:
                       f"{self.fingerprint} still serves", flush=True)
                 continue
             self.follow_after = step_of(newest.name)
-            committed_at = (committed_record(newest) or {}).get("time")
-            if committed_at is not None:
-                self.metrics.commit_to_serving.set(time.time() - committed_at)
+            if "time" in record:
+                self.metrics.commit_to_serving.set(time.time() - record["time"])
+
+    def _newest_committed(self) -> tuple[Path, dict[str, Any]] | None:
+        """The run's newest checkpoint with a valid commit record, and the record. Its files are
+        verified once, when a candidate is read (prepare), not on every look at the run."""
+        found = newest_good(RunStorage(self.config.source), check_files=False)
+        return (Path(self.config.source).expanduser().absolute() / found[0], found[1]) if found else None
 
     async def _serve_checkpoint(self, checkpoint: Path, operator: bool = False) -> None:
         """The gate, then the swap: a validation loss worse than the served one's (as the run
@@ -533,8 +540,8 @@ class ModelServer:
             raise ClientError(409, "the admin routes act on an app that follows a run directory (follow: true)")
 
     async def _pin(self, checkpoint: Path) -> dict[str, Any]:
-        newest = await asyncio.to_thread(find_latest, self.config.source)
-        self.follow_after = max(self.follow_after, step_of(newest.name) if newest else 0)
+        newest = await asyncio.to_thread(self._newest_committed)
+        self.follow_after = max(self.follow_after, step_of(newest[0].name) if newest else 0)
         try:
             await self._serve_checkpoint(checkpoint, operator=True)
         except WeightsRefused as err:

@@ -109,7 +109,7 @@ class DecodingEngine:
 
     async def _run(self) -> None:
         while True:
-            if self._swap is not None and not any(not s.leaving for s in self.scheduler.running):
+            if self._swap is not None and not self.scheduler.decoding:
                 await self._apply_swap()
                 continue
             if not self.scheduler.has_work:
@@ -140,7 +140,7 @@ class DecodingEngine:
         apply, done = self._swap
         try:
             self.weights = await asyncio.to_thread(apply)
-            await asyncio.to_thread(self.forward, torch.zeros((1, 1), dtype=torch.long), CacheStep(reset=True), None)
+            await self._reset_caches()
             # Only finished requests are left running: every block is forgotten, so none made by
             # the old weights is found again.
             self.scheduler.start_over()
@@ -180,8 +180,12 @@ class DecodingEngine:
         """Get a working shard group with empty caches, then let the scheduler start over."""
         try:
             await asyncio.to_thread(self.recover)
-            await asyncio.to_thread(self.forward, torch.zeros((1, 1), dtype=torch.long), CacheStep(reset=True), None)
+            await self._reset_caches()
         except self.lost:
             pass  # the next iteration finds out and recovers again
         self.stats.rebuilds += 1
         self.scheduler.start_over(failed)
+
+    async def _reset_caches(self) -> None:
+        """Every shard's KV cache emptied (a pass that only resets them)."""
+        await asyncio.to_thread(self.forward, torch.zeros((1, 1), dtype=torch.long), CacheStep(reset=True), None)

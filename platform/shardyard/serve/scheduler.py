@@ -108,8 +108,13 @@ class Scheduler:
         self.waiting.append(seq)
 
     @property
+    def decoding(self) -> bool:
+        """Whether a running request still wants tokens."""
+        return any(not s.leaving for s in self.running)
+
+    @property
     def has_work(self) -> bool:
-        return any(not s.leaving for s in self.waiting) or any(not s.leaving for s in self.running)
+        return any(not s.leaving for s in self.waiting) or self.decoding
 
     def prefills(self) -> list[Pass]:
         """This iteration's prefill chunks, within the budget: running prompts not yet whole
