@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -140,7 +141,8 @@ class FakeAutoscalingCluster:
         kill_all(victims)
 
 
-def wait_until(condition, timeout_s: float, message: str) -> None:
+def wait_for(condition: Callable[[], object], timeout_s: float, message: str) -> None:
+    """Polls `condition` until it holds; TimeoutError with `message` after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:

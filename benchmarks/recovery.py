@@ -41,7 +41,7 @@ import psutil
 import ray
 
 from common import print_table, write_json
-from fake_cluster import RAY, FakeAutoscalingCluster, wait_until
+from fake_cluster import RAY, FakeAutoscalingCluster, wait_for
 from shardyard.spec import load_spec
 from shardyard.checkpoint.loaders import find_latest
 from shardyard.checkpoint.record import checkpoint_name
@@ -150,12 +150,12 @@ def measure_autoscaled(overrides: list[str], run_dir: Path, hold_at: tuple[int, 
         run = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             starts = lambda: [e for e in read_events(run_dir) if e["event"] == "start"]  # noqa: E731
-            wait_until(lambda: held(run_dir, grown_at) or run.poll() is not None, 300, f"no step {grown_at}")
-            wait_until(lambda: any(e["world_size"] == 4 for e in starts()) or run.poll() is not None, 180,
+            wait_for(lambda: held(run_dir, grown_at) or run.poll() is not None, 300, f"no step {grown_at}")
+            wait_for(lambda: any(e["world_size"] == 4 for e in starts()) or run.poll() is not None, 180,
                        "the autoscaler's nodes never joined the run")
             launched = sorted(psutil.Process(pid).create_time() for pid in cluster.autoscaled_raylets().values())
             release(run_dir, grown_at)
-            wait_until(lambda: held(run_dir, drain_at) or run.poll() is not None, 300, f"no step {drain_at}")
+            wait_for(lambda: held(run_dir, drain_at) or run.poll() is not None, 300, f"no step {drain_at}")
             victim = next(iter(cluster.autoscaled_raylets()))
             drained_at = time.time()
             subprocess.run([RAY, "drain-node", f"--address={cluster.gcs_address}", f"--node-id={victim}",
@@ -166,11 +166,11 @@ def measure_autoscaled(overrides: list[str], run_dir: Path, hold_at: tuple[int, 
             # it asks at its first step after the release.
             time.sleep(max(0.0, held(run_dir, drain_at)["time"] + DRAIN_PROBE_S - time.time()))
             release(run_dir, drain_at)
-            wait_until(lambda: drain_checkpoint(run_dir) or run.poll() is not None, 120,
+            wait_for(lambda: drain_checkpoint(run_dir) or run.poll() is not None, 120,
                        "the run did not checkpoint on the drain notice")
             checkpointed = drain_checkpoint(run_dir)
             # The event marks the checkpoint's start: the node goes once it is committed.
-            wait_until(lambda: find_latest(run_dir).name == checkpoint_name(checkpointed["step"]), 120,
+            wait_for(lambda: find_latest(run_dir).name == checkpoint_name(checkpointed["step"]), 120,
                        "the drain checkpoint never committed")
             committed_at = time.time()
             reclaimed_at = time.time()
@@ -179,7 +179,7 @@ def measure_autoscaled(overrides: list[str], run_dir: Path, hold_at: tuple[int, 
             if run.returncode != 0:
                 raise RuntimeError(f"the autoscaled run failed:\n{output[-4000:]}")
             ended_at = time.time()
-            wait_until(lambda: not cluster.autoscaled_raylets(), 120, "the idle nodes were never removed")
+            wait_for(lambda: not cluster.autoscaled_raylets(), 120, "the idle nodes were never removed")
             idle_removed_at = time.time()
         finally:
             release(run_dir, grown_at, drain_at)

@@ -22,7 +22,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -30,6 +29,7 @@ import pytest
 import ray
 import torch
 
+from fake_cluster import wait_for
 from shardyard.data.ledger import audit
 from shardyard.models import build_model
 from shardyard.parallel import single_process
@@ -86,14 +86,6 @@ class WorkerNode:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float, message: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(message)
-        time.sleep(0.2)
 
 
 def events(run_dir: Path) -> list[dict]:

@@ -162,11 +162,12 @@ class ServeConfig(BaseModel):
             self.model_id = Path(self.checkpoint).name if is_hf_directory(self.checkpoint) else spec.run.name
         self._served_step = None if is_hf_directory(self.checkpoint) else step_of(Path(self.checkpoint).name)
         a_run = Path(self.checkpoint) != Path(self._source).expanduser().resolve()  # a run: its newest was found
-        if self.follow and not (a_run and self.batching == "continuous" and self.engine == "builtin"):
+        followable = a_run and self.batching == "continuous" and self.engine == "builtin"
+        if self.follow and not followable:
             raise ValueError("follow: true serves a run directory's new checkpoints as they commit, with the built-in "
                              "engine (batching: continuous); give checkpoint a run directory")
         if self.follow is None:
-            self.follow = a_run and self.batching == "continuous" and self.engine == "builtin"
+            self.follow = followable
         self._fingerprint = (Path(self.checkpoint).name if self._served_step is None
                              else f"{spec.run.name}@{self._served_step}")
         return self
