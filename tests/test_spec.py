@@ -122,6 +122,12 @@ def test_missing_sections_take_defaults() -> None:
          ["not supported with parallelism.strategy 'parameter_server'"]),
         (["data.validation_path=/v"], ["data.validation_path applies to data.name 'shards' only"]),
         (["eval.batchez=2"], ["unknown key 'eval.batchez'", "every_n_steps"]),
+        # publishing to a serving app
+        (["checkpoint.publish_to=app", "parallelism.strategy=zero2"],
+         ["checkpoint.publish_to", "not parallelism.strategy 'zero2'"]),
+        (["checkpoint.publish_to=app", "parallelism.strategy=fsdp", "parallelism.pp=2"], ["with pp 2"]),
+        (["checkpoint.publish_to=my app"], ["checkpoint.publish_to", "pattern"]),
+        (["checkpoint.publish_every_n_steps=0"], ["checkpoint.publish_every_n_steps", "greater than or equal to 1"]),
     ],
 )
 def test_bad_specs_are_named(overrides: list[str], expected: list[str]) -> None:

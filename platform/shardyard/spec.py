@@ -223,6 +223,8 @@ class BatchSpec(Section):
                            "refusing the spec")
 
 
+# Strategies whose model gathers whole through torch.distributed's state-dict API (checkpoint.publish_to).
+PUBLISHING = ("ddp", "fsdp", "tensor")
 Strategy = Literal["ddp", "fsdp", "zero1", "zero2", "zero3", "pipeline", "tensor", "local_sgd",
                    "parameter_server"]
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
@@ -362,6 +364,12 @@ class CheckpointSpec(Section):
     lease_ttl_s: float = Field(
         30.0, ge=1, description="the run's lease is renewed every third of this; a launch that stopped "
                                 "renewing is taken over after it, and one that lost its lease stops within a third")
+    publish_to: str | None = Field(
+        None, min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="a Serve app on the same cluster that "
+        "follows this run: the weights are sent to it through Ray's object store every publish_every_n_steps, "
+        "no storage read on the way (ddp, fsdp and tensor strategies; a GPT or Hugging Face model)")
+    publish_every_n_steps: int | None = Field(
+        None, ge=1, description="publish_to: how often (default checkpoint.every_n_steps; and at the last step)")
 
 
 class EvalSpec(Section):
@@ -467,6 +475,12 @@ class JobSpec(Section):
                              "or checkpoint.load_optimizer=false")
         if par.strategy == "parameter_server":
             self._check_parameter_server()
+        if self.checkpoint.publish_to is not None and (par.strategy not in PUBLISHING or par.pp > 1
+                                                       or self.model.name == "custom"):
+            raise ValueError(f"checkpoint.publish_to sends the whole model from rank 0, gathered with "
+                             f"torch.distributed's state-dict API: built for the ddp, fsdp and tensor strategies "
+                             f"without pipeline stages and a GPT or Hugging Face model, not parallelism.strategy "
+                             f"'{par.strategy}' with pp {par.pp} and model.name '{self.model.name}'")
         if self.run.on_nonfinite == "skip" and (par.strategy in ZERO_STAGES or par.strategy == "parameter_server"
                                                  or self.scaling.recovery == "hot"):
             raise ValueError(f"run.on_nonfinite 'skip' is not available with parallelism.strategy "

@@ -33,16 +33,18 @@ import json
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
 
+import ray
 import torch
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.config import BackpressureConfig
+from ray.serve.handle import DeploymentHandle
 
 from shardyard.serve import openai_api as oa
 from shardyard.serve.choices import ChoiceText
@@ -54,6 +56,10 @@ from shardyard.serve.engine import DecodingEngine
 from shardyard.serve.scheduler import MIN_CHUNK, LostTwice
 from shardyard.serve.guard import ChoiceLimit, ClientError, GuardSettings, error_response, install
 from shardyard.serve.generation import Completion, TextCodec, decode_steps
+from shardyard.serve.golden import greedy_answers, regressions
+from shardyard.serve.rollout import PROMOTE, REFUSE, WAIT, Rollout, Tally
+from shardyard.serve.inbox import WeightsInbox
+from shardyard.checkpoint.published import Published, source_step
 from shardyard.serve.local_model import LocalModel
 from shardyard.serve.vllm_engine import VllmEngine, start_vllm, vllm_model_directory
 from shardyard.serve.metrics import ServingMetrics, scrape_cluster
@@ -120,8 +126,14 @@ SCRAPE_REUSE_S = 2.0
 @serve.deployment
 @serve.ingress(api)
 class ModelServer:
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], rollout: DeploymentHandle | None = None,
+                 inbox: DeploymentHandle | None = None) -> None:
+        """`rollout`: the app's Rollout deployment, with canary_fraction (serve/rollout.py);
+        `inbox`: its WeightsInbox, following a run (serve/inbox.py)."""
         self.config = parse_config(config)
+        self.rollout, self.inbox = rollout, inbox
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self.tally: dict[str, Tally] = {}  # requests answered, by the weights that answered them
         self.metrics = ServingMetrics()
         api.state.guard = GuardSettings(self.config.max_body_bytes, self.config.bearer_token,
                                         self.config.body_timeout_s, self.metrics.count_error, self.publish_metrics)
@@ -129,9 +141,13 @@ class ModelServer:
         self._follower: asyncio.Task | None = None
         self.served_step, self.fingerprint = self.config.served_step, self.config.fingerprint
         self.run_name = self.fingerprint.rsplit("@", 1)[0]
-        self.served = [Path(self.config.checkpoint)]  # every checkpoint served, in order
+        self.served: list[Path | Published] = [Path(self.config.checkpoint)]  # every source served, in order
+        self.unreachable: set[int] = set()  # steps whose published weights are gone from the object store
         self.follow_after = self.served_step or 0  # the follower serves only steps after this
         self._swapping = asyncio.Lock()
+        self.candidate_step: int | None = None  # the checkpoint being read and judged
+        self.refused: dict[int, str] = {}  # steps the gate refused, and why: the follower passes them over
+        self._golden: tuple[str, list[str]] = ("", [])  # a fingerprint, its golden answers
         self.started = int(time.time())
         self.choices = ChoiceLimit(self.config.concurrency)
         self._scrape, self._scrape_lock = (float("-inf"), ""), asyncio.Lock()
@@ -266,6 +282,10 @@ class ModelServer:
                                             "created": self.started, "owned_by": "shardyard",
                                             "max_model_len": self.block_size if self.generates else None,
                                             "served_step": self.served_step,
+                                            "candidate_step": self.candidate_step,
+                                            "refused_steps": {str(k): v for k, v in self.refused.items()},
+                                            "served_from": ("object store" if isinstance(self.served[-1], Published)
+                                                            else "storage"),
                                             "system_fingerprint": self.fingerprint}]}
 
     def _prompt_tokens(self, text: str, max_tokens: int, field: str = "prompt") -> list[int]:
@@ -309,6 +329,7 @@ class ModelServer:
                                      media_type="text/event-stream")
         self.choices.take(len(requests))
         gens: list[Generation] = []
+        started = time.perf_counter()
         try:
             gens = [self._generate(r) for r in requests]
             choices = [ChoiceText(r, self.codec, body.stop, chat) for r in requests]
@@ -319,6 +340,7 @@ class ModelServer:
         except (*SHARD_LOST, LostTwice):
             raise ClientError(503, "the model's shards were lost twice under this request; retry") from None
         except RuntimeError as err:  # this request alone failed (the others in its steps go on)
+            self._tally(gens[0].weights() if gens else self.fingerprint, 0.0, ok=False)
             raise ClientError(500, f"this request could not be decoded: {err}") from None
         finally:  # answered, timed out or disconnected: its decoder stops computing it
             for gen in gens:
@@ -326,7 +348,11 @@ class ModelServer:
             self.choices.give_back(len(requests))
         out = [oa.choice(i, c.text(), c.finish_reason, chat, logprobs=c.logprobs()) for i, c in enumerate(choices)]
         used = oa.usage(prompt_tokens, sum(len(r.tokens) for r in requests))
+        self._tally(gens[0].weights(), time.perf_counter() - started, ok=True)
         return oa.body(id_, self.config.model_id, gens[0].weights(), out, chat, usage=used)
+
+    def _tally(self, weights: str, seconds: float, ok: bool) -> None:
+        self.tally.setdefault(weights, Tally()).record(seconds, ok)
 
     async def _collect(self, gen: Generation, choice: ChoiceText) -> None:
         """A choice's whole text, cut at a stop string."""
@@ -343,7 +369,8 @@ class ModelServer:
         token a choice got since its last one), each choice's last with its finish_reason, then
         (if asked) one with the usage, then [DONE]. A character split over several tokens appears
         with its last one, and nothing of a stop string is sent."""
-        model, deadline = self.config.model_id, time.perf_counter() + self.config.request_timeout_s
+        started = time.perf_counter()
+        model, deadline = self.config.model_id, started + self.config.request_timeout_s
         choices = [ChoiceText(r, self.codec, stops, chat) for r in requests]
 
         def chunk(index: int, piece: str, reason: str | None = None, first: bool = False) -> str:
@@ -374,6 +401,7 @@ class ModelServer:
                     yield chunk(index, piece + choice.finish(), choice.finish_reason)
                 elif piece or choice.request.sampling.logprobs is not None:
                     yield chunk(index, piece)
+            self._tally(gens[0].weights(), time.perf_counter() - started, ok=True)
             if options.include_usage:
                 used = oa.usage(prompt_tokens, sum(len(r.tokens) for r in requests))
                 yield _event(oa.body(id_, model, gens[0].weights(), [], chat, chunk=True, usage=used))
@@ -382,6 +410,7 @@ class ModelServer:
         except (*SHARD_LOST, LostTwice):
             yield _event(oa.error_body(503, "the model's shards were lost twice under this request; retry"))
         except RuntimeError as err:
+            self._tally(gens[0].weights() if gens else self.fingerprint, 0.0, ok=False)
             yield _event(oa.error_body(500, f"this request could not be decoded: {err}"))
         finally:  # finished, timed out or disconnected: either way its decoders stop computing it
             if streams is not None:
@@ -444,27 +473,68 @@ class ModelServer:
     async def _follow(self) -> None:
         """Serves each checkpoint the run commits after the served one (and after any an operator
         passed over with /admin/rollback or /admin/promote). A checkpoint that is refused is
-        never tried again; one that cannot be read now is tried again."""
-        refused: set[str] = set()
+        never tried again; one that cannot be read now is tried again. With a canary, the app's
+        Rollout says whether this replica serves it now (a canary), waits, serves it (promoted),
+        or refuses it (a canary then steps back)."""
         while True:
             await asyncio.sleep(self.config.follow_interval_s)
-            found = await asyncio.to_thread(self._newest_committed)
-            if found is None or found[0].name in refused or step_of(found[0].name) <= self.follow_after:
+            candidate = await self._next_candidate()
+            if candidate is None:
                 continue
-            newest, record = found
+            source, step, made_at = candidate
+            role = PROMOTE if self.rollout is None else await self.rollout.role.remote(
+                self.replica, step, f"{self.run_name}@{step}", self.fingerprint)
+            if role.startswith(REFUSE):
+                await self._refused_by_canary(step, role.removeprefix(REFUSE))
+                continue
+            if role == WAIT or self.served_step == step:
+                continue
             try:
-                await self._serve_checkpoint(newest)
-            except (WeightsRefused, BadCheckpoint) as err:  # a file that does not match its record too
-                refused.add(newest.name)
+                await self._serve_checkpoint(source)
+            except (WeightsRefused, BadCheckpoint) as err:
                 print(f"shardyard: {err}: not served; {self.fingerprint} still is", flush=True)
+                if self.rollout is not None:
+                    await self.rollout.refuse.remote(step, str(err))
+                continue
+            except ray.exceptions.ObjectLostError:  # its publisher (training's rank 0) is gone
+                self.unreachable.add(step)
+                print(f"shardyard: the weights published at {source} are gone; the run's checkpoint of that "
+                      f"step serves once it is committed", flush=True)
                 continue
             except Exception as err:  # noqa: BLE001 - the served weights stay; tried again next time
-                print(f"shardyard: could not swap in {newest} ({type(err).__name__}: {err}); "
+                print(f"shardyard: could not swap in {source} ({type(err).__name__}: {err}); "
                       f"{self.fingerprint} still serves", flush=True)
                 continue
-            self.follow_after = step_of(newest.name)
-            if "time" in record:
-                self.metrics.commit_to_serving.set(time.time() - record["time"])
+            if role == PROMOTE:
+                self.follow_after = step
+            if made_at is not None:
+                self.metrics.commit_to_serving.set(time.time() - made_at)
+
+    async def _next_candidate(self) -> tuple[Path | Published, int, float | None] | None:
+        """The newest weights of the run not served yet (nor refused, nor passed over): its newest
+        committed checkpoint or the weights it published last, whichever is newer (at the same
+        step, the published ones: no storage read); with their step and when they were made."""
+        options = []
+        found = await asyncio.to_thread(self._newest_committed)
+        if found is not None:
+            options.append((step_of(found[0].name), 0, found[0], found[1].get("time")))
+        published = None if self.inbox is None else await self.inbox.latest.remote()
+        if published is not None and published.run == self.run_name and published.step not in self.unreachable:
+            options.append((published.step, 1, published, published.time))
+        options = [o for o in options if o[0] > self.follow_after and o[0] not in self.refused]
+        if not options:
+            return None
+        step, _, source, made_at = max(options)
+        return source, step, made_at
+
+    async def _refused_by_canary(self, step: int, reason: str) -> None:
+        """The canary's verdict: nobody serves `step`; a replica that served it as a canary
+        returns to the weights it served before."""
+        self.refused[step] = f"canary: {reason}"
+        self.metrics.promotions_refused.inc()
+        print(f"shardyard: step {step} refused after its canary: {reason}", flush=True)
+        if self.served_step == step and len(self.served) > 1:
+            await self._serve_checkpoint(self.served[-2], operator=True)
 
     def _newest_committed(self) -> tuple[Path, dict[str, Any]] | None:
         """The run's newest checkpoint with a valid commit record, and the record. Its files are
@@ -472,23 +542,34 @@ class ModelServer:
         found = newest_good(RunStorage(self.config.source), check_files=False)
         return (Path(self.config.source).expanduser().absolute() / found[0], found[1]) if found else None
 
-    async def _serve_checkpoint(self, checkpoint: Path, operator: bool = False) -> None:
+    async def _serve_checkpoint(self, checkpoint: Path | Published, operator: bool = False) -> None:
         """The gate, then the swap: a validation loss worse than the served one's (as the run
-        logged them; not for an operator's own choice) or weights that are not finite (a diverged
-        run), read by each shard beside the serving weights, are counted and refused
-        (WeightsRefused); the others are swapped in between iterations (the engine's
-        swap_weights). One at a time: the follower and the admin routes share it."""
+        logged them; not for an operator's own choice), weights that are not finite (a diverged
+        run), read by each shard beside the serving weights, or golden prompts answered otherwise
+        than they must be (judged once swapped in, before any client's request) are counted,
+        listed in /v1/models and refused (WeightsRefused); the others are swapped in between
+        iterations (the engine's swap_weights). One at a time: the follower and the admin routes
+        share it."""
         async with self._swapping:
-            step = step_of(checkpoint.name)
+            step = source_step(checkpoint)
             fingerprint = f"{self.run_name}@{step}"
-            worse = None if operator else await asyncio.to_thread(self._worse_validation, step)
-            if worse:
+            self.candidate_step = step
+            try:
+                worse = None if operator else await asyncio.to_thread(self._worse_validation, step)
+                if worse:
+                    raise WeightsRefused(f"{checkpoint}: {worse}")
+                source = checkpoint if isinstance(checkpoint, Published) else str(checkpoint)
+                if not await asyncio.to_thread(self.model.prepare, source):
+                    self.model.drop_staged()
+                    raise WeightsRefused(f"{checkpoint} has weights that are not finite")
+                await self.engine.swap_weights(lambda: self._swap_in(checkpoint, fingerprint))
+            except (WeightsRefused, BadCheckpoint) as err:  # a file that does not match its record too
+                self.refused[step] = str(err)
                 self.metrics.promotions_refused.inc()
-                raise WeightsRefused(f"{checkpoint}: {worse}")
-            if not await asyncio.to_thread(self.model.prepare, str(checkpoint)):
-                self.metrics.promotions_refused.inc()
-                raise WeightsRefused(f"{checkpoint} has weights that are not finite")
-            await self.engine.swap_weights(lambda: self._swap_in(checkpoint, fingerprint))
+                raise
+            finally:
+                self.candidate_step = None
+            self.refused.pop(step, None)  # an operator's promotion of a step refused before
             self.served.append(checkpoint)
             self.metrics.promotions.inc()
             print(f"shardyard: serving {fingerprint}", flush=True)
@@ -506,10 +587,35 @@ class ModelServer:
         return (f"its validation loss {candidate:.4f} is worse than the served step {self.served_step}'s "
                 f"{served:.4f} by more than {tolerance:.0%}")
 
-    def _swap_in(self, checkpoint: Path, fingerprint: str) -> str:
-        self.model.swap()
-        self.served_step, self.fingerprint = step_of(checkpoint.name), fingerprint
+    def _swap_in(self, checkpoint: Path | Published, fingerprint: str) -> str:
+        """In the engine's drained window: the prepared weights serve from now on, once they
+        answer the golden prompts as they must; else the served ones stay (WeightsRefused)."""
+        golden = self.config.golden_prompts
+        with self.model.exclusive():  # the swap, the golden passes and a swap back on one shard group
+            if golden and self._golden[0] != self.fingerprint:  # the served weights' answers, once
+                self._golden = (self.fingerprint, self._golden_answers())
+            self.model.swap()
+            failed: list[str] | None = None  # None: the golden passes did not finish (a shard lost)
+            try:
+                answers = self._golden_answers() if golden else []
+                failed = regressions(golden, self._golden[1], answers, self.config.golden_max_edit_distance)
+            except SHARD_LOST:
+                raise
+            except RuntimeError as err:  # a golden prompt's token could not be chosen (NaN logits)
+                failed = [f"a golden prompt could not be decoded ({err})"]
+            finally:
+                if failed != []:
+                    self.model.swap_back()
+                self.model.drop_staged()
+        if failed:
+            raise WeightsRefused(f"{checkpoint}: " + "; ".join(failed))
+        self._golden = (fingerprint, answers)
+        self.served_step, self.fingerprint = source_step(checkpoint), fingerprint
         return fingerprint
+
+    def _golden_answers(self) -> list[str]:
+        return greedy_answers(self.model.forward, self.config.golden_prompts, self.codec, self.block_size,
+                              self.stop_token)
 
     @api.post("/admin/rollback")
     async def rollback(self) -> dict[str, Any]:
@@ -539,17 +645,23 @@ class ModelServer:
         if not self.config.follow:
             raise ClientError(409, "the admin routes act on an app that follows a run directory (follow: true)")
 
-    async def _pin(self, checkpoint: Path) -> dict[str, Any]:
+    async def _pin(self, checkpoint: Path | Published) -> dict[str, Any]:
         newest = await asyncio.to_thread(self._newest_committed)
         self.follow_after = max(self.follow_after, step_of(newest[0].name) if newest else 0)
         try:
             await self._serve_checkpoint(checkpoint, operator=True)
-        except WeightsRefused as err:
+        except (WeightsRefused, BadCheckpoint) as err:
             raise ClientError(422, f"{err}: {self.fingerprint} still serves", "step") from None
+        except ray.exceptions.ObjectLostError:
+            raise ClientError(409, f"the weights published at {checkpoint} are gone (the training worker that "
+                                   f"held them exited); {self.fingerprint} still serves") from None
         return {"served_step": self.served_step, "system_fingerprint": self.fingerprint}
 
     async def _publish(self) -> None:
         while True:
+            if self.rollout is not None:  # what this replica's answers cost, for the canary's verdict
+                tallies = {weights: replace(tally) for weights, tally in self.tally.items()}
+                await self.rollout.report.remote(self.replica, self.fingerprint, tallies)
             self.metrics.served_step.set(-1 if self.served_step is None else self.served_step)
             if self.engine is not None:
                 self.metrics.read_engine(self.engine.stats)
@@ -658,4 +770,6 @@ def build_app(args: dict[str, Any]) -> "serve.Application":
         options["placement_group_strategy"] = "PACK" if cfg.multi_node else "STRICT_PACK"
     # The checkpoint as given: a replica started later (autoscaling, a replacement) loads the
     # run's newest committed checkpoint then.
-    return ModelServer.options(**options).bind({**cfg.model_dump(), "checkpoint": cfg.source})
+    rollout = None if cfg.canary is None else Rollout.bind(cfg.canary)
+    inbox = WeightsInbox.bind() if cfg.follow else None
+    return ModelServer.options(**options).bind({**cfg.model_dump(), "checkpoint": cfg.source}, rollout, inbox)

@@ -10,8 +10,11 @@ idle headroom larger ones. The same measurement, taken on each candidate device,
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import torch
@@ -92,3 +95,39 @@ def prefill_budget(forward: Forward, block_size: int, rows: int, step_target_s: 
     per_token = median_forward_s(forward, torch.randint(0, 256, (1, width)), None) / width
     step = median_forward_s(forward, torch.randint(0, 256, (rows, 1)), None)
     return TokenBudget(int((step_target_s - step) / per_token), step_target_s, increment=width)
+
+
+class BatchGate:
+    """Static batches run together (shared); a weight swap runs alone (exclusive), between
+    batches: it waits for the running ones to finish, and batches formed meanwhile wait for it,
+    so every request of a batch decodes on one set of weights."""
+
+    def __init__(self) -> None:
+        self._running = 0
+        self._swapping = False
+        self._changed = asyncio.Condition()
+
+    @asynccontextmanager
+    async def shared(self) -> AsyncIterator[None]:
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._swapping)
+            self._running += 1
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._running -= 1
+                self._changed.notify_all()
+
+    @asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._swapping)
+            self._swapping = True  # from now on no batch starts
+            await self._changed.wait_for(lambda: self._running == 0)
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._swapping = False
+                self._changed.notify_all()

@@ -11,6 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from shardyard.data.tokenizer import run_tokenizer
 from shardyard.models.kv_cache import BLOCK_TOKENS
+from shardyard.serve.generation import TextCodec
+from shardyard.serve.golden import GoldenPrompt
+from shardyard.serve.rollout import CanarySettings
 from shardyard.serve.shards import sharding_problem, supports_kv_cache
 from shardyard.spec import LANGUAGE_MODELS, validate
 from shardyard.checkpoint.layout import is_hf_directory, read_spec
@@ -69,6 +72,20 @@ class ServeConfig(BaseModel):
     val_loss_tolerance: float | None = Field(
         0.05, ge=0, description="follow: a checkpoint whose validation loss (the last the run logged at or "
         "before its step) exceeds the served one's by more than this fraction is refused; null: not checked")
+    golden_prompts: list[GoldenPrompt] = Field(
+        default_factory=list, max_length=32, description="follow: prompts a new checkpoint decodes greedily before "
+        "it serves (no client's request is decoded meanwhile); an answer farther than golden_max_edit_distance "
+        "from the prompt's `expect`, or else from the served weights' own answer, refuses it")
+    golden_max_edit_distance: int = Field(0, ge=0, description="follow: characters a golden answer may differ by")
+    canary_fraction: float = Field(0.0, ge=0, lt=1, description="follow, with several replicas: the share of "
+                                   "replicas a new checkpoint serves on first (at least one), before all or none")
+    canary_window_s: float = Field(30.0, gt=0, description="canary: how long the canaries serve before the verdict")
+    canary_min_requests: int = Field(20, ge=1, description="canary: requests the canaries answer before the verdict")
+    canary_max_error_increase: float = Field(
+        0.01, ge=0, le=1, description="canary: the error rate (failed requests, of all) it may have above the "
+        "served weights' over the same window")
+    canary_max_latency_ratio: float = Field(1.5, ge=1, description="canary: its mean request latency over the "
+                                            "served weights', at most")
     model_id: str | None = Field(None, min_length=1, max_length=128, description="the id /v1/models lists "
                                  "and requests name (default: the run's name or the model directory's)")
     batch_wait_timeout_s: float = Field(0.01, ge=0, description="fixed batching: longest wait to fill a batch")
@@ -168,6 +185,16 @@ class ServeConfig(BaseModel):
                              "engine (batching: continuous); give checkpoint a run directory")
         if self.follow is None:
             self.follow = followable
+        if self.canary_fraction and not (self.follow and (self.max_replicas or self.num_replicas) > 1):
+            raise ValueError("canary_fraction compares a new checkpoint on some replicas with the others: it needs "
+                             "follow: true and more than one replica (num_replicas or max_replicas)")
+        if self.golden_prompts and not self.follow:
+            raise ValueError("golden_prompts gate the checkpoints an app following a run swaps in (follow: true)")
+        codec = TextCodec(self._tokenizer)
+        for i, golden in enumerate(self.golden_prompts):
+            if len(codec.encode(golden.prompt)) + golden.max_tokens > model.block_size:
+                raise ValueError(f"golden_prompts[{i}]: its prompt's tokens plus max_tokens {golden.max_tokens} "
+                                 f"exceed the model's context of {model.block_size} tokens")
         self._fingerprint = (Path(self.checkpoint).name if self._served_step is None
                              else f"{spec.run.name}@{self._served_step}")
         return self
@@ -194,6 +221,13 @@ class ServeConfig(BaseModel):
         """What turns text into the model's tokens: the tokenizer a Hugging Face model directory
         brings, or the one the run's data was prepared with; None: UTF-8 bytes are the tokens."""
         return self._tokenizer
+
+    @property
+    def canary(self) -> CanarySettings | None:
+        if not self.canary_fraction:
+            return None
+        return CanarySettings(self.canary_fraction, self.canary_window_s, self.canary_min_requests,
+                              self.canary_max_error_increase, self.canary_max_latency_ratio)
 
     @property
     def bearer_token(self) -> str | None:

@@ -7,16 +7,17 @@ over either; the replica's own bundle holds the CPUs (and GPU) a shard's would h
 from __future__ import annotations
 
 import threading
-from contextlib import ExitStack
+from contextlib import AbstractContextManager
 
 import torch
 
 from shardyard.checkpoint.layout import read_spec, trusted
-from shardyard.checkpoint.loaders import load_model_part, servable
+from shardyard.checkpoint.loaders import servable
+from shardyard.checkpoint.published import Published, load_source_part
 from shardyard.models.kv_cache import KVCache
 from shardyard.runtime import select_device
 from shardyard.serve.sampling import Outcome
-from shardyard.serve.shards import Draws, Extra, all_finite, hold_served, model_output, run_model
+from shardyard.serve.shards import CheckpointHolds, Draws, Extra, all_finite, hold_served, model_output, run_model
 from shardyard.spec import LANGUAGE_MODELS
 
 
@@ -29,40 +30,47 @@ class LocalModel:
         found = servable(source)
         if found is None:
             raise ValueError(f"no checkpoint at {source!r}")
-        self._hold = ExitStack()
-        self.checkpoint_dir = hold_served(source, str(found), self._hold)
+        self.holds = CheckpointHolds()
+        self.checkpoint_dir = hold_served(source, str(found), self.holds.served)
         spec = trusted(read_spec(self.checkpoint_dir), self.checkpoint_dir, trust_factory).model
         if not isinstance(spec, LANGUAGE_MODELS):
-            self._hold.close()
+            self.holds.close()
             raise ValueError(f"{self.checkpoint_dir} holds a '{spec.name}' model; this is for language models")
         self.block_size = spec.block_size
         self.device = select_device(0) if use_gpu else torch.device("cpu")
         self.trust_factory = trust_factory
         self.model = self._load(self.checkpoint_dir)
         self.staged: torch.nn.Module | None = None
-        self.staged_dir, self._staged_hold = "", ExitStack()
         self.cache = KVCache(cache_blocks) if cache_blocks else None
         self.rebuilds = 0  # nothing here dies apart from the replica, which Serve replaces
-        self._lock = threading.Lock()  # one forward pass at a time over the one cache
+        self._lock = threading.RLock()  # one forward pass at a time over the one cache
 
-    def _load(self, checkpoint_dir: str) -> torch.nn.Module:
-        return load_model_part(checkpoint_dir, lambda m: m, self.device, trust_factory=self.trust_factory).eval()
+    def _load(self, source: str | Published) -> torch.nn.Module:
+        return load_source_part(source, lambda m: m, self.device, trust_factory=self.trust_factory)
 
-    def prepare(self, checkpoint_dir: str) -> bool:
-        """Reads `checkpoint_dir` (held from now on) beside the serving weights while passes go
-        on; whether its weights are finite."""
-        self._staged_hold.close()
-        self.staged_dir = hold_served(checkpoint_dir, checkpoint_dir, self._staged_hold)
-        self.staged = self._load(self.staged_dir)
+    def prepare(self, source: str | Published) -> bool:
+        """Reads a checkpoint (held from now on) or published weights beside the serving weights
+        while passes go on; whether its weights are finite."""
+        self.staged = self._load(self.holds.stage(source))
         return all_finite(self.staged)
 
     def swap(self) -> None:
-        """The prepared weights serve from now on; the old checkpoint's hold is let go."""
+        """The prepared weights serve from now on and the served ones wait beside them: a second
+        swap puts them back, `drop_staged` frees them."""
         with self._lock:
-            self.model, self.staged = self.staged, None
-            self.checkpoint_dir = self.staged_dir
-            self._hold, self._staged_hold = self._staged_hold, self._hold
-            self._staged_hold.close()
+            self.model, self.staged = self.staged, self.model
+            self.checkpoint_dir = self.holds.swap(self.checkpoint_dir)
+
+    def swap_back(self) -> None:
+        self.swap()
+
+    def exclusive(self) -> AbstractContextManager:
+        """Held, no other caller's pass comes in between."""
+        return self._lock
+
+    def drop_staged(self) -> None:
+        self.staged = None
+        self.holds.drop()
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, extra: Extra = None, draws: Draws = None) -> torch.Tensor | list[Outcome]:
@@ -80,5 +88,4 @@ class LocalModel:
         return False
 
     def close(self) -> None:
-        self._hold.close()
-        self._staged_hold.close()
+        self.holds.close()

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -53,7 +53,8 @@ from shardyard.parallel.tensor import apply_tensor_parallel
 from shardyard.runtime import select_device
 from shardyard.serve.sampling import Draw, Outcome, choose_rows
 from shardyard.spec import LANGUAGE_MODELS, CustomSpec, GPTSpec, HFSpec
-from shardyard.checkpoint.loaders import committed_record, load_model_part, servable
+from shardyard.checkpoint.loaders import committed_record, servable
+from shardyard.checkpoint.published import Published, load_source_part
 from shardyard.checkpoint.layout import read_spec, trusted
 from shardyard.checkpoint.lease import holding
 
@@ -125,7 +126,7 @@ class PipelineShard:
     """Blocks [start, end) of the model in `checkpoint_dir` (the whole model when `whole`), on
     this actor's device."""
 
-    def __init__(self, checkpoint_dir: str, start: int, end: int, whole: bool, last: bool, use_gpu: bool,
+    def __init__(self, checkpoint_dir: str | Published, start: int, end: int, whole: bool, last: bool, use_gpu: bool,
                  cache_blocks: int, trust_factory: str | None = None) -> None:
         self.last = last  # its output is the logits (else hidden states for the next shard)
         self.device = select_device(0) if use_gpu else torch.device("cpu")
@@ -136,21 +137,26 @@ class PipelineShard:
         # This shard's layers' keys and values (allocated at their first use).
         self.cache = KVCache(cache_blocks) if cache_blocks else None
 
-    def _load(self, checkpoint_dir: str) -> torch.nn.Module:
+    def _load(self, source: str | Published) -> torch.nn.Module:
         """Only this shard's blocks are read and held, never the whole model."""
         start, end = self.blocks
-        return load_model_part(checkpoint_dir, lambda m: m if self.whole else m.pipeline_stage(start, end),
-                               self.device, trust_factory=self.trust_factory).eval()
+        return load_source_part(source, lambda m: m if self.whole else m.pipeline_stage(start, end), self.device,
+                                trust_factory=self.trust_factory)
 
-    def prepare(self, checkpoint_dir: str) -> bool:
-        """Reads this shard's part of another checkpoint beside the one serving (a compiled
-        graph's passes go on meanwhile, on their own thread); whether its weights are finite."""
-        self.staged = self._load(checkpoint_dir)
+    def prepare(self, source: str | Published) -> bool:
+        """Reads this shard's part of another checkpoint (or of published weights) beside the one
+        serving (a compiled graph's passes go on meanwhile, on their own thread); whether its
+        weights are finite."""
+        self.staged = self._load(source)
         return all_finite(self.staged)
 
     def swap(self) -> None:
-        """The prepared weights serve from now on (called between passes)."""
-        self.stage, self.staged = self.staged, None
+        """The prepared weights serve from now on and the serving ones are kept beside them
+        (called between passes): a second swap puts them back, `drop_staged` frees them."""
+        self.stage, self.staged = self.staged, self.stage
+
+    def drop_staged(self) -> None:
+        self.staged = None
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, extra: Extra, draws: Draws = None) -> torch.Tensor | list[Outcome]:
@@ -167,7 +173,7 @@ class PipelineShard:
 class TensorShard:
     """Rank `rank` of `num_shards`: its slice of every block's linears, the small rest whole."""
 
-    def __init__(self, checkpoint_dir: str, rank: int, num_shards: int, use_gpu: bool, cache_blocks: int,
+    def __init__(self, checkpoint_dir: str | Published, rank: int, num_shards: int, use_gpu: bool, cache_blocks: int,
                  trust_factory: str | None = None) -> None:
         self.checkpoint_dir, self.rank, self.num_shards = checkpoint_dir, rank, num_shards
         self.trust_factory = trust_factory
@@ -193,19 +199,24 @@ class TensorShard:
         self.mesh = init_device_mesh(self.device.type, (self.num_shards,))
         self.model = self._load(self.checkpoint_dir)
 
-    def _load(self, checkpoint_dir: str) -> torch.nn.Module:
-        """Sharded while empty, then each rank reads only its slices (every rank at once)."""
-        return load_model_part(checkpoint_dir, lambda m: apply_tensor_parallel(m, self.mesh), self.device,
-                               trust_factory=self.trust_factory, collective=True).eval()
+    def _load(self, source: str | Published) -> torch.nn.Module:
+        """Sharded while empty, then each rank reads only its slices (every rank at once; published
+        weights: each cuts its slices locally)."""
+        return load_source_part(source, lambda m: apply_tensor_parallel(m, self.mesh), self.device,
+                                collective=True, trust_factory=self.trust_factory)
 
-    def prepare(self, checkpoint_dir: str) -> bool:
+    def prepare(self, source: str | Published) -> bool:
         """Reads this rank's slices of another checkpoint beside the serving ones (a collective
         read: every rank at once, between passes, which wait for it); whether they are finite."""
-        self.staged = self._load(checkpoint_dir)
+        self.staged = self._load(source)
         return all_finite(self.staged)
 
     def swap(self) -> None:
-        self.model, self.staged = self.staged, None
+        """As PipelineShard.swap."""
+        self.model, self.staged = self.staged, self.model
+
+    def drop_staged(self) -> None:
+        self.staged = None
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, extra: Extra, draws: Draws = None) -> torch.Tensor | list[Outcome] | None:
@@ -319,6 +330,41 @@ def hold_served(source: str, fallback: str, hold: ExitStack) -> str:
         hold.close()  # pruned between finding and holding it: find the newest again
 
 
+class CheckpointHolds:
+    """The served checkpoint's hold and, while a candidate is read beside it (prepare), the
+    candidate's: they change places with the weights, so training prunes neither while either
+    may be read again (a rebuild, a swap back)."""
+
+    def __init__(self) -> None:
+        self.served, self.staged = ExitStack(), ExitStack()
+        self.staged_dir = ""
+
+    def stage(self, source: str | Published) -> str | Published:
+        """Hold the candidate checkpoint (letting go of the one held before); published weights
+        are in the object store, nothing to hold."""
+        self.staged.close()
+        self.staged_dir = source if isinstance(source, Published) else hold_served(source, source, self.staged)
+        return self.staged_dir
+
+    def swap(self, served_dir: str | Published) -> str | Published:
+        """The candidate is served and `served_dir` becomes the candidate; returns the served one."""
+        self.served, self.staged = self.staged, self.served
+        served, self.staged_dir = self.staged_dir, served_dir
+        return served
+
+    def drop(self) -> None:
+        self.staged.close()
+        self.staged_dir = ""
+
+    def close(self) -> None:
+        self.drop()
+        self.served.close()
+
+
+class StaleCandidate(RuntimeError):
+    """The shard group was rebuilt after a candidate was read: the new shards never read it."""
+
+
 class ShardedModel:
     """The caller's handle on a group of shards; rebuilds the group when a shard dies."""
 
@@ -341,8 +387,8 @@ class ShardedModel:
         self.multi_node, self.sharding, self.cache_blocks = multi_node, sharding, cache_blocks
         self.compiled = compiled and sharding == "pipeline"  # tensor shards talk over torch.distributed
         self.graph = None
-        self._hold = ExitStack()  # the served checkpoint, held while a group serves it
-        self.staged_dir, self._staged_hold = "", ExitStack()  # one read beside it (prepare), held too
+        self.holds = CheckpointHolds()
+        self._staged_group: int | None = None  # the group that read the candidate (prepare)
         spec = trusted(read_spec(self.checkpoint_dir), self.checkpoint_dir, trust_factory).model
         if not isinstance(spec, LANGUAGE_MODELS):
             raise ValueError(f"{self.checkpoint_dir} holds a '{spec.name}' model; sharded serving is for language models")
@@ -401,31 +447,62 @@ class ShardedModel:
             self.graph = node.experimental_compile()
 
     def _hold_served(self) -> None:
-        self.checkpoint_dir = hold_served(self.source, self.checkpoint_dir, self._hold)
+        if not isinstance(self.source, Published):  # a rebuild serving published weights takes them again
+            self.checkpoint_dir = hold_served(self.source, self.checkpoint_dir, self.holds.served)
 
-    def prepare(self, checkpoint_dir: str) -> bool:
-        """Every shard reads its own part of `checkpoint_dir` (held from now on) beside the
-        serving weights; whether every part is finite. Pipeline shards read while passes go on;
+    def prepare(self, source: str | Published) -> bool:
+        """Every shard reads its own part of a checkpoint (held from now on) or of published
+        weights beside the serving weights; whether every part is finite. Pipeline shards read while passes go on;
         tensor shards read collectively, so passes wait for it (a pass interleaved on one rank and
         not another would pair the wrong collectives)."""
-        self._staged_hold.close()
-        self.staged_dir = hold_served(checkpoint_dir, checkpoint_dir, self._staged_hold)
+        staged = self.holds.stage(source)
         with ExitStack() as stack:
             if self.sharding == "tensor":
                 stack.enter_context(self._lock)
             with self._lock:
-                shards = self.shards
-            return all(self._started([s.prepare.remote(self.staged_dir) for s in shards], f"load {self.staged_dir}"))
+                shards, self._staged_group = self.shards, self.rebuilds
+            return all(self._started([s.prepare.remote(staged) for s in shards], f"load {staged}"))
 
     def swap(self) -> None:
-        """The prepared weights serve from now on; called between passes (the engine's caches are
-        emptied after). A rebuild after this loads the swapped-in checkpoint, not the run's
-        newest: only weights that passed the gate are ever served."""
+        """The prepared weights serve from now on and the served ones wait beside them (a second
+        swap puts them back; `drop_staged` frees them); called between passes (the engine's
+        caches are emptied after). A rebuild after this loads the swapped-in checkpoint, not the
+        run's newest: only weights that passed the gate are ever served. Raises StaleCandidate
+        if the group was rebuilt since it read the candidate (its shards hold no such weights)."""
         with self._lock:
-            self._started([s.swap.remote() for s in self.shards], "swap weights")
-            self.source = self.checkpoint_dir = self.staged_dir
-            self._hold, self._staged_hold = self._staged_hold, self._hold
-            self._staged_hold.close()
+            if self._staged_group != self.rebuilds:
+                raise StaleCandidate(f"the shard group was rebuilt after {self.holds.staged_dir} was read")
+            try:
+                self._started([s.swap.remote() for s in self.shards], "swap weights")
+            except SHARD_LOST:
+                self._staged_group = None  # the rebuilt group reads the served checkpoint
+                raise
+            self.source = self.checkpoint_dir = self.holds.swap(self.checkpoint_dir)
+
+    def swap_back(self) -> None:
+        """Undo `swap`: the weights served before serve again. A shard lost meanwhile gets the
+        group rebuilt at the next pass, from the checkpoint served before too."""
+        with self._lock:
+            self.source = self.checkpoint_dir = self.holds.swap(self.checkpoint_dir)
+            try:
+                self._started([s.swap.remote() for s in self.shards], "swap weights back")
+            except SHARD_LOST:
+                pass
+
+    def exclusive(self) -> AbstractContextManager:
+        """Held, no rebuild (and no other caller's pass) comes in between: a swap, the passes that
+        judge it and the swap back happen on one group."""
+        return self._lock
+
+    def drop_staged(self) -> None:
+        """Free the weights waiting beside the served ones (and their checkpoint's hold)."""
+        with self._lock:
+            try:
+                self._started([s.drop_staged.remote() for s in self.shards], "drop the other weights")
+            except SHARD_LOST:
+                pass  # a dead shard's weights went with it; the next pass has the group rebuilt
+            self._staged_group = None
+            self.holds.drop()
 
     def _started(self, refs: Any, what: str) -> Any:
         """A start-up call's result; a shard that never answers (a hung load, a node gone) is an
@@ -487,7 +564,7 @@ class ShardedModel:
             self.graph = None
         for shard in self.shards:
             ray.kill(shard, no_restart=True)
-        self._hold.close()
+        self.holds.served.close()
 
     def forward(self, tokens: torch.Tensor, extra: Extra = None, draws: Draws = None) -> torch.Tensor | list[Outcome]:
         """Logits of the whole model, or with `draws` each row's pick. Pipeline: each shard's
@@ -519,8 +596,8 @@ class ShardedModel:
         return ray.get(refs[0])
 
     def close(self) -> None:
-        self._staged_hold.close()
         self._stop_shards()
+        self.holds.close()
         if self.placement.owned:
             ray.util.remove_placement_group(self.placement.group)
 

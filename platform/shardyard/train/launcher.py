@@ -92,6 +92,11 @@ def train_worker(config: dict[str, Any]) -> None:
         callbacks.append(CrashAtCheckpoint(config["crash_at_checkpoint"]))
     if config["hold_at"]:
         callbacks.append(HoldAtSteps(config["hold_at"]))
+    if spec.checkpoint.publish_to is not None:
+        from shardyard.train.publish import WeightsPublisher  # Serve, for runs that publish only
+
+        callbacks.append(WeightsPublisher(spec.checkpoint.publish_to,
+                                          spec.checkpoint.publish_every_n_steps or spec.checkpoint.every_n_steps))
     trainer = Trainer.build(spec, rank, world_size, select_device(context.get_local_rank()), callbacks=callbacks,
                             checkpoint_writer=not hot or rank == 0, fence=fence,
                             node_drained=None if hot else node_drained,

@@ -1,0 +1,53 @@
+"""Publishing a run's weights to a serving app on the same cluster (`checkpoint.publish_to`), for
+evaluation while training and on-policy rollouts: every `publish_every_n_steps` (and at the last
+step) the whole model is gathered to rank 0's memory with torch.distributed's state-dict API
+(an all-gather of FSDP's or tensor parallelism's shards; DDP's replica as it is), put once in
+Ray's object store, and its reference handed to the app's WeightsInbox. The app's shards each
+take their own part of it (serve/, checkpoint/published.py): no storage is written or read on the
+way. The weights live as long as the worker that put them (rank 0); the run's checkpoints remain
+what outlives it. An app that is not there, or not answering, is reported once; training goes on.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+from ray import serve
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from shardyard.checkpoint.published import Published
+from shardyard.serve.inbox import INBOX
+from shardyard.train.trainer import Callback, Trainer
+
+PUT_TIMEOUT_S = 30.0
+
+
+class WeightsPublisher(Callback):
+    def __init__(self, app: str, every: int) -> None:
+        self.app, self.every = app, every
+        self.reported = False
+
+    def on_step_end(self, trainer: Trainer) -> None:
+        step = trainer.state.step
+        if step % self.every and step != trainer.spec.run.steps:
+            return
+        # Collective: every rank gives its shards; rank 0 gets the whole model, on the CPU.
+        state = get_model_state_dict(trainer.engine.module,
+                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if trainer.rank != 0:
+            return
+        started = time.perf_counter()
+        try:
+            inbox = serve.get_deployment_handle(INBOX, app_name=self.app)
+            published = Published(trainer.spec.run.name, step, trainer.spec.model, [ray.put(state)])
+            inbox.put.remote(published).result(timeout_s=PUT_TIMEOUT_S)
+        except Exception as err:  # noqa: BLE001 - serving's trouble must not stop training
+            if not self.reported:
+                print(f"shardyard: could not publish step {step} to the Serve app '{self.app}' "
+                      f"({type(err).__name__}: {err}); training goes on, and will try again", flush=True)
+                self.reported = True
+            return
+        self.reported = False
+        print(f"shardyard: published step {step} to '{self.app}' in {time.perf_counter() - started:.2f} s",
+              flush=True)

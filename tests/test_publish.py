@@ -1,0 +1,103 @@
+"""checkpoint.publish_to: a training run sends its weights to a serving app on the same cluster
+through Ray's object store, and the app's shards take their own parts of them however training
+split the model. Checked for the two splits issue 33 names, each a real run (`shardyard train`
+on the session's cluster) and a real app: FSDP over 2 workers into 2 tensor shards, DDP over 2
+workers into 2 pipeline shards. The run publishes step 8, commits its checkpoint of step 8 and
+waits there; the app must serve step 8 from the object store (not from that checkpoint), and the
+log-probabilities it answers with must be those of the training model at step 8 (its checkpoint,
+loaded in this process), token by token.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from conftest import REPO
+from fake_cluster import wait_for
+from shardyard.checkpoint.loaders import load_model
+from shardyard.checkpoint.record import checkpoint_name
+from shardyard.localdist import free_port
+from shardyard.serve.generation import Completion, decode, encode, generate
+from shardyard.train.callbacks import HOLD_ENV, held_at, release
+
+SHARDYARD = str(Path(os.sys.executable).with_name("shardyard"))
+PROMPT = "def main():\n    "
+TOKENS = 16
+
+
+def train(ray_cluster, storage: Path, strategy: str, steps: int, *extra: str, hold_at: int | None = None
+          ) -> subprocess.Popen:
+    settings = ["model.n_layer=2", "model.n_head=4", "model.n_embd=64", "model.block_size=64",
+                "data.name=synthetic", "data.num_samples=512", "batch.global_batch_size=8",
+                "batch.micro_batch_size=4", "optim.name=sgd", "optim.lr=0.5", "optim.grad_clip=0",
+                "optim.schedule=constant", f"run.steps={steps}", "run.log_every=4", "checkpoint.every_n_steps=4",
+                f"parallelism.strategy={strategy}", "scaling.num_workers=2", f"checkpoint.storage_path={storage}",
+                f"run.name={strategy}", *extra]
+    command = [SHARDYARD, "train", str(REPO / "jobs" / "configs" / "gpt_ddp.yaml")]
+    for item in settings:
+        command += ["--set", item]
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.gcs_address, HOLD_ENV: "" if hold_at is None else str(hold_at)}
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finished(proc: subprocess.Popen, timeout_s: float = 300) -> str:
+    output, _ = proc.communicate(timeout=timeout_s)
+    assert proc.returncode == 0, output[-4000:]
+    return output
+
+
+def greedy_logprobs(checkpoint: Path) -> tuple[list[str], list[float]]:
+    """The model's greedy tokens after PROMPT (each as the API shows it) and the log-probability
+    it gives each."""
+    model = load_model(checkpoint).eval()
+    tokens = generate(torch.no_grad()(model), [Completion(encode(PROMPT), TOKENS)], model.spec.block_size)[0]
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([encode(PROMPT) + tokens]))[0].float(), dim=-1)
+    start = len(encode(PROMPT)) - 1
+    return [decode([t]) for t in tokens], [logprobs[start + i, t].item() for i, t in enumerate(tokens)]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy, sharding", [("fsdp", "tensor"), ("ddp", "pipeline")])
+def test_published_weights_serve_resharded_with_the_training_models_logits(ray_cluster, tmp_path: Path,
+                                                                           strategy: str, sharding: str) -> None:
+    from ray import serve
+
+    from shardyard.serve.app import build_app
+
+    finished(train(ray_cluster, tmp_path, strategy, 4))  # a run to serve
+    run_dir = tmp_path / strategy
+    app = f"publish_{strategy}"
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app({"checkpoint": str(run_dir), "num_shards": 2, "sharding": sharding, "cpus_per_shard": 0.5,
+                         "max_batch_size": 4, "follow_interval_s": 0.5}), name=app, route_prefix=f"/{app}")
+    url = f"http://127.0.0.1:{port}/{app}"
+    models = lambda: requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]  # noqa: E731
+    proc = train(ray_cluster, tmp_path, strategy, 12, f"checkpoint.publish_to={app}",
+                 "checkpoint.publish_every_n_steps=4", hold_at=8)
+    try:
+        wait_for(lambda: held_at(run_dir, 8), 240, "the run to publish step 8 and wait at its checkpoint")
+        wait_for(lambda: models()["served_step"] == 8, 120, "the app to serve step 8")
+        assert models()["served_from"] == "object store", models()
+        reply = requests.post(f"{url}/v1/completions", timeout=60, json={
+            "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "logprobs": 0}).json()
+        assert reply["system_fingerprint"] == f"{strategy}@8"
+        served = reply["choices"][0]["logprobs"]
+        tokens, logprobs = greedy_logprobs(run_dir / checkpoint_name(8))
+        assert served["tokens"] == tokens
+        assert served["token_logprobs"] == pytest.approx(logprobs, abs=1e-4)
+        release(run_dir, 8)
+        output = finished(proc)
+        assert f"published step 8 to '{app}'" in output and f"published step 12 to '{app}'" in output, output[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        serve.delete(app)
+        serve.shutdown()
