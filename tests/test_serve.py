@@ -600,8 +600,9 @@ def test_serve_config_mistakes_are_named_before_anything_starts(ray_cluster, tmp
     assert parse_config({"checkpoint": trained}).follow is False
     with pytest.raises(SpecError, match="follow: true serves a run directory's new checkpoints"):
         parse_config({"checkpoint": trained, "follow": True})
+    assert parse_config({"checkpoint": str(Path(trained).parent), "batching": "fixed"}).follow  # between batches
     with pytest.raises(SpecError, match="follow: true serves a run directory's new checkpoints"):
-        parse_config({"checkpoint": str(Path(trained).parent), "follow": True, "batching": "fixed"})
+        parse_config({"checkpoint": str(Path(trained).parent), "follow": True, "engine": "vllm"})
     assert parse_config({"checkpoint": trained, "max_kv_tokens": 40}).cache_blocks == 3  # of 16 tokens
     assert build_app({"checkpoint": trained, "num_shards": 4, "cpus_per_shard": 0.75})
 

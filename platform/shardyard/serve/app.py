@@ -49,7 +49,7 @@ from ray.serve.handle import DeploymentHandle
 from shardyard.serve import openai_api as oa
 from shardyard.serve.choices import ChoiceText
 from shardyard.serve.streams import END, Interleaved
-from shardyard.serve.batching import AdaptiveBatchSize, calibrate, prefill_budget
+from shardyard.serve.batching import AdaptiveBatchSize, BatchGate, calibrate, prefill_budget
 from shardyard.serve.config import parse_config
 from shardyard.models.kv_cache import BLOCK_TOKENS
 from shardyard.serve.engine import DecodingEngine
@@ -86,6 +86,7 @@ class Ticket:
     request: Completion
     arrived: float
     abandoned: bool = False  # its caller stopped waiting (timeout, disconnect)
+    weights: str = ""  # the fingerprint of the weights its batch decodes on
 
 
 @dataclass
@@ -145,6 +146,7 @@ class ModelServer:
         self.unreachable: set[int] = set()  # steps whose published weights are gone from the object store
         self.follow_after = self.served_step or 0  # the follower serves only steps after this
         self._swapping = asyncio.Lock()
+        self._batches = BatchGate()  # static batching: a swap runs between batches
         self.candidate_step: int | None = None  # the checkpoint being read and judged
         self.refused: dict[int, str] = {}  # steps the gate refused, and why: the follower passes them over
         self._golden: tuple[str, list[str]] = ("", [])  # a fingerprint, its golden answers
@@ -428,7 +430,7 @@ class ModelServer:
                               lambda: seq.weights or engine.weights)
         ticket = Ticket(request, time.perf_counter())
         return Generation(request, self._decode(ticket), lambda: setattr(ticket, "abandoned", True),
-                          lambda: self.fingerprint)
+                          lambda: ticket.weights or self.fingerprint)
 
     @api.post("/v1/predict")
     async def predict(self, body: PredictRequest) -> dict[str, Any]:
@@ -467,7 +469,7 @@ class ModelServer:
         loop = asyncio.get_running_loop()
         if self._publisher is None:
             self._publisher = loop.create_task(self._publish())
-        if self.config.follow and self._follower is None and isinstance(self.engine, DecodingEngine):
+        if self.config.follow and self._follower is None:
             self._follower = loop.create_task(self._follow())
 
     async def _follow(self) -> None:
@@ -562,7 +564,7 @@ class ModelServer:
                 if not await asyncio.to_thread(self.model.prepare, source):
                     self.model.drop_staged()
                     raise WeightsRefused(f"{checkpoint} has weights that are not finite")
-                await self.engine.swap_weights(lambda: self._swap_in(checkpoint, fingerprint))
+                await self._swap_between_passes(lambda: self._swap_in(checkpoint, fingerprint))
             except (WeightsRefused, BadCheckpoint) as err:  # a file that does not match its record too
                 self.refused[step] = str(err)
                 self.metrics.promotions_refused.inc()
@@ -573,6 +575,15 @@ class ModelServer:
             self.served.append(checkpoint)
             self.metrics.promotions.inc()
             print(f"shardyard: serving {fingerprint}", flush=True)
+
+    async def _swap_between_passes(self, apply: Callable[[], str]) -> None:
+        """`apply` the swap where no request is mid-way: at an engine iteration boundary once the
+        running requests are done, or between static batches."""
+        if isinstance(self.engine, DecodingEngine):
+            await self.engine.swap_weights(apply)
+            return
+        async with self._batches.exclusive():
+            await asyncio.to_thread(apply)
 
     def _worse_validation(self, step: int) -> str | None:
         """Why the run's own validation loss keeps `step` from serving (None: it does not, or the
@@ -685,9 +696,16 @@ class ModelServer:
     async def _decode(self, tickets: list[Ticket]) -> AsyncIterator[list[Any]]:
         """Decode a batch together. After every forward pass, yield for each ticket its new token,
         or StopIteration once it has all of them or nobody waits for it any more."""
+        async with self._batches.shared():  # a weight swap waits for this batch to end
+            async for tokens in self._decode_batch(tickets):
+                yield tokens
+
+    async def _decode_batch(self, tickets: list[Ticket]) -> AsyncIterator[list[Any]]:
         started = time.perf_counter()
         live = [t for t in tickets if not t.abandoned]  # gone before their batch ran: dropped
         self.metrics.batch_started([started - ticket.arrived for ticket in live])
+        for ticket in tickets:
+            ticket.weights = self.fingerprint
         requests = [t.request for t in tickets]
         steps = 0
         for attempt in range(2):  # a shard lost mid-batch: rebuild the group and resume, once

@@ -65,9 +65,10 @@ class ServeConfig(BaseModel):
     chunked_prefill: bool = Field(True, description="continuous: a prompt longer than the iteration's prefill "
                                   "budget is prefilled in chunks between decode steps (smoother inter-token "
                                   "latency; more forward passes); false: each prompt whole at once")
-    follow: bool | None = Field(None, description="continuous batching over a run directory: load each newly "
-                                "committed checkpoint in the background and swap it in between iterations, once "
-                                "its weights are finite (default: true for a run directory, else false)")
+    follow: bool | None = Field(None, description="a language model served from a run directory by the built-in "
+                                "engine or static batches: load each newly committed (or published) checkpoint in "
+                                "the background and swap it in between iterations or batches, once it passes the "
+                                "gate (default: true for a run directory, else false)")
     follow_interval_s: float = Field(2.0, gt=0, description="follow: how often the run is looked at")
     val_loss_tolerance: float | None = Field(
         0.05, ge=0, description="follow: a checkpoint whose validation loss (the last the run logged at or "
@@ -179,10 +180,11 @@ class ServeConfig(BaseModel):
             self.model_id = Path(self.checkpoint).name if is_hf_directory(self.checkpoint) else spec.run.name
         self._served_step = None if is_hf_directory(self.checkpoint) else step_of(Path(self.checkpoint).name)
         a_run = Path(self.checkpoint) != Path(self._source).expanduser().resolve()  # a run: its newest was found
-        followable = a_run and self.batching == "continuous" and self.engine == "builtin"
+        followable = a_run and self.engine == "builtin" and isinstance(model, LANGUAGE_MODELS)
         if self.follow and not followable:
-            raise ValueError("follow: true serves a run directory's new checkpoints as they commit, with the built-in "
-                             "engine (batching: continuous); give checkpoint a run directory")
+            raise ValueError("follow: true serves a run directory's new checkpoints as they commit, for a language "
+                             "model decoded by the built-in engine or static batches (engine: builtin); give "
+                             "checkpoint a run directory")
         if self.follow is None:
             self.follow = followable
         if self.canary_fraction and not (self.follow and (self.max_replicas or self.num_replicas) > 1):
