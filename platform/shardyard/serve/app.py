@@ -601,7 +601,9 @@ class ModelServer:
     def _swap_in(self, checkpoint: Path | Published, fingerprint: str) -> str:
         """In the engine's drained window: the prepared weights serve from now on, once they
         answer the golden prompts as they must; else the served ones stay (WeightsRefused)."""
-        golden = self.config.golden_prompts
+        # Weights served before passed the golden prompts then (a rollback, a canary stepping back):
+        # judged against the ones they replace, they would fail for having answered first.
+        golden = [] if checkpoint in self.served else self.config.golden_prompts
         with self.model.exclusive():  # the swap, the golden passes and a swap back on one shard group
             if golden and self._golden[0] != self.fingerprint:  # the served weights' answers, once
                 self._golden = (self.fingerprint, self._golden_answers())
@@ -620,7 +622,8 @@ class ModelServer:
                 self.model.drop_staged()
         if failed:
             raise WeightsRefused(f"{checkpoint}: " + "; ".join(failed))
-        self._golden = (fingerprint, answers)
+        if golden:
+            self._golden = (fingerprint, answers)
         self.served_step, self.fingerprint = source_step(checkpoint), fingerprint
         return fingerprint
 
