@@ -1,9 +1,9 @@
 """checkpoint.publish_to: a training run sends its weights to a serving app on the same cluster
 through Ray's object store, and the app's shards take their own parts of them however training
-split the model. Checked for the two splits issue 33 names, each a real run (`shardyard train`
-on the session's cluster) and a real app: FSDP over 2 workers into 2 tensor shards, DDP over 2
-workers into 2 pipeline shards. The run publishes step 8, commits its checkpoint of step 8 and
-waits there; the app must serve step 8 from the object store (not from that checkpoint), and the
+split the model. Checked for the two splits issue 33 names and a ZeRO one, each a real run
+(`shardyard train` on the session's cluster) and a real app: FSDP over 2 workers into 2 tensor
+shards, DDP over 2 workers into 2 pipeline shards, ZeRO-3 over 2 workers into 2 tensor shards.
+The run publishes step 8, commits its checkpoint of step 8 and waits there; the app must serve step 8 from the object store (not from that checkpoint), and the
 log-probabilities it answers with must be those of the training model at step 8 (its checkpoint,
 loaded in this process), token by token.
 """
@@ -64,7 +64,7 @@ def greedy_logprobs(checkpoint: Path) -> tuple[list[str], list[float]]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("strategy, sharding", [("fsdp", "tensor"), ("ddp", "pipeline")])
+@pytest.mark.parametrize("strategy, sharding", [("fsdp", "tensor"), ("ddp", "pipeline"), ("zero3", "tensor")])
 def test_published_weights_serve_resharded_with_the_training_models_logits(ray_cluster, tmp_path: Path,
                                                                            strategy: str, sharding: str) -> None:
     from ray import serve

@@ -123,8 +123,8 @@ def test_missing_sections_take_defaults() -> None:
         (["data.validation_path=/v"], ["data.validation_path applies to data.name 'shards' only"]),
         (["eval.batchez=2"], ["unknown key 'eval.batchez'", "every_n_steps"]),
         # publishing to a serving app
-        (["checkpoint.publish_to=app", "parallelism.strategy=zero2"],
-         ["checkpoint.publish_to", "not parallelism.strategy 'zero2'"]),
+        (["checkpoint.publish_to=app", "parallelism.strategy=local_sgd"],
+         ["checkpoint.publish_to", "not parallelism.strategy 'local_sgd'"]),
         (["checkpoint.publish_to=app", "parallelism.strategy=fsdp", "parallelism.pp=2"], ["with pp 2"]),
         (["checkpoint.publish_to=my app"], ["checkpoint.publish_to", "pattern"]),
         (["checkpoint.publish_every_n_steps=0"], ["checkpoint.publish_every_n_steps", "greater than or equal to 1"]),

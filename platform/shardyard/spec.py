@@ -223,8 +223,8 @@ class BatchSpec(Section):
                            "refusing the spec")
 
 
-# Strategies whose model gathers whole through torch.distributed's state-dict API (checkpoint.publish_to).
-PUBLISHING = ("ddp", "fsdp", "tensor")
+# Strategies whose engine gathers the whole model to rank 0 (checkpoint.publish_to).
+PUBLISHING = ("ddp", "fsdp", "tensor", "zero1", "zero2", "zero3")
 Strategy = Literal["ddp", "fsdp", "zero1", "zero2", "zero3", "pipeline", "tensor", "local_sgd",
                    "parameter_server"]
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
@@ -367,7 +367,7 @@ class CheckpointSpec(Section):
     publish_to: str | None = Field(
         None, min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="a Serve app on the same cluster that "
         "follows this run: the weights are sent to it through Ray's object store every publish_every_n_steps, "
-        "no storage read on the way (ddp, fsdp and tensor strategies; a GPT or Hugging Face model)")
+        "no storage read on the way (ddp, fsdp, tensor and zero strategies; a GPT or Hugging Face model)")
     publish_every_n_steps: int | None = Field(
         None, ge=1, description="publish_to: how often (default checkpoint.every_n_steps; and at the last step)")
 
@@ -477,10 +477,10 @@ class JobSpec(Section):
             self._check_parameter_server()
         if self.checkpoint.publish_to is not None and (par.strategy not in PUBLISHING or par.pp > 1
                                                        or self.model.name == "custom"):
-            raise ValueError(f"checkpoint.publish_to sends the whole model from rank 0, gathered with "
-                             f"torch.distributed's state-dict API: built for the ddp, fsdp and tensor strategies "
-                             f"without pipeline stages and a GPT or Hugging Face model, not parallelism.strategy "
-                             f"'{par.strategy}' with pp {par.pp} and model.name '{self.model.name}'")
+            raise ValueError(f"checkpoint.publish_to sends the whole model from rank 0: built for the ddp, fsdp, "
+                             f"tensor and zero1/2/3 strategies without pipeline stages and a GPT or Hugging Face "
+                             f"model, not parallelism.strategy '{par.strategy}' with pp {par.pp} and model.name "
+                             f"'{self.model.name}'")
         if self.run.on_nonfinite == "skip" and (par.strategy in ZERO_STAGES or par.strategy == "parameter_server"
                                                  or self.scaling.recovery == "hot"):
             raise ValueError(f"run.on_nonfinite 'skip' is not available with parallelism.strategy "

@@ -210,20 +210,20 @@ def test_an_operator_rolls_back_and_promotes_with_the_token_only(followed: Follo
 @pytest.mark.drill(outcome="the old weights serve on; the checkpoint is read again", lost="nothing")
 @pytest.mark.timeout(300)
 def test_a_loader_killed_mid_swap_leaves_the_old_weights_serving(followed: Followed) -> None:
-    """A long request keeps the engine busy; a checkpoint is committed and read beside the
-    serving weights, and while it waits to be swapped in (the swap waits for running requests),
-    one shard, the loader of its part, is killed. The group is rebuilt from the served checkpoint:
-    the long request finishes on the old weights, exactly as they decode it alone; the follower
-    reads the new checkpoint again with the new group and serves it."""
+    """Long requests keep the engine busy; a checkpoint is committed and read beside the serving
+    weights, and while it waits to be swapped in (the swap waits for running requests), one shard,
+    the loader of its part, is killed. The group is rebuilt from the served checkpoint: the long
+    requests finish on the old weights (what they streamed before the kill exactly as those
+    weights decode alone); the follower reads the new checkpoint again with the new group and
+    serves it."""
     from ray.util.state import list_actors
 
     url, old = followed.url, followed.served_step()
-    long_tokens = 2000
-    answer: dict = {"text": ""}
-    running = threading.Event()
+    long_tokens, streams = 2000, 4  # the app's max_batch_size: the swap waits for all four
+    answers: list[dict] = [{"text": "", "fingerprints": set(), "running": threading.Event()} for _ in range(streams)]
 
-    def long_request() -> None:
-        with requests.post(f"{url}/v1/completions", stream=True, timeout=240, headers=AUTH,
+    def long_request(answer: dict) -> None:
+        with requests.post(f"{url}/v1/completions", stream=True, timeout=300, headers=AUTH,
                            json={"prompt": PROMPT, "max_tokens": long_tokens, "temperature": 0,
                                  "stream": True}) as reply:
             answer["status"] = reply.status_code
@@ -231,25 +231,44 @@ def test_a_loader_killed_mid_swap_leaves_the_old_weights_serving(followed: Follo
                 if line.startswith("data: {"):
                     chunk = json.loads(line[6:])
                     answer["text"] += chunk["choices"][0]["text"] if chunk.get("choices") else ""
-                    answer.setdefault("fingerprints", set()).add(chunk.get("system_fingerprint"))
-                    running.set()
+                    answer["fingerprints"].add(chunk.get("system_fingerprint"))
+                    answer["running"].set()
 
+    def describe() -> list:
+        return [(a.get("status"), len(a["text"]), a["fingerprints"]) for a in answers]
+
+    # The checkpoint is written and committed beside the run first, then moved into it (one
+    # rename, as atomic as a commit): writing it takes longer than the requests run.
+    followed.step += 10
+    new, staging = followed.step, followed.run_dir.parent / "staging" / followed.run_dir.name
+    commit(staging, new)
     shards = list_actors(filters=[("class_name", "=", "PipelineShard"), ("state", "=", "ALIVE")])
     assert len(shards) == 2, shards
-    worker = threading.Thread(target=long_request, daemon=True)
-    worker.start()
-    assert running.wait(60), answer  # decoding: the swap will wait for it
-    new = followed.commit()
+    workers = [threading.Thread(target=long_request, args=(a,), daemon=True) for a in answers]
+    for worker in workers:
+        worker.start()
+    for answer in answers:
+        assert answer["running"].wait(60), describe()  # decoding: the swap will wait for them
+    os.rename(staging / checkpoint_name(new), followed.run_dir / checkpoint_name(new))
     deadline = time.monotonic() + 60
     while served(url)["candidate_step"] != new:  # being read or judged: not served yet
-        assert worker.is_alive(), f"the long request ended before the checkpoint was read: {answer['status']}, {len(answer['text'])} characters, {answer.get('fingerprints')}"
+        assert all(w.is_alive() for w in workers), f"a long request ended before the checkpoint was read: {describe()}"
         assert time.monotonic() < deadline, served(url)
         time.sleep(0.05)
-    assert worker.is_alive(), "the long request ended before the loader could be killed: make it longer"
+    assert all(w.is_alive() for w in workers), f"a long request ended before the loader was killed: {describe()}"
+    before_kill = [a["text"] for a in answers]
     os.kill(shards[-1].pid, signal.SIGKILL)  # as the kernel's OOM killer does
-    worker.join(timeout=240)
-    assert answer.get("status") == 200 and answer["fingerprints"] == {f"gpt_ddp@{old}"}, answer
-    assert answer["text"] == alone_cached(followed.run_dir / checkpoint_name(old), long_tokens)
+    for worker in workers:
+        worker.join(timeout=300)
+    outcomes = {(a.get("status"), frozenset(a["fingerprints"])) for a in answers}
+    assert outcomes == {(200, frozenset({f"gpt_ddp@{old}"}))}, describe()
+    # Up to the kill, each answer is the old weights' own; then the rebuilt group prefilled it
+    # again and went on to the end. (Not compared token for token past the kill: a prefill of
+    # a thousand tokens and the same tokens decoded one by one round differently, and over
+    # hundreds of greedy steps a near tie can tip either way.)
+    expected = alone_cached(followed.run_dir / checkpoint_name(old), long_tokens)
+    for answer, streamed in zip(answers, before_kill):
+        assert expected.startswith(streamed) and len(answer["text"]) > len(streamed), describe()
     wait_for_step(url, new)
     metric(url, "ray_shardyard_shard_group_rebuilds_total", followed.app, lambda n: n >= 1)
     after = complete(url)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from shardyard.models import LossFn
@@ -73,6 +74,11 @@ class Engine:
     def begin_step(self, state: object) -> None:
         """Called before each step's data is chosen (replicas agree on a quorum here, and one
         that is behind may replace `state` with a live peer's)."""
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights in rank 0's memory (the other ranks get {}); every rank calls
+        it: an all-gather of FSDP's or tensor parallelism's shards, DDP's replica as it is."""
+        return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def close(self) -> None:
         """Release what the engine holds beyond the process group."""

@@ -77,6 +77,14 @@ class ZeroEngine(Engine):
     def module(self) -> nn.Module:
         return self.ds.module
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """ZeRO-3 partitions the parameters themselves: each is gathered whole for the copy
+        (stages 1 and 2 keep them whole on every rank, and gathering them is a no-op)."""
+        with deepspeed.zero.GatheredParameters(list(self.module.parameters())):
+            if dist.get_rank() != 0:
+                return {}
+            return {name: t.detach().to("cpu", copy=True) for name, t in self.module.state_dict().items()}
+
     def train_step(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
         for inputs, targets in micro_batches:

@@ -12,7 +12,8 @@ from shardyard.checkpoint.published import Published
 INBOX = "WeightsInbox"  # the deployment's name: training finds it with serve.get_deployment_handle
 
 
-@serve.deployment(name=INBOX, num_replicas=1, ray_actor_options={"num_cpus": 0})
+@serve.deployment(name=INBOX, num_replicas=1, ray_actor_options={"num_cpus": 0},
+                  logging_config={"enable_access_log": False})  # every replica asks it at each look
 class WeightsInbox:
     def __init__(self) -> None:
         self.newest: Published | None = None

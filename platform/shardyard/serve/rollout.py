@@ -152,7 +152,8 @@ class CanaryTrials:
         self.trial = None
 
 
-@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0},
+                  logging_config={"enable_access_log": False})  # replicas call it every second
 class Rollout:
     """The app's CanaryTrials, where every replica reaches it."""
 

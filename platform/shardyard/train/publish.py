@@ -1,7 +1,7 @@
 """Publishing a run's weights to a serving app on the same cluster (`checkpoint.publish_to`), for
 evaluation while training and on-policy rollouts: every `publish_every_n_steps` (and at the last
-step) the whole model is gathered to rank 0's memory with torch.distributed's state-dict API
-(an all-gather of FSDP's or tensor parallelism's shards; DDP's replica as it is), put once in
+step) the whole model is gathered to rank 0's memory (Engine.full_state_dict: torch.distributed's
+state-dict API for DDP, FSDP and tensor parallelism, DeepSpeed's gathering for ZeRO), put once in
 Ray's object store, and its reference handed to the app's WeightsInbox. The app's shards each
 take their own part of it (serve/, checkpoint/published.py): no storage is written or read on the
 way. The weights live as long as the worker that put them (rank 0); the run's checkpoints remain
@@ -14,7 +14,6 @@ import time
 
 import ray
 from ray import serve
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from shardyard.checkpoint.published import Published
 from shardyard.serve.inbox import INBOX
@@ -32,9 +31,7 @@ class WeightsPublisher(Callback):
         step = trainer.state.step
         if step % self.every and step != trainer.spec.run.steps:
             return
-        # Collective: every rank gives its shards; rank 0 gets the whole model, on the CPU.
-        state = get_model_state_dict(trainer.engine.module,
-                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = trainer.engine.full_state_dict()  # collective: rank 0 gets the whole model, on the CPU
         if trainer.rank != 0:
             return
         started = time.perf_counter()
