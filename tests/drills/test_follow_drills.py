@@ -132,6 +132,13 @@ class StreamingClient(threading.Thread):
                           if line.startswith("data: {")]
                 self.streams.append(prints)
 
+    def check_answered_without_going_back(self) -> None:
+        """Every request answered 200, and within each stream the step never went backwards."""
+        assert self.streams and set(self.statuses) == {200}, self.statuses
+        for prints in self.streams:
+            steps = [int(p.split("@")[1]) for p in prints]
+            assert steps == sorted(steps), prints
+
 
 @pytest.mark.drill(outcome="every request answered, on weights that never go back", lost="nothing")
 @pytest.mark.timeout(300)
@@ -154,10 +161,7 @@ def test_a_client_streams_across_three_promotions(followed: Followed) -> None:
     assert after["system_fingerprint"] == f"gpt_ddp@{followed.step}"
     assert after["choices"][0]["text"] == alone(followed.run_dir / checkpoint_name(followed.step))
     assert after["choices"][0]["text"] != before["choices"][0]["text"]  # the weights did change
-    assert client.streams and set(client.statuses) == {200}, client.statuses
-    for prints in client.streams:
-        steps = [int(p.split("@")[1]) for p in prints]
-        assert steps == sorted(steps), prints
+    client.check_answered_without_going_back()
 
 
 @pytest.mark.drill(outcome="refused by the gate; the served weights answer", lost="nothing")
@@ -304,10 +308,7 @@ def test_static_batches_follow_the_run_swapping_between_batches(serve_base: str,
         assert after["choices"][0]["text"] == alone(run_dir / checkpoint_name(30))
     finally:
         serve.delete("static")
-    assert client.streams and set(client.statuses) == {200}, client.statuses
-    for prints in client.streams:
-        steps = [int(p.split("@")[1]) for p in prints]
-        assert steps == sorted(steps), prints
+    client.check_answered_without_going_back()
 
 
 @pytest.mark.drill(outcome="refused by the gate; the served weights answer", lost="nothing")
