@@ -30,12 +30,12 @@ SPREAD = 0.3
 
 
 def commit_checkpoint(rank: int, world: int, run_dir: str, step: int, seed: int, jitter: float, fault: str | None,
-                      overrides: tuple[str, ...]) -> None:
-    """The default job's checkpoint of `step` (its model as `overrides` say), its weights drawn
+                      overrides: tuple[str, ...], config: str) -> None:
+    """The job `config`'s checkpoint of `step` (its model as `overrides` say), its weights drawn
     from `seed`, then moved by Gaussian `jitter` drawn from `step`. `fault`: "nan", one weight
     NaN (as a diverged run leaves it); "overflow", finite weights whose logits overflow to NaN
     (every request fails, yet each weight passes the finiteness check)."""
-    spec = load_spec(REPO / "jobs" / "configs" / "gpt_ddp.yaml", overrides)
+    spec = load_spec(REPO / "jobs" / "configs" / config, overrides)
     torch.manual_seed(seed)
     model = build_model(spec.model)
     with torch.no_grad():
@@ -53,9 +53,9 @@ def commit_checkpoint(rank: int, world: int, run_dir: str, step: int, seed: int,
 
 
 def commit(run_dir: Path, step: int, seed: int | None = None, jitter: float = 0.0, fault: str | None = None,
-           overrides: tuple[str, ...] = LONG_CONTEXT) -> None:
+           overrides: tuple[str, ...] = LONG_CONTEXT, config: str = "gpt_ddp.yaml") -> None:
     run_distributed(commit_checkpoint, 1, str(run_dir), step, step if seed is None else seed, jitter, fault,
-                    overrides)
+                    overrides, config)
 
 
 def alone(checkpoint: Path, max_tokens: int = 12) -> str:

@@ -3,14 +3,15 @@ guard and text handling. A Hugging Face model directory is decoded as transforme
 with the guard's answers unchanged; a model vLLM does not load (the own GPT) is served by the
 built-in engine instead; vLLM's own load client completes every request.
 
-Needs vLLM importable by the interpreter running the tests: its CPU build's environment
-(benchmarks/make_vllm_env.sh) with shardyard installed into it
-(`.vllm-env/bin/pip install -e '.[dev]'`), then `.vllm-env/bin/python -m pytest
-tests/test_vllm_engine.py`. Elsewhere (the main environment, CI) these tests are skipped, saying so.
+Needs vLLM importable by the interpreter running the tests: the environment
+benchmarks/make_vllm_env.sh makes (vLLM's CPU build, with shardyard installed into it), then
+`.vllm-env/bin/python -m pytest tests/test_vllm_engine.py`. Elsewhere (the main environment, CI) these tests are skipped, saying so.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,8 @@ import requests
 pytest.importorskip("vllm", reason="engine: vllm needs vLLM in this interpreter's environment "
                                    "(benchmarks/make_vllm_env.sh, then install shardyard into it)")
 
+from followed_run import PROMPT, alone, commit  # noqa: E402
+from shardyard.checkpoint.record import checkpoint_name  # noqa: E402
 from test_vllm_client import bench, default_job_run, model_directory, serving  # noqa: E402,F401 - fixtures
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
@@ -82,3 +85,72 @@ def test_vllms_bench_client_completes_every_request_against_vllm_behind_shardyar
         result = bench(url, directory, tmp_path / backend, backend=backend, prompt_tokens=32)
         assert (result["completed"], result["failed"]) == (24, 0), (backend, result.get("errors"))
         assert result["total_output_tokens"] == 24 * 16
+
+
+# README's Llama job made one that vLLM's CPU attention takes (head_dim 64), on one process.
+LLAMA_RUN = ("model.config.hidden_size=256", "model.config.num_attention_heads=4",
+             "model.config.num_key_value_heads=4", "parallelism.strategy=ddp",
+             "parallelism.activation_checkpointing=false")
+
+
+def commit_llama(run_dir: Path, step: int, **kwargs) -> Path:
+    commit(run_dir, step, overrides=LLAMA_RUN, config="llama_fsdp.yaml", **kwargs)
+    return run_dir / checkpoint_name(step)
+
+
+def test_vllm_follows_a_run_through_the_gate(serving, tmp_path: Path) -> None:
+    """A run of a Hugging Face model served by vLLM follows the run: a new checkpoint is reloaded
+    by vLLM's workers while a client keeps asking (every answer 200, its fingerprint never going
+    back) and then answers as its weights decode alone; one answering a golden prompt otherwise
+    than it must, and a diverged one, are refused; an operator's rollback serves the first again."""
+    run_dir = tmp_path / "llama_fsdp"
+    first = alone(commit_llama(run_dir, 10))
+    wanted = alone(commit_llama(tmp_path / "elsewhere" / "llama_fsdp", 20))  # step 20's weights, drawn from seed 20
+    (tmp_path / "token").write_text(TOKEN)
+    url = serving("follow", {"checkpoint": str(run_dir), "engine": "vllm", "bearer_token_file": str(tmp_path / "token"),
+                             "max_batch_size": 4, "cpus_per_shard": 1.0, "follow_interval_s": 0.5,
+                             "golden_prompts": [{"prompt": PROMPT, "max_tokens": 12, "expect": wanted}]})
+    assert requests.get(f"{url}/healthz", timeout=30).json()["engine"] == "vllm"
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+
+    def ask() -> tuple[int, str | None, str | None]:
+        reply = requests.post(f"{url}/v1/completions", headers=headers, timeout=120,
+                              json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0})
+        body = reply.json()
+        return reply.status_code, body.get("system_fingerprint"), body.get("choices", [{}])[0].get("text")
+
+    def models() -> dict:
+        return requests.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"][0]
+
+    def wait_until(done, what: str) -> None:
+        deadline = time.monotonic() + 240
+        while not done(models()):
+            assert time.monotonic() < deadline, f"{what}: {models()}"
+            time.sleep(0.3)
+
+    assert ask() == (200, "llama_fsdp@10", first)
+    answers, stop = [], threading.Event()
+    client = threading.Thread(target=lambda: [answers.append(ask()) for _ in iter(stop.is_set, True)], daemon=True)
+    client.start()
+    commit_llama(run_dir, 20)
+    wait_until(lambda m: m["served_step"] == 20, "step 20 never served")
+    time.sleep(2)
+    stop.set()
+    client.join(timeout=120)
+    steps = [int(weights.split("@")[1]) for status, weights, _ in answers if status == 200]
+    assert len(steps) == len(answers) and steps == sorted(steps) and steps[-1] == 20, answers
+    assert {text for _, weights, text in answers if weights == "llama_fsdp@20"} == {wanted}, answers
+    assert {text for _, weights, text in answers if weights == "llama_fsdp@10"} <= {first}, answers
+
+    commit_llama(run_dir, 30)  # finite weights, drawn from seed 30: the golden prompt answered otherwise
+    wait_until(lambda m: "30" in m["refused_steps"], "step 30 never refused")
+    assert "golden prompt" in models()["refused_steps"]["30"]
+    assert ask() == (200, "llama_fsdp@20", wanted)
+
+    back = requests.post(f"{url}/admin/rollback", headers=headers, timeout=120)
+    assert back.status_code == 200 and back.json()["served_step"] == 10, back.text
+    assert ask() == (200, "llama_fsdp@10", first)
+    commit_llama(run_dir, 40, fault="nan")  # committed after the rollback: looked at, and refused
+    wait_until(lambda m: "40" in m["refused_steps"], "step 40 never refused")
+    assert "not finite" in models()["refused_steps"]["40"]
+    assert ask() == (200, "llama_fsdp@10", first)

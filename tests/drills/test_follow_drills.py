@@ -199,7 +199,8 @@ def test_an_operator_rolls_back_and_promotes_with_the_token_only(followed: Follo
     newer = followed.commit()
     wait_for_step(url, newer)
     assert requests.post(f"{url}/admin/rollback", timeout=30).status_code == 401
-    assert admin(url, "rollback").json() == {"served_step": earlier, "system_fingerprint": f"gpt_ddp@{earlier}"}
+    assert admin(url, "rollback").json() == {"served_step": earlier, "system_fingerprint": f"gpt_ddp@{earlier}",
+                                             "replicas_serving": 1, "replicas": 1}
     back = complete(url)
     assert back["system_fingerprint"] == f"gpt_ddp@{earlier}"
     assert back["choices"][0]["text"] == alone(followed.run_dir / checkpoint_name(earlier))
@@ -352,23 +353,64 @@ class RequestingClient(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.is_set():
-            reply = requests.post(f"{self.url}/v1/completions", timeout=120, headers=AUTH,
-                                  json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
-            self.answers.append((reply.status_code, reply.json().get("system_fingerprint")))
+            try:
+                reply = requests.post(f"{self.url}/v1/completions", timeout=120, headers=AUTH,
+                                      json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+                self.answers.append((reply.status_code, reply.json().get("system_fingerprint")))
+            except (requests.RequestException, ValueError):  # a replica killed under it: not JSON, or no answer
+                self.answers.append((0, None))
 
     def since(self, mark: int) -> list[tuple[int, str | None]]:
         return self.answers[mark:]
 
 
+def replicas_of(app: str) -> set[str]:
+    """The actor names of `app`'s live ModelServer replicas."""
+    import ray
+
+    return {actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
+            if actor["name"].startswith(f"SERVE_REPLICA::{app}#ModelServer#")}
+
+
+def replace_a_replica(app: str, timeout_s: float = 180) -> None:
+    """Kill one of `app`'s replicas, and wait until Serve runs another in its place."""
+    import ray
+    from ray import serve
+
+    before = replicas_of(app)
+    killed = sorted(before)[0]
+    ray.kill(ray.get_actor(killed, namespace="serve"), no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = serve.status().applications[app].deployments["ModelServer"].replica_states
+        now = replicas_of(app)
+        if killed not in now and len(now) == len(before) and states == {"RUNNING": len(before)}:
+            return
+        assert time.monotonic() < deadline, (states, now)
+        time.sleep(0.5)
+
+
+def answers_after(client: RequestingClient, mark: int, count: int = 20) -> set[tuple[int, str | None]]:
+    deadline = time.monotonic() + 60
+    while len(client.answers) < mark + count:
+        assert time.monotonic() < deadline, client.since(mark)
+        time.sleep(0.2)
+    return set(client.since(mark))
+
+
 @pytest.mark.drill(outcome="served on one replica first, then on all; one that fails requests on its canary "
-                           "is refused and the canary steps back", lost="the requests the failing canary answered")
-@pytest.mark.timeout(420)
+                           "is refused and the canary steps back; an operator's rollback and promotion serve "
+                           "on every replica, one started later too", lost="the requests the failing canary answered")
+@pytest.mark.timeout(600)
 def test_a_canary_serves_a_checkpoint_on_one_replica_before_all_and_refuses_one_that_fails(
         serve_base: str, tmp_path: Path) -> None:
     """Two replicas, canary_fraction 0.5: a new checkpoint serves on one replica while the other
     still serves the old one, then on both. A checkpoint whose weights are all finite but whose
     logits overflow (every request on it fails) passes the gate, fails its canary's requests, is
-    refused everywhere, and the canary returns to the weights it served before."""
+    refused everywhere, and the canary returns to the weights it served before. Then an operator
+    rolls the app back and promotes a step: whichever replica the call reaches, both serve it
+    before the call answers, and a replica started in place of a killed one begins on the
+    operator's choice, not on the run's newest checkpoint (the refused one)."""
     from ray import serve
 
     run_dir = tmp_path / "gpt_ddp"
@@ -395,14 +437,18 @@ def test_a_canary_serves_a_checkpoint_on_one_replica_before_all_and_refuses_one_
         metric(url, served_steps, "canary", lambda total: total == 40)  # the canary stepped back
         during = client.since(mark)
         assert 500 in {status for status, _ in during}, during  # the canary took its share and failed it
-        after = len(client.answers)
-        deadline = time.monotonic() + 60
-        while len(client.answers) < after + 20:
-            assert time.monotonic() < deadline, client.since(after)
-            time.sleep(0.2)
-        assert set(client.since(after)) == {(200, "gpt_ddp@20")}
+        assert answers_after(client, len(client.answers)) == {(200, "gpt_ddp@20")}
         reason = served(url)["refused_steps"]["30"]
         assert reason.startswith("canary: the canary failed 100.0%"), reason
+
+        back = admin(url, "rollback").json()  # past the refused step 30 to step 10, on both replicas
+        assert back == {"served_step": 10, "system_fingerprint": "gpt_ddp@10", "replicas_serving": 2,
+                        "replicas": 2}, back
+        assert answers_after(client, len(client.answers)) == {(200, "gpt_ddp@10")}
+        replace_a_replica("canary")
+        assert answers_after(client, len(client.answers), count=40) == {(200, "gpt_ddp@10")}
+        assert admin(url, "promote", step=20).json()["replicas_serving"] == 2
+        assert answers_after(client, len(client.answers)) == {(200, "gpt_ddp@20")}
     finally:
         client.stop.set()
         client.join(timeout=120)

@@ -6,8 +6,9 @@ speaking OpenAI's API (serve/openai_api.py) so that its clients and tools work u
                                (serve/openai_api.py, serve/sampling.py)  -> text_completion
     POST /v1/chat/completions  messages (the tokenizer's chat template, or a plain one) -> chat.completion
     GET  /v1/models            the served model's id (a request naming another gets 404), its step
-    POST /admin/rollback       back to the weights served before (bearer token; a followed run)
-    POST /admin/promote        {"step": N}: the run's checkpoint of step N, through the gate
+    POST /admin/rollback       back to the weights the app served before (bearer token; a followed
+                               run; every replica: serve/app_weights.py)
+    POST /admin/promote        {"step": N}: the run's checkpoint of step N, through the gate, everywhere
     POST /v1/predict           {"inputs": [[float, ...], ...]}        (MLP checkpoints)
     GET  /healthz              200 while every shard answers
     GET  /metrics              Prometheus text: latency, queue time, tokens, engine state
@@ -31,6 +32,7 @@ error, an unhandled one (500) included, is counted by status and route (serve/gu
 import asyncio
 import json
 import math
+import shutil
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
@@ -56,12 +58,12 @@ from shardyard.serve.engine import DecodingEngine
 from shardyard.serve.scheduler import MIN_CHUNK, LostTwice
 from shardyard.serve.guard import ChoiceLimit, ClientError, GuardSettings, error_response, install
 from shardyard.serve.generation import Completion, TextCodec, decode_steps
-from shardyard.serve.golden import greedy_answers, regressions
+from shardyard.serve.golden import answer_texts, golden_requests, greedy_answers, regressions
 from shardyard.serve.rollout import PROMOTE, REFUSE, WAIT, Rollout, Tally
-from shardyard.serve.inbox import WeightsInbox
+from shardyard.serve.app_weights import AppWeights, Pin, Source, View, rollback_target, starting_checkpoint
 from shardyard.checkpoint.published import Published, source_step
 from shardyard.serve.local_model import LocalModel
-from shardyard.serve.vllm_engine import VllmEngine, start_vllm, vllm_model_directory
+from shardyard.serve.vllm_engine import VllmEngine, start_vllm, vllm_model_directory, written_out
 from shardyard.serve.metrics import ServingMetrics, scrape_cluster
 from shardyard.serve.shards import SHARD_LOST, CachesLost, ShardedModel, check_room, shard_bundle
 from shardyard.spec import LANGUAGE_MODELS, SpecError
@@ -121,19 +123,29 @@ REPLICA_CPUS = 0.5
 PUBLISH_EVERY_S = 1.0
 # How long one scrape of the cluster's metrics answers GET /metrics.
 SCRAPE_REUSE_S = 2.0
+# How long an admin call waits for every replica to serve the weights it chose before answering.
+PIN_WAIT_S = 60.0
 
 
 # Everything ModelServer uses must be defined above it: Serve pickles the class when it is decorated.
 @serve.deployment
 @serve.ingress(api)
 class ModelServer:
-    def __init__(self, config: dict[str, Any], rollout: DeploymentHandle | None = None,
-                 inbox: DeploymentHandle | None = None) -> None:
+    async def __init__(self, config: dict[str, Any], rollout: DeploymentHandle | None = None,
+                       app_weights: DeploymentHandle | None = None) -> None:
         """`rollout`: the app's Rollout deployment, with canary_fraction (serve/rollout.py);
-        `inbox`: its WeightsInbox, following a run (serve/inbox.py)."""
+        `app_weights`: its AppWeights, following a run (serve/app_weights.py). Following a run, a
+        replica starts on the weights the app serves (those it promoted last), not on the run's
+        newest checkpoint, which may be refused, on trial, or passed over by an operator."""
         self.config = parse_config(config)
-        self.rollout, self.inbox = rollout, inbox
+        self.rollout, self.app_weights = rollout, app_weights
         self.replica = serve.get_replica_context().replica_id.unique_id
+        if app_weights is not None:
+            start = starting_checkpoint(await app_weights.look.remote(self.replica, ""), self.config.source)
+            if start is not None:
+                self.config = self.config.starting_at(start)
+            await app_weights.promote.remote(Path(self.config.checkpoint))
+        self.pin_applied = 0  # the serial of the last operator's pin this replica served
         self.tally: dict[str, Tally] = {}  # requests answered, by the weights that answered them
         self.metrics = ServingMetrics()
         api.state.guard = GuardSettings(self.config.max_body_bytes, self.config.bearer_token,
@@ -254,6 +266,7 @@ class ModelServer:
             print(f"shardyard: engine: vllm asked for, the built-in engine serves: {started}", flush=True)
             return False
         self.engine, self.model = started, None
+        self.engine.weights, self.vllm_dir = self.fingerprint, directory
         print(f"shardyard: vLLM's engine serves {directory} ({cfg.num_shards} {cfg.sharding} shard(s), up to "
               f"{cfg.max_batch_size} requests at once, prefix caching {'on' if cfg.prefix_caching else 'off'})",
               flush=True)
@@ -480,7 +493,12 @@ class ModelServer:
         or refuses it (a canary then steps back)."""
         while True:
             await asyncio.sleep(self.config.follow_interval_s)
-            candidate = await self._next_candidate()
+            view: View = await self.app_weights.look.remote(self.replica, self.fingerprint)
+            for step, reason in view.refused.items():  # refused on another replica: not tried here
+                self.refused.setdefault(step, reason)
+            if await self._apply_pin(view.pin):
+                continue
+            candidate = await self._next_candidate(view)
             if candidate is None:
                 continue
             source, step, made_at = candidate
@@ -489,12 +507,16 @@ class ModelServer:
             if role.startswith(REFUSE):
                 await self._refused_by_canary(step, role.removeprefix(REFUSE))
                 continue
+            if role == PROMOTE and self.served_step == step:  # a canary's checkpoint, promoted everywhere
+                self.follow_after = step
+                await self.app_weights.promote.remote(self.served[-1])
             if role == WAIT or self.served_step == step:
                 continue
             try:
                 await self._serve_checkpoint(source)
             except (WeightsRefused, BadCheckpoint) as err:
                 print(f"shardyard: {err}: not served; {self.fingerprint} still is", flush=True)
+                await self.app_weights.refuse.remote(step, str(err))
                 if self.rollout is not None:
                     await self.rollout.refuse.remote(step, str(err))
                 continue
@@ -509,10 +531,31 @@ class ModelServer:
                 continue
             if role == PROMOTE:
                 self.follow_after = step
+                await self.app_weights.promote.remote(source)
             if made_at is not None:
                 self.metrics.commit_to_serving.set(time.time() - made_at)
 
-    async def _next_candidate(self) -> tuple[Path | Published, int, float | None] | None:
+    async def _apply_pin(self, pin: Pin | None) -> bool:
+        """Serve an operator's pin this replica has not applied yet (True: one was there). Its
+        weights were judged by the replica the operator's call reached: here they are only read
+        (and checked finite). One that cannot be read now is tried again at the next look."""
+        if pin is None or pin.serial <= self.pin_applied:
+            return False
+        self.follow_after = max(self.follow_after, pin.follow_after)
+        try:
+            if pin.step != self.served_step:
+                await self._serve_checkpoint(pin.source, operator=True, judged=True)
+        except (WeightsRefused, BadCheckpoint, ray.exceptions.ObjectLostError) as err:
+            print(f"shardyard: the operator's choice of step {pin.step} cannot serve here ({err}); "
+                  f"{self.fingerprint} still serves", flush=True)
+        except Exception as err:  # noqa: BLE001 - the served weights stay; tried again next time
+            print(f"shardyard: could not swap in the operator's choice of step {pin.step} "
+                  f"({type(err).__name__}: {err}); {self.fingerprint} still serves", flush=True)
+            return True
+        self.pin_applied = pin.serial
+        return True
+
+    async def _next_candidate(self, view: View) -> tuple[Source, int, float | None] | None:
         """The newest weights of the run not served yet (nor refused, nor passed over): its newest
         committed checkpoint or the weights it published last, whichever is newer (at the same
         step, the published ones: no storage read); with their step and when they were made."""
@@ -520,7 +563,7 @@ class ModelServer:
         found = await asyncio.to_thread(self._newest_committed)
         if found is not None:
             options.append((step_of(found[0].name), 0, found[0], found[1].get("time")))
-        published = None if self.inbox is None else await self.inbox.latest.remote()
+        published = view.published
         if published is not None and published.run == self.run_name and published.step not in self.unreachable:
             options.append((published.step, 1, published, published.time))
         options = [o for o in options if o[0] > self.follow_after and o[0] not in self.refused]
@@ -544,14 +587,15 @@ class ModelServer:
         found = newest_good(RunStorage(self.config.source), check_files=False)
         return (Path(self.config.source).expanduser().absolute() / found[0], found[1]) if found else None
 
-    async def _serve_checkpoint(self, checkpoint: Path | Published, operator: bool = False) -> None:
+    async def _serve_checkpoint(self, checkpoint: Source, operator: bool = False, judged: bool = False) -> None:
         """The gate, then the swap: a validation loss worse than the served one's (as the run
         logged them; not for an operator's own choice), weights that are not finite (a diverged
         run), read by each shard beside the serving weights, or golden prompts answered otherwise
         than they must be (judged once swapped in, before any client's request) are counted,
         listed in /v1/models and refused (WeightsRefused); the others are swapped in between
-        iterations (the engine's swap_weights). One at a time: the follower and the admin routes
-        share it."""
+        iterations (the engine's swap_weights). `judged`: an operator's choice another replica's
+        golden prompts let through (they are not asked again here). One at a time: the follower
+        and the admin routes share it."""
         async with self._swapping:
             step = source_step(checkpoint)
             fingerprint = f"{self.run_name}@{step}"
@@ -561,10 +605,13 @@ class ModelServer:
                 if worse:
                     raise WeightsRefused(f"{checkpoint}: {worse}")
                 source = checkpoint if isinstance(checkpoint, Published) else str(checkpoint)
-                if not await asyncio.to_thread(self.model.prepare, source):
+                if isinstance(self.engine, VllmEngine):
+                    await self._swap_vllm(checkpoint, fingerprint, judged)
+                elif not await asyncio.to_thread(self.model.prepare, source):
                     self.model.drop_staged()
                     raise WeightsRefused(f"{checkpoint} has weights that are not finite")
-                await self._swap_between_passes(lambda: self._swap_in(checkpoint, fingerprint))
+                else:
+                    await self._swap_between_passes(lambda: self._swap_in(checkpoint, fingerprint, judged))
             except (WeightsRefused, BadCheckpoint) as err:  # a file that does not match its record too
                 self.refused[step] = str(err)
                 self.metrics.promotions_refused.inc()
@@ -598,12 +645,12 @@ class ModelServer:
         return (f"its validation loss {candidate:.4f} is worse than the served step {self.served_step}'s "
                 f"{served:.4f} by more than {tolerance:.0%}")
 
-    def _swap_in(self, checkpoint: Path | Published, fingerprint: str) -> str:
+    def _swap_in(self, checkpoint: Source, fingerprint: str, judged: bool) -> str:
         """In the engine's drained window: the prepared weights serve from now on, once they
         answer the golden prompts as they must; else the served ones stay (WeightsRefused)."""
         # Weights served before passed the golden prompts then (a rollback, a canary stepping back):
         # judged against the ones they replace, they would fail for having answered first.
-        golden = [] if checkpoint in self.served else self.config.golden_prompts
+        golden = [] if judged or checkpoint in self.served else self.config.golden_prompts
         with self.model.exclusive():  # the swap, the golden passes and a swap back on one shard group
             if golden and self._golden[0] != self.fingerprint:  # the served weights' answers, once
                 self._golden = (self.fingerprint, self._golden_answers())
@@ -631,19 +678,70 @@ class ModelServer:
         return greedy_answers(self.model.forward, self.config.golden_prompts, self.codec, self.block_size,
                               self.stop_token)
 
+    async def _swap_vllm(self, checkpoint: Source, fingerprint: str, judged: bool) -> None:
+        """The gate and the swap where vLLM decodes: the checkpoint written out as a model
+        directory (refused when its weights are not finite), reloaded by vLLM in its drained
+        window, where the golden prompts are decoded; the served weights are reloaded when
+        they fail, or when the reload itself fails."""
+        source = checkpoint if isinstance(checkpoint, Published) else str(checkpoint)
+        model_dir = await asyncio.to_thread(written_out, source, self.config.trust_factory)
+        if model_dir is None:
+            raise WeightsRefused(f"{checkpoint} has weights that are not finite")
+        golden = [] if judged or checkpoint in self.served else self.config.golden_prompts
+
+        async def apply() -> str:
+            if golden and self._golden[0] != self.fingerprint:  # the served weights' answers, once
+                self._golden = (self.fingerprint, await self._vllm_golden_answers())
+            try:
+                await self.engine.load_weights(model_dir)
+                answers = await self._vllm_golden_answers() if golden else []
+                failed = regressions(golden, self._golden[1], answers, self.config.golden_max_edit_distance)
+            except BaseException:
+                await self.engine.load_weights(self.vllm_dir)
+                raise
+            if failed:
+                await self.engine.load_weights(self.vllm_dir)
+                raise WeightsRefused(f"{checkpoint}: " + "; ".join(failed))
+            if golden:
+                self._golden = (fingerprint, answers)
+            self.served_step, self.fingerprint = source_step(checkpoint), fingerprint
+            return fingerprint
+
+        try:
+            await self.engine.swap_weights(apply)
+        except BaseException:
+            shutil.rmtree(model_dir, ignore_errors=True)
+            raise
+        previous, self.vllm_dir = self.vllm_dir, model_dir
+        if previous != self.config.checkpoint:  # written out by this replica (not a model directory given)
+            shutil.rmtree(previous, ignore_errors=True)
+
+    async def _vllm_golden_answers(self) -> list[str]:
+        """The golden prompts' greedy answers, decoded by vLLM inside a swap's drained window."""
+        requests = golden_requests(self.config.golden_prompts, self.codec, self.stop_token)
+        for request in requests:
+            async for _ in self.engine.tokens(self.engine.submit(request), gated=False):
+                pass
+        return answer_texts(requests, self.codec)
+
     @api.post("/admin/rollback")
     async def rollback(self) -> dict[str, Any]:
-        """Back to the weights served before the current ones; the follower then waits for a
-        checkpoint committed after this call."""
+        """Back to the weights the app promoted before the current ones, on every replica; the
+        followers then wait for a checkpoint committed after this call."""
         self._expect_admin()
-        if len(self.served) < 2:
-            raise ClientError(409, "no earlier weights were served by this replica")
-        return await self._pin(self.served[-2])
+        view: View = await self.app_weights.look.remote(self.replica, self.fingerprint)
+        target = rollback_target(view.promoted, self.served_step, {**view.refused, **self.refused})
+        if target is None:
+            raise ClientError(409, "the app has served no earlier weights to go back to")
+        if isinstance(target, Path) and committed_record(target) is None:
+            raise ClientError(409, f"the earlier weights ({target.name}) are no longer in the run (pruned); "
+                                   f"POST /admin/promote names a step it still holds")
+        return await self._pin(target)
 
     @api.post("/admin/promote")
     async def promote(self, body: PromoteRequest) -> dict[str, Any]:
-        """The run's checkpoint of `step`, through the same gate; the follower then waits for a
-        checkpoint committed after this call."""
+        """The run's checkpoint of `step`, through the same gate, on every replica; the followers
+        then wait for a checkpoint committed after this call."""
         self._expect_admin()
         checkpoint = Path(self.config.source).expanduser().resolve() / checkpoint_name(body.step)
         if committed_record(checkpoint) is None:
@@ -659,9 +757,15 @@ class ModelServer:
         if not self.config.follow:
             raise ClientError(409, "the admin routes act on an app that follows a run directory (follow: true)")
 
-    async def _pin(self, checkpoint: Path | Published) -> dict[str, Any]:
+    async def _pin(self, checkpoint: Source) -> dict[str, Any]:
+        """Serve `checkpoint` here through the gate, then pin it for the app: every replica serves
+        it at its next look, and no follower serves a step the run had committed or published by
+        now. Answers once every live replica serves it, or after PIN_WAIT_S with how many do."""
         newest = await asyncio.to_thread(self._newest_committed)
-        self.follow_after = max(self.follow_after, step_of(newest[0].name) if newest else 0)
+        published: Published | None = (await self.app_weights.look.remote(self.replica, self.fingerprint)).published
+        follow_after = max(self.follow_after, step_of(newest[0].name) if newest else 0,
+                           published.step if published is not None else 0)
+        self.follow_after = follow_after
         try:
             await self._serve_checkpoint(checkpoint, operator=True)
         except (WeightsRefused, BadCheckpoint) as err:
@@ -669,7 +773,17 @@ class ModelServer:
         except ray.exceptions.ObjectLostError:
             raise ClientError(409, f"the weights published at {checkpoint} are gone (the training worker that "
                                    f"held them exited); {self.fingerprint} still serves") from None
-        return {"served_step": self.served_step, "system_fingerprint": self.fingerprint}
+        pin: Pin = await self.app_weights.pin.remote(checkpoint, follow_after)
+        self.pin_applied = max(self.pin_applied, pin.serial)
+        deadline = time.monotonic() + PIN_WAIT_S
+        while True:
+            await self.app_weights.look.remote(self.replica, self.fingerprint)
+            serving, live = await self.app_weights.serving_count.remote(self.fingerprint)
+            if serving >= live or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+        return {"served_step": self.served_step, "system_fingerprint": self.fingerprint,
+                "replicas_serving": serving, "replicas": live}
 
     async def _publish(self) -> None:
         while True:
@@ -790,7 +904,7 @@ def build_app(args: dict[str, Any]) -> "serve.Application":
         options["placement_group_bundles"] = bundles
         options["placement_group_strategy"] = "PACK" if cfg.multi_node else "STRICT_PACK"
     # The checkpoint as given: a replica started later (autoscaling, a replacement) loads the
-    # run's newest committed checkpoint then.
+    # run's newest committed checkpoint then, or, following the run, the weights the app serves.
     rollout = None if cfg.canary is None else Rollout.bind(cfg.canary)
-    inbox = WeightsInbox.bind() if cfg.follow else None
-    return ModelServer.options(**options).bind({**cfg.model_dump(), "checkpoint": cfg.source}, rollout, inbox)
+    app_weights = AppWeights.bind() if cfg.follow else None
+    return ModelServer.options(**options).bind({**cfg.model_dump(), "checkpoint": cfg.source}, rollout, app_weights)

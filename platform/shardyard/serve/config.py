@@ -65,9 +65,9 @@ class ServeConfig(BaseModel):
     chunked_prefill: bool = Field(True, description="continuous: a prompt longer than the iteration's prefill "
                                   "budget is prefilled in chunks between decode steps (smoother inter-token "
                                   "latency; more forward passes); false: each prompt whole at once")
-    follow: bool | None = Field(None, description="a language model served from a run directory by the built-in "
-                                "engine or static batches: load each newly committed (or published) checkpoint in "
-                                "the background and swap it in between iterations or batches, once it passes the "
+    follow: bool | None = Field(None, description="a language model served from a run directory: load each newly "
+                                "committed (or published) checkpoint in the background and swap it in between "
+                                "iterations or batches (vLLM: reloaded in a drained window), once it passes the "
                                 "gate (default: true for a run directory, else false)")
     follow_interval_s: float = Field(2.0, gt=0, description="follow: how often the run is looked at")
     val_loss_tolerance: float | None = Field(
@@ -180,11 +180,10 @@ class ServeConfig(BaseModel):
             self.model_id = Path(self.checkpoint).name if is_hf_directory(self.checkpoint) else spec.run.name
         self._served_step = None if is_hf_directory(self.checkpoint) else step_of(Path(self.checkpoint).name)
         a_run = Path(self.checkpoint) != Path(self._source).expanduser().resolve()  # a run: its newest was found
-        followable = a_run and self.engine == "builtin" and isinstance(model, LANGUAGE_MODELS)
+        followable = a_run and isinstance(model, LANGUAGE_MODELS)
         if self.follow and not followable:
             raise ValueError("follow: true serves a run directory's new checkpoints as they commit, for a language "
-                             "model decoded by the built-in engine or static batches (engine: builtin); give "
-                             "checkpoint a run directory")
+                             "model; give checkpoint a run directory")
         if self.follow is None:
             self.follow = followable
         if self.canary_fraction and not (self.follow and (self.max_replicas or self.num_replicas) > 1):
@@ -200,6 +199,14 @@ class ServeConfig(BaseModel):
         self._fingerprint = (Path(self.checkpoint).name if self._served_step is None
                              else f"{spec.run.name}@{self._served_step}")
         return self
+
+    def starting_at(self, checkpoint: Path) -> ServeConfig:
+        """This config serving `checkpoint`, another committed checkpoint of the same run (the
+        weights its app serves, chosen by a replica that starts after the others)."""
+        moved = self.model_copy(update={"checkpoint": str(checkpoint)})
+        moved._served_step = step_of(checkpoint.name)
+        moved._fingerprint = f"{self._fingerprint.rsplit('@', 1)[0]}@{moved._served_step}"
+        return moved
 
     @property
     def served_step(self) -> int | None:

@@ -31,13 +31,23 @@ def edit_distance(a: str, b: str) -> int:
     return previous[-1]
 
 
+def golden_requests(prompts: Sequence[GoldenPrompt], codec: TextCodec, stop_token: int | None) -> list[Completion]:
+    """The prompts as greedy completions, for any decoder."""
+    return [Completion(codec.encode(p.prompt), p.max_tokens, stop_token=stop_token) for p in prompts]
+
+
+def answer_texts(requests: Sequence[Completion], codec: TextCodec) -> list[str]:
+    """Each decoded request's answer as a client reads it (without the end-of-sequence token)."""
+    return [codec.decode(r.tokens[:-1] if r.stopped else r.tokens) for r in requests]
+
+
 def greedy_answers(forward: SampledForward, prompts: Sequence[GoldenPrompt], codec: TextCodec, block_size: int,
                    stop_token: int | None) -> list[str]:
-    """Each prompt's greedy answer as a client reads it (without the end-of-sequence token)."""
-    requests = [Completion(codec.encode(p.prompt), p.max_tokens, stop_token=stop_token) for p in prompts]
+    """Each prompt's greedy answer, decoded by the built-in decoder over `forward`."""
+    requests = golden_requests(prompts, codec, stop_token)
     for _ in decode_steps(forward, requests, block_size):
         pass
-    return [codec.decode(r.tokens[:-1] if r.stopped else r.tokens) for r in requests]
+    return answer_texts(requests, codec)
 
 
 def regressions(prompts: Sequence[GoldenPrompt], served: Sequence[str], answers: Sequence[str],

@@ -5,6 +5,11 @@ shape), choice limits, text handling and metrics as the built-in engine: it only
 turns a prompt's tokens into the next tokens. It takes the calls DecodingEngine takes
 (`submit`, `tokens`, `stats`), so the app holds either.
 
+Following a run (`follow`), a new checkpoint is written out as a model directory and vLLM
+reloads its weights in place (its workers' `reload_weights`) in a drained window: new requests
+wait, the running ones finish on the old weights, and the prefix cache is emptied before any
+request runs on the new ones.
+
 vLLM is optional (`pip install shardyard[vllm]`; on CPU, vLLM's CPU build, see
 ../shared/FIELD_NOTES.md). `start_vllm` says why it cannot be used (not installed, a model it
 cannot load); the app then serves with the built-in engine and logs the reason.
@@ -12,20 +17,25 @@ cannot load); the app then serves with the built-in engine and logs the reason.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from shardyard.checkpoint.published import Published, load_source_part
 from shardyard.serve.engine import EngineStats
 from shardyard.serve.generation import Completion
 from shardyard.serve.sampling import Pick
 from shardyard.spec import HFSpec
 
 _request_ids = itertools.count()
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 @dataclass(eq=False)
@@ -35,12 +45,35 @@ class VllmRequest:
     request_id: str
     arrived: float
     abandoned: bool = False
+    weights: str = ""  # the fingerprint of the weights that decode it, once it runs
 
 
 class VllmEngine:
     def __init__(self, engine: Any, sampling_params: type) -> None:
         self.engine, self.sampling_params = engine, sampling_params
         self.stats = EngineStats()
+        self.weights = ""  # the fingerprint of the weights vLLM holds (set by the app)
+        self._running = 0
+        self._open, self._drained = asyncio.Event(), asyncio.Event()  # made on the replica's loop
+        self._open.set()
+        self._drained.set()
+
+    async def swap_weights(self, apply: Callable[[], Awaitable[str]]) -> None:
+        """New weights in a drained window: requests that arrive meanwhile wait, the running ones
+        finish on the weights they started with, then `apply` (which may decode with
+        `tokens(..., gated=False)`) reloads them and returns their fingerprint."""
+        self._open.clear()
+        try:
+            await self._drained.wait()
+            self.weights = await apply()
+        finally:
+            self._open.set()
+
+    async def load_weights(self, model_dir: str) -> None:
+        """vLLM's workers read the weights of `model_dir` in place of theirs; blocks cached from
+        the old weights are dropped."""
+        await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": model_dir})
+        await self.engine.reset_prefix_cache()
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -59,11 +92,17 @@ class VllmEngine:
             logprobs=s.logprobs, logit_bias=dict(s.logit_bias) or None, seed=request.seed,
             detokenize=False, output_kind=RequestOutputKind.DELTA)  # the end of sequence: the model's own
 
-    async def tokens(self, handle: VllmRequest) -> AsyncIterator[int]:
+    async def tokens(self, handle: VllmRequest, gated: bool = True) -> AsyncIterator[int]:
         """The choice's tokens as vLLM decodes them (appended to its Completion, with their
         log-probabilities when asked for, as the built-in engine does); vLLM drops the request
-        when its caller stops reading or abandons it."""
+        when its caller stops reading or abandons it. A request starts once no weight swap is
+        under way (`gated`; a swap's own golden prompts are not)."""
+        if gated:
+            await self._open.wait()
         request, finished, last = handle.request, False, None
+        handle.weights = self.weights
+        self._running += 1
+        self._drained.clear()
         try:
             async for output in self.engine.generate({"prompt_token_ids": request.prompt}, self._params(request),
                                                      handle.request_id):
@@ -80,6 +119,9 @@ class VllmEngine:
                         return
                 finished = output.finished
         finally:
+            self._running -= 1
+            if not self._running:
+                self._drained.set()
             if not finished:
                 await self.engine.abort(handle.request_id)
 
@@ -112,11 +154,19 @@ def vllm_model_directory(checkpoint: str, hf_directory: bool, trust_factory: str
         return checkpoint
     if not isinstance(read_spec(checkpoint).model, HFSpec):
         return None
-    from shardyard.checkpoint.loaders import load_model
+    return written_out(checkpoint, trust_factory)
+
+
+def written_out(source: str | Path | Published, trust_factory: str | None) -> str | None:
+    """A run's Hugging Face model (a checkpoint of it, or weights it published) as a model
+    directory vLLM reads, in a new temporary directory; None when its weights are not finite
+    (a diverged run: nothing is written)."""
     from shardyard.models.hf import export_hf_directory
 
-    out = Path(tempfile.mkdtemp(prefix="shardyard-vllm-"))
-    return str(export_hf_directory(load_model(checkpoint, trust_factory), out))
+    model = load_source_part(source, lambda whole: whole, torch.device("cpu"), trust_factory=trust_factory)
+    if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+        return None
+    return str(export_hf_directory(model, Path(tempfile.mkdtemp(prefix="shardyard-vllm-"))))
 
 
 def kv_cache_bytes(config: Any, tokens: int, use_gpu: bool) -> int:
@@ -147,6 +197,9 @@ def start_vllm(model_dir: str, num_shards: int, sharding: str, context: int, max
                            kv_cache_memory_bytes=kv_cache_bytes(HFSpec(path=model_dir).hf_config(), kv_tokens,
                                                                 use_gpu),
                            distributed_executor_backend="ray" if num_shards > 1 else None,
+                           # A run's model written out without a tokenizer (its data was UTF-8
+                           # bytes): token ids in and out are all vLLM is asked for anyway.
+                           skip_tokenizer_init=not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES),
                            disable_log_stats=True, **parallel)
     try:
         return VllmEngine(AsyncLLM.from_engine_args(args), SamplingParams)

@@ -2,7 +2,7 @@
 evaluation while training and on-policy rollouts: every `publish_every_n_steps` (and at the last
 step) the whole model is gathered to rank 0's memory (Engine.full_state_dict: torch.distributed's
 state-dict API for DDP, FSDP and tensor parallelism, DeepSpeed's gathering for ZeRO), put once in
-Ray's object store, and its reference handed to the app's WeightsInbox. The app's shards each
+Ray's object store, and its reference handed to the app's AppWeights. The app's shards each
 take their own part of it (serve/, checkpoint/published.py): no storage is written or read on the
 way. The weights live as long as the worker that put them (rank 0); the run's checkpoints remain
 what outlives it. An app that is not there, or not answering, is reported once; training goes on.
@@ -16,7 +16,7 @@ import ray
 from ray import serve
 
 from shardyard.checkpoint.published import Published
-from shardyard.serve.inbox import INBOX
+from shardyard.serve.app_weights import APP_WEIGHTS
 from shardyard.train.trainer import Callback, Trainer
 
 PUT_TIMEOUT_S = 30.0
@@ -36,9 +36,9 @@ class WeightsPublisher(Callback):
             return
         started = time.perf_counter()
         try:
-            inbox = serve.get_deployment_handle(INBOX, app_name=self.app)
+            app_weights = serve.get_deployment_handle(APP_WEIGHTS, app_name=self.app)
             published = Published(trainer.spec.run.name, step, trainer.spec.model, [ray.put(state)])
-            inbox.put.remote(published).result(timeout_s=PUT_TIMEOUT_S)
+            app_weights.put.remote(published).result(timeout_s=PUT_TIMEOUT_S)
         except Exception as err:  # noqa: BLE001 - serving's trouble must not stop training
             if not self.reported:
                 print(f"shardyard: could not publish step {step} to the Serve app '{self.app}' "

@@ -1,0 +1,140 @@
+"""What an app that follows a run serves, app-wide: one AppWeights deployment per such app (Serve
+starts and deletes it with the app), which every replica's follower reads at each look.
+
+It holds the newest weights training published to the app (`checkpoint.publish_to`: a reference
+into Ray's object store, the weights themselves stay there), the weights the app has promoted in
+order (where a replica started later, by autoscaling or to replace one, begins, and what
+`/admin/rollback` goes back through), the steps a replica's gate refused (no replica tries them
+again), and the operator's pin: the weights `/admin/rollback` or `/admin/promote` chose, which
+every replica serves once it sees a pin newer than the last it applied.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ray import serve
+
+from shardyard.checkpoint.loaders import committed_record
+from shardyard.checkpoint.published import Published, source_step
+from shardyard.checkpoint.record import checkpoint_name
+
+APP_WEIGHTS = "AppWeights"  # the deployment's name: training finds it with serve.get_deployment_handle
+LIVE_S = 10.0  # a replica that has not looked for this long is gone (scaled down, replaced)
+
+Source = Path | Published  # a checkpoint directory, or weights published through the object store
+
+
+@dataclass(frozen=True)
+class Pin:
+    """An operator's choice: `source` serves on every replica, and the followers then serve only
+    steps after `follow_after` (so the newest checkpoint does not undo the choice)."""
+    serial: int
+    source: Source
+    follow_after: int
+
+    @property
+    def step(self) -> int:
+        return source_step(self.source)
+
+
+@dataclass
+class View:
+    """What a replica's follower reads at each look."""
+    published: Published | None
+    promoted: list[Source]
+    refused: dict[int, str]
+    pin: Pin | None
+
+
+@dataclass
+class AppWeightsState:
+    published: Published | None = None
+    promoted: list[Source] = field(default_factory=list)
+    refused: dict[int, str] = field(default_factory=dict)
+    pin: Pin | None = None
+    serving: dict[str, tuple[str, float]] = field(default_factory=dict)  # replica -> (fingerprint, last look)
+
+    def put(self, published: Published) -> None:
+        """Keep `published` if it is newer than what is here (its reference keeps the weights alive)."""
+        newest = self.published
+        if newest is None or published.run != newest.run or published.step > newest.step:
+            self.published = published
+
+    def look(self, replica: str, fingerprint: str, now: float) -> View:
+        self.serving[replica] = (fingerprint, now)
+        return View(self.published, list(self.promoted), dict(self.refused), self.pin)
+
+    def promote(self, source: Source) -> None:
+        """A replica serves `source` as the app's weights: kept unless the app already went past
+        its step (a slow replica finishing an older swap), it is the step served now, or an
+        operator's pin has passed over it since."""
+        step = source_step(source)
+        if (self.promoted and step <= source_step(self.promoted[-1])) or (self.pin and step <= self.pin.follow_after):
+            return
+        self.promoted.append(source)
+
+    def refuse(self, step: int, reason: str) -> None:
+        self.refused[step] = reason
+
+    def pin_to(self, source: Source, follow_after: int) -> Pin:
+        """The operator's choice serves everywhere from now on, whatever was refused or promoted."""
+        self.refused.pop(source_step(source), None)
+        if not self.promoted or source_step(self.promoted[-1]) != source_step(source):
+            self.promoted.append(source)
+        self.pin = Pin((self.pin.serial if self.pin else 0) + 1, source, follow_after)
+        return self.pin
+
+    def serving_count(self, fingerprint: str, now: float) -> tuple[int, int]:
+        """How many live replicas serve `fingerprint`, of how many live."""
+        live = [served for served, at in self.serving.values() if now - at <= LIVE_S]
+        return sum(served == fingerprint for served in live), len(live)
+
+
+def rollback_target(promoted: list[Source], serving_step: int | None, refused: dict[int, str]) -> Source | None:
+    """The weights the app promoted last before the ones it serves now (none refused since)."""
+    for source in reversed(promoted):
+        step = source_step(source)
+        if step != serving_step and step not in refused:
+            return source
+    return None
+
+
+def starting_checkpoint(view: View, run_dir: str) -> Path | None:
+    """Where a replica starting now begins: the newest weights the app promoted that the run
+    still holds committed (published weights: the run's checkpoint of their step). None: the
+    run's newest checkpoint (the app has promoted none yet, or training pruned them all)."""
+    for source in reversed(view.promoted):
+        path = source if isinstance(source, Path) else Path(run_dir).expanduser().resolve() / checkpoint_name(source.step)
+        if committed_record(path) is not None:
+            return path
+    return None
+
+
+@serve.deployment(name=APP_WEIGHTS, num_replicas=1, ray_actor_options={"num_cpus": 0},
+                  logging_config={"enable_access_log": False})  # every replica asks it at each look
+class AppWeights:
+    """The app's AppWeightsState, where every replica and the training run reach it."""
+
+    def __init__(self) -> None:
+        self.state = AppWeightsState()
+
+    def put(self, published: Published) -> None:
+        self.state.put(published)
+
+    def look(self, replica: str, fingerprint: str) -> View:
+        return self.state.look(replica, fingerprint, time.monotonic())
+
+    def promote(self, source: Source) -> None:
+        self.state.promote(source)
+
+    def refuse(self, step: int, reason: str) -> None:
+        self.state.refuse(step, reason)
+
+    def pin(self, source: Source, follow_after: int) -> Pin:
+        return self.state.pin_to(source, follow_after)
+
+    def serving_count(self, fingerprint: str) -> tuple[int, int]:
+        return self.state.serving_count(fingerprint, time.monotonic())

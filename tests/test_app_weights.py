@@ -1,0 +1,85 @@
+"""The app-wide record of a followed app's weights, without Ray: what the app promoted (where a
+replica started later begins, what a rollback goes back to), refusals, and the operator's pin
+(the follow drills run it across two served replicas)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from followed_run import commit
+from shardyard.checkpoint.published import Published
+from shardyard.checkpoint.record import checkpoint_name
+from shardyard.serve.app_weights import AppWeightsState, rollback_target, starting_checkpoint
+from shardyard.serve.config import parse_config
+from shardyard.spec import GPTSpec
+
+RUN = Path("/runs/r")
+
+
+def at(step: int) -> Path:
+    return RUN / checkpoint_name(step)
+
+
+@pytest.mark.timeout(30)
+def test_a_slow_replica_finishing_an_older_swap_does_not_move_the_app_back() -> None:
+    state = AppWeightsState()
+    for step in (10, 20, 10, 20, 30):
+        state.promote(at(step))
+    assert state.promoted == [at(10), at(20), at(30)]
+
+
+@pytest.mark.timeout(30)
+def test_a_pin_serves_everywhere_and_no_follower_promotes_what_it_passed_over() -> None:
+    state = AppWeightsState()
+    state.promote(at(10))
+    state.promote(at(20))
+    state.refuse(30, "not finite")
+    first = state.pin_to(at(10), follow_after=30)
+    assert (first.serial, first.step, state.promoted[-1]) == (1, 10, at(10))
+    state.promote(at(20))  # a replica that was still swapping in step 20 when the operator rolled back
+    assert state.promoted[-1] == at(10)
+    second = state.pin_to(at(30), follow_after=30)  # the operator's promotion of a refused step
+    assert second.serial == 2 and 30 not in state.refused
+    view = state.look("r1", "run@30", now=0.0)
+    assert view.pin == second and view.promoted[-1] == at(30)
+    state.promote(at(40))  # a step committed after the pin: followed again
+    assert state.promoted[-1] == at(40)
+
+
+@pytest.mark.timeout(30)
+def test_rollback_goes_to_the_last_promoted_weights_that_are_neither_served_nor_refused() -> None:
+    promoted = [at(10), at(20), at(30), at(20)]  # 30 rolled back to 20 once
+    assert rollback_target(promoted, 20, {}) == at(30)
+    assert rollback_target(promoted, 20, {30: "canary: failed"}) == at(10)
+    assert rollback_target([at(10)], 10, {}) is None
+
+
+@pytest.mark.timeout(30)
+def test_replicas_serving_counts_only_the_live_ones() -> None:
+    state = AppWeightsState()
+    state.look("r1", "run@10", now=0.0)
+    state.look("r2", "run@20", now=5.0)
+    state.look("gone", "run@20", now=-100.0)
+    assert state.serving_count("run@20", now=6.0) == (1, 2)
+    assert state.serving_count("run@10", now=6.0) == (1, 2)
+
+
+@pytest.mark.timeout(120)
+def test_a_replica_started_later_begins_on_the_weights_the_app_serves(tmp_path: Path) -> None:
+    run_dir = tmp_path / "gpt_ddp"
+    for step in (10, 20):
+        commit(run_dir, step, overrides=())
+    state = AppWeightsState()
+    assert starting_checkpoint(state.look("r", "", 0.0), str(run_dir)) is None  # nothing promoted: the newest
+    state.promote(run_dir / checkpoint_name(10))
+    assert starting_checkpoint(state.look("r", "", 0.0), str(run_dir)) == run_dir / checkpoint_name(10)
+    published = Published("gpt_ddp", 20, GPTSpec(), [])
+    state.promote(published)  # published weights: the run's checkpoint of their step
+    assert starting_checkpoint(state.look("r", "", 0.0), str(run_dir)) == run_dir / checkpoint_name(20)
+    state.promote(run_dir / checkpoint_name(30))  # pruned, or never committed: the one before
+    assert starting_checkpoint(state.look("r", "", 0.0), str(run_dir)) == run_dir / checkpoint_name(20)
+    config = parse_config({"checkpoint": str(run_dir)}).starting_at(run_dir / checkpoint_name(10))
+    assert (config.served_step, config.fingerprint, config.follow) == (10, "gpt_ddp@10", True)
+    assert (config.checkpoint, config.source) == (str(run_dir / checkpoint_name(10)), str(run_dir))
