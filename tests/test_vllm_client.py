@@ -10,6 +10,7 @@ Without it these tests are skipped, saying so.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,21 +23,34 @@ pytestmark = pytest.mark.skipif(not VLLM.exists(), reason=f"no vLLM environment 
 
 
 @pytest.fixture(scope="module")
-def serving(ray_cluster, tmp_path_factory: pytest.TempPathFactory):
-    """Serve on a free port; yields a function that deploys an app and returns its base URL."""
+def serve_port(ray_cluster) -> Iterator[int]:
+    """Serve's HTTP proxy on a free port, for this module's apps."""
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield port
+    serve.shutdown()
+
+
+@pytest.fixture
+def serving(serve_port: int) -> Iterator[Callable[[str, dict], str]]:
+    """A function that deploys an app and returns its base URL; the test's apps are deleted after
+    it (their CPUs are what the next test's apps start on)."""
     from ray import serve
 
     from shardyard.serve.app import build_app
 
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    deployed = []
 
     def deploy(name: str, args: dict) -> str:
         serve.run(build_app(args), name=name, route_prefix=f"/{name}")
-        return f"http://127.0.0.1:{port}/{name}"
+        deployed.append(name)
+        return f"http://127.0.0.1:{serve_port}/{name}"
 
     yield deploy
-    serve.shutdown()
+    for name in deployed:
+        serve.delete(name)
 
 
 @pytest.fixture(scope="module")

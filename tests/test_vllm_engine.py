@@ -22,7 +22,7 @@ pytest.importorskip("vllm", reason="engine: vllm needs vLLM in this interpreter'
 
 from followed_run import PROMPT, alone, commit  # noqa: E402
 from shardyard.checkpoint.record import checkpoint_name  # noqa: E402
-from test_vllm_client import bench, default_job_run, model_directory, serving  # noqa: E402,F401 - fixtures
+from test_vllm_client import bench, default_job_run, model_directory, serve_port, serving  # noqa: E402,F401 - fixtures
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 TOKEN = "vllm-engine-test-token"

@@ -73,7 +73,8 @@ class VllmEngine:
         """vLLM's workers read the weights of `model_dir` in place of theirs; blocks cached from
         the old weights are dropped."""
         await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": model_dir})
-        await self.engine.reset_prefix_cache()
+        if not await self.engine.reset_prefix_cache():
+            raise RuntimeError("vLLM did not empty its prefix cache after a weight reload")
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -119,11 +120,13 @@ class VllmEngine:
                         return
                 finished = output.finished
         finally:
-            self._running -= 1
-            if not self._running:
-                self._drained.set()
-            if not finished:
-                await self.engine.abort(handle.request_id)
+            try:
+                if not finished:
+                    await self.engine.abort(handle.request_id)
+            finally:  # counted as running until vLLM has let go of it: a swap waits for that
+                self._running -= 1
+                if not self._running:
+                    self._drained.set()
 
     def _count(self, handle: VllmRequest, last: float | None) -> None:
         now = time.perf_counter()
