@@ -64,6 +64,7 @@ def test_replicas_serving_counts_only_the_live_ones() -> None:
     state.look("gone", "run@20", now=-100.0)
     assert state.serving_count("run@20", now=6.0) == (1, 2)
     assert state.serving_count("run@10", now=6.0) == (1, 2)
+    assert state.live(now=12.0) == {"r2": "run@20"}
 
 
 @pytest.mark.timeout(120)

@@ -372,21 +372,25 @@ def replicas_of(app: str) -> set[str]:
             if actor["name"].startswith(f"SERVE_REPLICA::{app}#ModelServer#")}
 
 
-def replace_a_replica(app: str, timeout_s: float = 180) -> None:
-    """Kill one of `app`'s replicas, and wait until Serve runs another in its place."""
+def replace_a_replica(app: str, serving: str, timeout_s: float = 240) -> None:
+    """Kill one of `app`'s replicas, and wait until another runs in its place and, with the one
+    left, tells the app's AppWeights that it serves `serving` (a replica's own report, kept
+    while it looks every follow_interval_s)."""
     import ray
     from ray import serve
+
+    from shardyard.serve.app_weights import APP_WEIGHTS
 
     before = replicas_of(app)
     killed = sorted(before)[0]
     ray.kill(ray.get_actor(killed, namespace="serve"), no_restart=True)
+    app_weights = serve.get_deployment_handle(APP_WEIGHTS, app_name=app)
     deadline = time.monotonic() + timeout_s
     while True:
-        states = serve.status().applications[app].deployments["ModelServer"].replica_states
-        now = replicas_of(app)
-        if killed not in now and len(now) == len(before) and states == {"RUNNING": len(before)}:
+        live = app_weights.replicas.remote().result(timeout_s=30)
+        if len(live) == len(before) and not killed.endswith(tuple(live)) and set(live.values()) == {serving}:
             return
-        assert time.monotonic() < deadline, (states, now)
+        assert time.monotonic() < deadline, (live, killed)
         time.sleep(0.5)
 
 
@@ -445,7 +449,7 @@ def test_a_canary_serves_a_checkpoint_on_one_replica_before_all_and_refuses_one_
         assert back == {"served_step": 10, "system_fingerprint": "gpt_ddp@10", "replicas_serving": 2,
                         "replicas": 2}, back
         assert answers_after(client, len(client.answers)) == {(200, "gpt_ddp@10")}
-        replace_a_replica("canary")
+        replace_a_replica("canary", serving="gpt_ddp@10")
         assert answers_after(client, len(client.answers), count=40) == {(200, "gpt_ddp@10")}
         assert admin(url, "promote", step=20).json()["replicas_serving"] == 2
         assert answers_after(client, len(client.answers)) == {(200, "gpt_ddp@20")}

@@ -87,9 +87,14 @@ class AppWeightsState:
         self.pin = Pin((self.pin.serial if self.pin else 0) + 1, source, follow_after)
         return self.pin
 
+    def live(self, now: float) -> dict[str, str]:
+        """The replicas that looked lately, and the weights each served then ("" before its
+        first look after loading)."""
+        return {replica: served for replica, (served, at) in self.serving.items() if now - at <= LIVE_S}
+
     def serving_count(self, fingerprint: str, now: float) -> tuple[int, int]:
         """How many live replicas serve `fingerprint`, of how many live."""
-        live = [served for served, at in self.serving.values() if now - at <= LIVE_S]
+        live = self.live(now).values()
         return sum(served == fingerprint for served in live), len(live)
 
 
@@ -138,3 +143,6 @@ class AppWeights:
 
     def serving_count(self, fingerprint: str) -> tuple[int, int]:
         return self.state.serving_count(fingerprint, time.monotonic())
+
+    def replicas(self) -> dict[str, str]:
+        return self.state.live(time.monotonic())
