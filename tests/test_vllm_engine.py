@@ -18,7 +18,7 @@ import pytest
 import requests
 
 pytest.importorskip("vllm", reason="engine: vllm needs vLLM in this interpreter's environment "
-                                   "(benchmarks/make_vllm_env.sh, then install shardyard into it)")
+                                   "(benchmarks/make_vllm_env.sh makes one with shardyard in it; run pytest with its python)")
 
 from followed_run import PROMPT, alone, commit  # noqa: E402
 from shardyard.checkpoint.record import checkpoint_name  # noqa: E402
