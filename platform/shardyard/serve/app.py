@@ -58,7 +58,7 @@ from shardyard.serve.engine import DecodingEngine
 from shardyard.serve.scheduler import MIN_CHUNK, LostTwice
 from shardyard.serve.guard import ChoiceLimit, ClientError, GuardSettings, error_response, install
 from shardyard.serve.generation import Completion, TextCodec, decode_steps
-from shardyard.serve.golden import answer_texts, golden_requests, greedy_answers, regressions
+from shardyard.serve.golden import GoldenPrompt, answer_texts, golden_requests, greedy_answers, regressions
 from shardyard.serve.rollout import PROMOTE, REFUSE, WAIT, Rollout, Tally
 from shardyard.serve.app_weights import AppWeights, Pin, Source, View, rollback_target, starting_checkpoint
 from shardyard.checkpoint.published import Published, source_step
@@ -605,13 +605,16 @@ class ModelServer:
                 if worse:
                     raise WeightsRefused(f"{checkpoint}: {worse}")
                 source = checkpoint if isinstance(checkpoint, Published) else str(checkpoint)
+                # Weights served before passed the golden prompts then (a rollback, a canary stepping
+                # back): judged against the ones they replace, they would fail for having answered first.
+                golden = [] if judged or checkpoint in self.served else self.config.golden_prompts
                 if isinstance(self.engine, VllmEngine):
-                    await self._swap_vllm(checkpoint, fingerprint, judged)
+                    await self._swap_vllm(checkpoint, source, fingerprint, golden)
                 elif not await asyncio.to_thread(self.model.prepare, source):
                     self.model.drop_staged()
                     raise WeightsRefused(f"{checkpoint} has weights that are not finite")
                 else:
-                    await self._swap_between_passes(lambda: self._swap_in(checkpoint, fingerprint, judged))
+                    await self._swap_between_passes(lambda: self._swap_in(checkpoint, fingerprint, golden))
             except (WeightsRefused, BadCheckpoint) as err:  # a file that does not match its record too
                 self.refused[step] = str(err)
                 self.metrics.promotions_refused.inc()
@@ -645,12 +648,9 @@ class ModelServer:
         return (f"its validation loss {candidate:.4f} is worse than the served step {self.served_step}'s "
                 f"{served:.4f} by more than {tolerance:.0%}")
 
-    def _swap_in(self, checkpoint: Source, fingerprint: str, judged: bool) -> str:
+    def _swap_in(self, checkpoint: Source, fingerprint: str, golden: list[GoldenPrompt]) -> str:
         """In the engine's drained window: the prepared weights serve from now on, once they
-        answer the golden prompts as they must; else the served ones stay (WeightsRefused)."""
-        # Weights served before passed the golden prompts then (a rollback, a canary stepping back):
-        # judged against the ones they replace, they would fail for having answered first.
-        golden = [] if judged or checkpoint in self.served else self.config.golden_prompts
+        answer the `golden` prompts as they must; else the served ones stay (WeightsRefused)."""
         with self.model.exclusive():  # the swap, the golden passes and a swap back on one shard group
             if golden and self._golden[0] != self.fingerprint:  # the served weights' answers, once
                 self._golden = (self.fingerprint, self._golden_answers())
@@ -678,16 +678,15 @@ class ModelServer:
         return greedy_answers(self.model.forward, self.config.golden_prompts, self.codec, self.block_size,
                               self.stop_token)
 
-    async def _swap_vllm(self, checkpoint: Source, fingerprint: str, judged: bool) -> None:
-        """The gate and the swap where vLLM decodes: the checkpoint written out as a model
-        directory (refused when its weights are not finite), reloaded by vLLM in its drained
-        window, where the golden prompts are decoded; the served weights are reloaded when
-        they fail, or when the reload itself fails."""
-        source = checkpoint if isinstance(checkpoint, Published) else str(checkpoint)
+    async def _swap_vllm(self, checkpoint: Source, source: str | Published, fingerprint: str,
+                         golden: list[GoldenPrompt]) -> None:
+        """The gate and the swap where vLLM decodes: `source` written out as a model directory
+        (refused when its weights are not finite), reloaded by vLLM in its drained window, where
+        the `golden` prompts are decoded; the served weights are reloaded when they fail, or
+        when the reload itself fails."""
         model_dir = await asyncio.to_thread(written_out, source, self.config.trust_factory)
         if model_dir is None:
             raise WeightsRefused(f"{checkpoint} has weights that are not finite")
-        golden = [] if judged or checkpoint in self.served else self.config.golden_prompts
 
         async def apply() -> str:
             if golden and self._golden[0] != self.fingerprint:  # the served weights' answers, once
@@ -775,9 +774,9 @@ class ModelServer:
                                    f"held them exited); {self.fingerprint} still serves") from None
         pin: Pin = await self.app_weights.pin.remote(checkpoint, follow_after)
         self.pin_applied = max(self.pin_applied, pin.serial)
+        await self.app_weights.look.remote(self.replica, self.fingerprint)  # its own weights: counted now
         deadline = time.monotonic() + PIN_WAIT_S
         while True:
-            await self.app_weights.look.remote(self.replica, self.fingerprint)
             serving, live = await self.app_weights.serving_count.remote(self.fingerprint)
             if serving >= live or time.monotonic() > deadline:
                 break

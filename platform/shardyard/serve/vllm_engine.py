@@ -32,6 +32,7 @@ from shardyard.checkpoint.published import Published, load_source_part
 from shardyard.serve.engine import EngineStats
 from shardyard.serve.generation import Completion
 from shardyard.serve.sampling import Pick
+from shardyard.serve.shards import all_finite
 from shardyard.spec import HFSpec
 
 _request_ids = itertools.count()
@@ -167,7 +168,7 @@ def written_out(source: str | Path | Published, trust_factory: str | None) -> st
     from shardyard.models.hf import export_hf_directory
 
     model = load_source_part(source, lambda whole: whole, torch.device("cpu"), trust_factory=trust_factory)
-    if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+    if not all_finite(model):
         return None
     return str(export_hf_directory(model, Path(tempfile.mkdtemp(prefix="shardyard-vllm-"))))
 
