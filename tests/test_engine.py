@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from shardyard.models.kv_cache import BLOCK_TOKENS, CacheStep, KVCache
 from shardyard.serve.engine import DecodingEngine, TokenBudget
@@ -139,6 +140,38 @@ def test_each_row_reads_its_own_blocks_wherever_they_lie() -> None:
         cache.begin(CacheStep(((3,),), (1,)), 2, cpu)
     with pytest.raises(RuntimeError, match="outside the cache"):
         cache.begin(CacheStep(((6,),), (0,)), 1, cpu)
+
+
+@pytest.mark.timeout(30)
+def test_grouped_query_attention_over_scattered_blocks_equals_each_row_alone() -> None:
+    """Four query heads sharing two key heads, rows of different lengths in scattered blocks: a
+    decode step's attention, and a prompt chunk's after a cached one, equal each row's attention
+    computed alone with its key heads repeated (what transformers' eager attention does)."""
+    torch.manual_seed(0)
+    cpu, lengths, tables = torch.device("cpu"), (5, 9, 2), ((7, 1), (2, 6, 4), (0,))
+
+    def alone(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        keys, values = keys.repeat_interleave(2, 1), values.repeat_interleave(2, 1)
+        causal = torch.ones(q.shape[2], keys.shape[2], dtype=torch.bool).tril(keys.shape[2] - q.shape[2])
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal)
+
+    past = [(torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)) for n in lengths]
+    cache = KVCache(blocks=8, block_tokens=4)
+    for table, (keys, values) in zip(tables, past):
+        cache.begin(CacheStep((table,), (0,)), keys.shape[2], cpu)
+        cache.attend("0", torch.zeros(1, 4, keys.shape[2], 8), keys, values)
+    q, k, v = torch.randn(3, 4, 1, 8), torch.randn(3, 2, 1, 8), torch.randn(3, 2, 1, 8)
+    cache.begin(CacheStep(tables, lengths), 1, cpu)
+    expected = torch.cat([alone(q[r:r + 1], *(torch.cat([p, new[r:r + 1]], 2) for p, new in zip(past[r], (k, v))))
+                          for r in range(3)])
+    torch.testing.assert_close(cache.attend("0", q, k, v), expected, rtol=0, atol=1e-6)
+    # The second row's next two tokens as one chunk, over its 10 cached positions (blocks 2, 6, 4).
+    cached = [torch.cat([p, new[1:2]], 2) for p, new in zip(past[1], (k, v))]
+    q, k, v = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8)
+    cache.begin(CacheStep((tables[1],), (10,)), 2, cpu)
+    got = cache.attend("0", q, k, v)
+    torch.testing.assert_close(got, alone(q, torch.cat([cached[0], k], 2), torch.cat([cached[1], v], 2)),
+                               rtol=0, atol=1e-6)
 
 
 @pytest.mark.timeout(120)

@@ -43,11 +43,12 @@ class CausalSelfAttention(nn.Module):
             proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
             for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
-        if cache is not None:  # decoding: attend over the cached past too (under the cache's mask)
-            k, v = cache.update(layer, k, v)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=self.dropout if self.training else 0.0
-        )
+        if cache is not None:  # decoding: attend over the cached past too
+            y = cache.attend(layer, q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=self.dropout if self.training else 0.0
+            )
         return self.out_proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -140,10 +141,7 @@ class GPT(nn.Module):
         `cache`: decoding with a KV cache (its current step says which rows and positions); the
         caller begins and ends the step, once for all of a shard's blocks.
         """
-        if cache is not None:
-            mask = cache.attention_mask(x.shape[1], x.device)
-        else:
-            mask = None if pad is None else padding_mask(pad, x.shape[1])
+        mask = None if pad is None or cache is not None else padding_mask(pad, x.shape[1])  # a cache masks its own
         if self.tok_emb is not None:
             if cache is not None:
                 positions = cache.positions(x.shape[1], x.device)

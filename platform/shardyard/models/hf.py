@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import Cache
+from transformers import AttentionInterface, Cache
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from shardyard.models.blocks import names_of_each_parameter
 from shardyard.layout.capabilities import hf_block_tp_plan
@@ -30,6 +32,27 @@ from shardyard.spec import HFSpec
 # Files a model directory may carry besides config and weights: the tokenizer travels with them.
 COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
+
+
+# transformers' sdpa attention, except in a pass over the serving engine's KV cache, where the
+# cache attends (models/kv_cache.py `attend`: query heads read the key head they share without a
+# copy, whichever transformers is installed; 5.19, which vLLM pins, copies it per query head under
+# a mask). Registered under its own name with sdpa's masks, so that training and every pass
+# without the engine's cache run as under sdpa.
+PAGED_ATTENTION = "shardyard_paged"
+
+
+def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, engine_cache: KVCache | None = None,
+                    **kwargs: Any) -> tuple[torch.Tensor, None]:
+    if engine_cache is None:
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+    out = engine_cache.attend(str(module.layer_idx), query, key, value, kwargs.get("scaling"))
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(PAGED_ATTENTION, paged_attention)
+AttentionMaskInterface.register(PAGED_ATTENTION, sdpa_mask)
 
 
 class HFCausalLM(nn.Module):
@@ -47,6 +70,11 @@ class HFCausalLM(nn.Module):
             # From the config (a directory's, when its weights are not wanted or come later). A
             # random init is drawn again, unit by unit, by models.materialise.
             self.hf = AutoModelForCausalLM.from_config(spec.hf_config(), dtype=torch.float32)
+        # One the config asked for (eager, flash) stays, and so does sdpa for a model whose scores
+        # are soft-capped (Gemma 2), which the cache's attention does not compute.
+        config = self.hf.config
+        if config._attn_implementation == "sdpa" and getattr(config, "attn_logit_softcapping", None) is None:
+            self.hf.set_attn_implementation(PAGED_ATTENTION)
         # Blocks FSDP wraps and activation checkpointing recomputes: the model's own decoder layers.
         self._no_split_modules = tuple(self.hf._no_split_modules or ())
         # A pipeline stage after the first takes hidden states; one before the last returns them.
@@ -180,7 +208,10 @@ class HFCausalLM(nn.Module):
             # uses as given) come from the cache, not from transformers' one-length-fits-all logic.
             allowed = cache.attention_mask(x.shape[1], x.device)
             dtype = next(self.hf.parameters()).dtype
-            kwargs.update(use_cache=True, past_key_values=EngineCache(cache),
+            paged = self.hf.config._attn_implementation == PAGED_ATTENTION
+            if paged:
+                kwargs["engine_cache"] = cache
+            kwargs.update(use_cache=True, past_key_values=EngineCache(cache, stores=not paged),
                           position_ids=cache.positions(x.shape[1], x.device),
                           # Additive, which every attention implementation (eager and sdpa) takes.
                           attention_mask=torch.zeros(allowed.shape, dtype=dtype, device=x.device)
@@ -198,14 +229,18 @@ class EngineCache(Cache):
     """The serving engine's KV cache (models/kv_cache.py: a pool of blocks, each request's named by its block table) behind
     transformers' `Cache` interface, through which every attention layer of a transformers model
     stores its new keys and values and gets back the past to attend over. Layers are keyed by
-    their index in the whole model, so a pipeline stage's layers keep their own."""
+    their index in the whole model, so a pipeline stage's layers keep their own. Under
+    `paged_attention` (not `stores`), the attention stores them and reads the past itself: the new
+    keys and values pass through."""
 
-    def __init__(self, cache: KVCache) -> None:
+    def __init__(self, cache: KVCache, stores: bool = True) -> None:
         super().__init__(layers=[])
-        self.engine_cache = cache
+        self.engine_cache, self.stores = cache, stores
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.stores:
+            return key_states, value_states
         return self.engine_cache.update(str(layer_idx), key_states, value_states)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

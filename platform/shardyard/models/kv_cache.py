@@ -15,8 +15,11 @@ step writes and reads as it is told, so every shard of a sharded model (pipeline
 tensor: its heads) applies the same steps with nothing of its own to keep in line, and a lost
 shard's cache is recovered by the scheduler forgetting what its blocks held.
 
-Attention reads a row's blocks gathered into one tensor per layer (pure PyTorch has no paged
-attention kernel): a copy as large as the keys and values attention reads anyway.
+Pure PyTorch has no paged attention kernel: attention reads a row's blocks gathered into one
+tensor per layer, a copy the size of what attention reads anyway. (Reading each row in place, row
+by row, was slower in the engine on this CPU: many small products instead of one batched kernel.)
+The cache attends itself (`attend`), so that query heads sharing a key head (grouped-query
+attention) read it without a copy whichever transformers is installed.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 BLOCK_TOKENS = 16  # positions per block: vLLM's default
 
@@ -93,20 +97,41 @@ class KVCache:
         """This pass's boolean attention mask over the keys `update` returns."""
         return self.plan.mask
 
+    def attend(self, layer: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float | None = None) -> torch.Tensor:
+        """Store this pass's keys and values (B, kv_heads, T, head_dim) for `layer`, and return
+        the attention (B, heads, T, head_dim) of its queries (B, heads, T, head_dim; heads a
+        multiple of kv_heads) over each row's positions up to its own."""
+        self._store(layer, k, v)
+        batch, heads, seq, head_dim = q.shape
+        kv_heads = k.shape[1]
+        keys, values = (k, v) if self.plan.gather is None else self._gathered(layer, batch, kv_heads, head_dim)
+        if seq == 1:  # a decode step: each key head's query group is its query length, under the row's mask
+            grouped = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=self.plan.mask, scale=scale)
+            return out.reshape(batch, heads, 1, head_dim)
+        if heads != kv_heads:
+            keys, values = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (keys, values))
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.plan.mask, scale=scale)
+
     def update(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this pass's keys and values (B, heads, T, head_dim) for `layer`; return the keys
-        and values to attend over, under `attention_mask`."""
+        """For a model whose attention is its own (not `attend`): store this pass's keys and
+        values (B, heads, T, head_dim) for `layer`; return the keys and values to attend over,
+        under `attention_mask`."""
+        self._store(layer, k, v)
+        return (k, v) if self.plan.gather is None else self._gathered(layer, k.shape[0], k.shape[1], k.shape[3])
+
+    def _store(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> None:
         batch, heads, seq, head_dim = k.shape
         if layer not in self.keys:  # the layer's (local) head count is known at its first call
             shape = (self.blocks * self.block_tokens, heads, head_dim)
             self.keys[layer] = torch.zeros(shape, dtype=k.dtype, device=k.device)
             self.values[layer] = torch.zeros(shape, dtype=v.dtype, device=v.device)
-        plan, out = self.plan, []
         for pool, new in ((self.keys[layer], k), (self.values[layer], v)):
-            pool[plan.slots] = new.transpose(1, 2).reshape(batch * seq, heads, head_dim)
-            if plan.gather is None:
-                out.append(new)
-            else:
-                width = plan.gather.shape[1]
-                out.append(pool[plan.gather.flatten()].view(batch, width, heads, head_dim).transpose(1, 2))
-        return out[0], out[1]
+            pool[self.plan.slots] = new.transpose(1, 2).reshape(batch * seq, heads, head_dim)
+
+    def _gathered(self, layer: str, batch: int, heads: int, head_dim: int) -> list[torch.Tensor]:
+        """Every row's positions from the pool, padded to the longest: (B, heads, W, head_dim)."""
+        index, width = self.plan.gather.flatten(), self.plan.gather.shape[1]
+        return [pool[index].view(batch, width, heads, head_dim).transpose(1, 2)
+                for pool in (self.keys[layer], self.values[layer])]
