@@ -14,6 +14,12 @@ Run by the python of vLLM's environment (make_vllm_env.sh) with shardyard instal
 `engine: vllm` replica imports vLLM.
 Reported: output tokens/s, time to first token and time per output token (p50), inter-token
 latency (p99), and shardyard's ratio to vLLM for each.
+
+`shardyard-in-process` measures the built-in engine alone, without Serve, HTTP or a client: the
+same model, built as the app builds it (ServeConfig's defaults, the replica's threads), the same
+random load at each concurrency, and where its time goes: the model's decode passes, its prefill
+passes, and the engine's own work (scheduling, sampling bookkeeping, streaming to callers) as
+the rest of the wall time. What separates its row from `shardyard`'s is the serving path.
 """
 
 from __future__ import annotations
@@ -101,6 +107,71 @@ def shardyard_rows(directory: Path, out: Path, concurrencies: list[int], prompts
         ray.shutdown()
 
 
+def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompts: int) -> list[dict]:
+    """The built-in engine driven directly, in this process, by the random load."""
+    import asyncio
+    import math
+    import random
+    import statistics
+
+    import torch
+
+    from shardyard.serve.app import REPLICA_CPUS
+    from shardyard.serve.batching import prefill_budget
+    from shardyard.serve.config import ServeConfig
+    from shardyard.serve.engine import DecodingEngine
+    from shardyard.serve.generation import Completion
+    from shardyard.serve.local_model import LocalModel
+    from shardyard.serve.sampling import Sampling
+
+    cfg = ServeConfig(checkpoint=str(directory), max_batch_size=16, max_tokens_limit=256)
+    torch.set_num_threads(max(1, math.ceil(REPLICA_CPUS + cfg.cpus_per_shard)))  # the replica's threads
+    model = LocalModel(cfg.checkpoint, False, cfg.cache_blocks)
+    budget = prefill_budget(model.forward, CONTEXT, cfg.max_batch_size, cfg.token_latency_target_ms / 1000)
+    spent = {"decode": 0.0, "prefill": 0.0}
+
+    def forward(tokens: torch.Tensor, step, draws):  # the model's passes, timed by kind
+        started = time.perf_counter()
+        try:
+            return model.forward(tokens, step, draws)
+        finally:
+            spent["decode" if tokens.shape[1] == 1 else "prefill"] += time.perf_counter() - started
+
+    async def load(concurrency: int, count: int) -> dict:
+        engine = DecodingEngine(forward, cfg.max_batch_size, CONTEXT, cfg.cache_blocks, budget, lambda: None, ())
+        rng, gate, ttft, tpot = random.Random(concurrency), asyncio.Semaphore(concurrency), [], []
+        vocabulary = model.model.hf.config.vocab_size
+
+        async def one() -> int:
+            async with gate:
+                prompt = [rng.randrange(vocabulary) for _ in range(PROMPT_TOKENS)]
+                started, times = time.perf_counter(), []
+                async for _ in engine.tokens(engine.submit(Completion(prompt, OUTPUT_TOKENS,
+                                                                      Sampling(ignore_eos=True)))):
+                    times.append(time.perf_counter())
+                ttft.append(times[0] - started)
+                tpot.append((times[-1] - times[0]) / (len(times) - 1))
+                return len(times)
+
+        spent.update(decode=0.0, prefill=0.0)
+        started = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(one() for _ in range(count))))
+        wall = time.perf_counter() - started
+        return {"server": "shardyard engine, in process", "load": "random", "streams": concurrency,
+                "requests": count, "failed": 0, "output_tok_per_s": tokens / wall,
+                "ttft_p50_ms": statistics.median(ttft) * 1000, "tpot_p50_ms": statistics.median(tpot) * 1000,
+                "itl_p99_ms": None, "decode_passes_s": spent["decode"], "prefill_passes_s": spent["prefill"],
+                "engine_s": wall - spent["decode"] - spent["prefill"]}
+
+    rows = []
+    for concurrency in concurrencies:
+        count = prompts if concurrency > 1 else max(8, prompts // 4)
+        rows.append(asyncio.run(load(concurrency, count)))
+        print(rows[-1], flush=True)
+    model.close()
+    return rows
+
+
 def vllm_rows(directory: Path, out: Path, concurrencies: list[int], prompts: int) -> list[dict]:
     from shardyard.localdist import free_port
 
@@ -122,6 +193,7 @@ def vllm_rows(directory: Path, out: Path, concurrencies: list[int], prompts: int
 SERVERS = {"shardyard": shardyard_rows,
            "shardyard-no-prefix-caching": lambda *a: shardyard_rows(*a, prefix_caching=False),
            "shardyard-vllm-engine": lambda *a: shardyard_rows(*a, engine="vllm"),
+           "shardyard-in-process": in_process_rows,
            "vllm": vllm_rows}
 
 
