@@ -407,6 +407,7 @@ def test_an_asynchronous_checkpoint_that_cannot_be_written_fails_the_run_with_th
 
 
 @pytest.mark.drill(outcome="fails with the storage error", lost="nothing since the last checkpoint")
+@pytest.mark.slow  # two DeepSpeed launches of two ranks: about half a minute
 @pytest.mark.timeout(240)
 def test_a_zero_checkpoint_that_cannot_be_uploaded_leaves_no_temporary_files(tmp_path: Path) -> None:
     """DeepSpeed writes a ZeRO checkpoint into a local temporary directory, copied up to remote
