@@ -102,10 +102,9 @@ class KVCache:
         """Store this pass's keys and values (B, kv_heads, T, head_dim) for `layer`, and return
         the attention (B, heads, T, head_dim) of its queries (B, heads, T, head_dim; heads a
         multiple of kv_heads) over each row's positions up to its own."""
-        self._store(layer, k, v)
+        keys, values = self.update(layer, k, v)
         batch, heads, seq, head_dim = q.shape
         kv_heads = k.shape[1]
-        keys, values = (k, v) if self.plan.gather is None else self._gathered(layer, batch, kv_heads, head_dim)
         if seq == 1:  # a decode step: each key head's query group is its query length, under the row's mask
             grouped = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
             out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=self.plan.mask, scale=scale)
@@ -115,23 +114,20 @@ class KVCache:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.plan.mask, scale=scale)
 
     def update(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """For a model whose attention is its own (not `attend`): store this pass's keys and
-        values (B, heads, T, head_dim) for `layer`; return the keys and values to attend over,
-        under `attention_mask`."""
-        self._store(layer, k, v)
-        return (k, v) if self.plan.gather is None else self._gathered(layer, k.shape[0], k.shape[1], k.shape[3])
-
-    def _store(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store this pass's keys and values (B, heads, T, head_dim) for `layer`; return the keys
+        and values to attend over, under `attention_mask` (what `attend` does first; a model whose
+        attention is its own calls it alone)."""
         batch, heads, seq, head_dim = k.shape
         if layer not in self.keys:  # the layer's (local) head count is known at its first call
             shape = (self.blocks * self.block_tokens, heads, head_dim)
             self.keys[layer] = torch.zeros(shape, dtype=k.dtype, device=k.device)
             self.values[layer] = torch.zeros(shape, dtype=v.dtype, device=v.device)
+        plan, out = self.plan, []
         for pool, new in ((self.keys[layer], k), (self.values[layer], v)):
-            pool[self.plan.slots] = new.transpose(1, 2).reshape(batch * seq, heads, head_dim)
-
-    def _gathered(self, layer: str, batch: int, heads: int, head_dim: int) -> list[torch.Tensor]:
-        """Every row's positions from the pool, padded to the longest: (B, heads, W, head_dim)."""
-        index, width = self.plan.gather.flatten(), self.plan.gather.shape[1]
-        return [pool[index].view(batch, width, heads, head_dim).transpose(1, 2)
-                for pool in (self.keys[layer], self.values[layer])]
+            pool[plan.slots] = new.transpose(1, 2).reshape(batch * seq, heads, head_dim)
+            if plan.gather is None:
+                out.append(new)
+            else:
+                width = plan.gather.shape[1]
+                out.append(pool[plan.gather.flatten()].view(batch, width, heads, head_dim).transpose(1, 2))
+        return out[0], out[1]
