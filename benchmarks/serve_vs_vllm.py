@@ -135,10 +135,11 @@ def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompt
         try:
             return model.forward(tokens, step, draws)
         finally:
-            spent["decode" if tokens.shape[1] == 1 else "prefill"] += time.perf_counter() - started
+            spent["decode" if tokens.shape[1] == 1 else "prefill"] += time.perf_counter() - started  # packed: prefill
 
     async def load(concurrency: int, count: int) -> dict:
-        engine = DecodingEngine(forward, cfg.max_batch_size, CONTEXT, cfg.cache_blocks, budget, lambda: None, ())
+        engine = DecodingEngine(forward, cfg.max_batch_size, CONTEXT, cfg.cache_blocks, budget, lambda: None, (),
+                                packs=model.cache_attends)
         rng, gate, ttft, tpot = random.Random(concurrency), asyncio.Semaphore(concurrency), [], []
         vocabulary = model.model.hf.config.vocab_size
 

@@ -104,10 +104,17 @@ async def serve_all(engine: DecodingEngine, requests: list[Completion], join_aft
     return got
 
 
-def engine_for(model: CachedModel, budget: int = 8, min_chunk: int = 32, increment: int = 4) -> DecodingEngine:
+def engine_for(model: CachedModel, budget: int = 8, min_chunk: int = 32, increment: int = 4,
+               packs: bool = False) -> DecodingEngine:
+    """`packs`: each iteration one packed pass (prompt chunks and decode steps in one row)."""
     return DecodingEngine(model.forward, model.rows, model.model.spec.block_size, model.blocks,
                           TokenBudget(budget, step_target_s=60.0, increment=increment), model.recover, (CacheLost,),
-                          min_chunk=min_chunk)
+                          min_chunk=min_chunk, packs=packs)
+
+
+def mixed_packed_passes(model: CachedModel) -> int:
+    """How many of the model's passes packed decode steps and a prompt chunk together."""
+    return sum(1 for _, step in model.steps if 1 in step.lengths and any(n > 1 for n in step.lengths))
 
 
 def whole(blocks: int) -> tuple[int, ...]:
@@ -174,19 +181,60 @@ def test_grouped_query_attention_over_scattered_blocks_equals_each_row_alone() -
                                rtol=0, atol=1e-6)
 
 
+@pytest.mark.timeout(30)
+def test_a_packed_pass_attends_each_sequence_over_its_own_past_only() -> None:
+    """Decode steps, a prompt's later chunk, a fresh prompt and one more decode step packed into
+    one row of tokens (four query heads on two key heads, blocks scattered): each sequence's
+    attention equals its own computed alone, over its own past and nothing of the others'."""
+    torch.manual_seed(0)
+    cpu = torch.device("cpu")
+
+    def alone(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        keys, values = keys.repeat_interleave(2, 1), values.repeat_interleave(2, 1)
+        causal = torch.ones(q.shape[2], keys.shape[2], dtype=torch.bool).tril(keys.shape[2] - q.shape[2])
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal)
+
+    cache = KVCache(blocks=12, block_tokens=4)
+    tables = ((7, 1), (2, 6, 4), (0, 9), (11, 3), (5, 8))
+    cached_lengths, new_lengths = (5, 9, 2, 0, 3), (1, 1, 3, 4, 1)
+    past = [(torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)) for n in cached_lengths]
+    for table, (keys, values) in zip(tables, past):
+        if keys.shape[2]:
+            cache.begin(CacheStep((table,), (0,)), keys.shape[2], cpu)
+            cache.attend("0", torch.zeros(1, 4, keys.shape[2], 8), keys, values)
+    total = sum(new_lengths)
+    q, k, v = torch.randn(1, 4, total, 8), torch.randn(1, 2, total, 8), torch.randn(1, 2, total, 8)
+    step = CacheStep(tables, cached_lengths, new_lengths)
+    cache.begin(step, total, cpu)
+    assert cache.positions(total, cpu).tolist() == [[5, 9, 2, 3, 4, 0, 1, 2, 3, 3]]
+    assert step.ends(total) == [0, 1, 4, 8, 9]
+    got, at = cache.attend("0", q, k, v), 0
+    for (keys, values), n in zip(past, new_lengths):
+        span = slice(at, at + n)
+        expected = alone(q[:, :, span], torch.cat([keys, k[:, :, span]], 2), torch.cat([values, v[:, :, span]], 2))
+        torch.testing.assert_close(got[:, :, span], expected, rtol=0, atol=1e-6)
+        at += n
+    with pytest.raises(RuntimeError, match="attended by the cache"):
+        cache.update("0", k, v)  # a model attending itself cannot take a packed pass
+    with pytest.raises(RuntimeError, match="do not cover"):
+        cache.begin(CacheStep(tables[:2], (5, 9), (1, 2)), 4, cpu)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("rows", [2, 8])
-def test_the_engine_gives_each_request_its_tokens_alone(ddp_checkpoint: Path, rows: int) -> None:
+@pytest.mark.parametrize("packs", [False, True])
+def test_the_engine_gives_each_request_its_tokens_alone(ddp_checkpoint: Path, rows: int, packs: bool) -> None:
     model = load_model(ddp_checkpoint).eval()
     expected = alone(model)
     cached = CachedModel(model, rows)
-    got = asyncio.run(serve_all(engine_for(cached), fresh(), join_after=3, abandon=3))
+    got = asyncio.run(serve_all(engine_for(cached, packs=packs), fresh(), join_after=3, abandon=3))
     assert got[3] == expected[3][:2]  # abandoned after two tokens: its row went to others
     del got[3], expected[3]
     assert got == expected
     assert cached.most_active <= rows  # more requests than rows: the rest waited their turn
     if rows == 2:
         assert cached.most_active == 2
+    assert (mixed_packed_passes(cached) > 0) == packs
 
 
 @pytest.mark.timeout(120)
@@ -219,11 +267,13 @@ def test_a_model_decoded_in_the_replicas_process_gives_each_request_its_tokens_a
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("architecture", ["gpt", "llama"])
+@pytest.mark.parametrize("packs", [False, True])
 def test_prompts_prefilled_in_chunks_between_decode_steps_decode_exactly(ddp_checkpoint: Path,
-                                                                         architecture: str) -> None:
+                                                                         architecture: str, packs: bool) -> None:
     """A budget of 3 prompt tokens an iteration: every prompt longer than that is prefilled in
     chunks of at least 2 (each attending over those before it), with other requests decoding in
-    between and one abandoned mid-way; every request still gets its tokens alone."""
+    between (packed: in the same pass) and one abandoned mid-way; every request still gets its
+    tokens alone."""
     if architecture == "gpt":
         model = load_model(ddp_checkpoint).eval()
     else:
@@ -236,13 +286,15 @@ def test_prompts_prefilled_in_chunks_between_decode_steps_decode_exactly(ddp_che
         model = build_model(HFSpec(**{**spec, "config": {**spec["config"], "initializer_range": 0.5}})).eval()
     expected = alone(model)
     cached = CachedModel(model, rows=3)
-    got = asyncio.run(serve_all(engine_for(cached, budget=3, min_chunk=2, increment=0), fresh(), join_after=3,
-                                abandon=2))
+    got = asyncio.run(serve_all(engine_for(cached, budget=3, min_chunk=2, increment=0, packs=packs), fresh(),
+                                join_after=3, abandon=2))
     assert got[2] == expected[2][:2]
     del got[2], expected[2]
     assert got == expected
-    chunks = [(n, step) for n, step in cached.steps if len(step.tables) == 1 and n > 1]
-    assert any(step.starts[0] > 0 for _, step in chunks)  # a prompt's later chunk, over the first
+    chunks = [(start, n) for width, step in cached.steps
+              for start, n in zip(step.starts, step.lengths or (width,) * len(step.starts)) if n > 1]
+    assert any(start > 0 for start, _ in chunks)  # a prompt's later chunk, over the first
+    assert (mixed_packed_passes(cached) > 0) == packs
 
 
 @pytest.mark.timeout(120)
@@ -287,7 +339,8 @@ def test_an_unexpected_error_fails_the_running_requests_and_the_engine_goes_on(d
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("architecture", ["llama", "gpt2"])
-def test_a_hugging_face_model_decodes_through_the_engines_cache_exactly(architecture: str) -> None:
+@pytest.mark.parametrize("packs", [False, True])
+def test_a_hugging_face_model_decodes_through_the_engines_cache_exactly(architecture: str, packs: bool) -> None:
     """transformers' attention layers write through the engine's cache (`EngineCache`): a Llama
     (rotary positions, grouped-query attention) and GPT-2 (learned positions) give every request,
     joining and leaving mid-way, what it gets decoded alone without a cache; greedy requests get
@@ -302,8 +355,11 @@ def test_a_hugging_face_model_decodes_through_the_engines_cache_exactly(architec
     spec = MODELS[architecture]
     model = build_model(HFSpec(**{**spec, "config": {**spec["config"], "initializer_range": 0.5}})).eval()
     expected = alone(model)
-    got = asyncio.run(serve_all(engine_for(CachedModel(model, rows=2)), fresh(), join_after=3))
+    assert model.cache_attends  # sdpa asked for: the cache's own attention
+    cached = CachedModel(model, rows=2)
+    got = asyncio.run(serve_all(engine_for(cached, packs=packs), fresh(), join_after=3))
     assert got == expected
+    assert (mixed_packed_passes(cached) > 0) == packs
     for request, tokens in zip(fresh(), got):
         if request.sampling.temperature == 0:
             ids = torch.tensor([request.prompt])

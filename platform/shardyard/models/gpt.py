@@ -85,6 +85,9 @@ class GPT(nn.Module):
     # How tensor parallelism splits each block (parallel/tensor.py): Megatron's column/row pairs.
     block_tp_plan = {"attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.v_proj": "colwise",
                      "attn.out_proj": "rowwise", "mlp.fc_in": "colwise", "mlp.fc_out": "rowwise"}
+    # Every layer's attention over the serving engine's KV cache is the cache's own (`attend`), so
+    # the engine may pack prompt chunks and decode steps into one pass.
+    cache_attends = True
 
     def __init__(self, spec: GPTSpec) -> None:
         super().__init__()

@@ -80,6 +80,13 @@ class HFCausalLM(nn.Module):
         # A pipeline stage after the first takes hidden states; one before the last returns them.
         self.takes_hidden = self.returns_hidden = False
 
+    @property
+    def cache_attends(self) -> bool:
+        """Whether every layer's attention over the serving engine's KV cache is the cache's own
+        (`paged_attention`), so that the engine may pack prompt chunks and decode steps into one
+        pass; a model attending itself gets the past through `EngineCache` as a batch of rows."""
+        return self.hf.config._attn_implementation == PAGED_ATTENTION
+
     def load_pretrained_in_place(self) -> None:
         """Fill a model that was built on the meta device, sharded, and given storage (`to_empty`)
         with its directory's weights, each rank reading only the slices it holds: DCP reads the
@@ -205,17 +212,17 @@ class HFCausalLM(nn.Module):
         kwargs: dict[str, Any] = {"inputs_embeds" if self.takes_hidden else "input_ids": x, "use_cache": False}
         if cache is not None:
             # Every row has its own length, so the positions and the 4-D mask (which transformers
-            # uses as given) come from the cache, not from transformers' one-length-fits-all logic.
-            allowed = cache.attention_mask(x.shape[1], x.device)
+            # takes as given) come from the cache, not from transformers' one-length-fits-all logic.
             dtype = next(self.hf.parameters()).dtype
-            paged = self.hf.config._attn_implementation == PAGED_ATTENTION
-            if paged:
+            if self.cache_attends:  # the cache masks its own attention: a placeholder, not read
                 kwargs["engine_cache"] = cache
-            kwargs.update(use_cache=True, past_key_values=EngineCache(cache, stores=not paged),
-                          position_ids=cache.positions(x.shape[1], x.device),
-                          # Additive, which every attention implementation (eager and sdpa) takes.
-                          attention_mask=torch.zeros(allowed.shape, dtype=dtype, device=x.device)
-                          .masked_fill(~allowed, torch.finfo(dtype).min))
+                mask = torch.zeros((1, 1, 1, 1), dtype=dtype, device=x.device)
+            else:  # additive, which every attention implementation (eager and sdpa) takes
+                allowed = cache.attention_mask(x.shape[1], x.device)
+                mask = torch.zeros(allowed.shape, dtype=dtype, device=x.device)
+                mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)
+            kwargs.update(use_cache=True, past_key_values=EngineCache(cache, stores=not self.cache_attends),
+                          position_ids=cache.positions(x.shape[1], x.device), attention_mask=mask)
         elif pad is not None:
             positions = torch.arange(x.shape[1], device=x.device)[None, :]
             kwargs["attention_mask"] = (positions >= pad[:, None]).long()

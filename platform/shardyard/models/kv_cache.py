@@ -38,20 +38,39 @@ class CacheStep:
     """One forward pass over B rows of T new tokens each (a prompt or a chunk of one: B = 1; a
     decode step: T = 1). Row b's tokens take positions starts[b] .. starts[b] + T - 1 and go into
     the blocks tables[b] (its block i holds positions i * BLOCK_TOKENS onwards); each token
-    attends over its row's positions up to its own. `reset`: nothing is computed (a caller
-    checking that a rebuilt shard group answers)."""
+    attends over its row's positions up to its own. `lengths`: a packed pass instead, one row of
+    tokens holding sequence b's lengths[b] tokens after those of the sequences before it (decode
+    steps and prompt chunks in one pass, so the weights are read once for both). `reset`: nothing
+    is computed (a caller checking that a rebuilt shard group answers)."""
     tables: tuple[tuple[int, ...], ...] = ()
     starts: tuple[int, ...] = ()
+    lengths: tuple[int, ...] = ()
     reset: bool = False
+
+    def ends(self, seq: int) -> list[int]:
+        """Where in a pass of `seq` tokens per row each sequence's last token is: (row, column)
+        flattened, as the logits' rows and positions run."""
+        if not self.lengths:
+            return [row * seq + seq - 1 for row in range(len(self.tables))]
+        return [sum(self.lengths[:i + 1]) - 1 for i in range(len(self.lengths))]
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Rows of a pass that attend together, as one batch: `rows` rows of `seq` new tokens."""
+    rows: int
+    seq: int
+    gather: torch.Tensor | None    # (rows, W) pool slot of each row's positions 0 .. W-1; None: no past
+    mask: torch.Tensor             # (rows or 1, 1, seq, W) which keys each new token attends to
 
 
 @dataclass(frozen=True)
 class _Plan:
     """A step's index arithmetic, done once for all of a shard's layers."""
-    slots: torch.Tensor            # (B * T,) pool slot of each new token
-    gather: torch.Tensor | None    # (B, W) pool slot of each row's positions 0 .. W-1; None: no past
+    slots: torch.Tensor            # (tokens,) pool slot of each new token
     positions: torch.Tensor        # (B, T) position ids of the new tokens
-    mask: torch.Tensor             # (B or 1, 1, T, W) which keys each new token attends to
+    groups: tuple[_Group, ...]     # one for B rows of T tokens; a packed pass: its decode steps, then each chunk
+    packed: bool
 
 
 class KVCache:
@@ -64,32 +83,55 @@ class KVCache:
         self._gathered: list[torch.Tensor] = []  # memory the gathered keys and values are read into
 
     def begin(self, step: CacheStep, seq: int, device: torch.device) -> None:
-        """Start a forward pass of `seq` new tokens per row: check that the step fits, and work
-        out where its tokens go and what each attends to."""
+        """Start a forward pass of `seq` new tokens per row (a packed pass: in its one row): check
+        that the step fits, and work out where its tokens go and what each attends to."""
         if len(step.tables) != len(step.starts) or not step.tables:
             raise RuntimeError(f"a cache step needs a block table and a start per row: {step}")
-        size = self.block_tokens
-        for table, start in zip(step.tables, step.starts):
-            if len(table) * size < start + seq:
-                raise RuntimeError(f"a row's {len(table)} blocks hold {len(table) * size} positions; the step "
-                                   f"writes up to position {start + seq - 1}")
+        lengths = step.lengths or (seq,) * len(step.tables)
+        if step.lengths and (len(lengths) != len(step.tables) or sum(lengths) != seq or min(lengths) < 1):
+            raise RuntimeError(f"a packed step's lengths {lengths} do not cover its {seq} tokens, one per row")
+        for table, start, length in zip(step.tables, step.starts, lengths):
+            if len(table) * self.block_tokens < start + length:
+                raise RuntimeError(f"a row's {len(table)} blocks hold {len(table) * self.block_tokens} positions; "
+                                   f"the step writes up to position {start + length - 1}")
             if any(not 0 <= block < self.blocks for block in table):
                 raise RuntimeError(f"a block table names blocks outside the cache's {self.blocks}: {table}")
-        width = max(len(table) for table in step.tables)
-        tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in step.tables], device=device)
-        starts = torch.tensor(step.starts, device=device)
-        positions = starts[:, None] + torch.arange(seq, device=device)[None, :]
-        slots = (tables.gather(1, positions // size) * size + positions % size).flatten()
         self.past = max(step.starts)
-        if self.past == 0:  # every row new: its keys are this pass's own, under a causal mask
-            mask = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()[None, None]
-            self.plan = _Plan(slots, None, positions, mask)
+        if not step.lengths:
+            slots, positions, group = self._group(step.tables, step.starts, seq, device)
+            self.plan = _Plan(slots, positions, (group,), packed=False)
             return
-        keys = torch.arange(self.past + seq, device=device)
+        # Decode steps (one token each) attend as one batch; each longer chunk attends alone.
+        spans, at = [], 0
+        while at < len(lengths):
+            end = at + 1
+            while lengths[at] == 1 and end < len(lengths) and lengths[end] == 1:
+                end += 1
+            spans.append((at, end))
+            at = end
+        planned = [self._group(step.tables[a:b], step.starts[a:b], lengths[a], device) for a, b in spans]
+        self.plan = _Plan(torch.cat([slots for slots, _, _ in planned]),
+                          torch.cat([positions.flatten() for _, positions, _ in planned])[None],
+                          tuple(group for _, _, group in planned), packed=True)
+
+    def _group(self, tables: tuple[tuple[int, ...], ...], starts: tuple[int, ...], seq: int,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, _Group]:
+        """Slots and positions of rows of `seq` new tokens each, and how they attend."""
+        size = self.block_tokens
+        width = max(len(table) for table in tables)
+        table = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], device=device)
+        first = torch.tensor(starts, device=device)
+        positions = first[:, None] + torch.arange(seq, device=device)[None, :]
+        slots = (table.gather(1, positions // size) * size + positions % size).flatten()
+        past = max(starts)
+        if past == 0:  # every row new: its keys are this pass's own, under a causal mask
+            mask = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()[None, None]
+            return slots, positions, _Group(len(tables), seq, None, mask)
+        keys = torch.arange(past + seq, device=device)
         # Past a row's own table the index falls on padding (block 0): masked like any later position.
-        gather = tables[:, (keys // size).clamp(max=width - 1)] * size + keys % size
+        gather = table[:, (keys // size).clamp(max=width - 1)] * size + keys % size
         mask = (keys[None, None, :] <= positions[:, :, None])[:, None]
-        self.plan = _Plan(slots, gather, positions, mask)
+        return slots, positions, _Group(len(tables), seq, gather, mask)
 
     def positions(self, seq: int, device: torch.device) -> torch.Tensor:
         """Position ids of this pass's tokens (B, T)."""
@@ -97,44 +139,76 @@ class KVCache:
 
     def attention_mask(self, seq: int, device: torch.device) -> torch.Tensor:
         """This pass's boolean attention mask over the keys `update` returns."""
-        return self.plan.mask
+        self._not_packed()
+        return self.plan.groups[0].mask
+
+    def _not_packed(self) -> None:
+        if self.plan.packed:
+            raise RuntimeError("a packed pass is attended by the cache (`attend`); this model attends itself")
 
     def attend(self, layer: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float | None = None) -> torch.Tensor:
         """Store this pass's keys and values (B, kv_heads, T, head_dim) for `layer`, and return
         the attention (B, heads, T, head_dim) of its queries (B, heads, T, head_dim; heads a
-        multiple of kv_heads) over each row's positions up to its own."""
-        keys, values = self.update(layer, k, v)
+        multiple of kv_heads) over each row's positions up to its own; in a packed pass (B = 1)
+        each sequence's tokens over its own positions."""
+        self._store(layer, k, v)
+        if not self.plan.packed:
+            return self._attend_group(layer, self.plan.groups[0], q, k, v, scale)
+        out, at = [], 0
+        for group in self.plan.groups:  # in token order: each group's tokens follow the one's before
+            span = group.rows * group.seq
+
+            def rows(t: torch.Tensor) -> torch.Tensor:  # (1, heads, span, D) -> (rows, heads, seq, D)
+                return t[0, :, at:at + span].unflatten(1, (group.rows, group.seq)).transpose(0, 1)
+
+            attended = self._attend_group(layer, group, rows(q), rows(k), rows(v), scale)
+            out.append(attended.transpose(0, 1).flatten(1, 2))
+            at += span
+        return torch.cat(out, dim=1)[None]
+
+    def _attend_group(self, layer: str, group: _Group, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      scale: float | None) -> torch.Tensor:
+        keys, values = self._past(layer, group, k, v)
         batch, heads, seq, head_dim = q.shape
         kv_heads = k.shape[1]
-        if seq == 1:  # a decode step: each key head's query group is its query length, under the row's mask
+        if seq == 1:  # decode steps: each key head's query group is its query length, under the row's mask
             grouped = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
-            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=self.plan.mask, scale=scale)
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=group.mask, scale=scale)
             return out.reshape(batch, heads, 1, head_dim)
         if heads != kv_heads:
             keys, values = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (keys, values))
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.plan.mask, scale=scale)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=group.mask, scale=scale)
 
     def update(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this pass's keys and values (B, heads, T, head_dim) for `layer`; return the keys
-        and values to attend over, under `attention_mask` (what `attend` does first; a model whose
-        attention is its own calls it alone). What it returns for one layer is overwritten by the
-        next layer's call: attention reads it before then."""
+        and values to attend over, under `attention_mask` (for a model whose attention is its own;
+        not in a packed pass). What it returns for one layer is overwritten by the next layer's
+        call: attention reads it before then."""
+        self._not_packed()
+        self._store(layer, k, v)
+        return self._past(layer, self.plan.groups[0], k, v)
+
+    def _store(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> None:
         batch, heads, seq, head_dim = k.shape
         if layer not in self.keys:  # the layer's (local) head count is known at its first call
             shape = (self.blocks * self.block_tokens, heads, head_dim)
             self.keys[layer] = torch.zeros(shape, dtype=k.dtype, device=k.device)
             self.values[layer] = torch.zeros(shape, dtype=v.dtype, device=v.device)
-        plan, out = self.plan, []
-        for which, (pool, new) in enumerate(((self.keys[layer], k), (self.values[layer], v))):
-            pool[plan.slots] = new.transpose(1, 2).reshape(batch * seq, heads, head_dim)
-            if plan.gather is None:
-                out.append(new)
-            else:
-                width = plan.gather.shape[1]
-                gathered = self._reused(which, pool, batch * width * heads * head_dim).view(batch * width, heads, head_dim)
-                torch.index_select(pool, 0, plan.gather.flatten(), out=gathered)
-                out.append(gathered.view(batch, width, heads, head_dim).transpose(1, 2))
+        for pool, new in ((self.keys[layer], k), (self.values[layer], v)):
+            pool[self.plan.slots] = new.transpose(1, 2).reshape(batch * seq, heads, head_dim)
+
+    def _past(self, layer: str, group: _Group, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A group's keys and values (its rows' new ones stored already) over its rows' positions."""
+        if group.gather is None:
+            return k, v
+        out = []
+        for which, pool in enumerate((self.keys[layer], self.values[layer])):
+            heads, head_dim = pool.shape[1:]
+            width = group.gather.shape[1]
+            gathered = self._reused(which, pool, group.rows * width * heads * head_dim).view(-1, heads, head_dim)
+            torch.index_select(pool, 0, group.gather.flatten(), out=gathered)
+            out.append(gathered.view(group.rows, width, heads, head_dim).transpose(1, 2))
         return out[0], out[1]
 
     def _reused(self, which: int, like: torch.Tensor, size: int) -> torch.Tensor:

@@ -50,13 +50,16 @@ class EngineStats:
 class DecodingEngine:
     def __init__(self, forward: CachedForward, max_running: int, context: int, blocks: int, budget: TokenBudget,
                  recover: Callable[[], None], lost: tuple[type[BaseException], ...],
-                 min_chunk: int = MIN_CHUNK, prefix_caching: bool = True, weights: str = "") -> None:
+                 min_chunk: int = MIN_CHUNK, prefix_caching: bool = True, weights: str = "",
+                 packs: bool = False) -> None:
         """`max_running`: sequences decoded at once; `context`: tokens per sequence; `blocks`: the
         KV cache's blocks (of BLOCK_TOKENS positions). `recover`: rebuild the model's shards
         (blocking) after `forward` raised one of `lost`. `min_chunk`: the fewest prompt tokens a
         prefill chunk takes (fewer only to end a prompt). `weights`: the fingerprint of the
-        weights the model holds."""
+        weights the model holds. `packs`: the model runs packed passes (its KV cache attends), so
+        each iteration is one pass."""
         self.forward, self.context, self.recover, self.lost = forward, context, recover, lost
+        self.packs = packs
         self.pool = BlockPool(blocks, BLOCK_TOKENS, prefix_caching)
         self.scheduler = Scheduler(self.pool, max_running, budget, min_chunk)
         self.stats = EngineStats(cache_blocks=blocks, prefill_budget=budget.tokens)
@@ -119,11 +122,9 @@ class DecodingEngine:
             started = time.perf_counter()
             try:
                 prefilled = 0
-                for chunk in self.scheduler.prefills():
-                    prefilled += chunk.tokens.numel()
-                    await self._execute(chunk)
-                if (step := self.scheduler.decode()) is not None:
-                    await self._execute(step)
+                for work in self.scheduler.iteration(self.packs):
+                    prefilled += sum(n for n in work.counts if n > 1)  # a prompt chunk has two tokens or more
+                    await self._execute(work)
             except self.lost:
                 await self._start_over()
                 continue

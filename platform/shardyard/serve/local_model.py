@@ -40,6 +40,7 @@ class LocalModel:
         self.device = select_device(0) if use_gpu else torch.device("cpu")
         self.trust_factory = trust_factory
         self.model = self._load(self.checkpoint_dir)
+        self.cache_attends = getattr(self.model, "cache_attends", False)  # KVCache: packed passes run
         self.staged: torch.nn.Module | None = None
         self.cache = KVCache(cache_blocks) if cache_blocks else None
         self.rebuilds = 0  # nothing here dies apart from the replica, which Serve replaces

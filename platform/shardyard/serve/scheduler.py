@@ -7,8 +7,11 @@ begun earlier, then waiting requests while the batch has room and the KV cache h
 their prompt and max_tokens (prefix blocks already cached are read, not prefilled again). A
 prompt longer than what is left of the budget is prefilled in chunks (chunked prefill: at least
 `min_chunk` tokens, so nothing starves), one per iteration, each attending over the chunks
-before it; its request gets its first token with the last chunk. Then one decode pass gives
-every running request whose tokens are all in the cache but its newest one its next token. A
+before it; its request gets its first token with the last chunk. Then one decode step gives
+every running request whose tokens are all in the cache but its newest one its next token.
+Where the model's KV cache attends (`cache_attends`), the iteration's chunks and decode step are
+one packed pass, so its weights are read once for all of them (vLLM's scheduler mixes them so);
+otherwise each chunk and the decode step are passes of their own. A
 request that has its tokens, or whose caller stopped waiting, gives its blocks back at the next
 decision: a request arriving mid-way waits one iteration, not a whole batch.
 
@@ -69,18 +72,38 @@ class Sequence:
 
 @dataclass
 class Pass:
-    """One forward pass for the executor: a prefill chunk of one sequence, or one decode token for
-    each of several."""
+    """One forward pass for the executor: a prefill chunk of one sequence, one decode token for
+    each of several, or (packed: `step.lengths`) both in one row of tokens."""
     seqs: list[Sequence]
-    tokens: torch.Tensor  # (rows, new tokens per row)
+    tokens: torch.Tensor  # (rows, new tokens per row); packed: (1, every sequence's new tokens)
     step: CacheStep
+
+    @property
+    def counts(self) -> list[int]:
+        """Each sequence's new tokens in this pass."""
+        return list(self.step.lengths) or [self.tokens.shape[1]] * len(self.seqs)
 
     def draws(self) -> list[Draw | None]:
         """What the executor needs to pick each row's next token: for a sequence whose tokens
         will all be in the cache after this pass (a prompt's last chunk, a decode step); None
         for a prompt's earlier chunks, and for a sequence leaving anyway."""
-        width = self.tokens.shape[1]
-        return [s.request.draw() if s.cached + width == len(s.tokens) and not s.leaving else None for s in self.seqs]
+        return [s.request.draw() if s.cached + n == len(s.tokens) and not s.leaving else None
+                for s, n in zip(self.seqs, self.counts)]
+
+
+def packed(passes: list[Pass]) -> Pass:
+    """Passes as one: each sequence's new tokens after those of the sequences before it, so the
+    model reads its weights once for a prompt chunk and the decode steps beside it (as vLLM's
+    scheduler mixes them). For a model whose KV cache attends (`cache_attends`)."""
+    seqs, tokens, tables, starts, lengths = [], [], [], [], []
+    for work in passes:
+        for row, seq in enumerate(work.seqs):
+            seqs.append(seq)
+            tokens.append(work.tokens[row])
+            tables.append(work.step.tables[row])
+            starts.append(work.step.starts[row])
+            lengths.append(work.tokens.shape[1])
+    return Pass(seqs, torch.cat(tokens)[None], CacheStep(tuple(tables), tuple(starts), tuple(lengths)))
 
 
 class TokenBudget:
@@ -164,13 +187,21 @@ class Scheduler:
         return Pass(seqs, torch.tensor([[s.tokens[-1]] for s in seqs], dtype=torch.long),
                     CacheStep(tuple(tuple(s.table) for s in seqs), tuple(s.cached for s in seqs)))
 
+    def iteration(self, packs: bool) -> list[Pass]:
+        """This iteration's passes: its prefill chunks, then a decode step; one packed pass when
+        the model can run one (`packs`)."""
+        passes = self.prefills()
+        if (step := self.decode()) is not None:
+            passes.append(step)
+        return [packed(passes)] if packs and len(passes) > 1 else passes
+
     def update(self, done: Pass, outcomes: list[Outcome]) -> list[tuple[Sequence, Outcome]]:
         """A pass ran: its tokens are in the cache (their full blocks findable from now on).
         Returns each sequence whose tokens are now all in the cache, with the outcome of its
         draw (a prompt's last chunk, or a decode step), unless it is leaving."""
         ready = []
-        for seq, outcome in zip(done.seqs, outcomes):
-            seq.cached += done.tokens.shape[1]
+        for seq, count, outcome in zip(done.seqs, done.counts, outcomes):
+            seq.cached += count
             tokens = seq.tokens
             if seq.cached // self.pool.block_tokens > len(seq.hashes):  # a block filled: hash it, findable
                 seq.hashes = block_hashes(tokens[:seq.cached], self.pool.block_tokens, seq.hashes)

@@ -95,11 +95,14 @@ Draws = Sequence[Draw | None] | None
 
 def model_output(logits: torch.Tensor, extra: Extra, draws: Draws) -> torch.Tensor | list[Outcome]:
     """What leaves the model: with draws, each row's pick from its last position's logits (token
-    ids, not logits); without, the logits, of the last position only for a cached step (its
-    caller reads only the next token's, so a prefill's others need not travel)."""
+    ids, not logits); without, the logits, of each sequence's last position only for a cached step
+    (its caller reads only the next token's, so a prefill's others need not travel)."""
+    if isinstance(extra, CacheStep):
+        last = logits.flatten(0, 1)[extra.ends(logits.shape[1])]  # (sequences, vocabulary)
+        return choose_rows(last, draws) if draws is not None else last[:, None].cpu()
     if draws is not None:
         return choose_rows(logits[:, -1, :], draws)
-    return (logits[:, -1:] if isinstance(extra, CacheStep) else logits).cpu()
+    return logits.cpu()
 
 
 def supports_kv_cache(spec: GPTSpec | HFSpec | CustomSpec) -> bool:
@@ -398,6 +401,7 @@ class ShardedModel:
         self.block_size = spec.block_size
         with torch.device("meta"):  # the model's shape only, no weights: to plan the split
             skeleton = build_model(spec, pretrained=False)
+        self.cache_attends = getattr(skeleton, "cache_attends", False)  # KVCache: packed passes run
         points = balanced_split(skeleton, num_shards) if sharding == "pipeline" and num_shards > 1 else []
         self.ranges = list(zip([0, *points], [*points, len(repeated_blocks(skeleton))]))
         self.whole = num_shards == 1
