@@ -20,12 +20,15 @@ tensor per layer (memory kept from pass to pass), a copy the size of what attent
 (Reading each row in place, row by row, was slower in the engine on this CPU: many small
 products instead of one batched kernel.)
 The cache attends itself (`attend`), so that query heads sharing a key head (grouped-query
-attention) read it without a copy whichever transformers is installed.
+attention) read it without a copy whichever transformers is installed, and so that a packed pass
+(decode steps and prompt chunks of several sequences in one row of tokens) attends each sequence
+over its own past: the model's other layers see only a row of tokens with their positions.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +55,7 @@ class CacheStep:
         flattened, as the logits' rows and positions run."""
         if not self.lengths:
             return [row * seq + seq - 1 for row in range(len(self.tables))]
-        return [sum(self.lengths[:i + 1]) - 1 for i in range(len(self.lengths))]
+        return [end - 1 for end in accumulate(self.lengths)]
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ class _Plan:
     """A step's index arithmetic, done once for all of a shard's layers."""
     slots: torch.Tensor            # (tokens,) pool slot of each new token
     positions: torch.Tensor        # (B, T) position ids of the new tokens
-    groups: tuple[_Group, ...]     # one for B rows of T tokens; a packed pass: its decode steps, then each chunk
+    groups: tuple[_Group, ...]     # one for B rows of T tokens; packed: each run of decode steps, each chunk
     packed: bool
 
 
