@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from shardyard.cluster import cluster_record
 from shardyard.localdist import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,6 +92,12 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory):
         # 30 s, and nothing of the session's work is left to drain.
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
+        # What `ray stop` does besides: forget the cluster's address, which `ray.init()` without
+        # one (`shardyard serve` after README's test command) would otherwise wait for. By port:
+        # the record may name the node's own IP.
+        record = cluster_record()
+        if record.exists() and record.read_text().strip().rpartition(":")[2] == str(port):
+            record.unlink()
 
 
 def _wait_for_dashboard(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 90) -> None:

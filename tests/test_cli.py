@@ -65,3 +65,29 @@ def test_the_docs_show_what_plan_says_of_the_real_model_configs(capsys, config: 
     assert out.splitlines()[0].startswith("8 GPUs on 1 node(s), 80.0 GiB each; model hf (")
     # A stale page fails here: regenerate its blocks with the command they show.
     assert out in (REPO / "docs" / "models.md").read_text()
+
+
+@pytest.mark.timeout(30)
+def test_a_cluster_recorded_on_this_machine_is_attached_to_only_while_it_answers(
+        capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ray start` records its cluster's address where `ray.init()` without one looks; a cluster
+    killed without `ray stop` leaves the record, and Ray then waits for it without end (README's
+    serve command did, after the test suite's cluster was killed). shardyard attaches only to a
+    recorded cluster whose GCS port takes a connection, else starts its own."""
+    import socket
+
+    from shardyard.cluster import cluster_record, running_cluster
+
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    record = cluster_record()
+    assert record == tmp_path / "ray" / "ray_current_cluster"
+    assert running_cluster() is None  # no record
+    record.parent.mkdir()
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        address = f"127.0.0.1:{listening.getsockname()[1]}"
+        record.write_text(address)
+        assert running_cluster() == address
+    assert running_cluster() is None  # closed: gone, and said so
+    assert "does not answer" in capsys.readouterr().err

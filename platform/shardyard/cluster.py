@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import math
 import os
+import socket
+import sys
+from pathlib import Path
 
 import ray
 
@@ -21,12 +24,9 @@ def connect_ray(min_cpus: float, attach_to_running: bool = False) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=QUIET)
         return
-    if attach_to_running:
-        try:
-            ray.init(address="auto", runtime_env=QUIET)
-            return
-        except ConnectionError:
-            pass
+    if attach_to_running and (address := running_cluster()) is not None:
+        ray.init(address=address, runtime_env=QUIET)
+        return
     # address="local": a new instance even if an earlier cluster left its address behind. At
     # least `min_cpus` logical CPUs, so a 4-worker job still runs (oversubscribed, slower) on a
     # 2-core laptop. No dashboard: on a small machine its processes cost ~10% of training
@@ -34,3 +34,32 @@ def connect_ray(min_cpus: float, attach_to_running: bool = False) -> None:
     # RAY_ADDRESS at it.
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(min_cpus)), include_dashboard=False,
              runtime_env=QUIET)
+
+
+def cluster_record() -> Path:
+    """Where `ray start` records the cluster it started (Ray's `<temp dir>/ray/ray_current_cluster`,
+    the address `ray.init()` without one attaches to), with Ray's choice of temp dir."""
+    if "RAY_TMPDIR" in os.environ:
+        temp = os.environ["RAY_TMPDIR"]
+    elif sys.platform.startswith("linux") and "TMPDIR" in os.environ:
+        temp = os.environ["TMPDIR"]
+    else:
+        temp = "/tmp"
+    return Path(temp) / "ray" / "ray_current_cluster"
+
+
+def running_cluster() -> str | None:
+    """The address in `cluster_record` if its GCS takes a connection; None if there is no record,
+    or its cluster is gone: one killed without `ray stop` leaves its record, and `ray.init()`
+    then waits for it without end."""
+    record = cluster_record()
+    try:
+        address = record.read_text().strip()
+        host, _, port = address.rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=2):
+            return address
+    except (OSError, ValueError):
+        if record.exists():
+            print(f"shardyard: the Ray cluster recorded in {record} does not answer (stopped without "
+                  "`ray stop`?); not attaching to it", file=sys.stderr, flush=True)
+        return None

@@ -72,7 +72,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from shardyard.serve.app import build_app
 
-    ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)  # none: this machine's, started if need be
+    from shardyard.cluster import running_cluster
+
+    # RAY_ADDRESS's cluster, or the one running on this machine, or a local one started for this
+    # command (also when a cluster that was killed left its address behind).
+    ray.init(address=os.environ.get("RAY_ADDRESS") or running_cluster() or "local", log_to_driver=True)
     try:
         try:
             app = build_app(config)
