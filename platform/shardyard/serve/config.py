@@ -260,8 +260,11 @@ class ServeConfig(BaseModel):
         if self.device == "auto":
             import ray
 
+            from shardyard.cluster import running_cluster
+
             if not ray.is_initialized():  # `serve run` builds the app before it connects
-                ray.init(address=os.environ.get("RAY_ADDRESS", "auto"))
+                # Not a recorded cluster that is gone: ray.init would wait for it without end.
+                ray.init(address=os.environ.get("RAY_ADDRESS") or running_cluster() or "local")
             return ray.cluster_resources().get("GPU", 0) >= self.num_shards
         return self.device == "cuda"
 
