@@ -36,6 +36,12 @@ def connect_ray(min_cpus: float, attach_to_running: bool = False) -> None:
              runtime_env=QUIET)
 
 
+def address_to_join() -> str:
+    """For `ray.init`: RAY_ADDRESS's cluster, or the one running on this machine, or "local" (a
+    new instance, also when a cluster that was killed left its address behind)."""
+    return os.environ.get("RAY_ADDRESS") or running_cluster() or "local"
+
+
 def cluster_record() -> Path:
     """Where `ray start` records the cluster it started (Ray's `<temp dir>/ray/ray_current_cluster`,
     the address `ray.init()` without one attaches to), with Ray's choice of temp dir."""

@@ -214,7 +214,8 @@ class HFCausalLM(nn.Module):
             # Every row has its own length, so the positions and the 4-D mask (which transformers
             # takes as given) come from the cache, not from transformers' one-length-fits-all logic.
             dtype = next(self.hf.parameters()).dtype
-            if self.cache_attends:  # the cache masks its own attention: a placeholder, not read
+            # The cache masks its own attention; any 4-D mask keeps transformers from building one.
+            if self.cache_attends:
                 kwargs["engine_cache"] = cache
                 mask = torch.zeros((1, 1, 1, 1), dtype=dtype, device=x.device)
             else:  # additive, which every attention implementation (eager and sdpa) takes

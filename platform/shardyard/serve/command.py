@@ -72,11 +72,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from shardyard.serve.app import build_app
 
-    from shardyard.cluster import running_cluster
+    from shardyard.cluster import address_to_join
 
-    # RAY_ADDRESS's cluster, or the one running on this machine, or a local one started for this
-    # command (also when a cluster that was killed left its address behind).
-    ray.init(address=os.environ.get("RAY_ADDRESS") or running_cluster() or "local", log_to_driver=True)
+    ray.init(address=address_to_join(), log_to_driver=True)
     try:
         try:
             app = build_app(config)

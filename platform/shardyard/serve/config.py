@@ -260,11 +260,10 @@ class ServeConfig(BaseModel):
         if self.device == "auto":
             import ray
 
-            from shardyard.cluster import running_cluster
+            from shardyard.cluster import address_to_join
 
             if not ray.is_initialized():  # `serve run` builds the app before it connects
-                # Not a recorded cluster that is gone: ray.init would wait for it without end.
-                ray.init(address=os.environ.get("RAY_ADDRESS") or running_cluster() or "local")
+                ray.init(address=address_to_join())
             return ray.cluster_resources().get("GPU", 0) >= self.num_shards
         return self.device == "cuda"
 
