@@ -23,7 +23,6 @@ from typing import Any
 import pytest
 import torch
 
-from shardyard.cluster import cluster_record
 from shardyard.localdist import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,7 +93,10 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory):
         proc.wait(timeout=60)
         # What `ray stop` does besides: forget the cluster's address, which `ray.init()` without
         # one (`shardyard serve` after README's test command) would otherwise wait for. By port:
-        # the record may name the node's own IP.
+        # the record may name the node's own IP. (Imported here: shardyard.cluster imports Ray, which
+        # reads RAY_AUTH_MODE once, when imported, and this module sets it above.)
+        from shardyard.cluster import cluster_record
+
         record = cluster_record()
         if record.exists() and record.read_text().strip().rpartition(":")[2] == str(port):
             record.unlink()
