@@ -8,7 +8,7 @@ import pytest
 from shardyard.serve.rollout import CANARY, PROMOTE, REFUSE, WAIT, CanarySettings, CanaryTrials, Tally, verdict
 
 SETTINGS = CanarySettings(fraction=0.25, window_s=10.0, min_requests=4, max_error_increase=0.01,
-                          max_latency_ratio=1.5)
+                          max_latency_ratio=1.5, latency_margin_s=0.05)
 OLD, NEW = "run@10", "run@20"
 
 
@@ -34,6 +34,9 @@ def test_the_verdict_compares_error_rate_and_mean_latency_with_the_served_weight
     assert "failed 2.0% of 100" in verdict(Tally(98, 2, 10.0), Tally(100, 0, 10.0), SETTINGS)
     assert verdict(Tally(10, 0, 1.5), Tally(10, 0, 1.0), SETTINGS) is None  # 1.5x: at the limit
     assert "more than 1.5x" in verdict(Tally(10, 0, 1.6), Tally(10, 0, 1.0), SETTINGS)
+    # Milliseconds of a fast model: 1.8x, yet 8 ms, within the margin (a drill's canary was refused so)
+    assert verdict(Tally(10, 0, 0.18), Tally(10, 0, 0.10), SETTINGS) is None
+    assert "0.05 s slower" in verdict(Tally(10, 0, 0.7), Tally(10, 0, 0.10), SETTINGS)  # 60 ms more
     assert verdict(Tally(10, 0, 9.0), Tally(), SETTINGS) is None  # nothing served beside it to compare
 
 
@@ -61,7 +64,7 @@ def test_a_share_of_the_replicas_tries_a_checkpoint_then_all_serve_it() -> None:
 
 @pytest.mark.timeout(30)
 def test_a_canary_that_fails_requests_is_refused_everywhere() -> None:
-    trials, clock = trials_of(2, CanarySettings(0.5, 5.0, 4, 0.01, 1.5))
+    trials, clock = trials_of(2, CanarySettings(0.5, 5.0, 4, 0.01, 1.5, 0.05))
     assert trials.role("r0", 20, NEW, OLD) == CANARY
     trials.report("r0", NEW, {OLD: Tally(10, 0, 1.0)})
     clock.now = 6.0
@@ -76,7 +79,7 @@ def test_a_canary_that_fails_requests_is_refused_everywhere() -> None:
 
 @pytest.mark.timeout(30)
 def test_a_checkpoint_refused_by_a_canarys_gate_or_tried_by_the_only_replica() -> None:
-    trials, _ = trials_of(2, CanarySettings(0.5, 5.0, 4, 0.01, 1.5))
+    trials, _ = trials_of(2, CanarySettings(0.5, 5.0, 4, 0.01, 1.5, 0.05))
     assert trials.role("r0", 20, NEW, OLD) == CANARY
     trials.refuse(20, "its weights are not finite")
     assert trials.role("r1", 20, NEW, OLD) == REFUSE + "its weights are not finite"
@@ -86,7 +89,7 @@ def test_a_checkpoint_refused_by_a_canarys_gate_or_tried_by_the_only_replica() -
 
 @pytest.mark.timeout(30)
 def test_a_trial_whose_canaries_are_gone_picks_again() -> None:
-    trials, clock = trials_of(2, CanarySettings(0.5, 5.0, 4, 0.01, 1.5))
+    trials, clock = trials_of(2, CanarySettings(0.5, 5.0, 4, 0.01, 1.5, 0.05))
     assert trials.role("r0", 20, NEW, OLD) == CANARY
     clock.now = 11.0  # r0 stopped reporting (replaced); r1 and a new replica r2 go on
     trials.report("r1", OLD, {})

@@ -87,6 +87,9 @@ class ServeConfig(BaseModel):
         "served weights' over the same window")
     canary_max_latency_ratio: float = Field(1.5, ge=1, description="canary: its mean request latency over the "
                                             "served weights', at most")
+    canary_latency_margin_s: float = Field(
+        0.05, ge=0, description="canary: how much slower on average it may be whatever the ratio (a fast "
+        "model's milliseconds of noise are no regression)")
     model_id: str | None = Field(None, min_length=1, max_length=128, description="the id /v1/models lists "
                                  "and requests name (default: the run's name or the model directory's)")
     batch_wait_timeout_s: float = Field(0.01, ge=0, description="fixed batching: longest wait to fill a batch")
@@ -236,7 +239,8 @@ class ServeConfig(BaseModel):
         if not self.canary_fraction:
             return None
         return CanarySettings(self.canary_fraction, self.canary_window_s, self.canary_min_requests,
-                              self.canary_max_error_increase, self.canary_max_latency_ratio)
+                              self.canary_max_error_increase, self.canary_max_latency_ratio,
+                              self.canary_latency_margin_s)
 
     @property
     def bearer_token(self) -> str | None:

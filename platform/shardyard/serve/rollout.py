@@ -66,6 +66,7 @@ class CanarySettings:
     min_requests: int
     max_error_increase: float
     max_latency_ratio: float
+    latency_margin_s: float
 
 
 def verdict(canary: Tally, baseline: Tally, settings: CanarySettings) -> str | None:
@@ -73,9 +74,13 @@ def verdict(canary: Tally, baseline: Tally, settings: CanarySettings) -> str | N
     if canary.error_rate > baseline.error_rate + settings.max_error_increase:
         return (f"the canary failed {canary.error_rate:.1%} of {canary.requests} requests against "
                 f"{baseline.error_rate:.1%} of {baseline.requests} on the served weights")
-    if baseline.answered and canary.mean_s > baseline.mean_s * settings.max_latency_ratio:
+    # Slower by both the ratio and the margin: on a busy node a fast model's few milliseconds of
+    # noise (a replica that has just loaded weights, a neighbour's burst) can be 1.5x alone.
+    limit = max(baseline.mean_s * settings.max_latency_ratio, baseline.mean_s + settings.latency_margin_s)
+    if baseline.answered and canary.mean_s > limit:
         return (f"the canary answered in {canary.mean_s:.3f} s on average against {baseline.mean_s:.3f} s on "
-                f"the served weights (more than {settings.max_latency_ratio:g}x)")
+                f"the served weights (more than {settings.max_latency_ratio:g}x and "
+                f"{settings.latency_margin_s:g} s slower)")
     return None
 
 
