@@ -75,7 +75,9 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory):
         [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1",
          f"--port={port}", f"--dashboard-port={dashboard}", f"--ray-client-server-port={free_port()}",
          f"--dashboard-agent-listen-port={free_port()}", "--include-dashboard=true",
-         "--dashboard-host=127.0.0.1", "--num-cpus=4", "--disable-usage-stats"],
+         "--dashboard-host=127.0.0.1", "--disable-usage-stats"],
+        # No --num-cpus: Ray counts this machine's cores, as `ray start --head` does for a user (2
+        # on CI). Tests that train and serve at once size workers and shards to fit, as a user must.
         stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
         # As for a user with the venv activated: jobs' `python` is this interpreter.
         env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"},

@@ -83,6 +83,7 @@ def test_four_workers_reach_synchronous_loss_within_the_staleness_bound(
     raw = ps_job(tmp_path, "four", workers=workers, servers=2, staleness=staleness, total=total,
                  optim={**SGD, "momentum": 0.0})
     raw["run"]["log_every"] = 1  # a row per step: several rows come from one progress report
+    raw["scaling"]["resources_per_worker"] = {"CPU": 0.5}  # 4 workers on 2 cores
     result = launch(parse_spec(raw))
     rows = logged(result.run_dir)
     sync_losses, _ = synchronous(raw, total)

@@ -38,6 +38,8 @@ def train(ray_cluster, storage: Path, strategy: str, steps: int, *extra: str, ho
                 "batch.micro_batch_size=4", "optim.name=sgd", "optim.lr=0.5", "optim.grad_clip=0",
                 "optim.schedule=constant", f"run.steps={steps}", "run.log_every=4", "checkpoint.every_n_steps=4",
                 f"parallelism.strategy={strategy}", "scaling.num_workers=2", f"checkpoint.storage_path={storage}",
+                # Half a CPU each: with the app's 1 CPU the run and the app fit a 2-core machine.
+                "scaling.resources_per_worker={CPU: 0.5}",
                 f"run.name={strategy}", *extra]
     command = [SHARDYARD, "train", str(REPO / "jobs" / "configs" / "gpt_ddp.yaml")]
     for item in settings:
@@ -76,7 +78,7 @@ def test_published_weights_serve_resharded_with_the_training_models_logits(ray_c
     app = f"publish_{strategy}"
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"checkpoint": str(run_dir), "num_shards": 2, "sharding": sharding, "cpus_per_shard": 0.5,
+    serve.run(build_app({"checkpoint": str(run_dir), "num_shards": 2, "sharding": sharding, "cpus_per_shard": 0.25,
                          "max_batch_size": 4, "follow_interval_s": 0.5}), name=app, route_prefix=f"/{app}")
     url = f"http://127.0.0.1:{port}/{app}"
     models = lambda: requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]  # noqa: E731

@@ -66,7 +66,8 @@ def test_sharded_outputs_equal_unsharded(ray_cluster, checkpoints, sharding: str
     tokens, pad = ragged_batch()
     whole = load_model(checkpoints[strategy]).eval()
     expected = whole(tokens, pad)
-    sharded = ShardedModel(str(checkpoints[strategy]), num_shards, sharding=sharding)
+    # Half a CPU a shard: 4 shards fit this machine's 2 cores.
+    sharded = ShardedModel(str(checkpoints[strategy]), num_shards, sharding=sharding, cpus_per_shard=0.5)
     try:
         parts = ray.get([s.describe.remote() for s in sharded.shards])
         assert len(parts) == num_shards
@@ -238,7 +239,8 @@ def test_a_hugging_face_model_directory_is_served_as_it_is(ray_cluster, tmp_path
 def server_args(checkpoints: dict[str, Path], request_timeout_s: float = 2.0) -> dict:
     token_file = checkpoints["ddp"].parents[2] / "token"  # the token is never a deployment argument
     token_file.write_text(TOKEN + "\n")
-    return {"checkpoint": str(checkpoints["ddp"]), "num_shards": 2, "batching": "fixed", "max_batch_size": 8,
+    return {"checkpoint": str(checkpoints["ddp"]), "num_shards": 2, "cpus_per_shard": 0.25,
+            "batching": "fixed", "max_batch_size": 8,
             "batch_wait_timeout_s": 0.05, "max_queued_requests": 16, "request_timeout_s": request_timeout_s,
             "max_body_bytes": 2048, "max_tokens_limit": 2048,
             "bearer_token_file": str(token_file)}
@@ -407,12 +409,12 @@ def default_job_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def engine_server(server, default_job_checkpoint):
     """The default decoder, the engine (KV cache, continuous batching), beside the static app on
-    the module's Serve instance: 2 pipeline shards of 0.5 CPU (both apps fit the cluster's 4)."""
+    the module's Serve instance: 2 pipeline shards of 0.25 CPU (both apps, 1 CPU each, fit 2 cores)."""
     from ray import serve
 
     from shardyard.serve.app import build_app
 
-    serve.run(build_app({"checkpoint": str(default_job_checkpoint), "num_shards": 2, "cpus_per_shard": 0.5,
+    serve.run(build_app({"checkpoint": str(default_job_checkpoint), "num_shards": 2, "cpus_per_shard": 0.25,
                          "max_batch_size": 4, "model_id": "tiny-gpt", "request_timeout_s": 60}),
               name="engine_app", route_prefix="/e")
     yield server.removesuffix("/t") + "/e"
@@ -569,6 +571,8 @@ def test_a_shard_killed_under_the_engine_is_rebuilt_without_a_500(ray_cluster, e
 
 
 def test_serve_config_mistakes_are_named_before_anything_starts(ray_cluster, tmp_path: Path, checkpoints) -> None:
+    import ray
+
     from shardyard.serve.app import build_app
     from shardyard.serve.config import parse_config
     from shardyard.spec import SpecError
@@ -578,11 +582,12 @@ def test_serve_config_mistakes_are_named_before_anything_starts(ray_cluster, tmp
         parse_config({"checkpoint": trained, "sharding": "tensor", "num_shards": 3})
     with pytest.raises(SpecError, match="cannot split 4 blocks into 5 pipeline shards"):
         parse_config({"checkpoint": trained, "num_shards": 5})
-    # A placement group no node can hold is refused at once (it would wait forever): the session's
-    # cluster has 4 CPUs; a replica's 0.5 and 4 shards of 1 do not fit, 4 of 0.75 do.
-    with pytest.raises(SpecError, match=r"asks for 4\.5 CPU \(STRICT_PACK\); its largest node has 4 CPU: "
-                                        r"lower num_shards or cpus_per_shard"):
-        build_app({"checkpoint": trained, "num_shards": 4})
+    # A placement group no node can hold is refused at once (it would wait forever): a replica's
+    # 0.5 CPU and 2 shards of the node's every CPU do not fit; 4 shards of 0.25 do (on 2 cores).
+    cpus = ray.cluster_resources()["CPU"]
+    with pytest.raises(SpecError, match=rf"asks for {2 * cpus + 0.5:g} CPU \(STRICT_PACK\); its largest node has "
+                                        rf"{cpus:g} CPU: lower num_shards or cpus_per_shard"):
+        build_app({"checkpoint": trained, "num_shards": 2, "cpus_per_shard": cpus})
     with pytest.raises(SpecError, match="shardyard train jobs/configs/gpt_ddp.yaml"):
         parse_config({"checkpoint": str(tmp_path / "nothing")})
     with pytest.raises(SpecError, match=r"serving reads a local or shared directory, not object storage; .*aws s3 sync"):
@@ -603,7 +608,7 @@ def test_serve_config_mistakes_are_named_before_anything_starts(ray_cluster, tmp
     assert parse_config({"checkpoint": str(Path(trained).parent), "batching": "fixed"}).follow  # between batches
     assert parse_config({"checkpoint": str(Path(trained).parent), "engine": "vllm"}).follow  # whichever engine serves
     assert parse_config({"checkpoint": trained, "max_kv_tokens": 40}).cache_blocks == 3  # of 16 tokens
-    assert build_app({"checkpoint": trained, "num_shards": 4, "cpus_per_shard": 0.75})
+    assert build_app({"checkpoint": trained, "num_shards": 4, "cpus_per_shard": 0.25})
 
 
 @pytest.mark.timeout(60)
@@ -687,9 +692,8 @@ def test_stopping_the_app_drains_requests_in_flight(server, checkpoints) -> None
 
 @pytest.mark.timeout(300)
 def test_a_hugging_face_model_answers_over_http(server, llama_checkpoint) -> None:
-    """The same app over HTTP, on the module's Serve instance once the GPT's app is gone (the
-    cluster's 4 CPUs hold one app's shards at a time): the completion is transformers' greedy
-    output."""
+    """The same app over HTTP, on the module's Serve instance once the GPT's app is gone (it
+    takes the GPT's CPU beside the engine's app): the completion is transformers' greedy output."""
     from ray import serve
 
     from shardyard.serve.app import build_app
@@ -699,7 +703,8 @@ def test_a_hugging_face_model_answers_over_http(server, llama_checkpoint) -> Non
         build_app({"checkpoint": str(llama_checkpoint), "num_shards": 3})
     with pytest.raises(SpecError, match=r"num_key_value_heads \(2\) must be divisible by num_shards \(4\)"):
         build_app({"checkpoint": str(llama_checkpoint), "num_shards": 4, "sharding": "tensor"})
-    serve.run(build_app({"checkpoint": str(llama_checkpoint), "num_shards": 1}), name="llama_app", route_prefix="/llama")
+    serve.run(build_app({"checkpoint": str(llama_checkpoint), "num_shards": 1, "cpus_per_shard": 0.5}),
+              name="llama_app", route_prefix="/llama")
     try:
         url = server.removesuffix("/t") + "/llama"
         answer = complete(url, prompt="def", max_tokens=10)
