@@ -36,6 +36,10 @@ def test_readme_default_job_trains_on_a_local_ray_it_starts_and_continues_twice_
         output = done.stdout + done.stderr
         assert done.returncode == 0, output[-4000:]
         assert f"step {steps}/{steps}" in output and "shardyard run 'gpt_ddp'" in output, output[-4000:]
+        # Each progress line once (Ray Train's print patch once doubled them), and no warning from
+        # Ray Train's placement-group cleaner, which warned every second without the dashboard.
+        assert output.count(f"step {steps}/{steps} |") == 1, output[-4000:]
+        assert "Ray Train Controller actor state" not in output, output[-4000:]
         assert find_latest(run_dir).name == f"checkpoint_step_{steps:08d}"
         assert len(list(run_dir.glob("checkpoint_step_*"))) == 2  # checkpoint.keep: 2 pruned the rest
     rows = read_metrics(run_dir)

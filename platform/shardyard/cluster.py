@@ -29,10 +29,10 @@ def connect_ray(min_cpus: float, attach_to_running: bool = False) -> None:
         return
     # address="local": a new instance even if an earlier cluster left its address behind. At
     # least `min_cpus` logical CPUs, so a 4-worker job still runs (oversubscribed, slower) on a
-    # 2-core laptop. No dashboard: on a small machine its processes cost ~10% of training
-    # throughput (benchmarks/ddp_overhead.py); for the dashboard, `ray start --head` and point
-    # RAY_ADDRESS at it.
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(min_cpus)), include_dashboard=False,
+    # 2-core laptop. With the dashboard: Ray Train's placement-group cleaner asks the State API,
+    # which the dashboard serves, about its controller every second, and without it warned each
+    # time; its cost was not measurable (benchmarks/ddp_overhead.py, docs/benchmarks.md).
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(min_cpus)), include_dashboard=True,
              runtime_env=QUIET)
 
 

@@ -295,6 +295,9 @@ def tune_ray_train(spec: JobSpec) -> None:
     old size on stale resource data; the start timeout bounds how long that doomed try waits."""
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(spec.scaling.health_check_interval_s)
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(spec.scaling.worker_start_timeout_s)
+    # Ray Train sends each worker's print() to its logger, which writes it to stderr, and prints it
+    # too where Ray has wrapped the worker's stdout, as it has: every progress line came out twice.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
 
 
 def torch_config(spec: JobSpec) -> TorchConfig | None:
