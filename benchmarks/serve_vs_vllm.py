@@ -10,6 +10,8 @@ vLLM's CPU attention needs), random weights, float32, a 2,048-token context. sha
 as README's app does (one replica, continuous batching, 16 requests at once, one shard here: a
 2-core machine) on a local Ray of 2 CPUs, with its built-in engine and with `engine: vllm`; then
 `vllm serve` (its CPU build, 2 GiB of KV cache, prefix caching on, its default) serves it alone.
+`engine: vllm` is given vLLM's own limits (`max_num_seqs` 256, the same 2 GiB of KV cache): it is
+measured against the same engine, configured alike, behind shardyard's serving path.
 Run by the python of vLLM's environment (make_vllm_env.sh) with shardyard installed into it: the
 `engine: vllm` replica imports vLLM.
 Reported: output tokens/s, time to first token and time per output token (p50), inter-token
@@ -37,6 +39,7 @@ from common import print_table, write_json
 from vllm_bench import VLLM, bench, model_directory
 
 PROMPT_TOKENS, OUTPUT_TOKENS, SHARED_PREFIX_TOKENS, CONTEXT = 128, 64, 1000, 2048
+VLLM_MAX_NUM_SEQS, VLLM_KV_GIB = 256, 2  # `vllm serve` here: its default, and VLLM_CPU_KVCACHE_SPACE
 SHARED_PREFIX_STREAMS = 16
 
 
@@ -84,14 +87,15 @@ def shardyard_rows(directory: Path, out: Path, concurrencies: list[int], prompts
     from shardyard.localdist import free_port
     from shardyard.serve.app import build_app
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # engine: vllm's KV cache: the GiB vllm_rows gives vLLM
+    # engine: vllm's KV cache on vLLM's CPU build: the GiB vllm_rows gives vLLM alone.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(VLLM_KV_GIB))
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({"checkpoint": str(directory), "max_batch_size": 16, "max_tokens_limit": 256,
-                             "max_prompt_chars": 65536, "max_body_bytes": 262144, "prefix_caching": prefix_caching,
-                             "engine": engine}),
+        limits = vllm_limits(directory) if engine == "vllm" else {"max_batch_size": 16}
+        serve.run(build_app({"checkpoint": str(directory), "max_tokens_limit": 256, "max_prompt_chars": 65536,
+                             "max_body_bytes": 262144, "prefix_caching": prefix_caching, "engine": engine, **limits}),
                   name="bench", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, None)
@@ -105,6 +109,16 @@ def shardyard_rows(directory: Path, out: Path, concurrencies: list[int], prompts
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def vllm_limits(directory: Path) -> dict:
+    """`engine: vllm`'s app settings that give its engine vLLM standalone's limits: as many
+    sequences at once, as many KV-cache positions as its GiB hold."""
+    from shardyard.serve.vllm_engine import kv_cache_bytes
+    from shardyard.spec import HFSpec
+
+    per_position = kv_cache_bytes(HFSpec(path=str(directory)).hf_config(), 1, use_gpu=False)
+    return {"max_batch_size": VLLM_MAX_NUM_SEQS, "max_kv_tokens": VLLM_KV_GIB * 2**30 // per_position}
 
 
 def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompts: int) -> list[dict]:
@@ -180,8 +194,8 @@ def vllm_rows(directory: Path, out: Path, concurrencies: list[int], prompts: int
     log = (out / "vllm_serve.log").open("w")
     process = subprocess.Popen([str(VLLM), "serve", str(directory), "--served-model-name", "llama", "--dtype",
                                 "float32", "--max-model-len", str(CONTEXT), "--port", str(port)],
-                               stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2",
-                                                                          "HF_HUB_OFFLINE": "1"})
+                               stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_GIB), "HF_HUB_OFFLINE": "1"})
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, process)
