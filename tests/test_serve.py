@@ -100,7 +100,8 @@ def test_the_engine_over_sharded_caches_gives_each_request_its_tokens_alone(ray_
     from test_engine import alone, fresh, serve_all
 
     model = load_model(checkpoints["ddp"]).eval()
-    sharded = ShardedModel(str(checkpoints["ddp"]), 2, sharding=sharding, cache_blocks=3)  # a 16-token block a request
+    sharded = ShardedModel(str(checkpoints["ddp"]), 2, sharding=sharding, cache_blocks=3,  # a 16-token block a request
+                           cpus_per_shard=0.5)
     try:
         engine = DecodingEngine(sharded.forward, 3, model.spec.block_size, 3, TokenBudget(8, 60.0, 4),
                                 lambda: sharded.heal(rebuild_if_slow=True), (*SHARD_LOST, CachesLost))
@@ -185,7 +186,7 @@ def test_a_hugging_face_model_is_served_sharded_and_decodes_as_transformers_does
     model = load_model(llama_checkpoint).eval()
     # 7 new tokens keep the longest prompt (9) within block_size 16, the context served.
     prompts = ["def", "import os", "x ="]
-    sharded = ShardedModel(str(llama_checkpoint), num_shards, sharding=sharding, cache_blocks=2)
+    sharded = ShardedModel(str(llama_checkpoint), num_shards, sharding=sharding, cache_blocks=2, cpus_per_shard=0.5)
 
     async def decode_all() -> list[list[int]]:
         engine = DecodingEngine(sharded.forward, 2, sharded.block_size, 2, TokenBudget(8, 60.0, 4), sharded.heal,
@@ -223,7 +224,7 @@ def test_a_hugging_face_model_directory_is_served_as_it_is(ray_cluster, tmp_path
     AutoModelForCausalLM.from_config(AutoConfig.for_model(architecture, **keys)).save_pretrained(directory)
     assert parse_config({"checkpoint": str(directory), "sharding": "tensor", "num_shards": 2})
     model = load_model(directory).eval()
-    sharded = ShardedModel(str(directory), 2, sharding="tensor")
+    sharded = ShardedModel(str(directory), 2, sharding="tensor", cpus_per_shard=0.5)
     try:
         assert sharded.block_size == LLAMA["max_position_embeddings"]  # the model's whole window
         tokens = torch.randint(0, LLAMA["vocab_size"], (2, 12))

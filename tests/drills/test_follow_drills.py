@@ -142,147 +142,6 @@ class StreamingClient(threading.Thread):
 
 @pytest.mark.drill(outcome="every request answered, on weights that never go back", lost="nothing")
 @pytest.mark.timeout(300)
-def test_a_client_streams_across_three_promotions(followed: Followed) -> None:
-    """Three checkpoints swapped in while a client streams: no request fails, each stream's
-    fingerprints never go backwards, and after the swaps the answer equals the newest weights
-    decoded alone (the prompt's prefix-cache blocks, made by the old weights, are not read)."""
-    url = followed.url
-    before = complete(url)
-    assert before["choices"][0]["text"] == alone(followed.run_dir / checkpoint_name(followed.served_step()))
-    client = StreamingClient(url)
-    client.start()
-    try:
-        for _ in range(3):
-            wait_for_step(url, followed.commit())
-    finally:
-        client.stop.set()
-        client.join(timeout=120)
-    after = complete(url)
-    assert after["system_fingerprint"] == f"gpt_ddp@{followed.step}"
-    assert after["choices"][0]["text"] == alone(followed.run_dir / checkpoint_name(followed.step))
-    assert after["choices"][0]["text"] != before["choices"][0]["text"]  # the weights did change
-    client.check_answered_without_going_back()
-
-
-@pytest.mark.drill(outcome="refused by the gate; the served weights answer", lost="nothing")
-@pytest.mark.timeout(240)
-def test_a_diverged_checkpoint_never_reaches_a_client(followed: Followed) -> None:
-    url, serving = followed.url, followed.served_step()
-    diverged = followed.commit(fault="nan")
-    wait_for_refusal(url, diverged, "not finite")
-    metric(url, "ray_shardyard_weight_swaps_refused_total", followed.app, lambda n: n >= 1)
-    assert find_latest(followed.run_dir).name == checkpoint_name(diverged)  # committed, yet not served
-    assert served(url)["served_step"] == serving
-    assert complete(url)["system_fingerprint"] == f"gpt_ddp@{serving}"
-
-
-@pytest.mark.drill(outcome="refused by the gate; a better one served", lost="nothing")
-@pytest.mark.timeout(240)
-def test_a_checkpoint_with_a_worse_validation_loss_is_refused(followed: Followed) -> None:
-    """The run's own validation loss: worse than the served one's by more than
-    val_loss_tolerance (5%) is refused, better is served."""
-    url, serving = followed.url, followed.served_step()
-    log = JsonLines(RunStorage(followed.run_dir), METRICS_FILE)
-    log.append({"step": serving, "loss": 2.0, "val_loss": 2.0})
-    log.append({"step": followed.step + 10, "loss": 2.2, "val_loss": 2.2})
-    wait_for_refusal(url, followed.commit(), "validation loss")
-    assert followed.served_step() == serving
-    log.append({"step": followed.step + 10, "loss": 1.9, "val_loss": 1.9})
-    wait_for_step(url, followed.commit())
-
-
-@pytest.mark.drill(outcome="the earlier weights answer; a bad step is refused", lost="nothing")
-@pytest.mark.timeout(240)
-def test_an_operator_rolls_back_and_promotes_with_the_token_only(followed: Followed) -> None:
-    url = followed.url
-    earlier = followed.served_step()
-    newer = followed.commit()
-    wait_for_step(url, newer)
-    assert requests.post(f"{url}/admin/rollback", timeout=30).status_code == 401
-    assert admin(url, "rollback").json() == {"served_step": earlier, "system_fingerprint": f"gpt_ddp@{earlier}",
-                                             "replicas_serving": 1, "replicas": 1}
-    back = complete(url)
-    assert back["system_fingerprint"] == f"gpt_ddp@{earlier}"
-    assert back["choices"][0]["text"] == alone(followed.run_dir / checkpoint_name(earlier))
-    assert followed.served_step() == earlier  # the follower does not undo an operator's rollback
-    diverged = followed.commit(fault="nan")
-    refused = admin(url, "promote", step=diverged)
-    assert refused.status_code == 422 and "not finite" in refused.json()["error"]["message"], refused.text
-    assert admin(url, "promote", step=7).status_code == 404
-    assert admin(url, "promote", step=newer).json()["served_step"] == newer
-
-
-@pytest.mark.drill(outcome="the old weights serve on; the checkpoint is read again", lost="nothing")
-@pytest.mark.timeout(300)
-def test_a_loader_killed_mid_swap_leaves_the_old_weights_serving(followed: Followed) -> None:
-    """Long requests keep the engine busy; a checkpoint is committed and read beside the serving
-    weights, and while it waits to be swapped in (the swap waits for running requests), one shard,
-    the loader of its part, is killed. The group is rebuilt from the served checkpoint: the long
-    requests finish on the old weights (what they streamed before the kill exactly as those
-    weights decode alone); the follower reads the new checkpoint again with the new group and
-    serves it."""
-    from ray.util.state import list_actors
-
-    url, old = followed.url, followed.served_step()
-    long_tokens, streams = 2000, 4  # the app's max_batch_size: the swap waits for all four
-    answers: list[dict] = [{"text": "", "fingerprints": set(), "running": threading.Event()} for _ in range(streams)]
-
-    def long_request(answer: dict) -> None:
-        with requests.post(f"{url}/v1/completions", stream=True, timeout=300, headers=AUTH,
-                           json={"prompt": PROMPT, "max_tokens": long_tokens, "temperature": 0,
-                                 "stream": True}) as reply:
-            answer["status"] = reply.status_code
-            for line in reply.iter_lines(decode_unicode=True):
-                if line.startswith("data: {"):
-                    chunk = json.loads(line[6:])
-                    answer["text"] += chunk["choices"][0]["text"] if chunk.get("choices") else ""
-                    answer["fingerprints"].add(chunk.get("system_fingerprint"))
-                    answer["running"].set()
-
-    def describe() -> list:
-        return [(a.get("status"), len(a["text"]), a["fingerprints"]) for a in answers]
-
-    # The checkpoint is written and committed beside the run first, then moved into it (one
-    # rename, as atomic as a commit): writing it takes longer than the requests run.
-    followed.step += 10
-    new, staging = followed.step, followed.run_dir.parent / "staging" / followed.run_dir.name
-    commit(staging, new)
-    shards = list_actors(filters=[("class_name", "=", "PipelineShard"), ("state", "=", "ALIVE")])
-    assert len(shards) == 2, shards
-    workers = [threading.Thread(target=long_request, args=(a,), daemon=True) for a in answers]
-    for worker in workers:
-        worker.start()
-    for answer in answers:
-        assert answer["running"].wait(60), describe()  # decoding: the swap will wait for them
-    os.rename(staging / checkpoint_name(new), followed.run_dir / checkpoint_name(new))
-    deadline = time.monotonic() + 60
-    while served(url)["candidate_step"] != new:  # being read or judged: not served yet
-        assert all(w.is_alive() for w in workers), f"a long request ended before the checkpoint was read: {describe()}"
-        assert time.monotonic() < deadline, served(url)
-        time.sleep(0.05)
-    assert all(w.is_alive() for w in workers), f"a long request ended before the loader was killed: {describe()}"
-    before_kill = [a["text"] for a in answers]
-    os.kill(shards[-1].pid, signal.SIGKILL)  # as the kernel's OOM killer does
-    for worker in workers:
-        worker.join(timeout=300)
-    outcomes = {(a.get("status"), frozenset(a["fingerprints"])) for a in answers}
-    assert outcomes == {(200, frozenset({f"gpt_ddp@{old}"}))}, describe()
-    # Up to the kill, each answer is the old weights' own; then the rebuilt group prefilled it
-    # again and went on to the end. (Not compared token for token past the kill: a prefill of
-    # a thousand tokens and the same tokens decoded one by one round differently, and over
-    # hundreds of greedy steps a near tie can tip either way.)
-    expected = alone_cached(followed.run_dir / checkpoint_name(old), long_tokens)
-    for answer, streamed in zip(answers, before_kill):
-        assert expected.startswith(streamed) and len(answer["text"]) > len(streamed), describe()
-    wait_for_step(url, new)
-    metric(url, "ray_shardyard_shard_group_rebuilds_total", followed.app, lambda n: n >= 1)
-    after = complete(url)
-    assert after["system_fingerprint"] == f"gpt_ddp@{new}"
-    assert after["choices"][0]["text"] == alone(followed.run_dir / checkpoint_name(new))
-
-
-@pytest.mark.drill(outcome="every request answered, on weights that never go back", lost="nothing")
-@pytest.mark.timeout(300)
 def test_static_batches_follow_the_run_swapping_between_batches(serve_base: str, tmp_path: Path) -> None:
     """Static batching (no KV cache: batching fixed) follows the run too: a swap waits for the
     running batch and the next one decodes on the new weights; a client streaming across two
@@ -457,3 +316,149 @@ def test_a_canary_serves_a_checkpoint_on_one_replica_before_all_and_refuses_one_
         client.stop.set()
         client.join(timeout=120)
         serve.delete("canary")
+
+
+# The module's followed app (1.5 CPU) lives until the module ends: its tests come last, so that
+# the apps above, each deleted by its test, start on a 2-core machine beside nothing.
+
+
+@pytest.mark.drill(outcome="every request answered, on weights that never go back", lost="nothing")
+@pytest.mark.timeout(300)
+def test_a_client_streams_across_three_promotions(followed: Followed) -> None:
+    """Three checkpoints swapped in while a client streams: no request fails, each stream's
+    fingerprints never go backwards, and after the swaps the answer equals the newest weights
+    decoded alone (the prompt's prefix-cache blocks, made by the old weights, are not read)."""
+    url = followed.url
+    before = complete(url)
+    assert before["choices"][0]["text"] == alone(followed.run_dir / checkpoint_name(followed.served_step()))
+    client = StreamingClient(url)
+    client.start()
+    try:
+        for _ in range(3):
+            wait_for_step(url, followed.commit())
+    finally:
+        client.stop.set()
+        client.join(timeout=120)
+    after = complete(url)
+    assert after["system_fingerprint"] == f"gpt_ddp@{followed.step}"
+    assert after["choices"][0]["text"] == alone(followed.run_dir / checkpoint_name(followed.step))
+    assert after["choices"][0]["text"] != before["choices"][0]["text"]  # the weights did change
+    client.check_answered_without_going_back()
+
+
+@pytest.mark.drill(outcome="refused by the gate; the served weights answer", lost="nothing")
+@pytest.mark.timeout(240)
+def test_a_diverged_checkpoint_never_reaches_a_client(followed: Followed) -> None:
+    url, serving = followed.url, followed.served_step()
+    diverged = followed.commit(fault="nan")
+    wait_for_refusal(url, diverged, "not finite")
+    metric(url, "ray_shardyard_weight_swaps_refused_total", followed.app, lambda n: n >= 1)
+    assert find_latest(followed.run_dir).name == checkpoint_name(diverged)  # committed, yet not served
+    assert served(url)["served_step"] == serving
+    assert complete(url)["system_fingerprint"] == f"gpt_ddp@{serving}"
+
+
+@pytest.mark.drill(outcome="refused by the gate; a better one served", lost="nothing")
+@pytest.mark.timeout(240)
+def test_a_checkpoint_with_a_worse_validation_loss_is_refused(followed: Followed) -> None:
+    """The run's own validation loss: worse than the served one's by more than
+    val_loss_tolerance (5%) is refused, better is served."""
+    url, serving = followed.url, followed.served_step()
+    log = JsonLines(RunStorage(followed.run_dir), METRICS_FILE)
+    log.append({"step": serving, "loss": 2.0, "val_loss": 2.0})
+    log.append({"step": followed.step + 10, "loss": 2.2, "val_loss": 2.2})
+    wait_for_refusal(url, followed.commit(), "validation loss")
+    assert followed.served_step() == serving
+    log.append({"step": followed.step + 10, "loss": 1.9, "val_loss": 1.9})
+    wait_for_step(url, followed.commit())
+
+
+@pytest.mark.drill(outcome="the earlier weights answer; a bad step is refused", lost="nothing")
+@pytest.mark.timeout(240)
+def test_an_operator_rolls_back_and_promotes_with_the_token_only(followed: Followed) -> None:
+    url = followed.url
+    earlier = followed.served_step()
+    newer = followed.commit()
+    wait_for_step(url, newer)
+    assert requests.post(f"{url}/admin/rollback", timeout=30).status_code == 401
+    assert admin(url, "rollback").json() == {"served_step": earlier, "system_fingerprint": f"gpt_ddp@{earlier}",
+                                             "replicas_serving": 1, "replicas": 1}
+    back = complete(url)
+    assert back["system_fingerprint"] == f"gpt_ddp@{earlier}"
+    assert back["choices"][0]["text"] == alone(followed.run_dir / checkpoint_name(earlier))
+    assert followed.served_step() == earlier  # the follower does not undo an operator's rollback
+    diverged = followed.commit(fault="nan")
+    refused = admin(url, "promote", step=diverged)
+    assert refused.status_code == 422 and "not finite" in refused.json()["error"]["message"], refused.text
+    assert admin(url, "promote", step=7).status_code == 404
+    assert admin(url, "promote", step=newer).json()["served_step"] == newer
+
+
+@pytest.mark.drill(outcome="the old weights serve on; the checkpoint is read again", lost="nothing")
+@pytest.mark.timeout(300)
+def test_a_loader_killed_mid_swap_leaves_the_old_weights_serving(followed: Followed) -> None:
+    """Long requests keep the engine busy; a checkpoint is committed and read beside the serving
+    weights, and while it waits to be swapped in (the swap waits for running requests), one shard,
+    the loader of its part, is killed. The group is rebuilt from the served checkpoint: the long
+    requests finish on the old weights (what they streamed before the kill exactly as those
+    weights decode alone); the follower reads the new checkpoint again with the new group and
+    serves it."""
+    from ray.util.state import list_actors
+
+    url, old = followed.url, followed.served_step()
+    long_tokens, streams = 2000, 4  # the app's max_batch_size: the swap waits for all four
+    answers: list[dict] = [{"text": "", "fingerprints": set(), "running": threading.Event()} for _ in range(streams)]
+
+    def long_request(answer: dict) -> None:
+        with requests.post(f"{url}/v1/completions", stream=True, timeout=300, headers=AUTH,
+                           json={"prompt": PROMPT, "max_tokens": long_tokens, "temperature": 0,
+                                 "stream": True}) as reply:
+            answer["status"] = reply.status_code
+            for line in reply.iter_lines(decode_unicode=True):
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    answer["text"] += chunk["choices"][0]["text"] if chunk.get("choices") else ""
+                    answer["fingerprints"].add(chunk.get("system_fingerprint"))
+                    answer["running"].set()
+
+    def describe() -> list:
+        return [(a.get("status"), len(a["text"]), a["fingerprints"]) for a in answers]
+
+    # The checkpoint is written and committed beside the run first, then moved into it (one
+    # rename, as atomic as a commit): writing it takes longer than the requests run.
+    followed.step += 10
+    new, staging = followed.step, followed.run_dir.parent / "staging" / followed.run_dir.name
+    commit(staging, new)
+    shards = list_actors(filters=[("class_name", "=", "PipelineShard"), ("state", "=", "ALIVE")])
+    assert len(shards) == 2, shards
+    workers = [threading.Thread(target=long_request, args=(a,), daemon=True) for a in answers]
+    for worker in workers:
+        worker.start()
+    for answer in answers:
+        assert answer["running"].wait(60), describe()  # decoding: the swap will wait for them
+    os.rename(staging / checkpoint_name(new), followed.run_dir / checkpoint_name(new))
+    deadline = time.monotonic() + 60
+    while served(url)["candidate_step"] != new:  # being read or judged: not served yet
+        assert all(w.is_alive() for w in workers), f"a long request ended before the checkpoint was read: {describe()}"
+        assert time.monotonic() < deadline, served(url)
+        time.sleep(0.05)
+    assert all(w.is_alive() for w in workers), f"a long request ended before the loader was killed: {describe()}"
+    before_kill = [a["text"] for a in answers]
+    os.kill(shards[-1].pid, signal.SIGKILL)  # as the kernel's OOM killer does
+    for worker in workers:
+        worker.join(timeout=300)
+    outcomes = {(a.get("status"), frozenset(a["fingerprints"])) for a in answers}
+    assert outcomes == {(200, frozenset({f"gpt_ddp@{old}"}))}, describe()
+    # Up to the kill, each answer is the old weights' own; then the rebuilt group prefilled it
+    # again and went on to the end. (Not compared token for token past the kill: a prefill of
+    # a thousand tokens and the same tokens decoded one by one round differently, and over
+    # hundreds of greedy steps a near tie can tip either way.)
+    expected = alone_cached(followed.run_dir / checkpoint_name(old), long_tokens)
+    for answer, streamed in zip(answers, before_kill):
+        assert expected.startswith(streamed) and len(answer["text"]) > len(streamed), describe()
+    wait_for_step(url, new)
+    metric(url, "ray_shardyard_shard_group_rebuilds_total", followed.app, lambda n: n >= 1)
+    after = complete(url)
+    assert after["system_fingerprint"] == f"gpt_ddp@{new}"
+    assert after["choices"][0]["text"] == alone(followed.run_dir / checkpoint_name(new))
+
