@@ -585,7 +585,7 @@ def test_serve_config_mistakes_are_named_before_anything_starts(ray_cluster, tmp
         parse_config({"checkpoint": trained, "num_shards": 5})
     # A placement group no node can hold is refused at once (it would wait forever): a replica's
     # 0.5 CPU and 2 shards of the node's every CPU do not fit; 4 shards of 0.25 do (on 2 cores).
-    cpus = ray.cluster_resources()["CPU"]
+    cpus = max(node["Resources"].get("CPU", 0) for node in ray.nodes() if node["Alive"])  # the largest node's
     with pytest.raises(SpecError, match=rf"asks for {2 * cpus + 0.5:g} CPU \(STRICT_PACK\); its largest node has "
                                         rf"{cpus:g} CPU: lower num_shards or cpus_per_shard"):
         build_app({"checkpoint": trained, "num_shards": 2, "cpus_per_shard": cpus})
