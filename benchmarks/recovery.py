@@ -19,8 +19,9 @@ to 4 workers) on a cluster with room for 2 asks for 4, the autoscaler adds two n
 grows; one of them then gets a preemption notice (`ray drain-node`), the run checkpoints, the node
 is reclaimed and the run goes on at 3; when the run ends the autoscaler removes the idle nodes.
 Each step of that is timed: a grow from the last node's launch to training on it (the nodes'
-launch counted from the run's start, when it asks), a drain from the notice to the committed
-checkpoint, a shrink from the reclaim to training without the node (Ray's failure detection of a
+launch counted from the run's start, when it asks), a drain from the run hearing the notice to
+the committed checkpoint (the run is held until Ray Train's watcher has told the workers: the
+notice itself reaches a run within that watcher's 5 s poll plus the run's 5 s probe), a shrink from the reclaim to training without the node (Ray's failure detection of a
 node that vanished, then a worker-group restart), and the idle nodes' removal from the run's end.
 
     python benchmarks/recovery.py [--intervals 10 50] [--strategies ddp fsdp zero2 hot autoscaled]
@@ -123,6 +124,9 @@ def measure(strategy: str, interval: int, storage: str) -> dict:
 
 AUTOSCALED_SLOT = "autoscaled_slot"  # a worker's share: 2 on the head, 1 per autoscaled node
 DRAIN_PROBE_S = 5.5  # StepGuard's drain_every_s (5 s), and a margin
+# Ray Train's PreemptionWatcher polls the cluster's draining nodes every 5 s
+# (RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S) and then tells the workers; a margin for that call.
+DRAIN_NOTICE_S = 7.0
 
 
 def elastic_job(storage: Path) -> list[str]:
@@ -157,18 +161,25 @@ def measure_autoscaled(overrides: list[str], run_dir: Path, hold_at: tuple[int, 
             release(run_dir, grown_at)
             wait_for(lambda: held(run_dir, drain_at) or run.poll() is not None, 300, f"no step {drain_at}")
             victim = next(iter(cluster.autoscaled_raylets()))
-            drained_at = time.time()
             subprocess.run([RAY, "drain-node", f"--address={cluster.gcs_address}", f"--node-id={victim}",
                             "--reason=DRAIN_NODE_REASON_PREEMPTION", "--reason-message=spot reclaim",
                             "--deadline-remaining-seconds=120"], env=cluster.env, check=True,
                            capture_output=True, timeout=60)
-            # The run asks whether a node is draining at most every DRAIN_PROBE_S: held that long,
-            # it asks at its first step after the release.
-            time.sleep(max(0.0, held(run_dir, drain_at)["time"] + DRAIN_PROBE_S - time.time()))
+            drained_at = time.time()  # the drain is accepted once the command returns
+            # Held until Ray Train's watcher has surely polled since the drain (and told the workers)
+            # and the run's own probe (at most every DRAIN_PROBE_S) is due, the run asks at its first
+            # step after the release and hears the notice: else it could end before asking again.
+            ready_at = max(held(run_dir, drain_at)["time"] + DRAIN_PROBE_S, drained_at + DRAIN_NOTICE_S)
+            time.sleep(max(0.0, ready_at - time.time()))
             release(run_dir, drain_at)
+            released_at = time.time()
             wait_for(lambda: drain_checkpoint(run_dir) or run.poll() is not None, 120,
                        "the run did not checkpoint on the drain notice")
             checkpointed = drain_checkpoint(run_dir)
+            if checkpointed is None:
+                output = run.communicate(timeout=60)[0]
+                raise RuntimeError(f"the run ended (exit {run.returncode}) without a drain checkpoint:\n"
+                                   f"{output[-4000:]}")
             # The event marks the checkpoint's start: the node goes once it is committed.
             wait_for(lambda: find_latest(run_dir).name == checkpoint_name(checkpointed["step"]), 120,
                        "the drain checkpoint never committed")
@@ -192,7 +203,8 @@ def measure_autoscaled(overrides: list[str], run_dir: Path, hold_at: tuple[int, 
         {"resize": f"grow {first['world_size']} -> 4", "cause": "the run asks, the autoscaler adds 2 nodes",
          "s": grown["time"] - launched[-1], "nodes launched after s": launched[-1] - asked["time"],
          "restored from": grown["restored_step"]},
-        {"resize": "drain notice -> checkpoint committed", "cause": "ray drain-node (preemption)", "s": committed_at - drained_at,
+        {"resize": "notice heard -> checkpoint committed", "cause": "ray drain-node (preemption)",
+         "s": committed_at - released_at,
          "nodes launched after s": None, "restored from": None},
         {"resize": f"shrink 4 -> {shrunk['world_size']}", "cause": "the drained node is reclaimed",
          "s": shrunk["time"] - reclaimed_at, "nodes launched after s": None, "restored from": shrunk["restored_step"]},

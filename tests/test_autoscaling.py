@@ -44,6 +44,6 @@ def test_the_autoscaler_grows_the_run_and_a_drained_node_shrinks_it(tmp_path: Pa
     report = audit(run_dir, NUM_SAMPLES)
     assert report.steps == STEPS and report.exact, report
     assert_matches_single_process(run_dir, STEPS)
-    assert [r["resize"] for r in resizes][1:] == ["drain notice -> checkpoint committed",
+    assert [r["resize"] for r in resizes][1:] == ["notice heard -> checkpoint committed",
                                                   "shrink 4 -> 3", "idle nodes removed"]
     assert all(r["s"] > 0 for r in resizes), resizes
