@@ -292,8 +292,8 @@ def test_hot_recovery_survivors_train_on_and_the_replacement_heals_from_a_peer(
     # replicas that could not commit that step themselves and healed from one that did.
     assert report.steps == HOT_STEPS and report.exact, report
     assert 2 in report.world_sizes and report.world_sizes[-1] == 3  # survivors alone, then healed
-    # The logged loss is rank 0's mean over the steps it applied itself: one that fell behind
-    # (rank 0 writes checkpoints while the others go on) and healed skipped a few of the window's
-    # steps, so the loss is compared loosely (at step 600 one skipped step moves it 1.4%); the
-    # parameters are not.
+    # The logged loss is rank 0's mean over the steps it applied itself: if it fell behind (the
+    # others go on without a replica that is not back within the Lighthouse's join timeout) and
+    # healed, it skipped some of the window's steps, so the loss is compared loosely (at step 600
+    # one skipped step moves it 1.4%); the parameters are not.
     assert_matches_single_process(run_dir, HOT_STEPS, loss_rtol=3e-2)

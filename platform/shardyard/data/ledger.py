@@ -78,9 +78,9 @@ def final_rounds(entries: list[dict]) -> tuple[dict[int, Round], int]:
     which replicas diverged for good.
 
     A later attempt (a restart from a checkpoint) replaces an earlier one. Within an attempt,
-    TorchFT may briefly run two quorums at once (a replica busy writing a checkpoint forms one with
-    a replacement while the others go on): both commit the step, and the branch that did not go
-    on is healed away (its replicas jump ahead from a live peer). So, walking back from the last
+    TorchFT may briefly run two quorums at once (replicas go on without one that has not asked to
+    join within the Lighthouse's join timeout): both commit the step, and the branch that did not
+    go on is healed away (its replicas jump ahead from a live peer). So, walking back from the last
     step, a step's round is the one that went on to the next step's round: a writer (one file;
     lines in order) committed this step in it and later the next step in that one. Two rounds
     that both went on mean replicas with different states trained on together: divergence."""

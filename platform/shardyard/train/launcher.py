@@ -300,15 +300,26 @@ def tune_ray_train(spec: JobSpec) -> None:
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
 
 
+# How long the Lighthouse waits for a replica that is alive (heartbeating) but has not asked to
+# join a quorum yet. torchft's Python default is short: replicas behind a live one (a rank that
+# failed to heal from a peer killed mid-copy, and a replacement) then formed a quorum without it,
+# ran again a step it had already applied, and went on with it on two different states (a CI
+# run's ledger: step 26 committed by two quorums). A live replica asks at the latest once a
+# collective on a dead peer fails (the process group's timeout, fault_tolerant_ddp.TIMEOUT, 30 s);
+# the others' quorum requests time out after torchft's 60 s.
+STRAGGLER_JOIN_TIMEOUT_MS = 45_000
+
+
 def torch_config(spec: JobSpec) -> TorchConfig | None:
     """Ray Train's default (nccl on GPUs, gloo otherwise), except under hot recovery: there every
     worker is a replica in a process group of its own, coordinated by torchft's Lighthouse, which
-    Ray Train runs (one quorum member is enough to go on)."""
+    Ray Train runs (one quorum member is enough to go on once the others are dead: a replica that
+    stops heartbeating is left out at once, a live one is waited for)."""
     if spec.scaling.recovery != "hot":
         return None
     from ray.train.v2.torch.torchft_config import TorchftConfig
 
-    return TorchftConfig(lighthouse_kwargs={"min_replicas": 1})
+    return TorchftConfig(lighthouse_kwargs={"min_replicas": 1, "join_timeout_ms": STRAGGLER_JOIN_TIMEOUT_MS})
 
 
 def launch(spec: JobSpec, attach_to_running: bool = False, take_over: bool = False) -> RunResult:
