@@ -259,8 +259,9 @@ def test_sharded_run_loses_a_worker_and_reshards(ray_cluster, tmp_path: Path) ->
 def test_hot_recovery_survivors_train_on_and_the_replacement_heals_from_a_peer(
         ray_cluster, tmp_path: Path) -> None:
     """scaling.recovery=hot (TorchFT): kill one of 3 DDP replicas. No worker-group restart: the
-    two survivors go on, splitting the global batch between them, and Ray Train's replacement
-    copies its state from a live peer. Data stays exact; the model equals one process's."""
+    two survivors go on (splitting the global batch between them until the replacement joins),
+    and Ray Train's replacement copies its state from a live peer. Data stays exact; the model
+    equals one process's."""
     hot = ("scaling.min_workers=null", "scaling.max_workers=null", "scaling.num_workers=3",
            "scaling.recovery=hot", "scaling.resources_per_worker={CPU: 0.5}")  # 3 on 2 cores
     started = time.time()
@@ -291,7 +292,10 @@ def test_hot_recovery_survivors_train_on_and_the_replacement_heals_from_a_peer(
     # Exact: every step the replicas applied holds every rank's share of it, including shares of
     # replicas that could not commit that step themselves and healed from one that did.
     assert report.steps == HOT_STEPS and report.exact, report
-    assert 2 in report.world_sizes and report.world_sizes[-1] == 3  # survivors alone, then healed
+    # Replicas join one by one at the start; after the kill, the survivors alone (if the replacement
+    # is not yet up when the dead replica misses its heartbeats: the Lighthouse waits for a live
+    # replica, the replacement included); at the end all three.
+    assert report.world_sizes[-1] == 3, report
     # The logged loss is rank 0's mean over the steps it applied itself: if it fell behind (the
     # others go on without a replica that is not back within the Lighthouse's join timeout) and
     # healed, it skipped some of the window's steps, so the loss is compared loosely (at step 600
