@@ -21,8 +21,9 @@ is reclaimed and the run goes on at 3; when the run ends the autoscaler removes 
 Each step of that is timed: a grow from the last node's launch to training on it (the nodes'
 launch counted from the run's start, when it asks), a drain from the run hearing the notice to
 the committed checkpoint (the run is held until Ray Train's watcher has told the workers: the
-notice itself reaches a run within that watcher's 5 s poll plus the run's 5 s probe), a shrink from the reclaim to training without the node (Ray's failure detection of a
-node that vanished, then a worker-group restart), and the idle nodes' removal from the run's end.
+notice itself reaches a run within that watcher's 5 s poll plus the run's 5 s probe), a shrink
+from the reclaim to training without the node (Ray's failure detection of a node that vanished,
+then a worker-group restart), and the idle nodes' removal from the run's end.
 
     python benchmarks/recovery.py [--intervals 10 50] [--strategies ddp fsdp zero2 hot autoscaled]
 """

@@ -34,6 +34,16 @@ def ask_quorum(client: LighthouseClient, store: dist.TCPStore, replica: str, ste
     return sorted(member.replica_id for member in quorum.participants)
 
 
+def start_asking(clients: dict[str, LighthouseClient], store: dist.TCPStore, names: tuple[str, ...], step: int,
+                 answers: dict[str, list[str] | str]) -> list[threading.Thread]:
+    """Each of `names` asks for a quorum at `step` at once, in a thread; its answer lands in `answers`."""
+    threads = [threading.Thread(target=lambda n=name: answers.update({n: ask_quorum(clients[n], store, n, step)}))
+               for name in names]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
 @pytest.mark.timeout(60)
 def test_a_live_replica_that_is_ahead_is_waited_for(tmp_path) -> None:
     spec = load_spec(CONFIG, ["scaling.recovery=hot", "scaling.min_workers=null", "scaling.max_workers=null",
@@ -52,12 +62,8 @@ def test_a_live_replica_that_is_ahead_is_waited_for(tmp_path) -> None:
     try:
         for name in ("healer", "ahead"):
             clients[name].heartbeat(name)
-        first = {}
-        askers = [threading.Thread(target=lambda n=name: first.update({n: ask_quorum(clients[n], store, n, 25)}))
-                  for name in ("healer", "ahead")]
-        for thread in askers:
-            thread.start()
-        for thread in askers:
+        first: dict[str, list[str] | str] = {}
+        for thread in start_asking(clients, store, ("healer", "ahead"), 25, first):
             thread.join()
         assert first["healer"] == ["ahead", "healer"]
 
@@ -66,11 +72,8 @@ def test_a_live_replica_that_is_ahead_is_waited_for(tmp_path) -> None:
         for thread in beats:
             thread.start()
         # The healer and the replacement (both at step 26) ask; the replica at step 27 asks late.
-        second = {}
-        behind = [threading.Thread(target=lambda n=name: second.update({n: ask_quorum(clients[n], store, n, 26)}))
-                  for name in ("healer", "replacement")]
-        for thread in behind:
-            thread.start()
+        second: dict[str, list[str] | str] = {}
+        behind = start_asking(clients, store, ("healer", "replacement"), 26, second)
         time.sleep(STRAGGLER_LATE_S)
         formed_without_it = dict(second)
         second["ahead"] = ask_quorum(clients["ahead"], store, "ahead", 27)
