@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -19,7 +20,13 @@ from shardyard.checkpoint.record import FileEntry
 
 
 def barrier() -> None:
-    if dist.is_initialized():
+    if not dist.is_initialized():
+        return
+    # NCCL's barrier runs on a GPU: name this rank's own (the one Ray Train or the trainer made
+    # current) instead of letting c10d guess it and warn about the guess at every checkpoint.
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
         dist.barrier()
 
 
