@@ -57,17 +57,53 @@ def wait_ready(url: str, process: subprocess.Popen | None, timeout_s: float = 60
     raise TimeoutError(f"{url} did not answer within {timeout_s} s")
 
 
+def request_count(concurrency: int, prompts: int) -> int:
+    """At least four waves of requests at each concurrency, so that a row is the steady state and
+    not how one burst of requests arriving at once gets in; at one stream fewer, for time."""
+    return max(prompts, 4 * concurrency) if concurrency > 1 else max(8, prompts // 4)
+
+
+def cpu_seconds() -> dict[int, tuple[str, float]]:
+    """Every process's CPU seconds so far, by pid, with a name that says what it is: Ray's and
+    vLLM's process titles (`ray::ProxyActor`, `VLLM::EngineCore`), else the program and its first
+    argument (`vllm serve`, `vllm bench`)."""
+    import psutil
+
+    seen = {}
+    for process in psutil.process_iter(["cmdline", "cpu_times"]):
+        command, times = process.info["cmdline"] or [], process.info["cpu_times"]
+        if command and times:
+            name = command[0] if "::" in command[0] else " ".join(Path(c).name for c in command[:2])
+            seen[process.pid] = (name, times.user + times.system)
+    return seen
+
+
+def cpu_spent(before: dict[int, tuple[str, float]], seconds: float) -> dict[str, float]:
+    """Cores each kind of process kept busy since `before`, over `seconds` of load (those over 0.01;
+    a process that has ended, such as the client, is not counted)."""
+    spent: dict[str, float] = {}
+    for pid, (name, total) in cpu_seconds().items():
+        spent[name] = spent.get(name, 0.0) + total - before.get(pid, (name, 0.0))[1]
+    return {name: round(s / seconds, 2) for name, s in sorted(spent.items(), key=lambda kv: -kv[1])
+            if s / seconds > 0.01}
+
+
 def measure(server: str, url: str, directory: Path, out: Path, concurrencies: list[int], prompts: int,
             prefix_tokens: int = 0) -> list[dict]:
+    """Each load's figures, and the cores each kind of process (the server's and the client's) kept
+    busy during it: where a server's time goes on a machine of two."""
     rows = []
     for concurrency in concurrencies:
-        count = prompts if concurrency > 1 else max(8, prompts // 4)  # one stream: fewer, for time
+        count = request_count(concurrency, prompts)
+        before, started = cpu_seconds(), time.perf_counter()
         result = bench(url, directory, out / server, prompt_tokens=PROMPT_TOKENS, output_tokens=OUTPUT_TOKENS,
                        prompts=count, concurrency=concurrency, prefix_tokens=prefix_tokens)
+        cores = cpu_spent(before, time.perf_counter() - started)
         rows.append({"server": server, "load": "shared prefix" if prefix_tokens else "random",
                      "streams": concurrency, "requests": count, "failed": result["failed"],
                      "output_tok_per_s": result["output_throughput"], "ttft_p50_ms": result["median_ttft_ms"],
-                     "tpot_p50_ms": result["median_tpot_ms"], "itl_p99_ms": result["p99_itl_ms"]})
+                     "tpot_p50_ms": result["median_tpot_ms"], "itl_p99_ms": result["p99_itl_ms"],
+                     "cores_busy": cores})
         print(rows[-1], flush=True)
     return rows
 
@@ -180,8 +216,7 @@ def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompt
 
     rows = []
     for concurrency in concurrencies:
-        count = prompts if concurrency > 1 else max(8, prompts // 4)
-        rows.append(asyncio.run(load(concurrency, count)))
+        rows.append(asyncio.run(load(concurrency, request_count(concurrency, prompts))))
         print(rows[-1], flush=True)
     model.close()
     return rows
