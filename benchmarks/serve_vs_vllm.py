@@ -66,7 +66,7 @@ def request_count(concurrency: int, prompts: int) -> int:
 def cpu_seconds() -> dict[int, tuple[str, float]]:
     """Every process's CPU seconds so far, by pid, with a name that says what it is: Ray's and
     vLLM's process titles (`ray::ProxyActor`, `VLLM::EngineCore`), else the program and its first
-    argument (`vllm serve`, `vllm bench`)."""
+    argument (`vllm serve`'s API server shows as `python3 vllm`)."""
     import psutil
 
     seen = {}
@@ -90,8 +90,8 @@ def cpu_spent(before: dict[int, tuple[str, float]], seconds: float) -> dict[str,
 
 def measure(server: str, url: str, directory: Path, out: Path, concurrencies: list[int], prompts: int,
             prefix_tokens: int = 0) -> list[dict]:
-    """Each load's figures, and the cores each kind of process (the server's and the client's) kept
-    busy during it: where a server's time goes on a machine of two."""
+    """Each load's figures, and the cores each kind of the server's processes kept busy during it:
+    where a server's time goes on a machine of two."""
     rows = []
     for concurrency in concurrencies:
         count = request_count(concurrency, prompts)
