@@ -22,6 +22,8 @@ same model, built as the app builds it (ServeConfig's defaults, the replica's th
 random load at each concurrency, and where its time goes: the model's decode passes, its prefill
 passes, and the engine's own work (scheduling, sampling bookkeeping, streaming to callers) as
 the rest of the wall time. What separates its row from `shardyard`'s is the serving path.
+`shardyard-in-process-plain-linears`: the same with the linear weights unpacked (the BLAS's
+product instead of oneDNN's over packed weights, serve/packed_linear.py).
 """
 
 from __future__ import annotations
@@ -157,12 +159,16 @@ def vllm_limits(directory: Path) -> dict:
     return {"max_batch_size": VLLM_MAX_NUM_SEQS, "max_kv_tokens": VLLM_KV_GIB * 2**30 // per_position}
 
 
-def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompts: int) -> list[dict]:
-    """The built-in engine driven directly, in this process, by the random load."""
+def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompts: int,
+                    packed: bool = True) -> list[dict]:
+    """The built-in engine driven directly, in this process, by the random load; `packed`: its
+    linear weights packed for oneDNN, as the app serves them on a CPU (else multiplied by the BLAS
+    from the plain weights, `SHARDYARD_PACKED_LINEAR=0`)."""
     import asyncio
     import math
     import random
     import statistics
+    from unittest.mock import patch
 
     import torch
 
@@ -172,11 +178,14 @@ def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompt
     from shardyard.serve.engine import DecodingEngine
     from shardyard.serve.generation import Completion
     from shardyard.serve.local_model import LocalModel
+    from shardyard.serve.packed_linear import ENV
     from shardyard.serve.sampling import Sampling
 
     cfg = ServeConfig(checkpoint=str(directory), max_batch_size=16, max_tokens_limit=256)
     torch.set_num_threads(max(1, math.ceil(REPLICA_CPUS + cfg.cpus_per_shard)))  # the replica's threads
-    model = LocalModel(cfg.checkpoint, False, cfg.cache_blocks)
+    with patch.dict(os.environ, {ENV: "1" if packed else "0"}):  # read as the model loads
+        model = LocalModel(cfg.checkpoint, False, cfg.cache_blocks)
+    name = "shardyard engine, in process" + ("" if packed else ", plain linears")
     budget = prefill_budget(model.forward, CONTEXT, cfg.max_batch_size, cfg.token_latency_target_ms / 1000)
     spent = {"decode": 0.0, "prefill": 0.0}
 
@@ -208,7 +217,7 @@ def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompt
         started = time.perf_counter()
         tokens = sum(await asyncio.gather(*(one() for _ in range(count))))
         wall = time.perf_counter() - started
-        return {"server": "shardyard engine, in process", "load": "random", "streams": concurrency,
+        return {"server": name, "load": "random", "streams": concurrency,
                 "requests": count, "failed": 0, "output_tok_per_s": tokens / wall,
                 "ttft_p50_ms": statistics.median(ttft) * 1000, "tpot_p50_ms": statistics.median(tpot) * 1000,
                 "itl_p99_ms": None, "decode_passes_s": spent["decode"], "prefill_passes_s": spent["prefill"],
@@ -244,6 +253,7 @@ SERVERS = {"shardyard": shardyard_rows,
            "shardyard-no-prefix-caching": lambda *a: shardyard_rows(*a, prefix_caching=False),
            "shardyard-vllm-engine": lambda *a: shardyard_rows(*a, engine="vllm"),
            "shardyard-in-process": in_process_rows,
+           "shardyard-in-process-plain-linears": lambda *a: in_process_rows(*a, packed=False),
            "vllm": vllm_rows}
 
 

@@ -16,6 +16,8 @@ from shardyard.checkpoint.loaders import servable
 from shardyard.checkpoint.published import Published, load_source_part
 from shardyard.models.kv_cache import KVCache
 from shardyard.runtime import select_device
+from shardyard.serve.model_thread import ModelThread, one_intra_op_thread
+from shardyard.serve.packed_linear import pack_linears
 from shardyard.serve.sampling import Outcome
 from shardyard.serve.shards import CheckpointHolds, Draws, Extra, all_finite, hold_served, model_output, run_model
 from shardyard.spec import LANGUAGE_MODELS
@@ -39,7 +41,12 @@ class LocalModel:
         self.block_size = spec.block_size
         self.device = select_device(0) if use_gpu else torch.device("cpu")
         self.trust_factory = trust_factory
-        self.model = self._load(self.checkpoint_dir)
+        self.thread = ModelThread()  # loads the model and runs every pass: serve/model_thread.py says why
+        try:
+            self.model = self.thread.run(self._load, self.checkpoint_dir)
+        except BaseException:
+            self.close()
+            raise
         self.cache_attends = getattr(self.model, "cache_attends", False)  # KVCache: packed passes run
         self.staged: torch.nn.Module | None = None
         self.cache = KVCache(cache_blocks) if cache_blocks else None
@@ -47,13 +54,14 @@ class LocalModel:
         self._lock = threading.RLock()  # one forward pass at a time over the one cache
 
     def _load(self, source: str | Published) -> torch.nn.Module:
-        return load_source_part(source, lambda m: m, self.device, trust_factory=self.trust_factory)
+        return pack_linears(load_source_part(source, lambda m: m, self.device, trust_factory=self.trust_factory))
 
     def prepare(self, source: str | Published) -> bool:
         """Reads a checkpoint (held from now on) or published weights beside the serving weights
         while passes go on; whether its weights are finite."""
-        self.staged = self._load(self.holds.stage(source))
-        return all_finite(self.staged)
+        with one_intra_op_thread():  # beside the passes, without a second OpenMP team
+            self.staged = self._load(self.holds.stage(source))
+            return all_finite(self.staged)
 
     def swap(self) -> None:
         """The prepared weights serve from now on and the served ones wait beside them: a second
@@ -73,11 +81,14 @@ class LocalModel:
         self.staged = None
         self.holds.drop()
 
-    @torch.no_grad()
     def forward(self, tokens: torch.Tensor, extra: Extra = None, draws: Draws = None) -> torch.Tensor | list[Outcome]:
         with self._lock:
-            extra = extra.to(self.device) if isinstance(extra, torch.Tensor) else extra
-            return model_output(run_model(self.model, tokens.to(self.device), extra, self.cache), extra, draws)
+            return self.thread.run(self._forward, tokens, extra, draws)
+
+    @torch.no_grad()
+    def _forward(self, tokens: torch.Tensor, extra: Extra, draws: Draws) -> torch.Tensor | list[Outcome]:
+        extra = extra.to(self.device) if isinstance(extra, torch.Tensor) else extra
+        return model_output(run_model(self.model, tokens.to(self.device), extra, self.cache), extra, draws)
 
     def healthy(self, timeout_s: float = 5.0) -> bool:
         return True  # in the replica's process: if the replica answers, so does the model
@@ -89,4 +100,5 @@ class LocalModel:
         return False
 
     def close(self) -> None:
+        self.thread.close()
         self.holds.close()

@@ -51,6 +51,8 @@ from shardyard.models.kv_cache import CacheStep, KVCache
 from shardyard.parallel.pipeline import balanced_split
 from shardyard.parallel.tensor import apply_tensor_parallel
 from shardyard.runtime import select_device
+from shardyard.serve.model_thread import one_intra_op_thread
+from shardyard.serve.packed_linear import pack_linears
 from shardyard.serve.sampling import Draw, Outcome, choose_rows
 from shardyard.spec import LANGUAGE_MODELS, CustomSpec, GPTSpec, HFSpec
 from shardyard.checkpoint.loaders import committed_record, servable
@@ -141,10 +143,13 @@ class PipelineShard:
         self.cache = KVCache(cache_blocks) if cache_blocks else None
 
     def _load(self, source: str | Published) -> torch.nn.Module:
-        """Only this shard's blocks are read and held, never the whole model."""
+        """Only this shard's blocks are read and held, never the whole model. With one intra-op
+        thread: the passes run on another thread (a compiled graph's), whose OpenMP team stays the
+        process's only one (serve/model_thread.py)."""
         start, end = self.blocks
-        return load_source_part(source, lambda m: m if self.whole else m.pipeline_stage(start, end), self.device,
-                                trust_factory=self.trust_factory)
+        with one_intra_op_thread():
+            return pack_linears(load_source_part(source, lambda m: m if self.whole else m.pipeline_stage(start, end),
+                                                 self.device, trust_factory=self.trust_factory))
 
     def prepare(self, source: str | Published) -> bool:
         """Reads this shard's part of another checkpoint (or of published weights) beside the one
