@@ -343,8 +343,9 @@ def prepared_with_validation(root: Path) -> Path:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("parallelism", [{"strategy": "ddp"}, {"strategy": "pipeline", "pp": 2},
-                                         {"strategy": "zero3"}], ids=["ddp", "pipeline", "zero3"])
+@pytest.mark.parametrize("parallelism", [
+    pytest.param({"strategy": "ddp"}, id="ddp"), pytest.param({"strategy": "pipeline", "pp": 2}, id="pipeline"),
+    pytest.param({"strategy": "zero3"}, id="zero3", marks=pytest.mark.slow)])  # DeepSpeed's launch: 30 s
 def test_validation_loss_equals_one_process_evaluating_the_checkpoint(tmp_path: Path, parallelism: dict) -> None:
     from shardyard.localdist import run_distributed
     from shardyard.checkpoint.loaders import find_latest, load_model

@@ -1,13 +1,13 @@
 """Linear layers served on a CPU, with their weights laid out once for oneDNN's matrix product.
 
 A served model's weights never change between swaps (a swap loads a whole new model), so each
-linear weight can be reordered once into the blocked layout oneDNN multiplies fastest, instead of
-`F.linear` handing the plain weight to the BLAS on every call, as vLLM's CPU backend does (its
-`onednn_mm` over a prepacked weight). On this project's 2-core AMD EPYC machine the BLAS (MKL)
-ran a 16-row decode's products at about 6 GB/s of weights read, a third of what memory gives, and
-the packed product took half the time at every row count from 1 to 1,024; a 16-row decode pass
-of benchmarks/serve_vs_vllm.py's Llama went from 40 to 29 ms (its `shardyard-in-process` rows
-measure the engine; `SHARDYARD_PACKED_LINEAR=0` gives the same without packing).
+linear weight can be reordered once into the blocked layout oneDNN multiplies fastest, as vLLM's
+CPU backend does (its `onednn_mm` over a prepacked weight), instead of `F.linear` handing the
+plain weight to the BLAS on every call. On this project's 2-core AMD EPYC machine the BLAS (MKL)
+ran a 16-row decode's products at about 6 GB/s of weights read, a third of what memory gives; the
+packed product took half the time or less from 1 to 128 rows, and three quarters at 1,024 (a
+prompt's pass). A 16-row decode pass of benchmarks/serve_vs_vllm.py's Llama went from 40 to
+29 ms; its `shardyard-in-process-plain-linears` rows measure the engine without packing.
 
 The packed copy is held beside the plain weight, which stays the parameter: state, finiteness
 checks, parameter counts and tied embeddings read it as before. So a CPU-served model's linear
@@ -63,5 +63,8 @@ def pack_linears(model: nn.Module) -> nn.Module:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if packable(child):
-                setattr(parent, name, PackedLinear(child))
+                try:
+                    setattr(parent, name, PackedLinear(child))
+                except RuntimeError:  # oneDNN cannot lay this weight out (its dtype on this CPU): stays plain
+                    continue
     return model
