@@ -42,7 +42,7 @@ class ModelThread:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="shardyard-model")
         # The thread takes the process's intra-op thread count now and keeps it: PyTorch sets a
         # thread's count at its first parallel operation, from whatever the count is then.
-        self.threads = self.run(torch.get_num_threads)
+        self.run(torch.get_num_threads)
 
     def run(self, work: Callable[..., T], *args: object) -> T:
         return self._executor.submit(work, *args).result()
