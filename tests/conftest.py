@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from shardyard.localdist import free_port
+from shardyard.serve.model_thread import one_intra_op_thread
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))  # the tests share the benchmarks' cluster helpers
@@ -48,10 +48,8 @@ def one_torch_thread_beside_the_cluster(request: pytest.FixtureRequest):
     if "ray_cluster" not in request.fixturenames:
         yield
         return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_intra_op_thread():
+        yield
 
 
 @dataclass
