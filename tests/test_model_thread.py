@@ -30,14 +30,10 @@ def test_staging_on_another_thread_leaves_the_model_thread_its_intra_op_threads(
 
 @pytest.mark.timeout(120)
 def test_a_model_in_the_replica_loads_and_decodes_on_its_own_thread_whoever_calls(tmp_path: Path) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from shardyard.serve.local_model import LocalModel
-    from test_models import LLAMA
+    from test_models import LLAMA, save_llama
 
-    keys = {k: v for k, v in LLAMA.items() if k != "architecture"}
-    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **keys)).save_pretrained(tmp_path / "llama")
-    model = LocalModel(str(tmp_path / "llama"))
+    model = LocalModel(str(save_llama(tmp_path / "llama")))
     ran_on: list[int] = []
     forward = model.model.forward
 

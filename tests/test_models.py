@@ -69,6 +69,16 @@ MODELS = {
     "custom-hooks": {"name": "custom", "factory": "custom_model:build_splittable", "block_size": 16,
                      "options": {"width": 24}},
 }
+
+
+def save_llama(directory: Path, **overrides: object) -> Path:
+    """A Llama of the LLAMA config (`overrides` changed), random weights, saved as transformers
+    saves a model directory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    keys = {k: v for k, v in LLAMA.items() if k != "architecture"} | overrides
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **keys)).save_pretrained(directory)
+    return directory
 STRATEGIES = {
     "ddp": {"strategy": "ddp"},
     "fsdp-ac": {"strategy": "fsdp", "activation_checkpointing": True},
@@ -203,11 +213,10 @@ def test_a_random_initialisation_is_drawn_one_unit_at_a_time(model: str) -> None
 def test_training_starts_from_a_model_directory_and_resumes_at_another_world_size(tmp_path: Path) -> None:
     """A directory saved with `save_pretrained`: its weights are loaded; a run at 2 ranks stopped
     after step 2 resumes at 1 (FSDP through DCP) and ends where one process ends."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(11)  # other weights than the spec's seed would make
-    keys = {k: v for k, v in LLAMA.items() if k != "architecture"}
-    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **keys)).save_pretrained(tmp_path / "llama")
+    save_llama(tmp_path / "llama")
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "llama").state_dict()
     pretrained = {"name": "hf", "path": str(tmp_path / "llama"), "block_size": 16}
     built = build_model(parse_spec(job(pretrained, {"strategy": "ddp"}, 1)).model).state_dict()

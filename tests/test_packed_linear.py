@@ -60,14 +60,11 @@ def test_a_model_served_in_the_replica_is_packed_and_decodes_as_the_unpacked_one
     """LocalModel (a model decoded in the replica's process) packs its linears; its logits over a
     prompt and a batch of cached decode steps equal those of the same model unpacked
     (`SHARDYARD_PACKED_LINEAR=0`) to rounding, and greedy picks are the same."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from shardyard.serve.local_model import LocalModel
-    from test_models import LLAMA
+    from test_models import LLAMA, save_llama
 
     torch.manual_seed(3)
-    keys = {k: v for k, v in LLAMA.items() if k != "architecture"} | {"initializer_range": 0.5}
-    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **keys)).save_pretrained(tmp_path / "llama")
+    save_llama(tmp_path / "llama", initializer_range=0.5)
     blocks = 2 * (LLAMA["max_position_embeddings"] // BLOCK_TOKENS)
     tables = (tuple(range(0, blocks // 2)), tuple(range(blocks // 2, blocks)))
     prompts = torch.randint(0, LLAMA["vocab_size"], (2, 12))

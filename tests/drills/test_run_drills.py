@@ -482,13 +482,10 @@ def test_a_deterministic_error_is_not_retried_until_max_failures_runs_out(ray_cl
     """A Hugging Face model directory whose weights file is corrupt: every worker group fails
     loading it. With scaling.max_failures 5 the run used to start 6 groups that all failed the same
     way; it stops after the second, saying why (exit 1, no traceback)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from shardyard.checkpoint.events import read_events
-    from test_models import LLAMA
+    from test_models import save_llama
 
-    keys = {k: v for k, v in LLAMA.items() if k != "architecture"}
-    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **keys)).save_pretrained(tmp_path / "llama")
+    save_llama(tmp_path / "llama")
     (tmp_path / "llama" / "model.safetensors").write_bytes(b"\xff" * 64)  # a download cut short
     raw = job(tmp_path, scaling={"num_workers": 1, "max_failures": 5})
     raw["model"] = {"name": "hf", "path": str(tmp_path / "llama"), "block_size": 8}
