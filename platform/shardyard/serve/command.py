@@ -13,7 +13,7 @@ import argparse
 import os
 import signal
 import sys
-import threading
+import time
 from typing import Any
 
 from shardyard.spec import SpecError, apply_override
@@ -82,17 +82,19 @@ def run_serve(args: argparse.Namespace) -> int:
             print(f"shardyard: {err}", file=sys.stderr)
             return 2
         serve.start(http_options={"host": args.host, "port": args.port})
-        stop = threading.Event()
+        # A list, not a threading.Event: a second Ctrl-C runs the handler again inside the first,
+        # and Event.set taking its lock twice there hung the command for good.
+        stopping: list[int] = []
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+            signal.signal(sig, lambda signum, _: stopping.append(signum))
         try:
             serve.run(app, name=APP_NAME, route_prefix="/")
         except RuntimeError as err:  # a replica that could not start: Serve's reason, not a traceback
             print(f"shardyard: the application did not start: {err}", file=sys.stderr)
             return 1
         print(f"shardyard: serving on http://{args.host}:{args.port}/v1 (OpenAI API; Ctrl-C stops)", flush=True)
-        while not stop.wait(1.0):
-            pass
+        while not stopping:
+            time.sleep(0.2)
         serve.delete(APP_NAME)  # on a shared cluster the other applications stay
         return 0
     finally:
