@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import sys
 import threading
@@ -336,22 +337,34 @@ def preemption_notice(spec: JobSpec) -> Iterator[None]:
     driver exits anyway. Installed after Ray's own driver handler, which would abort at once."""
     storage = RunStorage(spec.run_uri)
     storage.delete(PREEMPT_FILE)  # a notice a stopped launch left behind is not for this one
+    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+        yield
+        return
+    # The handler only queues the notice (SimpleQueue.put is reentrant): printing or starting a
+    # thread inside it could deadlock or raise when a second SIGTERM lands while the first is handled.
+    notices: queue.SimpleQueue[float | None] = queue.SimpleQueue()
+    ended = threading.Event()
 
-    def on_sigterm(signum: int, frame: Any) -> None:
+    def act_on_notice() -> None:
+        if notices.get() is None:
+            return
         timeout = spec.checkpoint.preempt_timeout_s
         print(f"shardyard: SIGTERM: checkpointing run '{spec.run.name}' at the next step boundary, then "
               f"stopping (at most {timeout:g} s)", file=sys.stderr, flush=True)
         storage.write_bytes(str(time.time()).encode(), PREEMPT_FILE)
-        timer = threading.Timer(timeout, lambda: os._exit(128 + signal.SIGTERM))
-        timer.daemon = True
-        timer.start()
+        if not ended.wait(timeout):
+            os._exit(128 + signal.SIGTERM)
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm) if threading.current_thread() is threading.main_thread() else None
+    watcher = threading.Thread(target=act_on_notice, name="shardyard-preemption-notice", daemon=True)
+    watcher.start()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: notices.put(time.time()))
     try:
         yield
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous)
+        ended.set()
+        notices.put(None)
+        watcher.join()
         storage.delete(PREEMPT_FILE)
 
 
