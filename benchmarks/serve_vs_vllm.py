@@ -198,7 +198,7 @@ def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompt
 
     async def load(concurrency: int, count: int) -> dict:
         engine = DecodingEngine(forward, cfg.max_batch_size, CONTEXT, cfg.cache_blocks, budget, lambda: None, (),
-                                packs=model.cache_attends)
+                                packs=model.cache_attends, executor=model.executor)
         rng, gate, ttft, tpot = random.Random(concurrency), asyncio.Semaphore(concurrency), [], []
         vocabulary = model.model.hf.config.vocab_size
 

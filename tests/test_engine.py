@@ -7,6 +7,7 @@ the engine behind HTTP on sharded models)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -241,7 +242,8 @@ def test_the_engine_gives_each_request_its_tokens_alone(ddp_checkpoint: Path, ro
 def test_a_model_decoded_in_the_replicas_process_gives_each_request_its_tokens_alone(ddp_checkpoint: Path) -> None:
     """One shard's worth of model served in the calling process (serve/local_model.py, what a
     one-shard app uses): a run directory resolves to its newest checkpoint, held while served;
-    its cached steps send only the last position's logits; the engine over it is exact."""
+    its cached steps send only the last position's logits; the engine over it is exact, and hands
+    every pass straight to the model's own thread (no thread of asyncio's in between)."""
     from shardyard.checkpoint.lease import live_holds
     from shardyard.checkpoint.store import RunStorage
     from shardyard.serve.local_model import LocalModel
@@ -257,9 +259,17 @@ def test_a_model_decoded_in_the_replicas_process_gives_each_request_its_tokens_a
         assert logits.shape == (1, 1, model.spec.vocab_size)
         with torch.no_grad():
             torch.testing.assert_close(logits[0, -1], model(prompt)[0, -1], rtol=0, atol=1e-5)
-        engine = DecodingEngine(local.forward, 3, local.block_size, 3, TokenBudget(8, 60.0, 4), lambda: None, ())
+        called_on: set[int] = set()
+
+        def forward(*args: object) -> object:
+            called_on.add(threading.get_ident())
+            return local.forward(*args)
+
+        engine = DecodingEngine(forward, 3, local.block_size, 3, TokenBudget(8, 60.0, 4), lambda: None, (),
+                                executor=local.executor)
         got = asyncio.run(serve_all(engine, fresh(), join_after=3))
         assert got == alone(model)
+        assert called_on == {local.thread.run(threading.get_ident)}
     finally:
         local.close()
     assert not live_holds(storage, ddp_checkpoint.name)  # closed: training may prune it again

@@ -217,7 +217,7 @@ class ModelServer:
                                          budget, lambda: self._heal(rebuild_if_slow=True), (*SHARD_LOST, CachesLost),
                                          min_chunk=MIN_CHUNK if cfg.chunked_prefill else self.block_size,
                                          prefix_caching=cfg.prefix_caching, weights=self.fingerprint,
-                                         packs=self.model.cache_attends)
+                                         packs=self.model.cache_attends, executor=self.model.executor)
             print(f"shardyard: continuous batching, up to {cfg.max_batch_size} requests at once, a KV cache of "
                   f"{cfg.cache_blocks} blocks of {BLOCK_TOKENS} tokens (prefix caching "
                   f"{'on' if cfg.prefix_caching else 'off'}), prefill budget {budget.tokens} tokens per iteration",

@@ -1,10 +1,10 @@
 """A decoding engine per replica: continuous batching (iteration-level scheduling, as in Orca and
 vLLM) over a model that keeps a paged KV cache (models/kv_cache.py). The scheduler
 (serve/scheduler.py) decides what each iteration runs; the model's `forward` (a LocalModel or a
-ShardedModel: the executor) runs it in a thread, off the event loop and picks the ready
-requests' next tokens where the logits are (each request's Draw goes with the pass; only token
-ids come back); this engine hands the scheduler's passes to the executor and their tokens back,
-and streams each token to its request's caller.
+ShardedModel: the executor) runs it off the event loop (a LocalModel on its own thread) and
+picks the ready requests' next tokens where the logits are (each request's Draw goes with the
+pass; only token ids come back); this engine hands the scheduler's passes to the executor and
+their tokens back, and streams each token to its request's caller.
 
 A shard group lost under an iteration loses its caches: the engine has the group rebuilt and
 the scheduler prefills every running request again from its prompt and the tokens it already
@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import torch
@@ -51,14 +52,16 @@ class DecodingEngine:
     def __init__(self, forward: CachedForward, max_running: int, context: int, blocks: int, budget: TokenBudget,
                  recover: Callable[[], None], lost: tuple[type[BaseException], ...],
                  min_chunk: int = MIN_CHUNK, prefix_caching: bool = True, weights: str = "",
-                 packs: bool = False) -> None:
+                 packs: bool = False, executor: Executor | None = None) -> None:
         """`max_running`: sequences decoded at once; `context`: tokens per sequence; `blocks`: the
         KV cache's blocks (of BLOCK_TOKENS positions). `recover`: rebuild the model's shards
         (blocking) after `forward` raised one of `lost`. `min_chunk`: the fewest prompt tokens a
         prefill chunk takes (fewer only to end a prompt). `weights`: the fingerprint of the
         weights the model holds. `packs`: the model runs packed passes (its KV cache attends), so
-        each iteration is one pass."""
+        each iteration is one pass. `executor`: where `forward` is called (the model's own thread; by
+        default asyncio's executor)."""
         self.forward, self.context, self.recover, self.lost = forward, context, recover, lost
+        self.executor = executor
         self.packs = packs
         self.pool = BlockPool(blocks, BLOCK_TOKENS, prefix_caching)
         self.scheduler = Scheduler(self.pool, max_running, budget, min_chunk)
@@ -156,7 +159,7 @@ class DecodingEngine:
     async def _execute(self, work: Pass) -> None:
         """The executor runs one pass and picks; the scheduler takes its output; ready requests
         get their token."""
-        outcomes = await asyncio.to_thread(self.forward, work.tokens, work.step, work.draws())
+        outcomes = await self._forward(work.tokens, work.step, work.draws())
         for seq, outcome in self.scheduler.update(work, outcomes):
             self._emit(seq, outcome)
 
@@ -189,4 +192,8 @@ class DecodingEngine:
 
     async def _reset_caches(self) -> None:
         """Every shard's KV cache emptied (a pass that only resets them)."""
-        await asyncio.to_thread(self.forward, torch.zeros((1, 1), dtype=torch.long), CacheStep(reset=True), None)
+        await self._forward(torch.zeros((1, 1), dtype=torch.long), CacheStep(reset=True), None)
+
+    async def _forward(self, tokens: torch.Tensor, step: CacheStep,
+                       draws: list[Draw | None] | None) -> list[Outcome]:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, self.forward, tokens, step, draws)

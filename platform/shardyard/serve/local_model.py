@@ -42,6 +42,7 @@ class LocalModel:
         self.device = select_device(0) if use_gpu else torch.device("cpu")
         self.trust_factory = trust_factory
         self.thread = ModelThread()  # loads the model and runs every pass: serve/model_thread.py says why
+        self.executor = self.thread.executor  # where the engine calls `forward`: the pass runs there directly
         try:
             self.model = self.thread.run(self._load, self.checkpoint_dir)
         except BaseException:

@@ -13,6 +13,7 @@ staged while passes go on) runs with one intra-op thread, adding no team.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -36,16 +37,21 @@ def one_intra_op_thread() -> Iterator[None]:
 
 
 class ModelThread:
-    """One thread that runs what it is given, in turn, and waits for each."""
+    """One thread that runs what it is given, in turn, and waits for each. `executor` hands work
+    to it without a thread in between (asyncio's `run_in_executor`); work that calls `run` from
+    the thread itself runs at once."""
 
     def __init__(self) -> None:
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="shardyard-model")
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="shardyard-model")
         # The thread takes the process's intra-op thread count now and keeps it: PyTorch sets a
         # thread's count at its first parallel operation, from whatever the count is then.
-        self.run(torch.get_num_threads)
+        self.executor.submit(torch.get_num_threads).result()
+        self._thread = self.executor.submit(threading.current_thread).result()
 
     def run(self, work: Callable[..., T], *args: object) -> T:
-        return self._executor.submit(work, *args).result()
+        if threading.current_thread() is self._thread:
+            return work(*args)
+        return self.executor.submit(work, *args).result()
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        self.executor.shutdown(wait=True)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from concurrent.futures import Executor
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from datetime import timedelta
@@ -375,6 +376,8 @@ class StaleCandidate(RuntimeError):
 
 class ShardedModel:
     """The caller's handle on a group of shards; rebuilds the group when a shard dies."""
+
+    executor: Executor | None = None  # a pass waits on the shard actors: any thread of asyncio's executor
 
     def __init__(self, source: str, num_shards: int, use_gpu: bool = False,
                  multi_node: bool = False, sharding: Sharding = "pipeline", compiled: bool = True,
