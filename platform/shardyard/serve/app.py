@@ -119,6 +119,13 @@ def _event(payload: dict[str, Any] | str) -> str:
 # The replica decodes and batches; its shards compute. Its bundle is small so that README's
 # default app (2 shards of 0.75) fits a 2-core machine.
 REPLICA_CPUS = 0.5
+# Ray starts its workers at niceness 15 (its `worker_niceness`), below its own daemons and every
+# other process at 0. A model's pass runs OpenMP threads, one per core, that wait for each other at
+# every operation, so any process at 0 that wakes on a core stalls the whole pass. The replica runs
+# at 0 (Ray's job supervisor does the same for job drivers); the actors and processes it starts
+# (pipeline or tensor shards, vLLM's engine and workers) inherit it. `engine: vllm` trailed vLLM
+# alone by 12-22% at 15 (docs/benchmarks.md, "Serving against vLLM").
+SERVING_PRIORITY = {"env_vars": {"RAY_worker_niceness": "0"}}
 # How often the replica re-publishes its gauges: Ray's exporter drops a gauge not set lately.
 PUBLISH_EVERY_S = 1.0
 # How long one scrape of the cluster's metrics answers GET /metrics.
@@ -886,7 +893,7 @@ def build_app(args: dict[str, Any]) -> "serve.Application":
         max_queued_requests=cfg.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=1),
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
-        ray_actor_options={"num_cpus": REPLICA_CPUS},
+        ray_actor_options={"num_cpus": REPLICA_CPUS, "runtime_env": SERVING_PRIORITY},
     )
     if cfg.max_replicas is None:
         options["num_replicas"] = cfg.num_replicas
@@ -896,7 +903,8 @@ def build_app(args: dict[str, Any]) -> "serve.Application":
     if generates and cfg.num_shards == 1:  # the model in the replica: the replica holds its shard's bundle
         bundle = shard_bundle(cfg.use_gpu, REPLICA_CPUS + cfg.cpus_per_shard)
         _check_room([bundle], cfg, f"a replica decoding in its own process ({_describe(bundle)})")
-        options["ray_actor_options"] = {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0.0)}
+        options["ray_actor_options"] = {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0.0),
+                                        "runtime_env": SERVING_PRIORITY}
     elif generates:  # the replica's own bundle, then one per shard: Serve reserves them together
         bundles = [{"CPU": REPLICA_CPUS}] + [shard_bundle(cfg.use_gpu, cfg.cpus_per_shard)] * cfg.num_shards
         _check_room(bundles, cfg, f"a replica (its {REPLICA_CPUS} CPU and {cfg.num_shards} shards of "
