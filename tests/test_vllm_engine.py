@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import requests
 
@@ -43,6 +44,11 @@ def test_vllm_decodes_a_model_directory_as_transformers_does_behind_the_guard(se
     url = serving("vllm", {"checkpoint": str(directory), "engine": "vllm", "model_id": "llama",
                            "bearer_token_file": str(tmp_path / "token"), "max_batch_size": 4, "cpus_per_shard": 1.0})
     assert requests.get(f"{url}/healthz", timeout=30).json()["engine"] == "vllm"
+    # The replica and vLLM's processes run at the node's priority, not Ray's 15 for workers.
+    titles = {"ray::ServeReplica:vllm:ModelServer", "VLLM::EngineCore", "VLLM::Worker"}
+    niceness = {(p.info["cmdline"] or [""])[0].split(".")[0]: p.info["nice"]
+                for p in psutil.process_iter(["cmdline", "nice"])}
+    assert {title: niceness.get(title) for title in titles} == dict.fromkeys(titles, 0)
 
     tokenizer = AutoTokenizer.from_pretrained(directory)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()

@@ -120,11 +120,12 @@ def _event(payload: dict[str, Any] | str) -> str:
 # default app (2 shards of 0.75) fits a 2-core machine.
 REPLICA_CPUS = 0.5
 # Ray starts its workers at niceness 15 (its `worker_niceness`), below its own daemons and every
-# other process at 0. A model's pass runs OpenMP threads, one per core, that wait for each other at
-# every operation, so any process at 0 that wakes on a core stalls the whole pass. The replica runs
-# at 0 (Ray's job supervisor does the same for job drivers); the actors and processes it starts
-# (pipeline or tensor shards, vLLM's engine and workers) inherit it. `engine: vllm` trailed vLLM
-# alone by 12-22% at 15 (docs/benchmarks.md, "Serving against vLLM").
+# other process at 0. vLLM's engine runs a pass on OpenMP threads, one per core, that wait for each
+# other at every operation, so any process at 0 waking on a core stalled the whole pass: a replica
+# whose engine is vLLM runs at 0 (Ray's job supervisor does the same for job drivers), and vLLM's
+# engine and workers, its children, inherit it. The built-in engine's replica stays at 15: at 0 it
+# took the cores from Serve's proxy, which Ray keeps at 15 (docs/benchmarks.md, "Serving against
+# vLLM", has both measurements).
 SERVING_PRIORITY = {"env_vars": {"RAY_worker_niceness": "0"}}
 # How often the replica re-publishes its gauges: Ray's exporter drops a gauge not set lately.
 PUBLISH_EVERY_S = 1.0
@@ -893,7 +894,7 @@ def build_app(args: dict[str, Any]) -> "serve.Application":
         max_queued_requests=cfg.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=1),
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
-        ray_actor_options={"num_cpus": REPLICA_CPUS, "runtime_env": SERVING_PRIORITY},
+        ray_actor_options={"num_cpus": REPLICA_CPUS},
     )
     if cfg.max_replicas is None:
         options["num_replicas"] = cfg.num_replicas
@@ -903,14 +904,15 @@ def build_app(args: dict[str, Any]) -> "serve.Application":
     if generates and cfg.num_shards == 1:  # the model in the replica: the replica holds its shard's bundle
         bundle = shard_bundle(cfg.use_gpu, REPLICA_CPUS + cfg.cpus_per_shard)
         _check_room([bundle], cfg, f"a replica decoding in its own process ({_describe(bundle)})")
-        options["ray_actor_options"] = {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0.0),
-                                        "runtime_env": SERVING_PRIORITY}
+        options["ray_actor_options"] = {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0.0)}
     elif generates:  # the replica's own bundle, then one per shard: Serve reserves them together
         bundles = [{"CPU": REPLICA_CPUS}] + [shard_bundle(cfg.use_gpu, cfg.cpus_per_shard)] * cfg.num_shards
         _check_room(bundles, cfg, f"a replica (its {REPLICA_CPUS} CPU and {cfg.num_shards} shards of "
                                   f"{_describe(bundles[1])})")
         options["placement_group_bundles"] = bundles
         options["placement_group_strategy"] = "PACK" if cfg.multi_node else "STRICT_PACK"
+    if cfg.engine == "vllm":
+        options["ray_actor_options"]["runtime_env"] = SERVING_PRIORITY
     # The checkpoint as given: a replica started later (autoscaling, a replacement) loads the
     # run's newest committed checkpoint then, or, following the run, the weights the app serves.
     rollout = None if cfg.canary is None else Rollout.bind(cfg.canary)
