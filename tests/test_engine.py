@@ -74,8 +74,10 @@ def fresh() -> list[Completion]:
 
 
 def alone(model: torch.nn.Module) -> list[list[int]]:
-    """Each request decoded by itself, recomputing the whole sequence every token (no cache)."""
-    forward = torch.no_grad()(model)
+    """Each request decoded by itself, recomputing the whole sequence every token (no cache), on
+    the model's device."""
+    device = next(model.parameters()).device
+    forward = torch.no_grad()(lambda tokens, pad: model(tokens.to(device), pad.to(device)))
     return [generate(forward, [r], model.spec.block_size)[0] for r in fresh()]
 
 

@@ -1,10 +1,13 @@
 """GPU paths (marked `gpu`, skipped without CUDA): on Hugging Face models, FSDP2 with bf16 compute
 and fp32 master weights, and tensor parallelism from the model's own plan over NCCL, against the
-fp32 single-process CPU oracle of test_models.py; serving shards that run on their bundles' GPUs."""
+fp32 single-process CPU oracle of test_models.py; serving shards that run on their bundles' GPUs; the
+in-replica decoding engine over a model on the GPU."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import asyncio
 
 import pytest
 import torch
@@ -13,7 +16,9 @@ from shardyard.localdist import run_distributed
 from shardyard.spec import parse_spec
 from shardyard.checkpoint.loaders import find_latest, load_model
 from shardyard.train.trainer import Trainer
+from test_engine import alone, fresh, serve_all
 from test_models import MODELS, STEPS, job, oracle
+from test_serve import train_and_save
 from test_serve_run import save_default_job_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -77,3 +82,26 @@ def test_serving_shards_run_on_their_gpus(ray_cluster, tmp_path: Path, sharding:
         sharded.close()
     assert all(d.startswith("cuda") for d in devices), devices
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-3)
+
+
+@pytest.mark.timeout(300)
+def test_a_model_decoded_in_the_replicas_process_on_the_gpu_gives_each_request_its_tokens_alone(tmp_path: Path) -> None:
+    """A one-shard app's model on the replica's GPU (serve/local_model.py with use_gpu): its passes
+    run there, its picks come back to the CPU (where the draws' generators are), and the engine's
+    greedy and seeded requests, decoded together through the KV cache, get the tokens each would get
+    decoded alone by the same model on the GPU without a cache."""
+    from shardyard.serve.engine import DecodingEngine, TokenBudget
+    from shardyard.serve.local_model import LocalModel
+
+    run_distributed(train_and_save, 2, str(tmp_path), ("ddp",))
+    run = tmp_path / "ddp" / "run"
+    local = LocalModel(str(run), use_gpu=True, cache_blocks=3)
+    try:
+        assert local.device.type == "cuda"
+        model = load_model(find_latest(run)).eval().to(local.device)  # the reference, on the same GPU
+        engine = DecodingEngine(local.forward, 3, local.block_size, 3, TokenBudget(8, 60.0, 4), lambda: None, (),
+                                executor=local.executor)
+        got = asyncio.run(serve_all(engine, fresh(), join_after=3))
+    finally:
+        local.close()
+    assert got == alone(model)
