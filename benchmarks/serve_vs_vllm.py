@@ -124,29 +124,32 @@ def shardyard_rows(directory: Path, out: Path, concurrencies: list[int], prompts
 
     from shardyard.localdist import free_port
     from shardyard.serve.app import build_app
+    from shardyard.serve.ingress import DEFAULT_HEADER_TIMEOUT_S, haproxy_ingress
 
     # engine: vllm's KV cache on vLLM's CPU build: the GiB vllm_rows gives vLLM alone.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(VLLM_KV_GIB))
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        limits = vllm_limits(directory) if engine == "vllm" else {"max_batch_size": 16}
-        serve.run(build_app({"checkpoint": str(directory), "max_tokens_limit": 256, "max_prompt_chars": 65536,
-                             "max_body_bytes": 262144, "prefix_caching": prefix_caching, "engine": engine, **limits}),
-                  name="bench", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(url, None)
-        if requests.get(f"{url}/healthz", timeout=30).json()["engine"] != engine:
-            raise RuntimeError(f"engine: {engine} asked for, another serves (see the replica's log)")
-        if engine == "vllm":
-            return loads("shardyard, engine: vllm", url, directory, out, concurrencies, prompts)
-        if prefix_caching:
-            return loads("shardyard", url, directory, out, concurrencies, prompts)
-        return loads("shardyard, no prefix caching", url, directory, out, concurrencies, prompts, random_load=False)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    # The ingress `shardyard serve` gives the Ray it starts: HAProxy, with its header deadline.
+    with haproxy_ingress(DEFAULT_HEADER_TIMEOUT_S):
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        try:
+            url = f"http://127.0.0.1:{free_port()}"
+            serve.start(http_options={"host": "127.0.0.1", "port": int(url.rpartition(":")[2])})
+            limits = vllm_limits(directory) if engine == "vllm" else {"max_batch_size": 16}
+            serve.run(build_app({"checkpoint": str(directory), "max_tokens_limit": 256, "max_prompt_chars": 65536,
+                                 "max_body_bytes": 262144, "prefix_caching": prefix_caching, "engine": engine,
+                                 **limits}), name="bench", route_prefix="/")
+            wait_ready(url, None)
+            if requests.get(f"{url}/healthz", timeout=30).json()["engine"] != engine:
+                raise RuntimeError(f"engine: {engine} asked for, another serves (see the replica's log)")
+            if engine == "vllm":
+                return loads("shardyard, engine: vllm", url, directory, out, concurrencies, prompts)
+            if prefix_caching:
+                return loads("shardyard", url, directory, out, concurrencies, prompts)
+            return loads("shardyard, no prefix caching", url, directory, out, concurrencies, prompts,
+                         random_load=False)
+        finally:
+            serve.shutdown()  # before Ray: it stops HAProxy
+            ray.shutdown()
 
 
 def vllm_limits(directory: Path) -> dict:

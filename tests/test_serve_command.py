@@ -1,16 +1,19 @@
 """`shardyard serve`: vLLM's flag names (and the same names in a serving config), checked without
 Ray; then the command as a user on this 2-core machine runs it, with no Ray running (it starts
-its own), a real HTTP client against it, and Ctrl-C."""
+its own, with HAProxy as its ingress), a real HTTP client against it, a client that never finishes
+its headers, and Ctrl-C."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import requests
 
@@ -53,6 +56,14 @@ def test_bad_serve_arguments_are_a_message_and_status_2(run_dir: Path, monkeypat
     assert "--api-key-file" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", str(run_dir), "--api-key", "k", "--api-key-file", "f"])  # argparse: one or the other
+    with pytest.raises(SystemExit):
+        main(["serve", str(run_dir), "--header-timeout", "0"])
+    monkeypatch.delenv("RAY_ADDRESS")
+    with socket.socket() as taken:  # the port another server listens on: refused before Ray starts
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert main(["serve", str(run_dir), "--port", str(taken.getsockname()[1])]) == 2
+    assert "is taken" in capsys.readouterr().err
 
 
 @pytest.mark.ray
@@ -62,7 +73,8 @@ def test_shardyard_serve_answers_with_vllms_flags_on_a_two_core_machine(run_dir:
     url = f"http://127.0.0.1:{port}"
     with ray_files_of_their_own() as ray_tmp:
         proc = subprocess.Popen([SHARDYARD, "serve", str(run_dir), "--port", str(port), "--served-model-name", "tiny",
-                                 "--max-num-seqs", "4", "--api-key", "secret", "--set", "max_tokens_limit=32"],
+                                 "--max-num-seqs", "4", "--api-key", "secret", "--set", "max_tokens_limit=32",
+                                 "--header-timeout", "2"],
                                 start_new_session=True, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 env=user_environment(ray_tmp))
         try:
@@ -86,11 +98,32 @@ def test_shardyard_serve_answers_with_vllms_flags_on_a_two_core_machine(run_dir:
             too_many = requests.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 33},
                                      headers={"Authorization": "Bearer secret"}, timeout=30)
             assert too_many.status_code == 422  # --set reached the config
+            with socket.create_connection(("127.0.0.1", port)) as slow:  # half a request's headers, then silence
+                slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+                slow.settimeout(60)
+                assert client.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens == 2
+                answer = slow.recv(4096)
+                assert answer.startswith(b"HTTP/1.1 408") and slow.recv(4096) == b"", answer  # and closed
             for _ in range(50):  # the user's Ctrl-C, pressed again and again: one clean stop, status 0
                 os.killpg(proc.pid, signal.SIGINT)
             assert proc.wait(timeout=90) == 0
-            assert "serving on" in proc.stdout.read()
+            printed = proc.stdout.read()
+            assert "serving on" in printed and "request headers not received within 2 s get 408" in printed
+            assert not haproxy_of(ray_tmp)  # stopped with Serve, not left holding the port
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
+
+
+def haproxy_of(ray_tmp: str) -> list[psutil.Process]:
+    """The HAProxy processes of the Ray instance whose files are in `ray_tmp` (they inherit its
+    environment)."""
+    found = []
+    for process in psutil.process_iter(["name", "environ"]):
+        try:
+            if process.info["name"] == "haproxy" and (process.info["environ"] or {}).get("RAY_TMPDIR") == ray_tmp:
+                found.append(process)
+        except psutil.Error:
+            continue
+    return found

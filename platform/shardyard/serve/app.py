@@ -56,6 +56,7 @@ from shardyard.serve.config import parse_config
 from shardyard.models.kv_cache import BLOCK_TOKENS
 from shardyard.serve.engine import DecodingEngine
 from shardyard.serve.scheduler import MIN_CHUNK, LostTwice
+from shardyard.serve.ingress import header_deadline_s
 from shardyard.serve.guard import ChoiceLimit, ClientError, GuardSettings, error_response, install
 from shardyard.serve.generation import Completion, TextCodec, decode_steps
 from shardyard.serve.golden import GoldenPrompt, answer_texts, golden_requests, greedy_answers, regressions
@@ -158,6 +159,9 @@ class ModelServer:
         self.metrics = ServingMetrics()
         api.state.guard = GuardSettings(self.config.max_body_bytes, self.config.bearer_token,
                                         self.config.body_timeout_s, self.metrics.count_error, self.publish_metrics)
+        headers = header_deadline_s()
+        print("shardyard: request headers " + (f"not received within {headers} s get 408 (Serve's HAProxy ingress)"
+              if headers else "have no receive deadline here (Serve's default proxy: see docs/serving.md)"), flush=True)
         self._publisher: asyncio.Task | None = None
         self._follower: asyncio.Task | None = None
         self.served_step, self.fingerprint = self.config.served_step, self.config.fingerprint

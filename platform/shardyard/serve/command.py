@@ -12,10 +12,13 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import time
+from contextlib import ExitStack
 from typing import Any
 
+from shardyard.serve.ingress import DEFAULT_HEADER_TIMEOUT_S
 from shardyard.spec import SpecError, apply_override
 
 API_KEY_ENV = "SHARDYARD_API_KEY"  # where --api-key travels to the replicas of a Ray started here
@@ -36,8 +39,32 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     key.add_argument("--api-key-file", help="a file holding it, at that path on every node")
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--header-timeout", type=positive_seconds, default=DEFAULT_HEADER_TIMEOUT_S,
+                        metavar="SECONDS",
+                        help="a connection that has not sent a request's headers within this gets 408 and is closed; "
+                             "one that pauses that long while sending a body or reading an answer is closed too "
+                             "(when this command starts Ray itself: a cluster's ingress is set as it starts)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="any other serving setting, e.g. --set max_tokens_limit=512 (repeatable)")
+
+
+def positive_seconds(text: str) -> int:
+    """Whole seconds, at least 1 (HAProxy's timeouts here are whole seconds)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of seconds, at least 1")
+    return int(text)
+
+
+def can_listen(host: str, port: int) -> bool:
+    """Whether a server could listen on host:port now (a port left in TIME_WAIT by one that
+    stopped can be listened on again)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def serve_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -70,32 +97,49 @@ def run_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from shardyard.serve.app import build_app
-
     from shardyard.cluster import address_to_join
+    from shardyard.serve.app import build_app
+    from shardyard.serve.ingress import haproxy_ingress
 
-    ray.init(address=address_to_join(), log_to_driver=True)
-    try:
+    address = address_to_join()
+    own = address == "local"  # a Ray instance of this command's: HAProxy takes HTTP, with a header deadline
+    if own and not can_listen(args.host, args.port):
+        print(f"shardyard: {args.host}:{args.port} is taken (another server is listening there): choose another "
+              "with --port", file=sys.stderr)
+        return 2
+    with ExitStack() as instance:
+        if own:
+            instance.enter_context(haproxy_ingress(args.header_timeout))
+        ray.init(address=address, log_to_driver=True)
+        instance.callback(ray.shutdown)
         try:
             app = build_app(config)
         except SpecError as err:
             print(f"shardyard: {err}", file=sys.stderr)
             return 2
         serve.start(http_options={"host": args.host, "port": args.port})
-        # A list, not a threading.Event: a second Ctrl-C runs the handler again inside the first,
-        # and Event.set taking its lock twice there hung the command for good.
-        stopping: list[int] = []
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda signum, _: stopping.append(signum))
-        try:
-            serve.run(app, name=APP_NAME, route_prefix="/")
-        except RuntimeError as err:  # a replica that could not start: Serve's reason, not a traceback
-            print(f"shardyard: the application did not start: {err}", file=sys.stderr)
-            return 1
-        print(f"shardyard: serving on http://{args.host}:{args.port}/v1 (OpenAI API; Ctrl-C stops)", flush=True)
-        while not stopping:
-            time.sleep(0.2)
-        serve.delete(APP_NAME)  # on a shared cluster the other applications stay
-        return 0
-    finally:
-        ray.shutdown()
+        if own:  # stopped before Ray: Serve stops HAProxy, which Ray's end alone would leave holding the port
+            instance.callback(serve.shutdown)
+        return run_until_stopped(app, f"http://{args.host}:{args.port}/v1")
+
+
+def run_until_stopped(app: Any, url: str) -> int:
+    """Run the application until Ctrl-C or SIGTERM, then delete it (on a shared cluster the other
+    applications stay)."""
+    from ray import serve
+
+    # A list, not a threading.Event: a second Ctrl-C runs the handler again inside the first,
+    # and Event.set taking its lock twice there hung the command for good.
+    stopping: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _: stopping.append(signum))
+    try:
+        serve.run(app, name=APP_NAME, route_prefix="/")
+    except RuntimeError as err:  # a replica that could not start: Serve's reason, not a traceback
+        print(f"shardyard: the application did not start: {err}", file=sys.stderr)
+        return 1
+    print(f"shardyard: serving on {url} (OpenAI API; Ctrl-C stops)", flush=True)
+    while not stopping:
+        time.sleep(0.2)
+    serve.delete(APP_NAME)
+    return 0
