@@ -50,7 +50,7 @@ def test_vllms_names_mean_the_same_settings_and_conflicts_are_refused(run_dir: P
 
 
 @pytest.mark.timeout(60)
-def test_bad_serve_arguments_are_a_message_and_status_2(run_dir: Path, monkeypatch, capsys) -> None:
+def test_bad_serve_arguments_are_a_message_and_status_2(run_dir: Path, monkeypatch, capsys, tmp_path: Path) -> None:
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
     assert main(["serve", str(run_dir), "--api-key", "k"]) == 2  # refused before Ray is touched
     assert "--api-key-file" in capsys.readouterr().err
@@ -58,7 +58,10 @@ def test_bad_serve_arguments_are_a_message_and_status_2(run_dir: Path, monkeypat
         main(["serve", str(run_dir), "--api-key", "k", "--api-key-file", "f"])  # argparse: one or the other
     with pytest.raises(SystemExit):
         main(["serve", str(run_dir), "--header-timeout", "0"])
+    # A machine with no Ray running (Ray's files in an empty directory: not this session's cluster),
+    # so the command would start its own.
     monkeypatch.delenv("RAY_ADDRESS")
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
     with socket.socket() as taken:  # the port another server listens on: refused before Ray starts
         taken.bind(("127.0.0.1", 0))
         taken.listen()
