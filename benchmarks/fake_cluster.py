@@ -30,9 +30,9 @@ RAY = str(Path(sys.executable).with_name("ray"))
 NODE_ID_ENV = "RAY_OVERRIDE_NODE_ID_FOR_TESTING"  # the fake provider names each node's raylet with it
 
 
-def stop_processes_of(ray_tmp: str) -> None:
-    """Kills every process whose command line or environment names `ray_tmp`, and their children
-    (this one excepted)."""
+def processes_of(ray_tmp: str) -> list[psutil.Process]:
+    """Every process whose command line or environment names `ray_tmp`, and their children (this
+    one excepted)."""
     owned: list[psutil.Process] = []
     for proc in psutil.process_iter(["cmdline", "environ"]):
         try:
@@ -43,7 +43,12 @@ def stop_processes_of(ray_tmp: str) -> None:
                 owned += [proc, *proc.children(recursive=True)]
         except psutil.Error:
             continue
-    kill_all(owned)
+    return owned
+
+
+def stop_processes_of(ray_tmp: str) -> None:
+    """Kills `processes_of(ray_tmp)`."""
+    kill_all(processes_of(ray_tmp))
 
 
 def kill_all(processes: list[psutil.Process]) -> None:

@@ -132,8 +132,9 @@ def shardyard_rows(directory: Path, out: Path, concurrencies: list[int], prompts
     with haproxy_ingress(DEFAULT_HEADER_TIMEOUT_S):
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
-            url = f"http://127.0.0.1:{free_port()}"
-            serve.start(http_options={"host": "127.0.0.1", "port": int(url.rpartition(":")[2])})
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
             limits = vllm_limits(directory) if engine == "vllm" else {"max_batch_size": 16}
             serve.run(build_app({"checkpoint": str(directory), "max_tokens_limit": 256, "max_prompt_chars": 65536,
                                  "max_body_bytes": 262144, "prefix_caching": prefix_caching, "engine": engine,

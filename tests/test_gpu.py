@@ -5,9 +5,8 @@ in-replica decoding engine over a model on the GPU."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import asyncio
+from pathlib import Path
 
 import pytest
 import torch

@@ -122,11 +122,13 @@ def test_shardyard_serve_answers_with_vllms_flags_on_a_two_core_machine(run_dir:
 def haproxy_of(ray_tmp: str) -> list[psutil.Process]:
     """The HAProxy processes of the Ray instance whose files are in `ray_tmp` (they inherit its
     environment)."""
-    found = []
-    for process in psutil.process_iter(["name", "environ"]):
+    from fake_cluster import processes_of
+
+    running = []
+    for process in processes_of(ray_tmp):
         try:
-            if process.info["name"] == "haproxy" and (process.info["environ"] or {}).get("RAY_TMPDIR") == ray_tmp:
-                found.append(process)
-        except psutil.Error:
+            if process.name() == "haproxy":
+                running.append(process)
+        except psutil.NoSuchProcess:
             continue
-    return found
+    return running
