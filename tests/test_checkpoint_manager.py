@@ -112,3 +112,43 @@ def test_metrics_survive_a_cut_off_line_and_drop_rows_a_restart_recomputes(tmp_p
         f.write('\n{"step": 50}\n')  # the cut-off line is now in the middle: that is damage
     with pytest.raises(ValueError, match="line 7 is not JSON"):
         read_metrics(run_dir)
+
+
+@pytest.mark.timeout(60)
+def test_zero_files_are_copied_down_without_the_holds_other_readers_release_meanwhile(tmp_path: Path) -> None:
+    """Ranks resuming from remote storage each hold the checkpoint while they copy its ZeRO files
+    down. A hold another rank released between the copy's listing and its read of that hold failed
+    the copy (a fresh-clone CI run lost a drill to it): only `zero/` is copied down."""
+    import os
+
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    from shardyard.checkpoint.store import RunStorage
+    from shardyard.checkpoint.zero_format import local_zero_files
+
+    class ReleasedWhileCopied(LocalFileSystem):
+        """The local disk as an object store on which every hold is released as it is copied."""
+
+        protocol = ("released",)
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            return super()._strip_protocol(str(path).removeprefix("released://"))
+
+        def get_file(self, rpath, lpath, **kwargs):
+            if "/holds/" in str(rpath):
+                os.remove(rpath)
+            return super().get_file(rpath, lpath, **kwargs)
+
+    fsspec.register_implementation("released", ReleasedWhileCopied, clobber=True)
+    checkpoint = tmp_path / "run" / "checkpoint_step_00000002"
+    (checkpoint / "zero").mkdir(parents=True)
+    torch.save({"w": torch.ones(2)}, checkpoint / "zero" / "mp_rank_00_model_states.pt")
+    (checkpoint / "holds").mkdir()
+    (checkpoint / "holds" / "another-rank.json").write_text("{}")
+
+    with local_zero_files(RunStorage(f"released://{tmp_path / 'run'}"), checkpoint.name) as zero:
+        assert zero.name == "zero" and zero != checkpoint / "zero"  # a copy, as from a bucket
+        assert [p.name for p in zero.iterdir()] == ["mp_rank_00_model_states.pt"]
+        assert torch.load(zero / "mp_rank_00_model_states.pt", weights_only=True)["w"].tolist() == [1.0, 1.0]

@@ -132,11 +132,14 @@ class RunStorage:
 
     @contextmanager
     def local_copy(self, *parts: str) -> Iterator[Path]:
-        """A local directory with the files at `parts` (the directory itself when local)."""
+        """The directory at `parts` on the local disk, named as its last part (the directory itself
+        when local, a copy when remote)."""
         if not self.remote:
             yield Path(self.path(*parts))
             return
         with tempfile.TemporaryDirectory(prefix="shardyard-download-") as tmp:
-            # The trailing slash copies the directory's contents, not the directory, into `tmp`.
-            self.fs.get(f"{self.path(*parts)}/", tmp, recursive=True)
-            yield Path(tmp)
+            local = Path(tmp, parts[-1])
+            local.mkdir()
+            # The trailing slash copies the directory's contents, not the directory, into `local`.
+            self.fs.get(f"{self.path(*parts)}/", str(local), recursive=True)
+            yield local

@@ -70,9 +70,8 @@ def zero_full_state(storage: RunStorage, name: str, stored: JobSpec, step: int) 
         return
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    with storage.local_copy(name) as local:
-        check_zero_files(local / ZERO_DIR)
-        weights = get_fp32_state_dict_from_zero_checkpoint(str(local), tag=ZERO_DIR)
+    with local_zero_files(storage, name) as zero:
+        weights = get_fp32_state_dict_from_zero_checkpoint(str(zero.parent), tag=zero.name)
 
     def from_weights(fqn: str, field: str) -> torch.Tensor:
         if field != "param":
@@ -145,9 +144,8 @@ class DeepSpeedFormat:
         if record["format"] != self.name:
             self._load_full_state(engine, self._from_dcp(engine, storage.url(name), load_optimizer), load_optimizer)
         elif record["world_size"] == dist.get_world_size():
-            with storage.local_copy(name) as local:
-                check_zero_files(local / ZERO_DIR)  # DeepSpeed unpickles them unrestricted
-                loaded_from, _ = engine.ds.load_checkpoint(str(local), tag=ZERO_DIR,
+            with local_zero_files(storage, name) as zero:
+                loaded_from, _ = engine.ds.load_checkpoint(str(zero.parent), tag=zero.name,
                                                            load_optimizer_states=load_optimizer)
             if loaded_from is None:  # DeepSpeed warns and carries on when it finds nothing
                 raise FileNotFoundError(f"no ZeRO checkpoint under {storage.url(name, ZERO_DIR)}")
@@ -224,6 +222,16 @@ def _writable_local(storage: RunStorage) -> Iterator[Path]:
         storage.fs.put(f"{tmp}/", storage.root, recursive=True)
 
 
+@contextmanager
+def local_zero_files(storage: RunStorage, name: str) -> Iterator[Path]:
+    """Checkpoint `name`'s DeepSpeed files (its `zero/`) on the local disk, checked before DeepSpeed
+    unpickles them unrestricted. Only `zero/` is copied down: the readers' holds beside it come
+    and go while other ranks read (a hold listed, then released, failed the copy)."""
+    with storage.local_copy(name, ZERO_DIR) as zero:
+        check_zero_files(zero)
+        yield zero
+
+
 def _universal_tensor(universal: Path, fqn: str, field: str) -> torch.Tensor:
     value = torch.load(universal / fqn / f"{field}.pt", weights_only=True)
     return value["param"] if isinstance(value, dict) else value
@@ -238,10 +246,9 @@ def _universal(storage: RunStorage, name: str) -> Iterator[Path]:
 
     with node_scratch() as (scratch, leader):
         if leader:
-            with storage.local_copy(name) as local:
-                check_zero_files(local / ZERO_DIR)
+            with local_zero_files(storage, name) as zero:
                 ds_to_universal.main(Namespace(
-                    input_folder=str(local / ZERO_DIR), output_folder=str(scratch / "universal"),
+                    input_folder=str(zero), output_folder=str(scratch / "universal"),
                     num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
                     inject_missing_state=False))
         barrier()
