@@ -538,6 +538,15 @@ def test_vllms_sampling_extensions_logprobs_and_several_choices_are_honoured(eng
     biased = client.completions.create(model="tiny-gpt", prompt="ab", max_tokens=4, temperature=0,
                                        logit_bias={str(ord("z")): 100})
     assert biased.choices[0].text == "zzzz"
+    # Bytes that never complete a character: the text is held back to the end, and every token
+    # still arrives in a chunk of its own (no text), as clients that time each chunk expect.
+    held = list(client.completions.create(model="tiny-gpt", prompt="ab", max_tokens=6, temperature=0, stream=True,
+                                          logit_bias={"128": 100},
+                                          extra_body={"stream_options": {"continuous_usage_stats": True}}))
+    pieces = [(c.choices[0].text, c.usage.completion_tokens) for c in held if c.choices]
+    arrived = [n for _, n in pieces[:-1]]  # the tokens so far in each chunk before the last
+    assert "".join(text for text, _ in pieces) == "\ufffd" * 6 and all(text == "" for text, _ in pieces[:-1])
+    assert len(arrived) > 1 and arrived == sorted(set(arrived)), pieces
     # Refused by name: what the server cannot honour, and more choices than a request may carry.
     for fields, name in [({"echo": True}, "echo"), ({"best_of": 2}, "best_of"), ({"n": 9}, "n"),
                          ({"min_tokens": 5}, "min_tokens")]:

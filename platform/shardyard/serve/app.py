@@ -396,7 +396,9 @@ class ModelServer:
         """OpenAI's stream: chunks of text per choice as it is decoded (a chunk carries every
         token a choice got since its last one), each choice's last with its finish_reason, then
         (if asked) one with the usage, then [DONE]. A character split over several tokens appears
-        with its last one, and nothing of a stop string is sent."""
+        with its last one (the chunks of the tokens before carry no text, as vLLM's do: sending
+        none made a held-back character look like a stall to clients that time each chunk), and
+        nothing of a stop string is sent."""
         started = time.perf_counter()
         model, deadline = self.config.model_id, started + self.config.request_timeout_s
         choices = [ChoiceText(r, self.codec, stops, chat) for r in requests]
@@ -427,7 +429,7 @@ class ModelServer:
                     streams.drop(index)
                     gens[index].abandon()
                     yield chunk(index, piece + choice.finish(), choice.finish_reason)
-                elif piece or choice.request.sampling.logprobs is not None:
+                else:  # empty while a character is incomplete: the client still sees its tokens arrive
                     yield chunk(index, piece)
             self._tally(gens[0].weights(), time.perf_counter() - started, ok=True)
             if options.include_usage:
