@@ -378,6 +378,45 @@ def test_a_model_directory_with_a_tokenizer_has_its_text_tokenized_with_it(tmp_p
     assert "".join(pieces) == text[:200] and "\ufffd" not in "".join(pieces)
 
 
+@pytest.mark.timeout(120)
+def test_streamed_text_is_the_whole_decode_from_windows_of_the_newest_tokens() -> None:
+    """Streamed text, piece by piece, equals the whole sequence decoded at once, for UTF-8 bytes
+    (characters split over tokens, bytes that never complete one), a byte-level BPE and a
+    SentencePiece-style tokenizer (which drops a text's leading space); and each token decodes a
+    few tokens, not the whole answer again (a 2,000-token answer: half a second of decoding)."""
+    import random
+
+    from tokenizers import ByteLevelBPETokenizer, SentencePieceBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from shardyard.serve.generation import TextCodec, TextStream
+
+    text = "def add(x, y):\n    return x + y\n\n# naïve café: déjà vu 🙂\n" * 40
+    codecs = [TextCodec()]
+    for kind in (ByteLevelBPETokenizer, SentencePieceBPETokenizer):
+        trained = kind()
+        trained.train_from_iterator([text], vocab_size=250, min_frequency=2, show_progress=False)
+        codecs.append(TextCodec(PreTrainedTokenizerFast(tokenizer_object=trained._tokenizer)))
+    rng = random.Random(0)
+    for codec in codecs:
+        vocab = 256 if codec.tokenizer is None else len(codec.tokenizer)
+        for _ in range(60):
+            tokens = [rng.choice([rng.randrange(vocab), 0xE2, 0x82, 0xAC, 0xC3]) for _ in range(rng.randrange(1, 80))]
+            stream = TextStream(codec)
+            assert "".join(stream.push(t) for t in tokens) + stream.finish() == codec.decode(tokens), tokens
+
+    class Counted(TextCodec):
+        decoded = 0
+
+        def decode(self, tokens) -> str:
+            Counted.decoded += len(tokens)
+            return super().decode(tokens)
+
+    stream, answer = TextStream(Counted()), text.encode()[:2000]
+    assert "".join(stream.push(t) for t in answer) + stream.finish() == answer.decode()
+    assert Counted.decoded < 10 * len(answer), Counted.decoded
+
+
 def documented_shrink() -> list[str]:
     """The `--set` overrides docs/models.md gives to train the real model shapes on a CPU."""
     text = (Path(__file__).parents[1] / "docs" / "models.md").read_text()

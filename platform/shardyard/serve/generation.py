@@ -91,24 +91,36 @@ class TextCodec:
 
 class TextStream:
     """The text of a growing token sequence, piece by piece: a character split over several
-    tokens (the bytes of one UTF-8 character, a tokenizer's byte pieces) comes with its last one."""
+    tokens (the bytes of one UTF-8 character, a tokenizer's byte pieces) comes with its last one.
+
+    Each token decodes a window of the newest tokens, not the whole sequence (which made a
+    2,000-token answer cost half a second of decoding on the event loop): the tokens since the
+    last piece sent, after those of the piece before them as context, since a tokenizer may
+    decode a token differently at the start of a text (a leading space dropped). The window's
+    text less its context's is the new piece (vLLM's incremental detokenizing does the same)."""
 
     def __init__(self, codec: TextCodec) -> None:
-        self.codec, self.tokens, self.sent = codec, [], 0
+        self.codec, self.tokens = codec, []
+        self.context = 0  # where the window starts: the tokens of the piece before the last
+        self.read = 0     # the tokens whose text was sent
 
     def push(self, token: int) -> str:
         self.tokens.append(token)
-        text = self.codec.decode(self.tokens)
-        if text.endswith("\ufffd"):  # an unfinished character: wait for the rest of it
+        before, text = self._window()
+        if text.endswith("\ufffd") or len(text) <= len(before):  # an unfinished character: wait
             return ""
-        piece, self.sent = text[self.sent:], len(text)
-        return piece
+        self.context, self.read = self.read, len(self.tokens)
+        return text[len(before):]
 
     def finish(self) -> str:
         """What is still held back when decoding stops (a character that never completed)."""
-        text = self.codec.decode(self.tokens)
-        piece, self.sent = text[self.sent:], len(text)
-        return piece
+        before, text = self._window()
+        self.context = self.read = len(self.tokens)
+        return text[len(before):]
+
+    def _window(self) -> tuple[str, str]:
+        """The text of the context, and of the context with the tokens not sent yet."""
+        return self.codec.decode(self.tokens[self.context:self.read]), self.codec.decode(self.tokens[self.context:])
 
 
 def left_pad(prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
