@@ -101,7 +101,7 @@ class TextStream:
 
     def __init__(self, codec: TextCodec) -> None:
         self.codec, self.tokens = codec, []
-        self.context = 0  # where the window starts: the tokens of the piece before the last
+        self.context = 0  # where the window starts: the first token of the last piece sent
         self.read = 0     # the tokens whose text was sent
 
     def push(self, token: int) -> str:
