@@ -10,8 +10,12 @@ vLLM's CPU attention needs), random weights, float32, a 2,048-token context. sha
 as README's app does (one replica, continuous batching, 16 requests at once, one shard here: a
 2-core machine) on a local Ray of 2 CPUs, with its built-in engine and with `engine: vllm`; then
 `vllm serve` (its CPU build, 2 GiB of KV cache, prefix caching on, its default) serves it alone.
-`engine: vllm` is given vLLM's own limits (`max_num_seqs` 256, the same 2 GiB of KV cache): it is
+`engine: vllm` is given vLLM's own limits (`max_num_seqs` 128, the same 2 GiB of KV cache): it is
 measured against the same engine, configured alike, behind shardyard's serving path.
+`--rounds N` measures the servers in turn N times and reports each row's median, and each round's
+ratio to vLLM (taken against vLLM's row of the same round): this machine's speed drifts between
+runs by more than some of the gaps measured (vLLM alone: 377 and 414 tokens/s at 16 streams on
+the same day).
 Run by the python of vLLM's environment (make_vllm_env.sh) with shardyard installed into it: the
 `engine: vllm` replica imports vLLM.
 Reported: output tokens/s, time to first token and time per output token (p50), inter-token
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import tempfile
 import time
@@ -41,7 +46,9 @@ from common import print_table, write_json
 from vllm_bench import VLLM, bench, model_directory
 
 PROMPT_TOKENS, OUTPUT_TOKENS, SHARED_PREFIX_TOKENS, CONTEXT = 128, 64, 1000, 2048
-VLLM_MAX_NUM_SEQS, VLLM_KV_GIB = 256, 2  # `vllm serve` here: its default, and VLLM_CPU_KVCACHE_SPACE
+# `vllm serve` on a CPU: its max_num_seqs (the API server's default there; 256 is the LLM class's), and
+# the VLLM_CPU_KVCACHE_SPACE this benchmark gives it.
+VLLM_MAX_NUM_SEQS, VLLM_KV_GIB = 128, 2
 SHARED_PREFIX_STREAMS = 16
 
 
@@ -171,7 +178,6 @@ def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompt
     import asyncio
     import math
     import random
-    import statistics
     from unittest.mock import patch
 
     import torch
@@ -261,35 +267,72 @@ SERVERS = {"shardyard": shardyard_rows,
            "vllm": vllm_rows}
 
 
+RATIOS = {"tok_per_s_vs_vllm": "output_tok_per_s", "ttft_vs_vllm": "ttft_p50_ms", "tpot_vs_vllm": "tpot_p50_ms"}
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """A round's rows, each of shardyard's with its ratios to vLLM's row of the same load in that
+    round (minutes apart on the same machine, so a drift of the machine's speed cancels out)."""
+    by = {(r["server"], r["load"], r["streams"]): r for r in rows}
+    for ours in rows:
+        theirs = by.get(("vllm", ours["load"], ours["streams"]))
+        if ours["server"] != "vllm" and theirs:
+            ours.update({ratio: ours[figure] / theirs[figure] for ratio, figure in RATIOS.items()})
+    return rows
+
+
+def medians(rounds: list[list[dict]]) -> list[dict]:
+    """One row per server and load: the median over rounds of each figure, ratio and process's
+    cores (failed requests: the sum), with every round's ratio of tokens/s beside it (how far the
+    rounds spread)."""
+    rows = []
+    for same in zip(*rounds):
+        row = dict(same[0])
+        for key, value in row.items():
+            if key == "failed":
+                row[key] = sum(r[key] for r in same)
+            elif isinstance(value, float):
+                row[key] = statistics.median(r[key] for r in same)
+        if "cores_busy" in row:
+            row["cores_busy"] = {name: statistics.median(r["cores_busy"].get(name, 0.0) for r in same)
+                                 for name in row["cores_busy"]}
+        if len(same) > 1 and "tok_per_s_vs_vllm" in row:
+            row["tok_per_s_vs_vllm_by_round"] = [round(r["tok_per_s_vs_vllm"], 3) for r in same]
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--servers", nargs="+", choices=list(SERVERS), default=list(SERVERS))
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every server this many times, in turn; rows are the medians")
     parser.add_argument("--name", default="serve_vs_vllm", help="the JSON's name in benchmarks/results/")
     args = parser.parse_args()
+    rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         directory = model_directory(out / "llama", hidden=512, layers=8, heads=8, context=CONTEXT)
-        rows = [row for server in args.servers
-                for row in SERVERS[server](directory, out, args.concurrency, args.prompts)]
+        for number in range(args.rounds):
+            print(f"round {number + 1} of {args.rounds}", flush=True)
+            rounds.append(with_ratios([row for server in args.servers
+                                       for row in SERVERS[server](directory, out, args.concurrency, args.prompts)]))
+    rows = medians(rounds)
     by = {(r["server"], r["load"], r["streams"]): r for r in rows}
-    for ours in [r for r in rows if r["server"] != "vllm"] if "vllm" in args.servers else []:
-        theirs = by[("vllm", ours["load"], ours["streams"])]
-        ours["tok_per_s_vs_vllm"] = ours["output_tok_per_s"] / theirs["output_tok_per_s"]
-        ours["ttft_vs_vllm"] = ours["ttft_p50_ms"] / theirs["ttft_p50_ms"]
-        ours["tpot_vs_vllm"] = ours["tpot_p50_ms"] / theirs["tpot_p50_ms"]
     on, off = (by.get((server, "shared prefix", SHARED_PREFIX_STREAMS))
                for server in ("shardyard", "shardyard, no prefix caching"))
     summary = {"prefix_caching_ttft_cut": off["ttft_p50_ms"] / on["ttft_p50_ms"]} if on and off else {}
-    print_table(f"Built-in engine against vLLM ({PROMPT_TOKENS} tokens in, {OUTPUT_TOKENS} out, "
-                "vllm bench serve)", rows)
+    title = f"({PROMPT_TOKENS} tokens in, {OUTPUT_TOKENS} out, vllm bench serve"
+    print_table(f"shardyard against vLLM {title}{f', medians of {args.rounds} rounds' if args.rounds > 1 else ''})",
+                [{k: v for k, v in r.items() if k != "cores_busy"} for r in rows])
     if "vllm" in args.servers and len(args.servers) > 1:  # a figure is a side-by-side comparison, or nothing
         write_json(args.name, {"prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS,
-                                     "shared_prefix_tokens": SHARED_PREFIX_TOKENS, "rows": rows, **summary})
+                               "shared_prefix_tokens": SHARED_PREFIX_TOKENS, "rounds": args.rounds, "rows": rows,
+                               **({"rows_by_round": rounds} if args.rounds > 1 else {}), **summary})
     if summary:
         print(f"prefix caching cuts TTFT p50 on the shared-prefix load {summary['prefix_caching_ttft_cut']:.1f}x")
-
 
 if __name__ == "__main__":
     main()
