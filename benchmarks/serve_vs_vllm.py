@@ -294,8 +294,9 @@ def medians(rounds: list[list[dict]]) -> list[dict]:
             elif isinstance(value, float):
                 row[key] = statistics.median(r[key] for r in same)
         if "cores_busy" in row:
+            names = dict.fromkeys(name for r in same for name in r["cores_busy"])  # any round's processes
             row["cores_busy"] = {name: statistics.median(r["cores_busy"].get(name, 0.0) for r in same)
-                                 for name in row["cores_busy"]}
+                                 for name in names}
         if len(same) > 1 and "tok_per_s_vs_vllm" in row:
             row["tok_per_s_vs_vllm_by_round"] = [round(r["tok_per_s_vs_vllm"], 3) for r in same]
         rows.append(row)
@@ -324,15 +325,17 @@ def main() -> None:
     on, off = (by.get((server, "shared prefix", SHARED_PREFIX_STREAMS))
                for server in ("shardyard", "shardyard, no prefix caching"))
     summary = {"prefix_caching_ttft_cut": off["ttft_p50_ms"] / on["ttft_p50_ms"]} if on and off else {}
-    title = f"({PROMPT_TOKENS} tokens in, {OUTPUT_TOKENS} out, vllm bench serve"
-    print_table(f"shardyard against vLLM {title}{f', medians of {args.rounds} rounds' if args.rounds > 1 else ''})",
-                [{k: v for k, v in r.items() if k != "cores_busy"} for r in rows])
+    how = f"{PROMPT_TOKENS} tokens in, {OUTPUT_TOKENS} out, vllm bench serve"
+    if args.rounds > 1:
+        how += f", medians of {args.rounds} rounds"
+    print_table(f"shardyard against vLLM ({how})", [{k: v for k, v in r.items() if k != "cores_busy"} for r in rows])
     if "vllm" in args.servers and len(args.servers) > 1:  # a figure is a side-by-side comparison, or nothing
         write_json(args.name, {"prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS,
                                "shared_prefix_tokens": SHARED_PREFIX_TOKENS, "rounds": args.rounds, "rows": rows,
                                **({"rows_by_round": rounds} if args.rounds > 1 else {}), **summary})
     if summary:
         print(f"prefix caching cuts TTFT p50 on the shared-prefix load {summary['prefix_caching_ttft_cut']:.1f}x")
+
 
 if __name__ == "__main__":
     main()
