@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -73,6 +75,21 @@ def test_a_resumed_run_with_another_model_or_optimizer_is_refused_before_it_star
     with pytest.raises(SpecError, match="checkpoint.load_optimizer=false"):
         check_resume(sgd)
     check_resume(spec_for(tmp_path, optim={"name": "sgd"}, checkpoint={"load_optimizer": False}))
+
+
+@pytest.mark.timeout(60)
+def test_a_committed_checkpoint_is_readable_as_the_umask_allows(tmp_path: Path) -> None:
+    """Another user (a serving account, a colleague copying the run) reads what the run wrote:
+    the commit record and the spec were once 0600 whatever the umask, DCP's shards 0644."""
+    spec = spec_for(tmp_path)
+    previous = os.umask(0o022)
+    try:
+        CheckpointManager(spec.run_uri, keep=2).save(engine_for(spec), TrainState(1, 8, 1), spec)
+    finally:
+        os.umask(previous)
+    checkpoint = tmp_path / "run" / "checkpoint_step_00000001"
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in checkpoint.iterdir() if path.is_file()}
+    assert COMMIT_FILE in modes and set(modes.values()) == {0o644}, modes
 
 
 def _write_events(run_dir: str, writer: int) -> None:

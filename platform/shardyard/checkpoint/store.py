@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -63,7 +64,11 @@ class RunStorage:
         """`data` in a fsynced temporary file beside `final`."""
         directory = os.path.dirname(final)
         os.makedirs(directory, exist_ok=True)
-        fd, partial = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(final)}.partial-")
+        # Not mkstemp: its files are 0600 whatever the umask, which made a run's commit records,
+        # specs and exports unreadable to another user serving or copying the run (DCP's own
+        # files beside them follow the umask, as these now do).
+        partial = os.path.join(directory, f".{os.path.basename(final)}.partial-{secrets.token_hex(8)}")
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
