@@ -65,10 +65,15 @@ def test_only_committed_checkpoints_count_and_pruning_keeps_the_newest(tmp_path:
 
 
 @pytest.mark.timeout(60)
-def test_a_resumed_run_with_another_model_or_optimizer_is_refused_before_it_starts(tmp_path: Path) -> None:
+def test_a_resumed_run_with_another_model_or_optimizer_is_refused_before_it_starts(tmp_path: Path, capsys) -> None:
     spec = spec_for(tmp_path)
     CheckpointManager(spec.run_uri, keep=2).save(engine_for(spec), TrainState(1, 8, 1), spec)
-    check_resume(spec)  # the same spec resumes
+    check_resume(spec)  # the same spec resumes, and says where from
+    assert capsys.readouterr().err == (f"shardyard: run 'run' resumes from {tmp_path / 'run' / 'checkpoint_step_00000001'}"
+                                       " (step 1, ddp on 1 worker)\n")
+    check_resume(spec_for(tmp_path, parallelism={"strategy": "fsdp"}, run={"steps": 20}))
+    assert capsys.readouterr().err.endswith("(step 1, ddp on 1 worker); parallelism.strategy 'ddp' -> 'fsdp'; "
+                                            "run.steps 200 -> 20\n")
     with pytest.raises(SpecError, match="model.n_embd"):
         check_resume(spec_for(tmp_path, model={"n_embd": 32}))
     sgd = spec_for(tmp_path, optim={"name": "sgd"})

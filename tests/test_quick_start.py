@@ -29,7 +29,7 @@ def test_readme_default_job_trains_on_a_local_ray_it_starts_and_continues_twice_
                 "run.log_every=4", "--set", "checkpoint.every_n_steps=4", "--set", f"checkpoint.storage_path={tmp_path}"]
 
     run_dir = tmp_path / "gpt_ddp"
-    for steps in (12, 16, 20):
+    for previous, steps in ((None, 12), (12, 16), (16, 20)):
         with ray_files_of_their_own() as ray_tmp:
             done = subprocess.run(default_job(steps), cwd=REPO, env=user_environment(ray_tmp), capture_output=True,
                                   text=True, timeout=400)
@@ -39,6 +39,12 @@ def test_readme_default_job_trains_on_a_local_ray_it_starts_and_continues_twice_
         # Each progress line once (Ray Train's print patch once doubled them), and no warning from
         # Ray Train's placement-group cleaner, which warned every second without the dashboard.
         assert output.count(f"step {steps}/{steps} |") == 1, output[-4000:]
+        # A relaunch says where it picks up and what the command changed.
+        if previous is None:
+            assert "resumes from" not in output, output[-4000:]
+        else:
+            assert (f"shardyard: run 'gpt_ddp' resumes from {run_dir / f'checkpoint_step_{previous:08d}'} "
+                    f"(step {previous}, ddp on 2 workers); run.steps {previous} -> {steps}\n") in output, output[-4000:]
         assert "Ray Train Controller actor state" not in output, output[-4000:]
         assert find_latest(run_dir).name == f"checkpoint_step_{steps:08d}"
         assert len(list(run_dir.glob("checkpoint_step_*"))) == 2  # checkpoint.keep: 2 pruned the rest

@@ -248,9 +248,17 @@ def check_resume(spec: JobSpec) -> None:
                         f"storage path) for a new run")
     if changes:
         log_event(spec.run_uri, "spec_changed", checkpoint=name, changes=changes)
-    if not spec.checkpoint.load_optimizer:
-        return
-    written_at = record["world_size"]
+    if spec.checkpoint.load_optimizer:
+        check_optimizer_resumes(spec, stored, record["world_size"], where)
+    # The user relaunching sees where the run picks up and what their command changed, before Ray's output.
+    changed = "".join(f"; {key} {old!r} -> {new!r}" for key, (old, new) in changes.items())
+    workers = f"{record['world_size']} worker{'s' if record['world_size'] != 1 else ''}"
+    print(f"shardyard: run '{spec.run.name}' resumes from {where} (step {record['step']}, "
+          f"{stored.parallelism.strategy} on {workers}){changed}", file=sys.stderr, flush=True)
+
+
+def check_optimizer_resumes(spec: JobSpec, stored: JobSpec, written_at: int, where: str) -> None:
+    """The stored optimizer state loads into the optimizer and strategy `spec` names."""
     same_zero = stored.parallelism.strategy == spec.parallelism.strategy and spec.scaling.num_workers == written_at
     if stored.parallelism.strategy in ZERO_STAGES and stored.optim.name == "sgd" and stored.optim.momentum \
             and not same_zero:
