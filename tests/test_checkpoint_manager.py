@@ -69,8 +69,8 @@ def test_a_resumed_run_with_another_model_or_optimizer_is_refused_before_it_star
     spec = spec_for(tmp_path)
     CheckpointManager(spec.run_uri, keep=2).save(engine_for(spec), TrainState(1, 8, 1), spec)
     check_resume(spec)  # the same spec resumes, and says where from
-    assert capsys.readouterr().err == (f"shardyard: run 'run' resumes from {tmp_path / 'run' / 'checkpoint_step_00000001'}"
-                                       " (step 1, ddp on 1 worker)\n")
+    checkpoint = tmp_path / "run" / "checkpoint_step_00000001"
+    assert capsys.readouterr().err == f"shardyard: run 'run' resumes from {checkpoint} (step 1, ddp on 1 worker)\n"
     check_resume(spec_for(tmp_path, parallelism={"strategy": "fsdp"}, run={"steps": 20}))
     assert capsys.readouterr().err.endswith("(step 1, ddp on 1 worker); parallelism.strategy 'ddp' -> 'fsdp'; "
                                             "run.steps 200 -> 20\n")
