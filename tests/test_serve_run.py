@@ -43,16 +43,37 @@ def save_default_job_checkpoint(rank: int, world: int, run_dir: str) -> None:
     CheckpointManager(run_dir, keep=1).save(engine, TrainState(0, 0, world), spec)
 
 
+# docs/serving.md's way to give `serve run` a header deadline: Serve's HAProxy ingress, turned on in
+# the command's environment (15 s there; 3 here, to wait less).
+HAPROXY_HEADER_DEADLINE = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": "3"}
+
+
 @pytest.mark.ray
 @pytest.mark.timeout(420)
-def test_readme_serving_command_answers_http_on_a_two_core_machine(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ingress", [{}, HAPROXY_HEADER_DEADLINE], ids=["serve-proxy", "haproxy"])
+def test_readme_serving_command_answers_http_on_a_two_core_machine(tmp_path: Path, ingress: dict[str, str]) -> None:
     with socket.socket() as probe:
         assert probe.connect_ex(("127.0.0.1", 8000)) != 0, "port 8000 (README's) is taken on this machine"
     # The checkout as README leaves it: serve_apps/ and the default job's run directory.
     shutil.copytree(REPO / "serve_apps", tmp_path / "serve_apps", ignore=shutil.ignore_patterns("__pycache__"))
     run_distributed(save_default_job_checkpoint, 1, str(tmp_path / "runs" / "gpt_ddp"))
     with ray_files_of_their_own() as ray_tmp:
-        answer_readme_requests(tmp_path, ray_tmp)
+        answer_readme_requests(tmp_path, ray_tmp, ingress)
+    # Ctrl-C stopped Serve before Ray: no HAProxy is left holding the port.
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", 8000)) != 0, "something still listens on port 8000"
+
+
+def headers_cut_off_answer(deadline_s: float) -> bytes:
+    """What a client that sends half a request's headers and then nothing gets back (b"" if the
+    connection stays open past twice the deadline without an answer)."""
+    with socket.create_connection(("127.0.0.1", 8000)) as half:
+        half.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        half.settimeout(2 * deadline_s + 5)
+        try:
+            return half.recv(100)
+        except TimeoutError:
+            return b""
 
 
 def first_answer(proc: subprocess.Popen, body: dict, timeout_s: float = 240) -> requests.Response:
@@ -70,12 +91,15 @@ def first_answer(proc: subprocess.Popen, body: dict, timeout_s: float = 240) -> 
         time.sleep(2)
 
 
-def answer_readme_requests(checkout: Path, ray_tmp: str) -> None:
+def answer_readme_requests(checkout: Path, ray_tmp: str, ingress: dict[str, str]) -> None:
     proc = subprocess.Popen([SERVE, "run", "serve_apps/config.yaml"], cwd=checkout, start_new_session=True,
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=user_environment(ray_tmp))
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=user_environment(ray_tmp) | ingress)
     try:
         answer = first_answer(proc, {"prompt": "def ", "max_tokens": 5})
         assert answer.json()["usage"]["completion_tokens"] == 5
+        if ingress:
+            assert headers_cut_off_answer(3).startswith(b"HTTP/1.1 408"), "no header deadline"
         assert requests.get(f"{README_URL}/healthz", timeout=10).json()["status"] == "ok"
         # The official OpenAI client, as README shows it: completions, chat, streaming.
         from openai import OpenAI
