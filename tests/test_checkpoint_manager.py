@@ -15,7 +15,7 @@ import torch
 from shardyard.models import build_model
 from shardyard.parallel import single_process
 from shardyard.spec import SpecError, parse_spec
-from shardyard.checkpoint.record import COMMIT_FILE, BadCheckpoint
+from shardyard.checkpoint.record import COMMIT_FILE, BadCheckpoint, checkpoint_name
 from shardyard.checkpoint.manager import CheckpointManager
 from shardyard.checkpoint.layout import TrainState
 from shardyard.checkpoint.loaders import find_latest, load_model
@@ -69,7 +69,7 @@ def test_a_resumed_run_with_another_model_or_optimizer_is_refused_before_it_star
     spec = spec_for(tmp_path)
     CheckpointManager(spec.run_uri, keep=2).save(engine_for(spec), TrainState(1, 8, 1), spec)
     check_resume(spec)  # the same spec resumes, and says where from
-    checkpoint = tmp_path / "run" / "checkpoint_step_00000001"
+    checkpoint = tmp_path / "run" / checkpoint_name(1)
     assert capsys.readouterr().err == f"shardyard: run 'run' resumes from {checkpoint} (step 1, ddp on 1 worker)\n"
     check_resume(spec_for(tmp_path, parallelism={"strategy": "fsdp"}, run={"steps": 20}))
     assert capsys.readouterr().err.endswith("(step 1, ddp on 1 worker); parallelism.strategy 'ddp' -> 'fsdp'; "
@@ -92,7 +92,7 @@ def test_a_committed_checkpoint_is_readable_as_the_umask_allows(tmp_path: Path) 
         CheckpointManager(spec.run_uri, keep=2).save(engine_for(spec), TrainState(1, 8, 1), spec)
     finally:
         os.umask(previous)
-    checkpoint = tmp_path / "run" / "checkpoint_step_00000001"
+    checkpoint = tmp_path / "run" / checkpoint_name(1)
     modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in checkpoint.iterdir() if path.is_file()}
     assert COMMIT_FILE in modes and set(modes.values()) == {0o644}, modes
 

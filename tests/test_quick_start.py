@@ -13,6 +13,7 @@ import pytest
 
 from conftest import REPO, ray_files_of_their_own, user_environment
 from shardyard.checkpoint.loaders import find_latest
+from shardyard.checkpoint.record import checkpoint_name
 from shardyard.train.metrics import LOSS_PLOT, read_metrics
 
 SHARDYARD = str(Path(sys.executable).with_name("shardyard"))
@@ -43,10 +44,10 @@ def test_readme_default_job_trains_on_a_local_ray_it_starts_and_continues_twice_
         if previous is None:
             assert "resumes from" not in output, output[-4000:]
         else:
-            assert (f"shardyard: run 'gpt_ddp' resumes from {run_dir / f'checkpoint_step_{previous:08d}'} "
+            assert (f"shardyard: run 'gpt_ddp' resumes from {run_dir / checkpoint_name(previous)} "
                     f"(step {previous}, ddp on 2 workers); run.steps {previous} -> {steps}\n") in output, output[-4000:]
         assert "Ray Train Controller actor state" not in output, output[-4000:]
-        assert find_latest(run_dir).name == f"checkpoint_step_{steps:08d}"
+        assert find_latest(run_dir).name == checkpoint_name(steps)
         assert len(list(run_dir.glob("checkpoint_step_*"))) == 2  # checkpoint.keep: 2 pruned the rest
     rows = read_metrics(run_dir)
     assert [row["step"] for row in rows] == [4, 8, 12, 16, 20] and {row["world_size"] for row in rows} == {2}
