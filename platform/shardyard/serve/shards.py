@@ -28,7 +28,6 @@ of it (checkpoint.load_model_part): a model too large for one device never mater
 
 from __future__ import annotations
 
-import socket
 import threading
 from concurrent.futures import Executor
 from contextlib import AbstractContextManager, ExitStack
@@ -191,19 +190,22 @@ class TensorShard:
         self.staged: torch.nn.Module | None = None
         # Keys and values of this rank's heads only.
         self.cache = KVCache(cache_blocks) if cache_blocks else None
+        self.store: dist.TCPStore | None = None  # rank 0's, from host_rendezvous
 
-    def rendezvous_address(self) -> str:
-        """Where the other shards find this one (rank 0) to form their process group."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+    def host_rendezvous(self) -> tuple[str, int]:
+        """Rank 0 hosts the shards' store, on a port the kernel gives it while binding (a port found
+        free and handed on can be taken by another process first); where the other shards find it."""
+        self.store = dist.TCPStore(ray.util.get_node_ip_address(), 0, self.num_shards, is_master=True,
+                                   wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
+        return ray.util.get_node_ip_address(), self.store.port
 
-    def join(self, address: str) -> None:
+    def join(self, host: str, port: int) -> None:
         """Form the shards' process group (every shard at once), then keep only this rank's slices:
         parallelize_module replaces each full weight by its shard, and the full one is freed."""
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=address, rank=self.rank, world_size=self.num_shards,
+        store = self.store if self.store is not None else dist.TCPStore(host, port, is_master=False,
+                                                                         timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.num_shards,
                                 timeout=COLLECTIVE_TIMEOUT)
         self.mesh = init_device_mesh(self.device.type, (self.num_shards,))
         self.model = self._load(self.checkpoint_dir)
@@ -447,8 +449,8 @@ class ShardedModel:
             self.shards = [TensorShard.options(**in_bundle(i)).remote(
                 self.checkpoint_dir, i, self.num_shards, self.use_gpu, self.cache_blocks, self.trust_factory)
                 for i in range(self.num_shards)]
-            address = self._started(self.shards[0].rendezvous_address.remote(), "give its rendezvous address")
-            self._started([s.join.remote(address) for s in self.shards], "form their process group")
+            host, port = self._started(self.shards[0].host_rendezvous.remote(), "host the shards' rendezvous")
+            self._started([s.join.remote(host, port) for s in self.shards], "form their process group")
         self._started([s.describe.remote() for s in self.shards], f"load {self.checkpoint_dir}")  # loaded and ready
         if self.compiled:
             # given[0]: tokens, given[1]: padding counts or a cache step, given[2]: draws or None
