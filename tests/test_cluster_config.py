@@ -4,8 +4,11 @@ the installed Ray, so re-check on upgrades), and neither exposes an unauthentica
 
 from __future__ import annotations
 
-import copy
+import os
 import re
+import stat
+import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -73,3 +76,47 @@ def test_the_lock_down_check_is_not_vacuous() -> None:
                                            for c in config["worker_start_ray_commands"]]
     del config["file_mounts"]["/home/ubuntu/.ray/auth_token"]
     assert len(exposure(config)) == 3
+
+
+def without_header_deadline(config: dict) -> list[str]:
+    """`ray start` commands not preceded by deploy/serve-ingress.sh (Serve's HAProxy ingress)."""
+    sourced = r"\. ~/shardyard/deploy/serve-ingress\.sh &&.*\bray start\b"
+    return [c for key in ("head_start_ray_commands", "worker_start_ray_commands") for c in config[key]
+            if re.search(r"\bray start\b", c) and not re.search(sourced, c)]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_node_takes_http_through_the_ingress_with_a_header_deadline(name: str) -> None:
+    """The Serve controller reads the ingress settings on the head, each replica on its own node."""
+    config = read(name)
+    assert without_header_deadline(config) == []
+    mounted = {remote.replace("/home/ubuntu", "~"): local for remote, local in config["file_mounts"].items()}
+    assert mounted.get("~/.shardyard/serve_token") == "~/.shardyard/serve_token"  # serve_apps/cluster.yaml's
+    config["worker_start_ray_commands"] = [c.replace(". ~/shardyard/deploy/serve-ingress.sh && ", "")
+                                           for c in config["worker_start_ray_commands"]]
+    assert len(without_header_deadline(config)) == 1
+
+
+def source_ingress(files: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", f". {REPO / 'deploy' / 'serve-ingress.sh'} && env"],
+                          capture_output=True, text=True, timeout=30,
+                          env={"PATH": os.environ["PATH"], "SHARDYARD_HAPROXY_FILES": str(files)})
+
+
+def test_the_ingress_settings_keep_haproxys_files_private(tmp_path: Path) -> None:
+    done = source_ingress(tmp_path / "h")
+    assert done.returncode == 0, done.stderr
+    env = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and env["RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S"] == "15"
+    assert env["RAY_SERVE_HAPROXY_SOCKET_PATH"] == str(tmp_path / "h" / "admin.sock")
+    assert stat.S_IMODE((tmp_path / "h").stat().st_mode) == 0o700
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
+def test_the_ingress_settings_refuse_a_directory_another_user_made(tmp_path: Path) -> None:
+    """Another user who made the directory first could reach HAProxy's admin socket: Ray does not start."""
+    squatted = tmp_path / "h"
+    squatted.mkdir(mode=0o777)
+    os.chown(squatted, 65534, 65534)
+    done = source_ingress(squatted)
+    assert done.returncode == 1 and "belongs to another user" in done.stderr, done
