@@ -92,6 +92,19 @@ def test_both_manifests_lock_the_cluster_down_and_use_the_projects_image() -> No
     assert config.startswith(workdir + "/") and (REPO / Path(config).relative_to(workdir)).is_file()
 
 
+
+def test_every_rayservice_pod_takes_http_through_the_ingress_with_a_header_deadline() -> None:
+    """The Serve controller reads the ingress settings on the head pod, each replica on its own pod;
+    the deadline is deploy/serve-ingress.sh's, the one the launcher's clusters get."""
+    ingress = (REPO / "deploy" / "serve-ingress.sh").read_text()
+    deadline = re.search(r'TIMEOUT_CLIENT_S="\$\{SHARDYARD_HEADER_TIMEOUT_S:-(\d+)\}"', ingress).group(1)
+    cluster = manifest("rayservice.yaml")["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        for container in group["template"]["spec"]["containers"]:
+            env = {e["name"]: e["value"] for e in container.get("env", [])}
+            assert env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1", container["name"]
+            assert env.get("RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S") == deadline, container["name"]
+
 @pytest.mark.timeout(120)
 def test_the_rayservice_serves_a_serve_config_the_app_accepts_for_the_rayjobs_run(tmp_path: Path) -> None:
     """Its arguments pass the app's own checks (Serve's schema drops unknown keys), against the run
