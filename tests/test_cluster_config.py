@@ -44,6 +44,11 @@ def test_schema_check_is_not_vacuous() -> None:
         validate_config(prepare_config(config))
 
 
+def mounted(config: dict) -> dict[str, str]:
+    """The config's file mounts, node paths written from the home directory (~)."""
+    return {remote.replace("/home/ubuntu", "~"): local for remote, local in config["file_mounts"].items()}
+
+
 def exposure(config: dict) -> list[str]:
     """What in a cluster config would let someone reach the job API without the token."""
     problems = []
@@ -54,8 +59,7 @@ def exposure(config: dict) -> list[str]:
         if key == "head_start_ray_commands":
             problems += [f"dashboard not on localhost: {c}" for c in starts
                          if not re.search(r"--dashboard-host[= ](127\.0\.0\.1|localhost)(\s|$)", c)]
-    mounted = {remote.replace("/home/ubuntu", "~"): local for remote, local in config["file_mounts"].items()}
-    if mounted.get("~/.ray/auth_token") != "~/.ray/auth_token":
+    if mounted(config).get("~/.ray/auth_token") != "~/.ray/auth_token":
         problems.append("the client's token is not copied to the nodes")
     return problems
 
@@ -90,8 +94,7 @@ def test_every_node_takes_http_through_the_ingress_with_a_header_deadline(name: 
     """The Serve controller reads the ingress settings on the head, each replica on its own node."""
     config = read(name)
     assert without_header_deadline(config) == []
-    mounted = {remote.replace("/home/ubuntu", "~"): local for remote, local in config["file_mounts"].items()}
-    assert mounted.get("~/.shardyard/serve_token") == "~/.shardyard/serve_token"  # serve_apps/cluster.yaml's
+    assert mounted(config).get("~/.shardyard/serve_token") == "~/.shardyard/serve_token"  # serve_apps/cluster.yaml's
     config["worker_start_ray_commands"] = [c.replace(". ~/shardyard/deploy/serve-ingress.sh && ", "")
                                            for c in config["worker_start_ray_commands"]]
     assert len(without_header_deadline(config)) == 1

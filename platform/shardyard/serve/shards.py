@@ -195,9 +195,10 @@ class TensorShard:
     def host_rendezvous(self) -> tuple[str, int]:
         """Rank 0 hosts the shards' store, on a port the kernel gives it while binding (a port found
         free and handed on can be taken by another process first); where the other shards find it."""
-        self.store = dist.TCPStore(ray.util.get_node_ip_address(), 0, self.num_shards, is_master=True,
-                                   wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
-        return ray.util.get_node_ip_address(), self.store.port
+        host = ray.util.get_node_ip_address()
+        self.store = dist.TCPStore(host, 0, self.num_shards, is_master=True, wait_for_workers=False,
+                                   timeout=COLLECTIVE_TIMEOUT)
+        return host, self.store.port
 
     def join(self, host: str, port: int) -> None:
         """Form the shards' process group (every shard at once), then keep only this rank's slices:
