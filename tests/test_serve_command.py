@@ -41,12 +41,29 @@ def test_vllms_names_mean_the_same_settings_and_conflicts_are_refused(run_dir: P
                            "served_model_name": "tiny"})
     assert (config.num_shards, config.sharding, config.max_batch_size, config.model_id) == (2, "tensor", 4, "tiny")
     config = parse_config({"checkpoint": str(run_dir), "pipeline_parallel_size": 2})
-    assert (config.num_shards, config.sharding) == (2, "pipeline")
+    assert (config.num_shards, config.sharding, config.dtype) == (2, "pipeline", "auto")
+    assert parse_config({"checkpoint": str(run_dir), "dtype": "bfloat16"}).dtype == "bfloat16"
+    with pytest.raises(SpecError, match="dtype"):
+        parse_config({"checkpoint": str(run_dir), "dtype": "bf16"})
     for bad, message in [({"max_num_seqs": 4, "max_batch_size": 8}, "max_num_seqs is vLLM's name for max_batch_size"),
                          ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, "not both"),
                          ({"tensor_parallel_size": 2, "num_shards": 2}, "give one or the other")]:
         with pytest.raises(SpecError, match=message):
             parse_config({"checkpoint": str(run_dir), **bad})
+
+
+@pytest.mark.timeout(60)
+def test_the_dtype_flag_is_the_configs_dtype(run_dir: Path) -> None:
+    import argparse
+
+    from shardyard.serve.command import add_serve_arguments, serve_config
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert serve_config(parser.parse_args([str(run_dir), "--dtype", "bfloat16"]))["dtype"] == "bfloat16"
+    assert "dtype" not in serve_config(parser.parse_args([str(run_dir)]))  # the config's own default
+    with pytest.raises(SystemExit):
+        parser.parse_args([str(run_dir), "--dtype", "int8"])
 
 
 @pytest.mark.timeout(60)

@@ -64,6 +64,7 @@ from shardyard.serve.rollout import PROMOTE, REFUSE, WAIT, Rollout, Tally
 from shardyard.serve.app_weights import AppWeights, Pin, Source, View, rollback_target, starting_checkpoint
 from shardyard.checkpoint.published import Published, source_step
 from shardyard.serve.local_model import LocalModel
+from shardyard.serve.precision import dtype_name, serving_dtype
 from shardyard.serve.vllm_engine import VllmEngine, start_vllm, vllm_model_directory, written_out
 from shardyard.serve.metrics import ServingMetrics, scrape_cluster
 from shardyard.serve.shards import SHARD_LOST, CachesLost, ShardedModel, check_room, shard_bundle
@@ -209,10 +210,13 @@ class ModelServer:
         if cfg.num_shards == 1:  # decoded in this process: its bundle holds the shard's CPUs
             # Its CPUs as threads, rounded up: the model is what this process spends them on.
             torch.set_num_threads(max(1, math.ceil(REPLICA_CPUS + cfg.cpus_per_shard)))
-            return LocalModel(self._model_source, use_gpu, cfg.cache_blocks, cfg.trust_factory)
+            return LocalModel(self._model_source, use_gpu, cfg.cache_blocks, cfg.trust_factory, self._dtype(use_gpu))
         return ShardedModel(self._model_source, cfg.num_shards, use_gpu, cfg.multi_node, cfg.sharding,
                             cpus_per_shard=cfg.cpus_per_shard, cache_blocks=cfg.cache_blocks,
-                            trust_factory=cfg.trust_factory)
+                            trust_factory=cfg.trust_factory, dtype=self._dtype(use_gpu))
+
+    def _dtype(self, use_gpu: bool) -> torch.dtype:
+        return serving_dtype(self.config.dtype, use_gpu, self.config.checkpoint)
 
     def _start_model(self) -> None:
         """Start the shard group and the decoder: the engine (its prefill budget measured), or
@@ -230,7 +234,8 @@ class ModelServer:
                                          min_chunk=MIN_CHUNK if cfg.chunked_prefill else self.block_size,
                                          prefix_caching=cfg.prefix_caching, weights=self.fingerprint,
                                          packs=self.model.cache_attends, executor=self.model.executor)
-            print(f"shardyard: continuous batching, up to {cfg.max_batch_size} requests at once, a KV cache of "
+            print(f"shardyard: continuous batching in {dtype_name(self._dtype(cfg.use_gpu))}, up to "
+                  f"{cfg.max_batch_size} requests at once, a KV cache of "
                   f"{cfg.cache_blocks} blocks of {BLOCK_TOKENS} tokens (prefix caching "
                   f"{'on' if cfg.prefix_caching else 'off'}), prefill budget {budget.tokens} tokens per iteration",
                   flush=True)
@@ -273,7 +278,7 @@ class ModelServer:
         directory = vllm_model_directory(cfg.checkpoint, is_hf_directory(cfg.checkpoint), cfg.trust_factory)
         kv_tokens = cfg.max_kv_tokens or cfg.max_batch_size * self.block_size
         started = (start_vllm(directory, cfg.num_shards, cfg.sharding, self.block_size, cfg.max_batch_size,
-                              kv_tokens, cfg.prefix_caching, cfg.use_gpu)
+                              kv_tokens, cfg.prefix_caching, self._dtype(cfg.use_gpu))
                    if directory else f"vLLM does not load this '{self.kind}' model (only Hugging Face ones)")
         if isinstance(started, str):
             print(f"shardyard: engine: vllm asked for, the built-in engine serves: {started}", flush=True)

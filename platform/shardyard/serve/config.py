@@ -13,6 +13,7 @@ from shardyard.data.tokenizer import run_tokenizer
 from shardyard.models.kv_cache import BLOCK_TOKENS
 from shardyard.serve.generation import TextCodec
 from shardyard.serve.golden import GoldenPrompt
+from shardyard.serve.precision import DtypeName
 from shardyard.serve.rollout import CanarySettings
 from shardyard.serve.shards import sharding_problem, supports_kv_cache
 from shardyard.spec import LANGUAGE_MODELS, validate
@@ -43,6 +44,10 @@ class ServeConfig(BaseModel):
     sharding: Literal["pipeline", "tensor"] = Field(
         "pipeline", description="pipeline: contiguous blocks per shard; tensor: a slice of every linear")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: a GPU per shard when the cluster has them")
+    dtype: DtypeName = Field(
+        "auto", description="the weights' and KV cache's dtype (vLLM's setting): auto is float32 on CPUs and, on "
+        "GPUs, the checkpoint's own 16-bit type (bfloat16 for a run's float32 weights); bfloat16 on a CPU with "
+        "AVX-512 BF16 or AMX decodes about twice as fast as float32")
     multi_node: bool = Field(False, description="PACK shards across nodes instead of STRICT_PACK on one")
     cpus_per_shard: float = Field(1.0, gt=0, description="Ray CPUs each shard's bundle reserves (beside a GPU "
                                   "each on GPUs); the replica's own bundle reserves 0.5")

@@ -18,6 +18,7 @@ from shardyard.models.kv_cache import KVCache
 from shardyard.runtime import select_device
 from shardyard.serve.model_thread import ModelThread, one_intra_op_thread
 from shardyard.serve.packed_linear import pack_linears
+from shardyard.serve.precision import cast_for_serving
 from shardyard.serve.sampling import Outcome
 from shardyard.serve.shards import CheckpointHolds, Draws, Extra, all_finite, hold_served, model_output, run_model
 from shardyard.spec import LANGUAGE_MODELS
@@ -25,10 +26,11 @@ from shardyard.spec import LANGUAGE_MODELS
 
 class LocalModel:
     def __init__(self, source: str, use_gpu: bool = False, cache_blocks: int = 0,
-                 trust_factory: str | None = None) -> None:
+                 trust_factory: str | None = None, dtype: torch.dtype = torch.float32) -> None:
         """`source`: a checkpoint, a model directory, or a run directory (its newest committed
         checkpoint, held while served). `cache_blocks`: blocks (of BLOCK_TOKENS positions) the KV
-        cache holds (0: none)."""
+        cache holds (0: none). `dtype`: the weights' (and so the KV cache's) dtype
+        (serve/precision.py)."""
         found = servable(source)
         if found is None:
             raise ValueError(f"no checkpoint at {source!r}")
@@ -40,7 +42,7 @@ class LocalModel:
             raise ValueError(f"{self.checkpoint_dir} holds a '{spec.name}' model; this is for language models")
         self.block_size = spec.block_size
         self.device = select_device(0) if use_gpu else torch.device("cpu")
-        self.trust_factory = trust_factory
+        self.trust_factory, self.dtype = trust_factory, dtype
         self.thread = ModelThread()  # loads the model and runs every pass: serve/model_thread.py says why
         self.executor = self.thread.executor  # where the engine calls `forward`: the pass runs there directly
         try:
@@ -55,7 +57,8 @@ class LocalModel:
         self._lock = threading.RLock()  # one forward pass at a time over the one cache
 
     def _load(self, source: str | Published) -> torch.nn.Module:
-        return pack_linears(load_source_part(source, lambda m: m, self.device, trust_factory=self.trust_factory))
+        return pack_linears(load_source_part(source, lambda m: cast_for_serving(m, self.dtype), self.device,
+                                             trust_factory=self.trust_factory))
 
     def prepare(self, source: str | Published) -> bool:
         """Reads a checkpoint (held from now on) or published weights beside the serving weights

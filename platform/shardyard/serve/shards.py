@@ -53,6 +53,7 @@ from shardyard.parallel.tensor import apply_tensor_parallel
 from shardyard.runtime import select_device
 from shardyard.serve.model_thread import one_intra_op_thread
 from shardyard.serve.packed_linear import pack_linears
+from shardyard.serve.precision import cast_for_serving
 from shardyard.serve.sampling import Draw, Outcome, choose_rows
 from shardyard.spec import LANGUAGE_MODELS, CustomSpec, GPTSpec, HFSpec
 from shardyard.checkpoint.loaders import committed_record, servable
@@ -132,10 +133,10 @@ class PipelineShard:
     this actor's device."""
 
     def __init__(self, checkpoint_dir: str | Published, start: int, end: int, whole: bool, last: bool, use_gpu: bool,
-                 cache_blocks: int, trust_factory: str | None = None) -> None:
+                 cache_blocks: int, trust_factory: str | None = None, dtype: torch.dtype = torch.float32) -> None:
         self.last = last  # its output is the logits (else hidden states for the next shard)
         self.device = select_device(0) if use_gpu else torch.device("cpu")
-        self.whole, self.trust_factory = whole, trust_factory
+        self.whole, self.trust_factory, self.dtype = whole, trust_factory, dtype
         self.blocks = (start, end)
         self.stage = self._load(checkpoint_dir)
         self.staged: torch.nn.Module | None = None
@@ -148,8 +149,9 @@ class PipelineShard:
         process's only one (serve/model_thread.py)."""
         start, end = self.blocks
         with one_intra_op_thread():
-            return pack_linears(load_source_part(source, lambda m: m if self.whole else m.pipeline_stage(start, end),
-                                                 self.device, trust_factory=self.trust_factory))
+            return pack_linears(load_source_part(
+                source, lambda m: cast_for_serving(m if self.whole else m.pipeline_stage(start, end), self.dtype),
+                self.device, trust_factory=self.trust_factory))
 
     def prepare(self, source: str | Published) -> bool:
         """Reads this shard's part of another checkpoint (or of published weights) beside the one
@@ -182,9 +184,9 @@ class TensorShard:
     """Rank `rank` of `num_shards`: its slice of every block's linears, the small rest whole."""
 
     def __init__(self, checkpoint_dir: str | Published, rank: int, num_shards: int, use_gpu: bool, cache_blocks: int,
-                 trust_factory: str | None = None) -> None:
+                 trust_factory: str | None = None, dtype: torch.dtype = torch.float32) -> None:
         self.checkpoint_dir, self.rank, self.num_shards = checkpoint_dir, rank, num_shards
-        self.trust_factory = trust_factory
+        self.trust_factory, self.dtype = trust_factory, dtype
         self.device = select_device(0) if use_gpu else torch.device("cpu")
         self.model: torch.nn.Module | None = None
         self.staged: torch.nn.Module | None = None
@@ -214,8 +216,8 @@ class TensorShard:
     def _load(self, source: str | Published) -> torch.nn.Module:
         """Sharded while empty, then each rank reads only its slices (every rank at once; published
         weights: each cuts its slices locally)."""
-        return load_source_part(source, lambda m: apply_tensor_parallel(m, self.mesh), self.device,
-                                collective=True, trust_factory=self.trust_factory)
+        return load_source_part(source, lambda m: apply_tensor_parallel(cast_for_serving(m, self.dtype), self.mesh),
+                                self.device, collective=True, trust_factory=self.trust_factory)
 
     def prepare(self, source: str | Published) -> bool:
         """Reads this rank's slices of another checkpoint beside the serving ones (a collective
@@ -384,15 +386,17 @@ class ShardedModel:
 
     def __init__(self, source: str, num_shards: int, use_gpu: bool = False,
                  multi_node: bool = False, sharding: Sharding = "pipeline", compiled: bool = True,
-                 cpus_per_shard: float = 1.0, cache_blocks: int = 0, trust_factory: str | None = None) -> None:
+                 cpus_per_shard: float = 1.0, cache_blocks: int = 0, trust_factory: str | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
         """`source`: a checkpoint, a model directory, or a run directory, whose newest good
         checkpoint each (re)build loads (training may have pruned the one loaded before; a run
         keeps its model, so the split stays valid). `cache_blocks`: blocks (of BLOCK_TOKENS positions)
         each shard's KV cache holds (0: no cache; forward passes then take left padding, not cache
         steps).
-        `trust_factory`: a custom model's factory, named by the user (checkpoint/layout.py)."""
+        `trust_factory`: a custom model's factory, named by the user (checkpoint/layout.py).
+        `dtype`: the shards' weights' (and KV caches') dtype (serve/precision.py)."""
         self.source, self.num_shards, self.use_gpu = source, num_shards, use_gpu
-        self.trust_factory = trust_factory
+        self.trust_factory, self.dtype = trust_factory, dtype
         found = servable(source)
         if found is None:
             raise ValueError(f"no checkpoint at {source!r}")
@@ -444,11 +448,12 @@ class ShardedModel:
             last = len(self.ranges) - 1
             self.shards = [PipelineShard.options(**in_bundle(i)).remote(self.checkpoint_dir, start, end, self.whole,
                                                                           i == last, self.use_gpu, self.cache_blocks,
-                                                                          self.trust_factory)
+                                                                          self.trust_factory, self.dtype)
                            for i, (start, end) in enumerate(self.ranges)]
         else:
             self.shards = [TensorShard.options(**in_bundle(i)).remote(
-                self.checkpoint_dir, i, self.num_shards, self.use_gpu, self.cache_blocks, self.trust_factory)
+                self.checkpoint_dir, i, self.num_shards, self.use_gpu, self.cache_blocks, self.trust_factory,
+                self.dtype)
                 for i in range(self.num_shards)]
             host, port = self._started(self.shards[0].host_rendezvous.remote(), "host the shards' rendezvous")
             self._started([s.join.remote(host, port) for s in self.shards], "form their process group")

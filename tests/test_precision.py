@@ -1,0 +1,88 @@
+"""Serving's dtype (serve/precision.py): what `auto` means where, the cast a model is loaded
+through, and the engine decoding a bfloat16 model exactly as that model decodes alone without a
+cache (the one dtype besides float32 a CPU runs well; float16 is a GPU's, in tests/test_gpu.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardyard.checkpoint.loaders import load_model
+from shardyard.serve.engine import DecodingEngine, TokenBudget
+from shardyard.serve.local_model import LocalModel
+from shardyard.serve.precision import cast_for_serving, serving_dtype, stored_dtype
+from test_engine import alone, ddp_checkpoint, fresh, serve_all  # noqa: F401 - the fixture is used by name
+from test_models import save_llama
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def with_dtype(directory: Path, name: str | None, key: str = "dtype") -> Path:
+    config = json.loads((directory / "config.json").read_text())
+    config.pop("dtype", None)
+    config.pop("torch_dtype", None)
+    if name is not None:
+        config[key] = name
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_auto_is_float32_on_a_cpu_and_the_checkpoints_16_bit_type_on_a_gpu(tmp_path: Path,
+                                                                             ddp_checkpoint: Path) -> None:
+    llama = save_llama(tmp_path / "llama")
+    for stored, on_gpu in (("float16", torch.float16), ("bfloat16", torch.bfloat16), ("float32", torch.bfloat16)):
+        with_dtype(llama, stored)
+        assert stored_dtype(llama) == getattr(torch, stored)
+        assert serving_dtype("auto", use_gpu=False, checkpoint=llama) == torch.float32
+        assert serving_dtype("auto", use_gpu=True, checkpoint=llama) == on_gpu
+    with_dtype(llama, "float16", key="torch_dtype")  # the key transformers wrote before 4.56
+    assert serving_dtype("auto", use_gpu=True, checkpoint=llama) == torch.float16
+    with_dtype(llama, None)
+    assert stored_dtype(llama) == torch.float32
+    # A run's checkpoint holds float32 master weights: bfloat16 on a GPU.
+    assert stored_dtype(ddp_checkpoint) == torch.float32
+    assert serving_dtype("auto", use_gpu=True, checkpoint=ddp_checkpoint) == torch.bfloat16
+    for name in ("float32", "bfloat16", "float16"):  # asked for: as asked, anywhere
+        assert serving_dtype(name, use_gpu=False, checkpoint=llama) == getattr(torch, name)
+
+
+def test_a_model_cast_for_serving_keeps_its_ties_and_its_float32_rotary_frequencies(tmp_path: Path) -> None:
+    from shardyard.models import build_model
+    from shardyard.spec import HFSpec
+
+    model = build_model(HFSpec(path=str(save_llama(tmp_path / "llama", tie_word_embeddings=True))))
+    cast_for_serving(model, torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.hf.lm_head.weight is model.hf.model.embed_tokens.weight
+    assert model.hf.model.rotary_emb.inv_freq.dtype == torch.float32
+
+
+@pytest.mark.parametrize("source", ["run checkpoint", "llama directory"])
+def test_a_bfloat16_model_served_in_process_decodes_each_request_as_it_does_alone(
+        tmp_path: Path, ddp_checkpoint: Path, source: str) -> None:
+    """LocalModel loads the weights straight into bfloat16 (a run's DCP checkpoint, a model
+    directory's safetensors), its KV cache holds bfloat16 keys and values, and the engine over it
+    (packed passes for the Llama) gives every request, greedy and seeded, exactly the tokens the
+    same bfloat16 model gives it decoding alone with no cache."""
+    if source == "llama directory":
+        # Weights drawn wide: the likeliest token is clearly so, in bfloat16 too.
+        directory = str(save_llama(tmp_path / "llama", initializer_range=0.5))
+    else:
+        directory = str(ddp_checkpoint)
+    local = LocalModel(directory, cache_blocks=5 * 2, dtype=torch.bfloat16)
+    try:
+        assert {p.dtype for p in local.model.parameters()} == {torch.bfloat16}
+        reference = cast_for_serving(load_model(directory).eval(), torch.bfloat16)
+        assert all(torch.equal(a, b) for a, b in zip(reference.state_dict().values(),
+                                                     local.model.state_dict().values()))
+        engine = DecodingEngine(local.forward, 2, local.block_size, local.cache.blocks, TokenBudget(8, 60.0, 4),
+                                lambda: None, (), packs=local.cache_attends, executor=local.executor)
+        got = asyncio.run(serve_all(engine, fresh(), join_after=3))
+        assert {t.dtype for t in local.cache.keys.values()} == {torch.bfloat16}
+        assert got == alone(reference)
+    finally:
+        local.close()
