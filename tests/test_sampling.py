@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardyard.serve.generation import Completion
-from shardyard.serve.sampling import Draw, Pick, Sampling, adjust, choose_rows, pick
+from shardyard.serve.sampling import Draw, Pick, Sampling, adjust, choose_rows, pick, sample_rows
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -158,3 +158,29 @@ def test_stop_strings_count_only_from_min_tokens_on() -> None:
     assert served(3) == ("x", "stop")  # the first "ab" ends with token 3: counted from there
     assert served(4) == ("xabyy", "stop")  # ...but not before
     assert served(9) == ("xabyyabzz", "length")
+
+
+def test_rows_sampled_together_draw_each_token_with_its_probability_under_their_own_settings() -> None:
+    """sample_rows, the batched choice: an unseeded hot row's tokens come up as often as its
+    softmax says (within 3 standard errors over 20,000 draws); rows with other settings in the
+    same batch keep only the tokens their own top-k, min-p and top-p name; a seeded row in a batch
+    gets what it gets picked alone."""
+    settings = [Sampling(temperature=2.0), Sampling(temperature=2.0, top_k=2), Sampling(temperature=2.0, min_p=0.3),
+                Sampling(temperature=2.0, top_p=0.6), Sampling()]
+    n = 20_000
+    logits = LOGITS.repeat(n, 1)
+    rows = [settings[i % len(settings)] for i in range(n)]
+    ids = sample_rows(logits, rows, [None] * n)
+    by_setting = [ids[i::len(settings)] for i in range(len(settings))]
+    probs = torch.softmax(LOGITS / 2.0, -1)
+    counts = torch.bincount(by_setting[0], minlength=6).float()
+    expected = probs * len(by_setting[0])
+    assert torch.all((counts - expected).abs() <= 3 * (expected * (1 - probs)).sqrt() + 1), (counts, expected)
+    assert set(by_setting[1].tolist()) == {4, 0}
+    assert set(by_setting[2].tolist()) == draws(Sampling(temperature=2.0, min_p=0.3))
+    assert set(by_setting[3].tolist()) == draws(Sampling(temperature=2.0, top_p=0.6))
+    assert set(by_setting[4].tolist()) == {4}  # greedy among them
+    seeded = [Draw(Sampling(temperature=1.0, top_k=3), seed, 0) for seed in range(8)]
+    logits = torch.randn(8, 30)
+    together = choose_rows(logits, seeded)
+    assert together == [draw.pick(logits[i]) for i, draw in enumerate(seeded)]

@@ -85,7 +85,8 @@ def pick(logits: torch.Tensor, sampling: Sampling = GREEDY, generator: torch.Gen
     """The next token for one sequence from its (V,) logits."""
     if torch.isnan(logits).any():
         raise RuntimeError("the model's logits hold NaN: no token can be chosen")
-    chosen = _choose(adjust(logits, sampling, prompt, generated, stop_token), sampling, generator)
+    adjusted = adjust(logits, sampling, prompt, generated, stop_token)
+    chosen = int(sample_rows(adjusted.float()[None], [sampling], [generator])[0])
     if sampling.logprobs is None:
         return Pick(chosen)
     logprobs = F.log_softmax(logits.float(), dim=-1)
@@ -93,26 +94,48 @@ def pick(logits: torch.Tensor, sampling: Sampling = GREEDY, generator: torch.Gen
     return Pick(chosen, float(logprobs[chosen]), tuple(zip(ids.tolist(), values.tolist())))
 
 
-def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-    if sampling.temperature <= 0:
-        return int(logits.argmax())
-    scaled = logits / sampling.temperature
-    # A temperature so small that the scaled logits overflow is, in the limit, greedy decoding
-    # (the softmax of an infinity is not a distribution: sampling from it would raise).
-    if torch.isposinf(scaled).any():
-        return int(logits.argmax())
-    if 0 < sampling.top_k < scaled.numel():
-        kth = scaled.topk(sampling.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+def sample_rows(logits: torch.Tensor, samplings: Sequence[Sampling],
+                generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Each row's token id from its float (B, V) logits (adjusted already), as its sampling says:
+    greedy at temperature 0, else temperature, top-k, min-p and top-p, then one draw, all rows in
+    the same few operations on the logits' device. The draw is an exponential race, argmax(p / q)
+    with q ~ Exp(1) per token, which picks token i with probability p_i (vLLM draws so too): a
+    seeded row's q comes from its own CPU generator (so a seed gives the same token on any
+    device and in any batch), the unseeded rows' from one call on the device."""
+    greedy_ids = logits.argmax(-1)
+    temperature = torch.tensor([s.temperature for s in samplings], device=logits.device)
+    greedy = temperature <= 0
+    if bool(greedy.all()):
+        return greedy_ids
+    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    # A temperature so small that the scaled logits overflow is, in the limit, greedy decoding (the
+    # softmax of an infinity is not a distribution).
+    greedy |= torch.isposinf(scaled).any(-1)
+    vocabulary = logits.shape[-1]
+    top_k = [s.top_k if 0 < s.top_k < vocabulary else vocabulary for s in samplings]
+    if min(top_k) < vocabulary:
+        widest = max(k for k in top_k if k < vocabulary)  # rows without a top_k are not sorted for it
+        k = torch.tensor(top_k, device=logits.device)
+        kth = scaled.topk(widest, dim=-1).values.gather(1, (k.clamp(max=widest) - 1)[:, None])
+        scaled = scaled.masked_fill((scaled < kth) & (k < vocabulary)[:, None], float("-inf"))
     probs = F.softmax(scaled, dim=-1)
-    if sampling.min_p > 0:
-        probs = probs.masked_fill(probs < sampling.min_p * probs.max(), 0.0)
-    if sampling.top_p < 1.0:
-        ordered, order = probs.sort(descending=True)
+    if any(s.min_p > 0 for s in samplings):
+        min_p = torch.tensor([s.min_p for s in samplings], device=logits.device)
+        probs = probs.masked_fill(probs < (min_p[:, None] * probs.max(-1, keepdim=True).values), 0.0)
+    if any(s.top_p < 1.0 for s in samplings):
+        top_p = torch.tensor([s.top_p for s in samplings], device=logits.device)
+        ordered, order = probs.sort(dim=-1, descending=True)
         # The mass before a token already reaches top_p (of what is left): it is outside.
-        outside = ordered.cumsum(-1) - ordered >= sampling.top_p * ordered.sum()
+        outside = (ordered.cumsum(-1) - ordered >= top_p[:, None] * ordered.sum(-1, keepdim=True)) & (top_p < 1)[:, None]
         probs = torch.zeros_like(probs).scatter(-1, order, ordered.masked_fill(outside, 0.0))
-    return int(torch.multinomial(probs, 1, generator=generator))
+    race = torch.empty_like(probs)
+    if any(generator is None for generator in generators):
+        race.exponential_()
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            race[row] = torch.empty(vocabulary).exponential_(generator=generator).to(race.device)
+    sampled = (probs / race.clamp_min(torch.finfo(race.dtype).tiny)).argmax(-1)
+    return torch.where(greedy, greedy_ids, sampled)
 
 
 @dataclass(frozen=True)
@@ -128,10 +151,11 @@ class Draw:
     generated: tuple[int, ...] = ()
 
     @property
-    def plain_greedy(self) -> bool:
-        """The argmax of the raw logits, nothing reported: a whole batch of these is one argmax."""
+    def logits_only(self) -> bool:
+        """Its token depends on its logits alone (and its seed): no penalty, no end of sequence held
+        back, nothing reported, so it is chosen in one batch with the others like it."""
         s = self.sampling
-        return s.temperature <= 0 and s.logprobs is None and not s.penalized and (s.min_tokens == 0 or s.ignore_eos)
+        return s.logprobs is None and not s.penalized and (s.min_tokens == 0 or s.ignore_eos)
 
     def generator(self) -> torch.Generator | None:
         return None if self.seed is None else torch.Generator().manual_seed(token_seed(self.seed, self.index))
@@ -155,22 +179,24 @@ Outcome = Union[Pick, RuntimeError, None]
 
 
 def choose_rows(logits: torch.Tensor, draws: Sequence[Draw | None]) -> list[Outcome]:
-    """Each row's next token from its (V,) logits in `logits` (B, V), as its draw says."""
+    """Each row's next token from its (V,) logits in `logits` (B, V), as its draw says. Rows that
+    need only their logits (no penalties, no log-probabilities, no end of sequence held back) are
+    chosen together where the logits are, and only their ids cross to the host; the others, and a
+    NaN row (which gets its own error), one by one on the CPU."""
     logits = logits.float()
-    fast = [i for i, d in enumerate(draws) if d is not None and d.plain_greedy]
-    # Plain greedy rows: one argmax for all of them. A NaN row goes the slow way, to its own error.
-    argmax = dict(zip(fast, logits[fast].argmax(-1).tolist())) if fast else {}
-    for i in torch.isnan(logits).any(-1).nonzero().flatten().tolist():
-        argmax.pop(i, None)
-    out: list[Outcome] = []
+    broken = set(torch.isnan(logits).any(-1).nonzero().flatten().tolist())
+    together = [i for i, d in enumerate(draws) if d is not None and d.logits_only and i not in broken]
+    out: list[Outcome] = [None] * len(draws)
+    if together:
+        rows = [draws[i] for i in together]
+        ids = sample_rows(logits[together], [d.sampling for d in rows], [d.generator() for d in rows]).tolist()
+        for i, token in zip(together, ids):
+            out[i] = Pick(token)
     for i, draw in enumerate(draws):
-        if draw is None:
-            out.append(None)
-        elif i in argmax:
-            out.append(Pick(argmax[i]))
-        else:
-            try:  # on the CPU, where its generator and penalty indices are
-                out.append(draw.pick(logits[i].cpu()))
-            except RuntimeError as err:
-                out.append(err)
+        if draw is None or out[i] is not None:
+            continue
+        try:  # on the CPU, where its penalty indices are
+            out[i] = draw.pick(logits[i].cpu())
+        except RuntimeError as err:
+            out[i] = err
     return out
