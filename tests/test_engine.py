@@ -380,6 +380,43 @@ def test_a_hugging_face_model_decodes_through_the_engines_cache_exactly(architec
             assert out and tokens[:len(out)] == out
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("architecture", ["gpt", "llama"])
+@pytest.mark.parametrize("packs", [False, True])
+def test_a_cached_pass_computes_the_head_for_each_sequences_last_token_only(architecture: str, packs: bool) -> None:
+    """The engine reads one next token's logits per sequence: a pass of two prompts (rows of 9
+    tokens, or packed with a decode step in one row) puts only those positions through the head
+    (its input has one row per sequence), and the logits it returns are each sequence's last
+    position's, equal to the model's own output there without a cache."""
+    from shardyard.models import build_model
+    from shardyard.models.gpt import GPT
+    from shardyard.spec import GPTSpec, HFSpec
+    from test_models import MODELS
+
+    torch.manual_seed(0)
+    if architecture == "gpt":
+        model = GPT(GPTSpec(name="gpt", n_layer=2, n_head=4, n_embd=32, block_size=16)).eval()
+        head = model.lm_head
+    else:
+        model = build_model(HFSpec(**MODELS["llama"])).eval()
+        head = model.hf.lm_head
+    seen: list[int] = []  # positions each call of the head computes
+    head.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[:-1].numel()))
+    cache, first, second = KVCache(4), torch.randint(0, 256, (1, 9)), torch.randint(0, 256, (1, 9))
+    with torch.no_grad():
+        expected = torch.stack([model(first)[0, -1], model(second)[0, -1]])
+        if packs:  # the first prompt's 8 tokens are cached; its 9th decodes beside the second prompt
+            run_model(model, first[:, :8], CacheStep(((0,),), (0,)), cache)
+            tokens, step = torch.cat([first[:, 8:], second], 1), CacheStep(((0,), (2,)), (8, 0), (1, 9))
+        else:
+            tokens, step = torch.cat([first, second]), CacheStep(((0,), (2,)), (0, 0))
+        seen.clear()
+        logits = run_model(model, tokens, step, cache)
+    assert seen == [2]
+    assert logits.shape == (2, 1, 256)
+    torch.testing.assert_close(logits[:, 0], expected, rtol=0, atol=1e-5)
+
+
 @pytest.mark.timeout(120)
 def test_a_decode_step_computes_the_same_early_and_late_in_the_context() -> None:
     """With the cache a step computes one token; without it, the whole sequence. Counted in

@@ -142,7 +142,8 @@ class GPT(nn.Module):
         positions are masked out and each row's positions start at its first real token, so a
         row's outputs equal those of the same prompt run alone.
         `cache`: decoding with a KV cache (its current step says which rows and positions); the
-        caller begins and ends the step, once for all of a shard's blocks.
+        caller begins and ends the step, once for all of a shard's blocks. The logits are then each
+        sequence's last position's only, (sequences, 1, V).
         """
         mask = None if pad is None or cache is not None else padding_mask(pad, x.shape[1])  # a cache masks its own
         if self.tok_emb is not None:
@@ -155,6 +156,8 @@ class GPT(nn.Module):
             x = self.drop(self.tok_emb(x) + self.pos_emb(positions))
         for name, block in self.blocks.items():
             x = block(x, mask, cache, name)
+        if cache is not None and self.lm_head is not None:  # decoding: only each sequence's next token
+            x = cache.last_tokens(x)
         if self.ln_f is not None:
             x = self.ln_f(x)
         if self.lm_head is not None:

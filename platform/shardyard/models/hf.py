@@ -208,7 +208,8 @@ class HFCausalLM(nn.Module):
         masked out, and positions start at each row's first real token, so a row's logits equal
         its prompt's alone (as GPT.forward's).
         `cache`: decoding with the serving engine's KV cache (its current step says which rows and
-        positions), which the model's attention layers write through `EngineCache`."""
+        positions), which the model's attention layers write through `EngineCache`; the logits are
+        then each sequence's last position's only, (sequences, 1, V)."""
         kwargs: dict[str, Any] = {"inputs_embeds" if self.takes_hidden else "input_ids": x, "use_cache": False}
         if cache is not None:
             # Every row has its own length, so the positions and the 4-D mask (which transformers
@@ -230,6 +231,8 @@ class HFCausalLM(nn.Module):
             kwargs["position_ids"] = (positions - pad[:, None]).clamp(min=0)
         if self.returns_hidden:
             return self.hf.base_model(**kwargs).last_hidden_state
+        if cache is not None:  # only each sequence's next token's logits: (sequences, 1, V)
+            return cache.last_logits(self.hf(**kwargs, logits_to_keep=cache.logits_to_keep()).logits)
         return self.hf(**kwargs).logits
 
 

@@ -74,6 +74,7 @@ class _Plan:
     positions: torch.Tensor        # (B, T) position ids of the new tokens
     groups: tuple[_Group, ...]     # one for B rows of T tokens; packed: each run of decode steps, each chunk
     packed: bool
+    ends: torch.Tensor             # (sequences,) where each sequence's last new token is in the flattened pass
 
 
 class KVCache:
@@ -100,9 +101,10 @@ class KVCache:
             if any(not 0 <= block < self.blocks for block in table):
                 raise RuntimeError(f"a block table names blocks outside the cache's {self.blocks}: {table}")
         self.past = max(step.starts)
+        ends = torch.tensor(step.ends(seq), device=device)
         if not step.lengths:
             slots, positions, group = self._group(step.tables, step.starts, seq, device)
-            self.plan = _Plan(slots, positions, (group,), packed=False)
+            self.plan = _Plan(slots, positions, (group,), packed=False, ends=ends)
             return
         # Decode steps (one token each) attend as one batch; each longer chunk attends alone.
         spans, at = [], 0
@@ -115,7 +117,7 @@ class KVCache:
         planned = [self._group(step.tables[a:b], step.starts[a:b], lengths[a], device) for a, b in spans]
         self.plan = _Plan(torch.cat([slots for slots, _, _ in planned]),
                           torch.cat([positions.flatten() for _, positions, _ in planned])[None],
-                          tuple(group for _, _, group in planned), packed=True)
+                          tuple(group for _, _, group in planned), packed=True, ends=ends)
 
     def _group(self, tables: tuple[tuple[int, ...], ...], starts: tuple[int, ...], seq: int,
                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, _Group]:
@@ -135,6 +137,21 @@ class KVCache:
         gather = table[:, (keys // size).clamp(max=width - 1)] * size + keys % size
         mask = (keys[None, None, :] <= positions[:, :, None])[:, None]
         return slots, positions, _Group(len(tables), seq, gather, mask)
+
+    def last_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each sequence's last new token of this pass's (B, T, D) hidden states, as (sequences, 1, D):
+        the only positions whose logits the engine reads (a prompt's others would cost the head's
+        product for nothing, a third of a small model's weights at a 32,000-token vocabulary)."""
+        return hidden.flatten(0, 1)[self.plan.ends][:, None]
+
+    def logits_to_keep(self) -> int | torch.Tensor:
+        """The same positions as transformers' `logits_to_keep` takes them: the last column of every
+        row, or, in a packed pass (one row), each sequence's column. The logits come back (B, 1, V)
+        or (1, sequences, V): `last_logits` makes either (sequences, 1, V)."""
+        return self.plan.ends if self.plan.packed else 1
+
+    def last_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.transpose(0, 1) if self.plan.packed else logits
 
     def positions(self, seq: int, device: torch.device) -> torch.Tensor:
         """Position ids of this pass's tokens (B, T)."""

@@ -101,7 +101,7 @@ def model_output(logits: torch.Tensor, extra: Extra, draws: Draws) -> torch.Tens
     ids, not logits); without, the logits, of each sequence's last position only for a cached step
     (its caller reads only the next token's, so a prefill's others need not travel)."""
     if isinstance(extra, CacheStep):
-        last = logits.flatten(0, 1)[extra.ends(logits.shape[1])]  # (sequences, vocabulary)
+        last = logits[:, -1]  # (sequences, vocabulary): a cached pass's logits are its sequences' last
         return choose_rows(last, draws) if draws is not None else last[:, None].cpu()
     if draws is not None:
         return choose_rows(logits[:, -1, :], draws)
