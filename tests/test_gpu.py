@@ -104,3 +104,18 @@ def test_a_model_decoded_in_the_replicas_process_on_the_gpu_gives_each_request_i
     finally:
         local.close()
     assert got == alone(model)
+
+
+@pytest.mark.timeout(300)
+def test_a_model_directory_served_on_the_gpu_with_dtype_auto_decodes_in_bfloat16(tmp_path: Path) -> None:
+    """`dtype: auto` on a GPU serves a float32 model directory in bfloat16 (serve/precision.py):
+    weights and KV cache in bfloat16 on the GPU, rows sampled there (one transfer of ids per pass),
+    each greedy token the same bfloat16 model's pick without a cache, within bfloat16's rounding."""
+    from shardyard.serve.precision import serving_dtype
+    from test_models import save_llama
+    from test_precision import decodes_as_without_a_cache
+
+    directory = str(save_llama(tmp_path / "llama", initializer_range=0.5))
+    dtype = serving_dtype("auto", use_gpu=True, checkpoint=directory)
+    assert dtype == torch.bfloat16
+    decodes_as_without_a_cache(directory, dtype, use_gpu=True)

@@ -74,17 +74,22 @@ def test_a_bfloat16_model_served_in_process_decodes_as_the_same_model_without_a_
         directory = str(save_llama(tmp_path / "llama", initializer_range=0.5))
     else:
         directory = str(ddp_checkpoint)
-    local = LocalModel(directory, cache_blocks=5 * 2, dtype=torch.bfloat16)
+    decodes_as_without_a_cache(directory, torch.bfloat16, use_gpu=False)
+
+
+def decodes_as_without_a_cache(directory: str, dtype: torch.dtype, use_gpu: bool) -> None:
+    """The check above, for `directory` served in `dtype` on the CPU or the GPU."""
+    local = LocalModel(directory, use_gpu=use_gpu, cache_blocks=5 * 2, dtype=dtype)
     try:
-        assert {p.dtype for p in local.model.parameters()} == {torch.bfloat16}
-        reference = cast_for_serving(load_model(directory).eval(), torch.bfloat16)
+        assert {p.dtype for p in local.model.parameters()} == {dtype}
+        reference = cast_for_serving(load_model(directory).eval(), dtype).to(local.device)
         assert all(torch.equal(a, b) for a, b in zip(reference.state_dict().values(),
                                                      local.model.state_dict().values()))
         engine = DecodingEngine(local.forward, 2, local.block_size, local.cache.blocks, TokenBudget(8, 60.0, 4),
                                 lambda: None, (), packs=local.cache_attends, executor=local.executor)
         requests = fresh()
         got = asyncio.run(serve_all(engine, requests, join_after=3))
-        assert {t.dtype for t in local.cache.keys.values()} == {torch.bfloat16}
+        assert {t.dtype for t in local.cache.keys.values()} == {dtype}
     finally:
         local.close()
     assert [len(tokens) for tokens in got] == [r.max_tokens for r in requests]
@@ -94,9 +99,27 @@ def test_a_bfloat16_model_served_in_process_decodes_as_the_same_model_without_a_
             continue
         for i, token in enumerate(tokens):
             with torch.no_grad():
-                logits = reference(torch.tensor([request.prompt + tokens[:i]]))[0, -1].float()
+                logits = reference(torch.tensor([request.prompt + tokens[:i]], device=local.device))[0, -1].float()
             top = float(logits.max())
             assert float(logits[token]) >= top - 0.02 * max(abs(top), 1.0), (i, token, int(logits.argmax()))
             exact += token == int(logits.argmax())
             steps += 1
     assert exact >= 0.8 * steps  # near-ties are the exception
+
+
+def test_bfloat16_on_a_cpu_that_emulates_it_is_named_the_slow_choice(tmp_path: Path, monkeypatch) -> None:
+    from shardyard.serve import precision
+
+    listing = "processor\t: 0\nflags\t\t: fpu sse2 avx2 {}\n\nprocessor\t: 1\nflags\t\t: fpu sse2 avx2 {}\n"
+    for extra, native in (("avx512f avx512_bf16", True), ("amx_bf16 amx_tile", True), ("avx512f", False)):
+        cpuinfo = tmp_path / "cpuinfo"
+        cpuinfo.write_text(listing.format(extra, extra))
+        assert precision.native_bfloat16_cpu(cpuinfo) is native
+    assert precision.native_bfloat16_cpu(tmp_path / "absent") is None
+    assert precision.native_bfloat16_cpu(tmp_path / "cpuinfo") is False
+    monkeypatch.setattr(precision, "native_bfloat16_cpu", lambda: False)
+    assert "emulated on this CPU" in precision.described(torch.bfloat16, use_gpu=False)
+    assert precision.described(torch.bfloat16, use_gpu=True) == "bfloat16"
+    assert precision.described(torch.float32, use_gpu=False) == "float32"
+    monkeypatch.setattr(precision, "native_bfloat16_cpu", lambda: True)
+    assert precision.described(torch.bfloat16, use_gpu=False) == "bfloat16"

@@ -64,7 +64,7 @@ from shardyard.serve.rollout import PROMOTE, REFUSE, WAIT, Rollout, Tally
 from shardyard.serve.app_weights import AppWeights, Pin, Source, View, rollback_target, starting_checkpoint
 from shardyard.checkpoint.published import Published, source_step
 from shardyard.serve.local_model import LocalModel
-from shardyard.serve.precision import dtype_name, serving_dtype
+from shardyard.serve.precision import described, serving_dtype
 from shardyard.serve.vllm_engine import VllmEngine, start_vllm, vllm_model_directory, written_out
 from shardyard.serve.metrics import ServingMetrics, scrape_cluster
 from shardyard.serve.shards import SHARD_LOST, CachesLost, ShardedModel, check_room, shard_bundle
@@ -234,7 +234,7 @@ class ModelServer:
                                          min_chunk=MIN_CHUNK if cfg.chunked_prefill else self.block_size,
                                          prefix_caching=cfg.prefix_caching, weights=self.fingerprint,
                                          packs=self.model.cache_attends, executor=self.model.executor)
-            print(f"shardyard: continuous batching in {dtype_name(self._dtype(cfg.use_gpu))}, up to "
+            print(f"shardyard: continuous batching in {described(self._dtype(cfg.use_gpu), cfg.use_gpu)}, up to "
                   f"{cfg.max_batch_size} requests at once, a KV cache of "
                   f"{cfg.cache_blocks} blocks of {BLOCK_TOKENS} tokens (prefix caching "
                   f"{'on' if cfg.prefix_caching else 'off'}), prefill budget {budget.tokens} tokens per iteration",

@@ -47,6 +47,25 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def native_bfloat16_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool | None:
+    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX), as Linux lists its
+    flags; None where it does not say (another system)."""
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in cpuinfo.read_text().splitlines()
+                      if line.startswith("flags")), None)
+    except OSError:
+        return None
+    return None if flags is None else bool({"avx512_bf16", "amx_bf16"} & set(flags))
+
+
+def described(dtype: torch.dtype, use_gpu: bool) -> str:
+    """The dtype as a replica's log names it, with a warning where it is the slow choice."""
+    if dtype == torch.bfloat16 and not use_gpu and native_bfloat16_cpu() is False:
+        return ("bfloat16 (emulated on this CPU, which has neither AVX-512 BF16 nor AMX: dtype float32 "
+                "decodes faster here)")
+    return dtype_name(dtype)
+
+
 def cast_for_serving(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """`model`'s floating-point parameters and stored buffers in `dtype`, in place (ties kept: `to`
     converts each tensor once). Buffers no checkpoint holds (rotary frequencies) keep their own
