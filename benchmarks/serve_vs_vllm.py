@@ -1,21 +1,28 @@
-"""shardyard's built-in engine against vLLM, on the same model directory and the same loads, all
+"""shardyard's built-in engine against vLLM, on the same model directories and the same loads, all
 measured by vLLM's own client (`vllm bench serve`): random prompts, 128 tokens in, 64 out, at 1,
 16 and 64 concurrent streams; and a shared-prefix load, every prompt the same 1,000 random tokens
-then 128 of its own, at 16 streams, served with prefix caching on and off.
+then 128 of its own, at 16 streams, served with prefix caching on and off (`--no-shared-prefix`:
+the random load only).
 
-    .vllm-env/bin/python benchmarks/serve_vs_vllm.py [--concurrency 1 16 64] [--prompts 64]
+    .vllm-env/bin/python benchmarks/serve_vs_vllm.py [--shapes v4096 v32000 v4096-hd128] [--dtype bfloat16]
+        [--concurrency 1 16 64] [--prompts 64] [--rounds N] [--app-set KEY=VALUE ...]
 
-The model: a Llama directory of about 27M parameters (8 layers, hidden 512, head_dim 64, which
-vLLM's CPU attention needs), random weights, float32, a 2,048-token context. shardyard serves it
-as README's app does (one replica, continuous batching, 16 requests at once, one shard here: a
-2-core machine) on a local Ray of 2 CPUs, with its built-in engine and with `engine: vllm`; then
-`vllm serve` (its CPU build, 2 GiB of KV cache, prefix caching on, its default) serves it alone.
-`engine: vllm` is given vLLM's own limits (`max_num_seqs` 128, the same 2 GiB of KV cache): it is
-measured against the same engine, configured alike, behind shardyard's serving path.
+The models (`SHAPES`): Llama directories of 8 layers, hidden 512, random weights, a 2,048-token
+context, with a byte-level BPE of 4,096 or 32,000 tokens learnt from the standard library's
+sources, head_dim 64 or 128 (vLLM's CPU attention needs 64 or more); `v320`, the 320-token
+vocabulary earlier figures were measured on, on request. Every server serves in `--dtype`:
+bfloat16 by default, which is what `vllm serve` takes for `auto` on an x86 CPU (a float32
+directory included), so vLLM runs at its own defaults; `--dtype float32` compares both in float32.
+shardyard serves each as README's app does (one replica, continuous batching, 16 requests at once,
+one shard in the replica's process: `shardyard`; `shardyard-two-shards`: two pipeline shards, as
+README's config did until 2026-11-29) on a local Ray of 2 CPUs, with its built-in engine and with
+`engine: vllm`; then `vllm serve` (its CPU build, 2 GiB of KV cache, prefix caching on, its
+default) serves it alone. `engine: vllm` is given vLLM's own limits (`max_num_seqs` 128, the same
+2 GiB of KV cache): it is measured against the same engine, configured alike, behind shardyard's
+serving path. `--app-set` adds a setting to shardyard's apps (a ServeConfig key).
 `--rounds N` measures the servers in turn N times and reports each row's median, and each round's
-ratio to vLLM (taken against vLLM's row of the same round): this machine's speed drifts between
-runs by more than some of the gaps measured (vLLM alone: 377 and 414 tokens/s at 16 streams on
-the same day).
+ratio to vLLM (taken against vLLM's row of the same model in the same round): this machine's speed
+drifts between runs by more than some of the gaps measured.
 Run by the python of vLLM's environment (make_vllm_env.sh) with shardyard installed into it: the
 `engine: vllm` replica imports vLLM.
 Reported: output tokens/s, time to first token and time per output token (p50), inter-token
@@ -43,6 +50,7 @@ from pathlib import Path
 import requests
 
 from common import print_table, write_json
+from shardyard.spec import apply_override
 from vllm_bench import VLLM, bench, model_directory
 
 PROMPT_TOKENS, OUTPUT_TOKENS, SHARED_PREFIX_TOKENS, CONTEXT = 128, 64, 1000, 2048
@@ -50,6 +58,7 @@ PROMPT_TOKENS, OUTPUT_TOKENS, SHARED_PREFIX_TOKENS, CONTEXT = 128, 64, 1000, 204
 # the VLLM_CPU_KVCACHE_SPACE this benchmark gives it.
 VLLM_MAX_NUM_SEQS, VLLM_KV_GIB = 128, 2
 SHARED_PREFIX_STREAMS = 16
+APP_SETTINGS: dict = {}  # --app-set: more settings for shardyard's app (ServeConfig keys)
 
 
 def wait_ready(url: str, process: subprocess.Popen | None, timeout_s: float = 600) -> None:
@@ -119,13 +128,16 @@ def measure(server: str, url: str, directory: Path, out: Path, concurrencies: li
 
 def loads(server: str, url: str, directory: Path, out: Path, concurrencies: list[int], prompts: int,
           random_load: bool = True) -> list[dict]:
-    """The random load at each concurrency (unless not `random_load`), then the shared-prefix load."""
+    """The random load at each concurrency (unless not `random_load`), then the shared-prefix load
+    (unless SHARDYARD_BENCH_NO_SHARED_PREFIX is set: `--no-shared-prefix`)."""
     rows = measure(server, url, directory, out, concurrencies, prompts) if random_load else []
+    if os.environ.get("SHARDYARD_BENCH_NO_SHARED_PREFIX"):
+        return rows
     return rows + measure(server, url, directory, out, [SHARED_PREFIX_STREAMS], prompts, SHARED_PREFIX_TOKENS)
 
 
-def shardyard_rows(directory: Path, out: Path, concurrencies: list[int], prompts: int,
-                   prefix_caching: bool = True, engine: str = "builtin") -> list[dict]:
+def shardyard_rows(directory: Path, out: Path, concurrencies: list[int], prompts: int, dtype: str,
+                   prefix_caching: bool = True, engine: str = "builtin", shards: int = 1) -> list[dict]:
     import ray
     from ray import serve
 
@@ -142,15 +154,20 @@ def shardyard_rows(directory: Path, out: Path, concurrencies: list[int], prompts
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             serve.start(http_options={"host": "127.0.0.1", "port": port})
-            limits = vllm_limits(directory) if engine == "vllm" else {"max_batch_size": 16}
-            serve.run(build_app({"checkpoint": str(directory), "max_tokens_limit": 256, "max_prompt_chars": 65536,
+            limits = vllm_limits(directory, dtype) if engine == "vllm" else {"max_batch_size": 16}
+            if shards > 1:  # as serve_apps/config.yaml splits it before 2026-11-29: pipeline shards of 0.75 CPUs
+                limits.update(num_shards=shards, cpus_per_shard=1.5 / shards)
+            serve.run(build_app({"checkpoint": str(directory), "dtype": dtype, "max_tokens_limit": 256,
+                                 "max_prompt_chars": 65536,
                                  "max_body_bytes": 262144, "prefix_caching": prefix_caching, "engine": engine,
-                                 **limits}), name="bench", route_prefix="/")
+                                 **limits, **APP_SETTINGS}), name="bench", route_prefix="/")
             wait_ready(url, None)
             if requests.get(f"{url}/healthz", timeout=30).json()["engine"] != engine:
                 raise RuntimeError(f"engine: {engine} asked for, another serves (see the replica's log)")
             if engine == "vllm":
                 return loads("shardyard, engine: vllm", url, directory, out, concurrencies, prompts)
+            if shards > 1:
+                return loads(f"shardyard, {shards} pipeline shards", url, directory, out, concurrencies, prompts)
             if prefix_caching:
                 return loads("shardyard", url, directory, out, concurrencies, prompts)
             return loads("shardyard, no prefix caching", url, directory, out, concurrencies, prompts,
@@ -160,17 +177,19 @@ def shardyard_rows(directory: Path, out: Path, concurrencies: list[int], prompts
             ray.shutdown()
 
 
-def vllm_limits(directory: Path) -> dict:
+def vllm_limits(directory: Path, dtype: str) -> dict:
     """`engine: vllm`'s app settings that give its engine vLLM standalone's limits: as many
     sequences at once, as many KV-cache positions as its GiB hold."""
     from shardyard.serve.vllm_engine import kv_cache_bytes
     from shardyard.spec import HFSpec
 
-    per_position = kv_cache_bytes(HFSpec(path=str(directory)).hf_config(), 1, use_gpu=False)
+    import torch
+
+    per_position = kv_cache_bytes(HFSpec(path=str(directory)).hf_config(), 1, getattr(torch, dtype))
     return {"max_batch_size": VLLM_MAX_NUM_SEQS, "max_kv_tokens": VLLM_KV_GIB * 2**30 // per_position}
 
 
-def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompts: int,
+def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompts: int, dtype: str,
                     packed: bool = True) -> list[dict]:
     """The built-in engine driven directly, in this process, by the random load; `packed`: its
     linear weights packed for oneDNN, as the app serves them on a CPU (else multiplied by the BLAS
@@ -194,7 +213,7 @@ def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompt
     cfg = ServeConfig(checkpoint=str(directory), max_batch_size=16, max_tokens_limit=256)
     torch.set_num_threads(max(1, math.ceil(REPLICA_CPUS + cfg.cpus_per_shard)))  # the replica's threads
     with patch.dict(os.environ, {ENV: "1" if packed else "0"}):  # read as the model loads
-        model = LocalModel(cfg.checkpoint, False, cfg.cache_blocks)
+        model = LocalModel(cfg.checkpoint, False, cfg.cache_blocks, dtype=getattr(torch, dtype))
     name = "shardyard engine, in process" + ("" if packed else ", plain linears")
     budget = prefill_budget(model.forward, CONTEXT, cfg.max_batch_size, cfg.token_latency_target_ms / 1000)
     spent = {"decode": 0.0, "prefill": 0.0}
@@ -241,13 +260,13 @@ def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompt
     return rows
 
 
-def vllm_rows(directory: Path, out: Path, concurrencies: list[int], prompts: int) -> list[dict]:
+def vllm_rows(directory: Path, out: Path, concurrencies: list[int], prompts: int, dtype: str) -> list[dict]:
     from shardyard.localdist import free_port
 
     port = free_port()
     log = (out / "vllm_serve.log").open("w")
     process = subprocess.Popen([str(VLLM), "serve", str(directory), "--served-model-name", "llama", "--dtype",
-                                "float32", "--max-model-len", str(CONTEXT), "--port", str(port)],
+                                dtype, "--max-model-len", str(CONTEXT), "--port", str(port)],
                                stdout=log, stderr=subprocess.STDOUT,
                                env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_GIB), "HF_HUB_OFFLINE": "1"})
     try:
@@ -262,9 +281,20 @@ def vllm_rows(directory: Path, out: Path, concurrencies: list[int], prompts: int
 SERVERS = {"shardyard": shardyard_rows,
            "shardyard-no-prefix-caching": lambda *a: shardyard_rows(*a, prefix_caching=False),
            "shardyard-vllm-engine": lambda *a: shardyard_rows(*a, engine="vllm"),
+           "shardyard-two-shards": lambda *a: shardyard_rows(*a, shards=2),
            "shardyard-in-process": in_process_rows,
            "shardyard-in-process-plain-linears": lambda *a: in_process_rows(*a, packed=False),
            "vllm": vllm_rows}
+
+
+# The Llamas served: 8 layers of hidden 512, random weights, float32, a 2,048-token context, with
+# vocabularies of 4,096 and 32,000 tokens (the head's product grows with it: at 32,000 it is a
+# third of a decode step's weights), head_dim 64 or 128; and the 320-token vocabulary earlier
+# figures were measured on, which keeps the head to 1% of the weights.
+SHAPES = {"v320": dict(hidden=512, layers=8, heads=8, vocab_size=320),
+          "v4096": dict(hidden=512, layers=8, heads=8, vocab_size=4096),
+          "v32000": dict(hidden=512, layers=8, heads=8, vocab_size=32000),
+          "v4096-hd128": dict(hidden=512, layers=8, heads=4, vocab_size=4096)}
 
 
 RATIOS = {"tok_per_s_vs_vllm": "output_tok_per_s", "ttft_vs_vllm": "ttft_p50_ms", "tpot_vs_vllm": "tpot_p50_ms"}
@@ -273,9 +303,9 @@ RATIOS = {"tok_per_s_vs_vllm": "output_tok_per_s", "ttft_vs_vllm": "ttft_p50_ms"
 def with_ratios(rows: list[dict]) -> list[dict]:
     """A round's rows, each of shardyard's with its ratios to vLLM's row of the same load in that
     round (minutes apart on the same machine, so a drift of the machine's speed cancels out)."""
-    by = {(r["server"], r["load"], r["streams"]): r for r in rows}
+    by = {(r["model"], r["server"], r["load"], r["streams"]): r for r in rows}
     for ours in rows:
-        theirs = by.get(("vllm", ours["load"], ours["streams"]))
+        theirs = by.get((ours["model"], "vllm", ours["load"], ours["streams"]))
         if ours["server"] != "vllm" and theirs:
             ours.update({ratio: ours[figure] / theirs[figure] for ratio, figure in RATIOS.items()})
     return rows
@@ -310,19 +340,34 @@ def main() -> None:
     parser.add_argument("--servers", nargs="+", choices=list(SERVERS), default=list(SERVERS))
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure every server this many times, in turn; rows are the medians")
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES)[1:],
+                        help="the model shapes to serve (every server on each); default: all but v320")
+    parser.add_argument("--no-shared-prefix", action="store_true", help="the random load only")
+    parser.add_argument("--app-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting of shardyard's app (repeatable), e.g. cpus_per_shard=0.5")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
+                        help="every server's weights and KV cache (vLLM's default on a CPU with AVX-512 BF16: "
+                             "bfloat16)")
     parser.add_argument("--name", default="serve_vs_vllm", help="the JSON's name in benchmarks/results/")
     args = parser.parse_args()
+    for item in args.app_set:
+        apply_override(APP_SETTINGS, item)
+    if args.no_shared_prefix:
+        os.environ["SHARDYARD_BENCH_NO_SHARED_PREFIX"] = "1"
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        directory = model_directory(out / "llama", hidden=512, layers=8, heads=8, context=CONTEXT)
+        directories = {shape: model_directory(out / shape, context=CONTEXT, **SHAPES[shape]) for shape in args.shapes}
         for number in range(args.rounds):
             print(f"round {number + 1} of {args.rounds}", flush=True)
-            rounds.append(with_ratios([row for server in args.servers
-                                       for row in SERVERS[server](directory, out, args.concurrency, args.prompts)]))
+            rounds.append(with_ratios([{"model": shape, **row} for shape, directory in directories.items()
+                                       for server in args.servers
+                                       for row in SERVERS[server](directory, out, args.concurrency, args.prompts,
+                                                                  args.dtype)]))
     rows = medians(rounds)
-    by = {(r["server"], r["load"], r["streams"]): r for r in rows}
-    on, off = (by.get((server, "shared prefix", SHARED_PREFIX_STREAMS))
+    first = args.shapes[0]
+    by = {(r["model"], r["server"], r["load"], r["streams"]): r for r in rows}
+    on, off = (by.get((first, server, "shared prefix", SHARED_PREFIX_STREAMS))
                for server in ("shardyard", "shardyard, no prefix caching"))
     summary = {"prefix_caching_ttft_cut": off["ttft_p50_ms"] / on["ttft_p50_ms"]} if on and off else {}
     how = f"{PROMPT_TOKENS} tokens in, {OUTPUT_TOKENS} out, vllm bench serve"
@@ -330,7 +375,7 @@ def main() -> None:
         how += f", medians of {args.rounds} rounds"
     print_table(f"shardyard against vLLM ({how})", [{k: v for k, v in r.items() if k != "cores_busy"} for r in rows])
     if "vllm" in args.servers and len(args.servers) > 1:  # a figure is a side-by-side comparison, or nothing
-        write_json(args.name, {"prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS,
+        write_json(args.name, {"dtype": args.dtype, "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS,
                                "shared_prefix_tokens": SHARED_PREFIX_TOKENS, "rounds": args.rounds, "rows": rows,
                                **({"rows_by_round": rounds} if args.rounds > 1 else {}), **summary})
     if summary:

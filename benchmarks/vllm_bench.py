@@ -19,11 +19,14 @@ VLLM = VLLM_ENV / "bin" / "vllm"
 
 
 def model_directory(out: Path, hidden: int = 64, layers: int = 2, heads: int = 4, context: int = 128,
-                    initializer_range: float = 0.02) -> Path:
+                    initializer_range: float = 0.02, vocab_size: int = 320) -> Path:
     """A Llama saved by transformers (random weights, seeded) with a byte-level BPE tokenizer of
-    its own: the client needs one to make its random prompts, and vLLM one to serve. Weights
-    drawn wider than transformers' default make the likeliest token clearly so (no near ties for
-    two engines' rounding to break differently)."""
+    its own: the client needs one to make its random prompts, and vLLM one to serve. `heads` of
+    hidden / heads dimensions each, half as many key/value heads. The tokenizer's merges: the
+    default 320 tokens from one sentence (quick, for tests); more from the standard library's
+    sources, as a real vocabulary (the benchmark's 4,096 and 32,000). Weights drawn wider than
+    transformers' default make the likeliest token clearly so (no near ties for two engines'
+    rounding to break differently)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -31,9 +34,9 @@ def model_directory(out: Path, hidden: int = 64, layers: int = 2, heads: int = 4
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<eos>"], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog; def f(x): return x + 1"] * 20, trainer)
+    tokenizer.train_from_iterator(training_text(vocab_size), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
     fast.save_pretrained(out)
     torch.manual_seed(0)
@@ -44,6 +47,16 @@ def model_directory(out: Path, hidden: int = 64, layers: int = 2, heads: int = 4
                          bos_token_id=fast.eos_token_id)
     LlamaForCausalLM(config).save_pretrained(out)
     return out
+
+
+def training_text(vocab_size: int) -> list[str]:
+    """Text to learn `vocab_size` tokens from: one sentence for the smallest vocabulary, else the
+    standard library's sources (enough distinct words for tens of thousands of merges)."""
+    if vocab_size <= 320:
+        return ["the quick brown fox jumps over the lazy dog; def f(x): return x + 1"] * 20
+    from shardyard.data.corpus import default_corpus_files
+
+    return [path.read_text(errors="replace") for path in default_corpus_files()]
 
 
 def bench(url: str, tokenizer: Path, out: Path, *, backend: str = "openai", prompt_tokens: int = 32,
