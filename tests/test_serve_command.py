@@ -149,3 +149,23 @@ def haproxy_of(ray_tmp: str) -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             continue
     return running
+
+
+@pytest.mark.timeout(60)
+def test_haproxys_own_ports_are_free_and_outside_what_a_bind_to_port_0_is_handed(tmp_path: Path) -> None:
+    """HAProxy's stats page and exporter get ports no process of the Ray instance starting beside
+    it can be handed by the kernel meanwhile (a port found free in the ephemeral range was taken
+    before HAProxy bound it, failing README's serving test once), above Ray's worker ports."""
+    from shardyard.serve.ingress import ephemeral_start, haproxy_environment
+
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("32768\t60999\n")
+    assert ephemeral_start(ranges) == 32768
+    assert ephemeral_start(tmp_path / "absent") == 49152
+    for _ in range(20):
+        environment = haproxy_environment(15, str(tmp_path))
+        ports = {int(environment["RAY_SERVE_HAPROXY_STATS_PORT"]), int(environment["RAY_SERVE_HAPROXY_METRICS_PORT"])}
+        assert len(ports) == 2 and all(20000 <= port < ephemeral_start() for port in ports), ports
+        for port in ports:
+            with socket.socket() as probe:
+                probe.bind(("0.0.0.0", port))

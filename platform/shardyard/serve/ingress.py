@@ -19,10 +19,13 @@ and its admin socket is mode 666, so its files go in a directory of this user's 
 from __future__ import annotations
 
 import os
+import random
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 ENABLE = "RAY_SERVE_ENABLE_HA_PROXY"
 CLIENT_TIMEOUT = "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S"
@@ -36,16 +39,44 @@ FILES = {"RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": "haproxy.cfg", "RAY_SERVE_HAPROXY_
          "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": "server-state", "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": "metrics.sock"}
 
 
+# Where HAProxy's stats page and exporter listen: above Ray's worker ports (10002-19999 by default)
+# and below the kernel's ephemeral range, whose ports Ray's own processes take (binding port 0) as
+# the instance starts: a free port from that range was taken before HAProxy bound it (a failed run).
+PORT_RANGE = (20000, 32768)
+
+
+def ephemeral_start(ranges: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> int:
+    """The first port the kernel hands out for a bind to port 0 (Linux; else IANA's 49152)."""
+    try:
+        return int(ranges.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
+
+
+def quiet_free_port(taken: set[int] = frozenset()) -> int:
+    """A port free now that no bind to port 0 will be handed meanwhile (outside `taken`)."""
+    low, high = PORT_RANGE[0], min(PORT_RANGE[1], ephemeral_start())
+    for port in random.sample(range(low, high), min(200, high - low)):
+        if port in taken:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("0.0.0.0", port))  # HAProxy binds every interface
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port between {low} and {high} for HAProxy's stats page and exporter")
+
+
 def haproxy_environment(header_timeout_s: int, files: str) -> dict[str, str]:
     """The variables that give a Ray instance started with them HAProxy as its ingress."""
-    from shardyard.localdist import free_port  # imports torch: not at the CLI's start
-
+    stats = quiet_free_port()
     return {ENABLE: "1", CLIENT_TIMEOUT: str(header_timeout_s),
             # Ray keeps a stopping replica 30 s at least, for load balancers outside the cluster to
             # notice; here HAProxy is the only one and hears of it from Serve's controller at once
             # (at 30 s, Ctrl-C took 36 s to stop the command instead of 7).
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(MIN_DRAINING_PERIOD_S),
-            "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(stats), "RAY_SERVE_HAPROXY_METRICS_PORT": str(quiet_free_port({stats})),
             "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": files,
             **{variable: os.path.join(files, name) for variable, name in FILES.items()}}
 
