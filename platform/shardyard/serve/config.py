@@ -47,7 +47,7 @@ class ServeConfig(BaseModel):
     dtype: DtypeName = Field(
         "auto", description="the weights' and KV cache's dtype (vLLM's setting): auto is float32 on CPUs and, on "
         "GPUs, the checkpoint's own 16-bit type (bfloat16 for a run's float32 weights); bfloat16 on a CPU with "
-        "AVX-512 BF16 or AMX decodes about twice as fast as float32")
+        "AVX-512 BF16 or AMX serves about 1.5x float32's tokens/s")
     multi_node: bool = Field(False, description="PACK shards across nodes instead of STRICT_PACK on one")
     cpus_per_shard: float = Field(1.0, gt=0, description="Ray CPUs each shard's bundle reserves (beside a GPU "
                                   "each on GPUs); the replica's own bundle reserves 0.5")
