@@ -234,7 +234,7 @@ class ModelServer:
                                          min_chunk=MIN_CHUNK if cfg.chunked_prefill else self.block_size,
                                          prefix_caching=cfg.prefix_caching, weights=self.fingerprint,
                                          packs=self.model.cache_attends, executor=self.model.executor)
-            print(f"shardyard: continuous batching in {described(self._dtype(cfg.use_gpu), cfg.use_gpu)}, up to "
+            print(f"shardyard: continuous batching in {described(self.model.dtype, cfg.use_gpu)}, up to "
                   f"{cfg.max_batch_size} requests at once, a KV cache of "
                   f"{cfg.cache_blocks} blocks of {BLOCK_TOKENS} tokens (prefix caching "
                   f"{'on' if cfg.prefix_caching else 'off'}), prefill budget {budget.tokens} tokens per iteration",
