@@ -152,6 +152,14 @@ def test_each_row_reads_its_own_blocks_wherever_they_lie() -> None:
         cache.begin(CacheStep(((6,),), (0,)), 1, cpu)
 
 
+def attended_alone(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """A row's attention computed alone, its two key heads repeated for four query heads (what
+    transformers' eager attention does), its new tokens at the end of its keys."""
+    keys, values = keys.repeat_interleave(2, 1), values.repeat_interleave(2, 1)
+    causal = torch.ones(q.shape[2], keys.shape[2], dtype=torch.bool).tril(keys.shape[2] - q.shape[2])
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal)
+
+
 @pytest.mark.timeout(30)
 def test_grouped_query_attention_over_scattered_blocks_equals_each_row_alone() -> None:
     """Four query heads sharing two key heads, rows of different lengths in scattered blocks: a
@@ -160,11 +168,6 @@ def test_grouped_query_attention_over_scattered_blocks_equals_each_row_alone() -
     torch.manual_seed(0)
     cpu, lengths, tables = torch.device("cpu"), (5, 9, 2), ((7, 1), (2, 6, 4), (0,))
 
-    def alone(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        keys, values = keys.repeat_interleave(2, 1), values.repeat_interleave(2, 1)
-        causal = torch.ones(q.shape[2], keys.shape[2], dtype=torch.bool).tril(keys.shape[2] - q.shape[2])
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal)
-
     past = [(torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)) for n in lengths]
     cache = KVCache(blocks=8, block_tokens=4)
     for table, (keys, values) in zip(tables, past):
@@ -172,16 +175,54 @@ def test_grouped_query_attention_over_scattered_blocks_equals_each_row_alone() -
         cache.attend("0", torch.zeros(1, 4, keys.shape[2], 8), keys, values)
     q, k, v = torch.randn(3, 4, 1, 8), torch.randn(3, 2, 1, 8), torch.randn(3, 2, 1, 8)
     cache.begin(CacheStep(tables, lengths), 1, cpu)
-    expected = torch.cat([alone(q[r:r + 1], *(torch.cat([p, new[r:r + 1]], 2) for p, new in zip(past[r], (k, v))))
-                          for r in range(3)])
+    expected = torch.cat([attended_alone(q[r:r + 1], *(torch.cat([p, new[r:r + 1]], 2)
+                                                       for p, new in zip(past[r], (k, v)))) for r in range(3)])
     torch.testing.assert_close(cache.attend("0", q, k, v), expected, rtol=0, atol=1e-6)
     # The second row's next two tokens as one chunk, over its 10 cached positions (blocks 2, 6, 4).
     cached = [torch.cat([p, new[1:2]], 2) for p, new in zip(past[1], (k, v))]
     q, k, v = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8)
     cache.begin(CacheStep((tables[1],), (10,)), 2, cpu)
     got = cache.attend("0", q, k, v)
-    torch.testing.assert_close(got, alone(q, torch.cat([cached[0], k], 2), torch.cat([cached[1], v], 2)),
+    torch.testing.assert_close(got, attended_alone(q, torch.cat([cached[0], k], 2), torch.cat([cached[1], v], 2)),
                                rtol=0, atol=1e-6)
+
+
+@pytest.mark.timeout(30)
+def test_a_lane_that_holds_its_past_is_read_in_place_and_one_that_does_not_is_filled_from_the_blocks() -> None:
+    """Three sequences on lanes 4, 0 and 2 (gaps between: the lanes between attend and are
+    dropped): a decode step whose lanes hold each past reads them, not the blocks (the blocks
+    are overwritten first, and the attention is unchanged); a sequence new to a lane that another
+    one held, its prefix found in the blocks, is filled from them and attends as alone."""
+    torch.manual_seed(0)
+    cpu, lengths, tables, lanes = torch.device("cpu"), (5, 9, 2), ((7, 1), (2, 6, 4), (0,)), (4, 0, 2)
+
+    past = [(torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)) for n in lengths]
+    cache = KVCache(blocks=8, block_tokens=4)
+    for table, lane, (keys, values) in zip(tables, lanes, past):
+        cache.begin(CacheStep((table,), (0,), lanes=(lane,), held=(0,)), keys.shape[2], cpu)
+        cache.attend("0", torch.zeros(1, 4, keys.shape[2], 8), keys, values)
+    for pool in (cache.keys["0"], cache.values["0"]):
+        pool.fill_(float("nan"))  # were the blocks read, the attention would be NaN
+    q, k, v = torch.randn(3, 4, 1, 8), torch.randn(3, 2, 1, 8), torch.randn(3, 2, 1, 8)
+    cache.begin(CacheStep(tables, lengths, lanes=lanes, held=lengths), 1, cpu)
+    expected = torch.cat([attended_alone(q[r:r + 1], *(torch.cat([p, new[r:r + 1]], 2)
+                                                       for p, new in zip(past[r], (k, v)))) for r in range(3)])
+    torch.testing.assert_close(cache.attend("0", q, k, v), expected, rtol=0, atol=1e-6)
+    # A new sequence on lane 4 (which held the first one) whose first 8 positions are the second
+    # one's blocks 2 and 6 (a prefix found cached): they are read into the lane, then its chunk.
+    cache.begin(CacheStep(((2, 6, 4),), (0,)), 9, cpu)  # the blocks of the second sequence, NaN no more
+    second = [torch.cat([p, new[1:2]], 2) for p, new in zip(past[1], (k, v))]
+    cache.attend("0", torch.zeros(1, 4, 9, 8), second[0][:, :, :9], second[1][:, :, :9])
+    q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    cache.begin(CacheStep(((2, 6, 5),), (8,), lanes=(4,), held=(0,)), 3, cpu)
+    got = cache.attend("0", q, k, v)
+    prefix = [t[:, :, :8] for t in second]
+    torch.testing.assert_close(got, attended_alone(q, torch.cat([prefix[0], k], 2), torch.cat([prefix[1], v], 2)),
+                               rtol=0, atol=1e-6)
+    with pytest.raises(RuntimeError, match="cannot hold"):
+        cache.begin(CacheStep(((2, 6, 5),), (8,), lanes=(4,), held=(9,)), 1, cpu)
+    with pytest.raises(RuntimeError, match="lane of its own"):
+        cache.begin(CacheStep(tables[:2], (5, 9), lanes=(1, 1), held=(0, 0)), 1, cpu)
 
 
 @pytest.mark.timeout(30)
@@ -191,11 +232,6 @@ def test_a_packed_pass_attends_each_sequence_over_its_own_past_only() -> None:
     attention equals its own computed alone, over its own past and nothing of the others'."""
     torch.manual_seed(0)
     cpu = torch.device("cpu")
-
-    def alone(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        keys, values = keys.repeat_interleave(2, 1), values.repeat_interleave(2, 1)
-        causal = torch.ones(q.shape[2], keys.shape[2], dtype=torch.bool).tril(keys.shape[2] - q.shape[2])
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal)
 
     cache = KVCache(blocks=12, block_tokens=4)
     tables = ((7, 1), (2, 6, 4), (0, 9), (11, 3), (5, 8))
@@ -214,7 +250,8 @@ def test_a_packed_pass_attends_each_sequence_over_its_own_past_only() -> None:
     got, at = cache.attend("0", q, k, v), 0
     for (keys, values), n in zip(past, new_lengths):
         span = slice(at, at + n)
-        expected = alone(q[:, :, span], torch.cat([keys, k[:, :, span]], 2), torch.cat([values, v[:, :, span]], 2))
+        expected = attended_alone(q[:, :, span], torch.cat([keys, k[:, :, span]], 2),
+                                  torch.cat([values, v[:, :, span]], 2))
         torch.testing.assert_close(got[:, :, span], expected, rtol=0, atol=1e-6)
         at += n
     with pytest.raises(RuntimeError, match="attended by the cache"):

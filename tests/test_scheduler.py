@@ -112,6 +112,7 @@ def test_the_scheduler_chunks_long_prompts_admits_within_room_and_decodes_whole_
     step = scheduler.decode()
     assert step.seqs == [long, short] and step.tokens.tolist() == [[5], [5]]
     assert step.step.tables == ((0, 1, 2, 3), (4,)) and step.step.starts == (10, 2)
+    assert step.step.lanes == (0, 1) and step.step.held == (10, 2)  # each lane holds its sequence's past
 
     short.abandoned = True  # its caller left: its block comes back at the next decision
     assert step.draws()[1] is None  # a leaving sequence is not drawn for
@@ -120,7 +121,9 @@ def test_the_scheduler_chunks_long_prompts_admits_within_room_and_decodes_whole_
     long.request.accept(ready[0][1])
     assert scheduler.prefills() == []  # a one-token prompt has nothing to prefill: it decodes
     assert scheduler.running == [long, late] and late.table == [4] and pool.used == 5
-    assert scheduler.decode().step.starts == (11, 0)
+    last = scheduler.decode().step
+    assert last.starts == (11, 0)
+    assert last.lanes == (0, 1) and last.held == (11, 0)  # the late one takes the freed lane, holding nothing yet
 
 
 def test_a_sequence_waits_in_line_for_blocks_and_start_over_requeues_running_ones_first() -> None:
@@ -134,6 +137,7 @@ def test_a_sequence_waits_in_line_for_blocks_and_start_over_requeues_running_one
     assert scheduler.running == [big] and list(scheduler.waiting) == [small, queued]  # 2 blocks for 8 tokens
     scheduler.start_over()
     assert list(scheduler.waiting) == [big, small, queued] and big.losses == 1 and pool.used == 0
+    assert (big.lane, big.lane_holds) == (-1, 0)  # the caches are gone: its lane holds nothing
     scheduler.prefills()
     scheduler.start_over()
     assert big.abandoned and isinstance(big.out.get_nowait(), RuntimeError)  # lost twice: its caller is told

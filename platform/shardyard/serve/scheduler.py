@@ -58,6 +58,8 @@ class Sequence:
     table: list[int] = field(default_factory=list)    # its KV cache blocks
     cached: int = 0                                   # of its tokens, those in the cache
     hashes: list[bytes] = field(default_factory=list)  # of its cached full blocks
+    lane: int = -1       # its row of the KV cache's lanes while it runs (models/kv_cache.py)
+    lane_holds: int = 0  # of its cached tokens, those its lane holds
     weights: str | None = None  # the weights that decode it (set with its first token)
 
     @property
@@ -95,15 +97,20 @@ def packed(passes: list[Pass]) -> Pass:
     """Passes as one: each sequence's new tokens after those of the sequences before it, so the
     model reads its weights once for a prompt chunk and the decode steps beside it (as vLLM's
     scheduler mixes them). For a model whose KV cache attends (`cache_attends`)."""
-    seqs, tokens, tables, starts, lengths = [], [], [], [], []
+    seqs, tokens, lengths = [], [], []
     for work in passes:
         for row, seq in enumerate(work.seqs):
             seqs.append(seq)
             tokens.append(work.tokens[row])
-            tables.append(work.step.tables[row])
-            starts.append(work.step.starts[row])
             lengths.append(work.tokens.shape[1])
-    return Pass(seqs, torch.cat(tokens)[None], CacheStep(tuple(tables), tuple(starts), tuple(lengths)))
+    return Pass(seqs, torch.cat(tokens)[None], cache_step(seqs, lengths))
+
+
+def cache_step(seqs: list[Sequence], lengths: list[int] | None = None) -> CacheStep:
+    """What a pass over `seqs` does with the KV cache: each writes after its cached tokens, into
+    its blocks and its lane."""
+    return CacheStep(tuple(tuple(s.table) for s in seqs), tuple(s.cached for s in seqs), tuple(lengths or ()),
+                     lanes=tuple(s.lane for s in seqs), held=tuple(s.lane_holds for s in seqs))
 
 
 class TokenBudget:
@@ -161,6 +168,7 @@ class Scheduler:
                 break  # in line: no request overtakes one that waits for room
             self.waiting.popleft()
             seq.table, seq.cached = allocated
+            seq.lane, seq.lane_holds = min(set(range(self.max_running)) - {s.lane for s in self.running}), 0
             seq.hashes = hashes[:seq.cached // self.pool.block_tokens]  # those of the blocks it found
             self.running.append(seq)
             if len(tokens) - seq.cached > 1:  # else all but its newest token was cached: it decodes
@@ -176,16 +184,16 @@ class Scheduler:
         if left - size < self.min_chunk:
             size = left
         chunk = seq.tokens[seq.cached:seq.cached + size]
-        return Pass([seq], torch.tensor([chunk], dtype=torch.long), CacheStep((tuple(seq.table),), (seq.cached,)))
+        return Pass([seq], torch.tensor([chunk], dtype=torch.long), cache_step([seq]))
 
     def decode(self) -> Pass | None:
         """One token for every running request whose tokens are in the cache but its newest."""
         self._release_leaving()
-        seqs = [s for s in self.running if len(s.tokens) - s.cached == 1]
+        # In lane order: rows on consecutive lanes attend over a view of them as they lie.
+        seqs = sorted((s for s in self.running if len(s.tokens) - s.cached == 1), key=lambda s: s.lane)
         if not seqs:
             return None
-        return Pass(seqs, torch.tensor([[s.tokens[-1]] for s in seqs], dtype=torch.long),
-                    CacheStep(tuple(tuple(s.table) for s in seqs), tuple(s.cached for s in seqs)))
+        return Pass(seqs, torch.tensor([[s.tokens[-1]] for s in seqs], dtype=torch.long), cache_step(seqs))
 
     def iteration(self, packs: bool) -> list[Pass]:
         """This iteration's passes: its prefill chunks, then a decode step; one packed pass when
@@ -202,6 +210,7 @@ class Scheduler:
         ready = []
         for seq, count, outcome in zip(done.seqs, done.counts, outcomes):
             seq.cached += count
+            seq.lane_holds = seq.cached
             tokens = seq.tokens
             if seq.cached // self.pool.block_tokens > len(seq.hashes):  # a block filled: hash it, findable
                 seq.hashes = block_hashes(tokens[:seq.cached], self.pool.block_tokens, seq.hashes)
@@ -232,7 +241,7 @@ class Scheduler:
                 seq.abandoned = True
                 seq.out.put_nowait(failed or LostTwice("the model's shards were lost twice under this request"))
             else:
-                seq.table, seq.cached, seq.hashes = [], 0, []
+                seq.table, seq.cached, seq.hashes, seq.lane, seq.lane_holds = [], 0, [], -1, 0
                 again.append(seq)
         self.running = []
         self.pool.clear()
