@@ -91,3 +91,39 @@ def test_a_hugging_face_model_is_counted_from_its_config() -> None:
     assert shape.total == 8_030_261_248
     assert (shape.n_layer, shape.n_embd, shape.vocab) == (32, 4096, 128256)
     assert shape.blocks == shape.total - 2 * 128256 * 4096 - 4096  # all but embeddings, head, final norm
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("model", [{"name": "gpt", "n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64},
+                                   {"name": "hf", "block_size": 64, "config": {
+                                       "architecture": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                       "vocab_size": 256, "max_position_embeddings": 64}}])
+def test_the_serving_estimate_is_what_a_bfloat16_replica_allocates(model: dict) -> None:
+    """A GPT and a grouped-query Llama served in bfloat16: the estimate's weights are the cast
+    model's parameters, its KV cache the blocks every layer allocates, and its lanes what they
+    take when the last of 16 requests reaches the end of the context: grown to it, or fixed at
+    start for compiled decode steps (every lane whole, and a scratch lane)."""
+    from shardyard.models.kv_cache import BLOCK_TOKENS, CacheStep, KVCache
+    from shardyard.planner import serving_memory
+    from shardyard.serve.precision import cast_for_serving
+    from shardyard.serve.shards import run_model
+
+    spec = parse_spec({"model": model}).model
+    served = cast_for_serving(build_model(spec).eval(), torch.bfloat16)
+    context, lanes = spec.block_size, {}
+    for fixed in (False, True):
+        cache = KVCache(blocks=8)
+        if fixed:
+            cache.fix(16, context)
+        step = CacheStep((tuple(range(context // BLOCK_TOKENS)),), (0,), lanes=(15,), held=(0,))
+        with torch.no_grad():  # the 16th request, a whole context
+            run_model(served, torch.randint(0, 256, (1, context)), step, cache)
+        lanes[fixed] = sum(t.nbytes for pool in (cache.lane_keys, cache.lane_values) for t in pool.values())
+    estimate = serving_memory(spec, torch.bfloat16, 8 * BLOCK_TOKENS, 16, use_gpu=False)
+    assert estimate.weights == sum(p.nbytes for p in served.parameters())
+    assert estimate.kv_cache == sum(t.nbytes for t in cache.keys.values()) * 2 * 8 / 9  # fixed: a scratch block
+    assert lanes[False] < estimate.lanes == lanes[True]
+    linear = sum(m.weight.numel() for m in served.modules() if isinstance(m, torch.nn.Linear))
+    assert estimate.packed == 2 * linear and "in bfloat16" in str(estimate)
+    assert serving_memory(spec, torch.bfloat16, 128, 16, use_gpu=True).packed == 0  # GPUs: no oneDNN copy

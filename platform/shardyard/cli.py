@@ -20,7 +20,7 @@ from importlib.metadata import version
 import yaml
 
 from shardyard.serve import command as serve_command
-from shardyard.spec import SpecError, load_spec
+from shardyard.spec import JobSpec, SpecError, load_spec
 
 
 def add_spec_arguments(parser: argparse.ArgumentParser, config_flag: bool, what: str = "YAML job spec",
@@ -137,7 +137,24 @@ def run_plan(args: argparse.Namespace) -> int:
           f"{spec.batch.micro_batch_size}\n")
     print(table(plans, chosen, 0.9 * memory))
     print(f"\nrecommended: {reason}")
+    print_serving_memory(spec, cluster.gpu)
     return 0 if chosen else 1
+
+
+def print_serving_memory(spec: JobSpec, gpu: bool) -> None:
+    """What one replica serving the trained model takes at the serving defaults, in the dtype
+    `auto` serves it in on these devices (bfloat16 on GPUs, float32 on CPUs)."""
+    import torch
+
+    from shardyard.planner import serving_memory
+    from shardyard.serve.config import ServeConfig
+
+    running = ServeConfig.model_fields["max_batch_size"].default
+    context = getattr(spec.model, "block_size", 0)
+    memory = serving_memory(spec.model, torch.bfloat16 if gpu else torch.float32, running * context, running, gpu)
+    if memory is not None:
+        print(f"serving it (one replica at the defaults: {running} requests at once, a KV cache of "
+              f"{running} contexts): {memory}")
 
 
 def main(argv: list[str] | None = None) -> int:

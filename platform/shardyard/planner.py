@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shardyard.layout.capabilities import check_tensor_parallel, pipeline_blocks
-from shardyard.spec import LANGUAGE_MODELS, ZERO_STAGES, GPTSpec, HFSpec, JobSpec
+from shardyard.spec import LANGUAGE_MODELS, ZERO_STAGES, GPTSpec, HFSpec, JobSpec, ModelSpec
 
 FP32 = 4
 USABLE = 0.9  # of device memory: the allocator, CUDA context and fragmentation take the rest
@@ -78,13 +78,18 @@ class ModelShape:
     n_layer: int
     n_embd: int
     vocab: int
+    linear: int = 0     # parameters of every linear's weight (what a CPU replica packs a copy of)
 
     @classmethod
     def of(cls, spec: JobSpec) -> ModelShape:
+        return cls.of_model(spec.model)
+
+    @classmethod
+    def of_model(cls, spec: ModelSpec) -> ModelShape:
         from shardyard.models import build_model, repeated_blocks
 
         with torch.device("meta"):  # shapes only, no memory (and no pretrained weights read)
-            model = build_model(spec.model, pretrained=False)
+            model = build_model(spec, pretrained=False)
         blocks = [getattr(parent, name) for parent, name in repeated_blocks(model)]
         block_params = sum(p.numel() for b in blocks for p in b.parameters())
         linear = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0)
@@ -92,12 +97,13 @@ class ModelShape:
         sizes = [p.numel() for p in model.parameters()]
         # Layers and width drive the activation estimate of transformers; others count as one layer.
         layers, width = 1, 0
-        if isinstance(spec.model, GPTSpec):
-            layers, width = len(blocks), spec.model.n_embd
-        elif isinstance(spec.model, HFSpec):
-            layers, width = len(blocks), spec.model.hf_config().hidden_size
-        return cls(sum(sizes), block_params, linear, max(sizes), layers, width,
-                   getattr(spec.model, "vocab_size", 0))
+        if isinstance(spec, GPTSpec):
+            layers, width = len(blocks), spec.n_embd
+        elif isinstance(spec, HFSpec):
+            layers, width = len(blocks), spec.hf_config().hidden_size
+        every_linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        return cls(sum(sizes), block_params, linear, max(sizes), layers, width, getattr(spec, "vocab_size", 0),
+                   every_linear)
 
 
 def optimizer_bytes_per_param(spec: JobSpec) -> int:
@@ -226,6 +232,59 @@ def recommend(spec: JobSpec, cluster: Cluster, shape: ModelShape | None = None
                   f"{_gb(min(p.total for p in skipped))}+ per device, over {_gb(budget)} usable; "
                   f"{best.plan} needs {_gb(best.total)}")
     return best, plans, reason
+
+
+@dataclass(frozen=True)
+class ServingMemory:
+    """What one serving replica of a language model holds (split over its shards, if any), in its
+    serving dtype (serve/precision.py): the sizes the engine allocates."""
+    dtype: torch.dtype
+    weights: float      # the parameters
+    packed: float       # on CPUs: each linear's weight again, in oneDNN's layout (serve/packed_linear.py)
+    kv_tokens: int
+    kv_cache: float     # the paged KV cache's blocks
+    lanes: float        # at most: every running request's positions again (models/kv_cache.py)
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.packed + self.kv_cache + self.lanes
+
+    def __str__(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        packed = f" + {_gb(self.packed)} packed for oneDNN" if self.packed else ""
+        return (f"{_gb(self.total)} in {dtype}: weights {_gb(self.weights)}{packed} + KV cache {_gb(self.kv_cache)} "
+                f"({self.kv_tokens:,} tokens) + lanes up to {_gb(self.lanes)}")
+
+
+def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype) -> int | None:
+    """The keys and values one position takes over every layer, or None for a model whose layers
+    the spec does not describe (a custom module)."""
+    if isinstance(spec, GPTSpec):
+        return 2 * spec.n_layer * spec.n_embd * dtype.itemsize
+    if not isinstance(spec, HFSpec):
+        return None
+    config = spec.hf_config()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+
+
+def serving_memory(spec: ModelSpec, dtype: torch.dtype, kv_tokens: int, max_running: int,
+                   use_gpu: bool) -> ServingMemory | None:
+    """A replica's memory serving `spec` with a KV cache of `kv_tokens` positions and up to
+    `max_running` requests at once over the model's whole context; None where the KV cache's
+    size cannot be told."""
+    per_token = kv_bytes_per_token(spec, dtype)
+    if per_token is None:
+        return None
+    shape = ModelShape.of_model(spec)
+    # Lanes grow to the next power of two of the lanes and positions they need, or, for compiled
+    # decode steps, are allocated whole with a scratch lane (models/kv_cache.py).
+    lanes = (max(1 << (max_running - 1).bit_length(), max_running + 1), 1 << (spec.block_size - 1).bit_length())
+    packs = not use_gpu and dtype in (torch.float32, torch.bfloat16)
+    return ServingMemory(dtype, shape.total * dtype.itemsize, shape.linear * dtype.itemsize if packs else 0,
+                         kv_tokens, kv_tokens * per_token, lanes[0] * lanes[1] * per_token)
 
 
 def _gb(nbytes: float) -> str:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from shardyard.checkpoint.published import Published, load_source_part
+from shardyard.planner import kv_bytes_per_token
 from shardyard.serve.engine import EngineStats
 from shardyard.serve.generation import Completion
 from shardyard.serve.precision import dtype_name
@@ -174,17 +175,6 @@ def written_out(source: str | Path | Published, trust_factory: str | None) -> st
     return str(export_hf_directory(model, Path(tempfile.mkdtemp(prefix="shardyard-vllm-"))))
 
 
-def kv_cache_bytes(config: Any, tokens: int, dtype: torch.dtype) -> int:
-    """The memory `tokens` positions of keys and values take in vLLM, for a model of this
-    transformers `config` served in `dtype`: the app's `max_kv_tokens` as vLLM's
-    `kv_cache_memory_bytes` (else vLLM reserves a fraction of the whole machine, on CPU too, and
-    refuses to start where less is free)."""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return tokens * 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
-
-
 def start_vllm(model_dir: str, num_shards: int, sharding: str, context: int, max_running: int,
                kv_tokens: int, prefix_caching: bool, dtype: torch.dtype) -> VllmEngine | str:
     """vLLM's async engine over `model_dir` (tensor or pipeline parallel over `num_shards`, a KV
@@ -199,8 +189,9 @@ def start_vllm(model_dir: str, num_shards: int, sharding: str, context: int, max
     parallel = {"tensor_parallel_size": num_shards} if sharding == "tensor" else {"pipeline_parallel_size": num_shards}
     args = AsyncEngineArgs(model=model_dir, max_model_len=context, max_num_seqs=max_running,
                            enable_prefix_caching=prefix_caching, dtype=dtype_name(dtype),
-                           kv_cache_memory_bytes=kv_cache_bytes(HFSpec(path=model_dir).hf_config(), kv_tokens,
-                                                                dtype),
+                           # the app's KV cache size, else vLLM reserves a fraction of the whole
+                           # machine, on CPU too, and refuses to start where less is free
+                           kv_cache_memory_bytes=kv_tokens * kv_bytes_per_token(HFSpec(path=model_dir), dtype),
                            distributed_executor_backend="ray" if num_shards > 1 else None,
                            # A run's model written out without a tokenizer (its data was UTF-8
                            # bytes): token ids in and out are all vLLM is asked for anyway.
