@@ -34,7 +34,9 @@ random load at each concurrency, and where its time goes: the model's decode pas
 passes, and the engine's own work (scheduling, sampling bookkeeping, streaming to callers) as
 the rest of the wall time. What separates its row from `shardyard`'s is the serving path.
 `shardyard-in-process-plain-linears`: the same with the linear weights unpacked (the BLAS's
-product instead of oneDNN's over packed weights, serve/packed_linear.py).
+product instead of oneDNN's over packed weights, serve/packed_linear.py);
+`shardyard-in-process-compiled`: with its decode steps compiled (serve/compiled_decode.py), timed
+after one load that compiled them.
 """
 
 from __future__ import annotations
@@ -180,20 +182,21 @@ def shardyard_rows(directory: Path, out: Path, concurrencies: list[int], prompts
 def vllm_limits(directory: Path, dtype: str) -> dict:
     """`engine: vllm`'s app settings that give its engine vLLM standalone's limits: as many
     sequences at once, as many KV-cache positions as its GiB hold."""
-    from shardyard.serve.vllm_engine import kv_cache_bytes
+    from shardyard.planner import kv_bytes_per_token
     from shardyard.spec import HFSpec
 
     import torch
 
-    per_position = kv_cache_bytes(HFSpec(path=str(directory)).hf_config(), 1, getattr(torch, dtype))
+    per_position = kv_bytes_per_token(HFSpec(path=str(directory)), getattr(torch, dtype))
     return {"max_batch_size": VLLM_MAX_NUM_SEQS, "max_kv_tokens": VLLM_KV_GIB * 2**30 // per_position}
 
 
 def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompts: int, dtype: str,
-                    packed: bool = True) -> list[dict]:
+                    packed: bool = True, compiled: bool = False) -> list[dict]:
     """The built-in engine driven directly, in this process, by the random load; `packed`: its
     linear weights packed for oneDNN, as the app serves them on a CPU (else multiplied by the BLAS
-    from the plain weights, `SHARDYARD_PACKED_LINEAR=0`)."""
+    from the plain weights, `SHARDYARD_PACKED_LINEAR=0`); `compiled`: its decode steps compiled
+    (`enforce_eager: false`), measured after a load that compiles them."""
     import asyncio
     import math
     import random
@@ -213,8 +216,9 @@ def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompt
     cfg = ServeConfig(checkpoint=str(directory), max_batch_size=16, max_tokens_limit=256)
     torch.set_num_threads(max(1, math.ceil(REPLICA_CPUS + cfg.cpus_per_shard)))  # the replica's threads
     with patch.dict(os.environ, {ENV: "1" if packed else "0"}):  # read as the model loads
-        model = LocalModel(cfg.checkpoint, False, cfg.cache_blocks, dtype=getattr(torch, dtype))
-    name = "shardyard engine, in process" + ("" if packed else ", plain linears")
+        model = LocalModel(cfg.checkpoint, False, cfg.cache_blocks, dtype=getattr(torch, dtype),
+                           compile_for=cfg.max_batch_size if compiled else 0)
+    name = "shardyard engine, in process" + ("" if packed else ", plain linears") + (", compiled" if compiled else "")
     budget = prefill_budget(model.forward, CONTEXT, cfg.max_batch_size, cfg.token_latency_target_ms / 1000)
     spent = {"decode": 0.0, "prefill": 0.0}
 
@@ -254,6 +258,8 @@ def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompt
 
     rows = []
     for concurrency in concurrencies:
+        if compiled:  # the compiler's work (every row count, every width the load reaches) before the clock
+            asyncio.run(load(concurrency, request_count(concurrency, prompts)))
         rows.append(asyncio.run(load(concurrency, request_count(concurrency, prompts))))
         print(rows[-1], flush=True)
     model.close()
@@ -284,6 +290,7 @@ SERVERS = {"shardyard": shardyard_rows,
            "shardyard-two-shards": lambda *a: shardyard_rows(*a, shards=2),
            "shardyard-in-process": in_process_rows,
            "shardyard-in-process-plain-linears": lambda *a: in_process_rows(*a, packed=False),
+           "shardyard-in-process-compiled": lambda *a: in_process_rows(*a, compiled=True),
            "vllm": vllm_rows}
 
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from shardyard.models.kv_cache import BLOCK_TOKENS, CacheStep, KVCache
 from shardyard.serve.engine import DecodingEngine, TokenBudget
+from shardyard.serve.local_model import LocalModel
 from shardyard.serve.sampling import Sampling
 from shardyard.serve.generation import Completion, encode, generate
 from shardyard.serve.shards import Draws, model_output, run_model
@@ -275,6 +276,54 @@ def test_the_engine_gives_each_request_its_tokens_alone(ddp_checkpoint: Path, ro
     if rows == 2:
         assert cached.most_active == 2
     assert (mixed_packed_passes(cached) > 0) == packs
+
+
+@pytest.mark.timeout(120)
+def test_compiled_decode_steps_give_each_request_its_tokens_alone(ddp_checkpoint: Path) -> None:
+    """The one-shard model with its decode steps compiled (serve/compiled_decode.py: padded to a
+    power-of-two row count over a fixed cache): greedy and seeded requests joining and leaving get
+    exactly their tokens decoded alone without a cache, and decode steps did run compiled (the
+    iterations that also prefill run eagerly)."""
+    local = LocalModel(str(ddp_checkpoint), cache_blocks=3, compile_for=3)
+    assert served_compiled(local) == alone(load_model(ddp_checkpoint).eval())
+
+
+def served_compiled(local: LocalModel) -> list[list[int]]:
+    """fresh()'s requests served by the engine over `local` (closed after), whose decode steps
+    must have run compiled."""
+    try:
+        engine = DecodingEngine(local.forward, 3, local.block_size, 3, TokenBudget(8, 60.0, 4), lambda: None, (),
+                                packs=local.cache_attends, executor=local.executor)
+        got = asyncio.run(serve_all(engine, fresh(), join_after=3))
+        assert local.decode.failed is None and local.decode.steps > 0
+        return got
+    finally:
+        local.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_decode_step_that_fails_to_compile_runs_eagerly_and_says_so_once(ddp_checkpoint: Path, capsys) -> None:
+    """oneDNN-packed weights, which PyTorch's compiler cannot lower: the first compiled step fails,
+    is said once, and that step and every later one run eagerly, with the same logits."""
+    from shardyard.serve.compiled_decode import CompiledDecode
+    from shardyard.serve.packed_linear import pack_linears, packing_available
+
+    if not packing_available():
+        pytest.skip("oneDNN's packed linears are not in this build")
+    model = pack_linears(load_model(ddp_checkpoint).eval())
+    cache = KVCache(blocks=2)
+    decode = CompiledDecode(cache, 1, model.spec.block_size, torch.device("cpu"))
+    prompt = torch.tensor([encode("def f(x)")])
+    with torch.no_grad():
+        run_model(model, prompt, CacheStep((whole(2),), (0,), lanes=(0,), held=(0,)), cache)
+        for position in (8, 9):
+            step = CacheStep((whole(2),), (position,), lanes=(0,), held=(position,))
+            assert decode(model, torch.tensor([[5]]), step) is None
+            logits = run_model(model, torch.tensor([[5]]), step, cache)
+            expected = model(torch.cat([prompt, torch.tensor([[5] * (position - 7)])], 1))[:, -1]
+            torch.testing.assert_close(logits[:, -1], expected, rtol=0, atol=1e-5)
+    assert capsys.readouterr().out.count("compiling the decode step failed") == 1
+    assert decode.failed and decode.steps == 0
 
 
 @pytest.mark.timeout(120)

@@ -106,6 +106,22 @@ def test_a_model_decoded_in_the_replicas_process_on_the_gpu_gives_each_request_i
     assert got == alone(model)
 
 
+@pytest.mark.timeout(600)
+def test_decode_steps_replayed_as_cuda_graphs_give_each_request_its_tokens_alone(tmp_path: Path) -> None:
+    """The one-shard model on the GPU with its decode steps compiled and replayed as CUDA graphs
+    (`reduce-overhead` over the fixed KV cache): greedy and seeded requests get the tokens each
+    gets decoded alone without a cache, and the decode steps ran compiled."""
+    from shardyard.serve.local_model import LocalModel
+    from test_engine import served_compiled
+
+    run_distributed(train_and_save, 2, str(tmp_path), ("ddp",))
+    run = tmp_path / "ddp" / "run"
+    local = LocalModel(str(run), use_gpu=True, cache_blocks=3, compile_for=3)
+    assert local.decode.mode == "reduce-overhead"
+    model = load_model(find_latest(run)).eval().to(local.device)
+    assert served_compiled(local) == alone(model)
+
+
 @pytest.mark.timeout(300)
 def test_a_model_directory_served_on_the_gpu_with_dtype_auto_decodes_in_bfloat16(tmp_path: Path) -> None:
     """`dtype: auto` on a GPU serves a float32 model directory in bfloat16 (serve/precision.py):

@@ -67,6 +67,25 @@ def test_the_dtype_flag_is_the_configs_dtype(run_dir: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_decode_steps_compile_on_gpus_unless_enforce_eager_says_otherwise(run_dir: Path) -> None:
+    """`enforce_eager` (vLLM's flag): unset, decode steps compile on GPUs and run eagerly on CPUs;
+    `--enforce-eager` makes every pass eager, `enforce_eager: false` compiles on CPUs too."""
+    import argparse
+
+    from shardyard.serve.command import add_serve_arguments, serve_config
+    from shardyard.serve.config import parse_config
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    default = parse_config(serve_config(parser.parse_args([str(run_dir)])))
+    assert (default.compiles(use_gpu=True), default.compiles(use_gpu=False)) == (True, False)
+    eager = parse_config(serve_config(parser.parse_args([str(run_dir), "--enforce-eager"])))
+    assert (eager.compiles(use_gpu=True), eager.compiles(use_gpu=False)) == (False, False)
+    compiled = parse_config({"checkpoint": str(run_dir), "enforce_eager": False})
+    assert (compiled.compiles(use_gpu=True), compiled.compiles(use_gpu=False)) == (True, True)
+
+
+@pytest.mark.timeout(60)
 def test_bad_serve_arguments_are_a_message_and_status_2(run_dir: Path, monkeypatch, capsys, tmp_path: Path) -> None:
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
     assert main(["serve", str(run_dir), "--api-key", "k"]) == 2  # refused before Ray is touched

@@ -39,6 +39,7 @@ from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
+from torch._dynamo import mark_static_address
 
 BLOCK_TOKENS = 16  # positions per block: vLLM's default
 
@@ -111,10 +112,29 @@ class KVCache:
         self.lane_values: dict[str, torch.Tensor] = {}
         self.plan: _Plan | None = None
         self.past = 0  # the longest row's cached positions before this step
+        self.fixed: tuple[int, int] | None = None  # (lanes, positions) allocated whole: `fix`
 
-    def begin(self, step: CacheStep, seq: int, device: torch.device) -> None:
+    def fix(self, lanes: int, positions: int) -> None:
+        """Allocate every layer's lanes whole (`lanes` of `positions`, and one scratch lane) and the
+        blocks with one scratch block, at their first use, never to move: what a compiled decode
+        step reads and writes through the same tensors every time (`begin`'s `pad_to`), and a
+        CUDA graph replays over the same addresses. Before the cache's first pass."""
+        if self.keys:
+            raise RuntimeError("a KV cache is fixed before its first pass")
+        self.fixed = (lanes, positions)
+
+    def takes_padded(self, step: CacheStep, seq: int) -> bool:
+        """Whether `begin` can pad this step: a fixed cache, a decode step (one token a row, not
+        packed) whose rows' lanes hold their pasts and fit."""
+        return (self.fixed is not None and seq == 1 and not step.lengths and bool(step.lanes)
+                and step.held == step.starts and max(step.lanes) < self.fixed[0]
+                and max(step.starts) < self.fixed[1])
+
+    def begin(self, step: CacheStep, seq: int, device: torch.device, pad_to: int = 0) -> None:
         """Start a forward pass of `seq` new tokens per row (a packed pass: in its one row): check
-        that the step fits, and work out where its tokens go and what each attends to."""
+        that the step fits, and work out where its tokens go and what each attends to. `pad_to`:
+        a decode step (`takes_padded`) of `pad_to` rows, its own and then rows of nothing, shaped
+        by the row count and the width attended only (for a compiled pass)."""
         if len(step.tables) != len(step.starts) or not step.tables:
             raise RuntimeError(f"a cache step needs a block table and a start per row: {step}")
         lengths = step.lengths or (seq,) * len(step.tables)
@@ -132,6 +152,9 @@ class KVCache:
             if not 0 <= holds <= start:
                 raise RuntimeError(f"a lane cannot hold {holds} positions of a row starting at {start}")
         self.past = max(step.starts)
+        if pad_to:
+            self.plan = self._padded(step, pad_to, device)
+            return
         fills = tuple(self._fill(lane, table, holds, start, device)
                       for lane, table, holds, start in zip(lanes, step.tables, held, step.starts) if holds < start)
         common = dict(ends=torch.tensor(step.ends(seq), device=device), fills=fills, lanes=max(lanes) + 1,
@@ -154,6 +177,27 @@ class KVCache:
         self.plan = _Plan(torch.cat([slots for slots, _, _ in planned]),
                           torch.cat([positions.flatten() for _, positions, _ in planned])[None],
                           groups=tuple(group for _, _, group in planned), packed=True, **common)
+
+    def _padded(self, step: CacheStep, rows: int, device: torch.device) -> _Plan:
+        """A decode step as `rows` rows over every lane (each row's queries at its lane), keys up
+        to a power-of-two width: the plan's tensors are shaped by `rows` and the width only. The
+        padding rows write their key to the scratch block and lane and attend to it alone."""
+        if not self.takes_padded(step, 1) or rows < len(step.tables):
+            raise RuntimeError(f"a padded step is a decode step over a fixed cache's lanes, at most {rows} rows")
+        lanes, positions = self.fixed
+        size, pads = self.block_tokens, rows - len(step.tables)
+        starts = torch.tensor(step.starts + (0,) * pads, device=device)
+        slots = [table[start // size] * size + start % size for table, start in zip(step.tables, step.starts)]
+        width = min(positions, _power_of_two(max(64, self.past + 1)))
+        keys = torch.arange(width, device=device)
+        mask = (keys[None, :] <= starts[:, None])[:, None, None]
+        placed = torch.tensor(step.lanes + (lanes,) * pads, device=device)
+        lane_mask = torch.zeros((lanes + 1, 1, 1, width), dtype=torch.bool, device=device)
+        lane_mask[..., 0] = True
+        lane_mask[placed] = mask
+        return _Plan(torch.tensor(slots + [self.blocks * size] * pads, device=device), starts[:, None], placed,
+                     (_Group(rows, 1, slice(0, lanes + 1), placed, mask, lane_mask),), packed=False,
+                     ends=torch.arange(rows, device=device), fills=(), lanes=lanes + 1, width=width)
 
     def _fill(self, lane: int, table: tuple[int, ...], first: int, end: int, device: torch.device) -> _Fill:
         positions = torch.arange(first, end, device=device)
@@ -279,7 +323,7 @@ class KVCache:
         the positions before it that it does not hold)."""
         batch, heads, seq, head_dim = k.shape
         if layer not in self.keys:  # the layer's (local) head count is known at its first call
-            shape = (self.blocks * self.block_tokens, heads, head_dim)
+            shape = ((self.blocks + (self.fixed is not None)) * self.block_tokens, heads, head_dim)
             self.keys[layer] = torch.zeros(shape, dtype=k.dtype, device=k.device)
             self.values[layer] = torch.zeros(shape, dtype=v.dtype, device=v.device)
         plan = self.plan
@@ -299,6 +343,15 @@ class KVCache:
         count, width = self.plan.lanes, self.plan.width
         if have is not None and have.shape[0] >= count and have.shape[2] >= width:
             return have
+        if self.fixed is not None:
+            if have is not None or count > self.fixed[0] + 1 or width > self.fixed[1]:
+                raise RuntimeError(f"a step needs {count} lanes of {width} positions; the cache was fixed at "
+                                   f"{self.fixed[0]} of {self.fixed[1]}")
+            lanes[layer] = like.new_zeros((self.fixed[0] + 1, heads, self.fixed[1], head_dim))
+            for pool in (self.keys, self.values):
+                mark_static_address(pool[layer])
+            mark_static_address(lanes[layer])
+            return lanes[layer]
         old_count, old_width = (0, 0) if have is None else (have.shape[0], have.shape[2])
         grown = like.new_zeros((max(old_count, _power_of_two(count)), heads,
                                 max(old_width, _power_of_two(max(width, 64))), head_dim))

@@ -64,6 +64,7 @@ from shardyard.serve.rollout import PROMOTE, REFUSE, WAIT, Rollout, Tally
 from shardyard.serve.app_weights import AppWeights, Pin, Source, View, rollback_target, starting_checkpoint
 from shardyard.checkpoint.published import Published, source_step
 from shardyard.serve.local_model import LocalModel
+from shardyard.planner import serving_memory
 from shardyard.serve.precision import described, serving_dtype
 from shardyard.serve.vllm_engine import VllmEngine, start_vllm, vllm_model_directory, written_out
 from shardyard.serve.metrics import ServingMetrics, scrape_cluster
@@ -178,7 +179,7 @@ class ModelServer:
         self.started = int(time.time())
         self.choices = ChoiceLimit(self.config.concurrency)
         self._scrape, self._scrape_lock = (float("-inf"), ""), asyncio.Lock()
-        model_spec = read_spec(self.config.checkpoint).model
+        self.model_spec = model_spec = read_spec(self.config.checkpoint).model
         self.kind = model_spec.name
         self.generates = isinstance(model_spec, LANGUAGE_MODELS)  # else the MLP regressor
         self.adaptive: AdaptiveBatchSize | None = None
@@ -210,7 +211,8 @@ class ModelServer:
         if cfg.num_shards == 1:  # decoded in this process: its bundle holds the shard's CPUs
             # Its CPUs as threads, rounded up: the model is what this process spends them on.
             torch.set_num_threads(max(1, math.ceil(REPLICA_CPUS + cfg.cpus_per_shard)))
-            return LocalModel(self._model_source, use_gpu, cfg.cache_blocks, cfg.trust_factory, self._dtype(use_gpu))
+            return LocalModel(self._model_source, use_gpu, cfg.cache_blocks, cfg.trust_factory, self._dtype(use_gpu),
+                              compile_for=cfg.max_batch_size if cfg.compiles(use_gpu) else 0)
         return ShardedModel(self._model_source, cfg.num_shards, use_gpu, cfg.multi_node, cfg.sharding,
                             cpus_per_shard=cfg.cpus_per_shard, cache_blocks=cfg.cache_blocks,
                             trust_factory=cfg.trust_factory, dtype=self._dtype(use_gpu))
@@ -234,11 +236,14 @@ class ModelServer:
                                          min_chunk=MIN_CHUNK if cfg.chunked_prefill else self.block_size,
                                          prefix_caching=cfg.prefix_caching, weights=self.fingerprint,
                                          packs=self.model.cache_attends, executor=self.model.executor)
+            memory = serving_memory(self.model_spec, self.model.dtype, cfg.cache_blocks * BLOCK_TOKENS,
+                                    cfg.max_batch_size, cfg.use_gpu)
             print(f"shardyard: continuous batching in {described(self.model.dtype, cfg.use_gpu)}, up to "
                   f"{cfg.max_batch_size} requests at once, a KV cache of "
                   f"{cfg.cache_blocks} blocks of {BLOCK_TOKENS} tokens (prefix caching "
-                  f"{'on' if cfg.prefix_caching else 'off'}), prefill budget {budget.tokens} tokens per iteration",
-                  flush=True)
+                  f"{'on' if cfg.prefix_caching else 'off'}), prefill budget {budget.tokens} tokens per iteration, "
+                  f"decode steps {'compiled' if getattr(self.model, 'decode', None) else 'eager'}"
+                  + (f"; memory {memory}" if memory else ""), flush=True)
             return
         if cfg.batching != "adaptive":
             self.model = self._shards(cfg.use_gpu)

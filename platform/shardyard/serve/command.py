@@ -37,6 +37,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                         help="the weights' and KV cache's dtype (default auto: float32 on CPUs, the checkpoint's "
                              "16-bit type on GPUs)")
+    parser.add_argument("--enforce-eager", action="store_true", default=None,
+                        help="every pass eager (default: decode steps compiled on GPUs, eager on CPUs)")
     key = parser.add_mutually_exclusive_group()
     key.add_argument("--api-key", help="the bearer token requests need (on a cluster, use --api-key-file)")
     key.add_argument("--api-key-file", help="a file holding it, at that path on every node")
@@ -74,7 +76,8 @@ def serve_config(args: argparse.Namespace) -> dict[str, Any]:
     """The application's arguments from the command line (ServeConfig keys; vLLM's names where
     the config takes them too)."""
     config: dict[str, Any] = {"checkpoint": args.source}
-    for flag in ("tensor_parallel_size", "pipeline_parallel_size", "max_num_seqs", "served_model_name", "engine", "dtype"):
+    for flag in ("tensor_parallel_size", "pipeline_parallel_size", "max_num_seqs", "served_model_name", "engine", "dtype",
+                 "enforce_eager"):
         if getattr(args, flag) is not None:
             config[flag] = getattr(args, flag)
     if args.api_key_file:

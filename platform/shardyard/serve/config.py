@@ -67,6 +67,11 @@ class ServeConfig(BaseModel):
         "cannot load the model, the built-in engine serves and says why in the replica's log")
     prefix_caching: bool = Field(True, description="continuous: prompts that begin with the same blocks of "
                                  "tokens as one in the cache read those blocks instead of prefilling them")
+    enforce_eager: bool | None = Field(
+        None, description="vLLM's setting: true: every pass eager; false: the engine's decode steps compiled "
+        "(torch.compile, one shard in the replica's process; on GPUs replayed as CUDA graphs); default: compiled "
+        "on GPUs, eager on CPUs, where a compiled 16-row decode step ran slower than the eager one over "
+        "oneDNN-packed weights. A step that fails to compile says so once and every step runs eagerly")
     chunked_prefill: bool = Field(True, description="continuous: a prompt longer than the iteration's prefill "
                                   "budget is prefilled in chunks between decode steps (smoother inter-token "
                                   "latency; more forward passes); false: each prompt whole at once")
@@ -263,6 +268,10 @@ class ServeConfig(BaseModel):
     def cache_blocks(self) -> int:
         """Blocks of the paged KV cache (continuous batching), else 0."""
         return -(-self.max_kv_tokens // BLOCK_TOKENS) if self.batching == "continuous" else 0
+
+    def compiles(self, use_gpu: bool) -> bool:
+        """Whether the engine's decode steps run compiled on these devices (`enforce_eager`)."""
+        return use_gpu if self.enforce_eager is None else not self.enforce_eager
 
     @property
     def use_gpu(self) -> bool:

@@ -14,8 +14,9 @@ import torch
 from shardyard.checkpoint.layout import read_spec, trusted
 from shardyard.checkpoint.loaders import servable
 from shardyard.checkpoint.published import Published, load_source_part
-from shardyard.models.kv_cache import KVCache
+from shardyard.models.kv_cache import CacheStep, KVCache
 from shardyard.runtime import select_device
+from shardyard.serve.compiled_decode import CompiledDecode
 from shardyard.serve.model_thread import ModelThread, one_intra_op_thread
 from shardyard.serve.packed_linear import pack_linears
 from shardyard.serve.precision import cast_for_serving
@@ -26,11 +27,13 @@ from shardyard.spec import LANGUAGE_MODELS
 
 class LocalModel:
     def __init__(self, source: str, use_gpu: bool = False, cache_blocks: int = 0,
-                 trust_factory: str | None = None, dtype: torch.dtype = torch.float32) -> None:
+                 trust_factory: str | None = None, dtype: torch.dtype = torch.float32,
+                 compile_for: int = 0) -> None:
         """`source`: a checkpoint, a model directory, or a run directory (its newest committed
         checkpoint, held while served). `cache_blocks`: blocks (of BLOCK_TOKENS positions) the KV
         cache holds (0: none). `dtype`: the weights' (and so the KV cache's) dtype
-        (serve/precision.py)."""
+        (serve/precision.py). `compile_for`: decode steps of up to this many requests run compiled
+        (serve/compiled_decode.py; 0: every pass eager)."""
         found = servable(source)
         if found is None:
             raise ValueError(f"no checkpoint at {source!r}")
@@ -43,6 +46,7 @@ class LocalModel:
         self.block_size = spec.block_size
         self.device = select_device(0) if use_gpu else torch.device("cpu")
         self.trust_factory, self.dtype = trust_factory, dtype
+        self.packs = not compile_for  # the compiler lays out linear weights its own way
         self.thread = ModelThread()  # loads the model and runs every pass: serve/model_thread.py says why
         self.executor = self.thread.executor  # where the engine calls `forward`: the pass runs there directly
         try:
@@ -53,12 +57,15 @@ class LocalModel:
         self.cache_attends = getattr(self.model, "cache_attends", False)  # KVCache: packed passes run
         self.staged: torch.nn.Module | None = None
         self.cache = KVCache(cache_blocks) if cache_blocks else None
+        self.decode = (CompiledDecode(self.cache, compile_for, self.block_size, self.device)
+                       if compile_for and self.cache is not None and self.cache_attends else None)
         self.rebuilds = 0  # nothing here dies apart from the replica, which Serve replaces
         self._lock = threading.RLock()  # one forward pass at a time over the one cache
 
     def _load(self, source: str | Published) -> torch.nn.Module:
-        return pack_linears(load_source_part(source, lambda m: cast_for_serving(m, self.dtype), self.device,
-                                             trust_factory=self.trust_factory))
+        model = load_source_part(source, lambda m: cast_for_serving(m, self.dtype), self.device,
+                                 trust_factory=self.trust_factory)
+        return pack_linears(model) if self.packs else model
 
     def prepare(self, source: str | Published) -> bool:
         """Reads a checkpoint (held from now on) or published weights beside the serving weights
@@ -92,7 +99,11 @@ class LocalModel:
     @torch.no_grad()
     def _forward(self, tokens: torch.Tensor, extra: Extra, draws: Draws) -> torch.Tensor | list[Outcome]:
         extra = extra.to(self.device) if isinstance(extra, torch.Tensor) else extra
-        return model_output(run_model(self.model, tokens.to(self.device), extra, self.cache), extra, draws)
+        tokens = tokens.to(self.device)
+        if self.decode is not None and isinstance(extra, CacheStep) and not extra.reset:
+            if (logits := self.decode(self.model, tokens, extra)) is not None:
+                return model_output(logits, extra, draws)
+        return model_output(run_model(self.model, tokens, extra, self.cache), extra, draws)
 
     def healthy(self, timeout_s: float = 5.0) -> bool:
         return True  # in the replica's process: if the replica answers, so does the model

@@ -1,0 +1,65 @@
+"""Decode steps through `torch.compile`: the model's pass for a decode step of 1, 2, 4, ... rows
+(a step is padded up to the next bucket; keys are attended to a power-of-two width), over a KV
+cache whose tensors never move (`KVCache.fix`). On a GPU the compiled step is replayed as a CUDA
+graph (`reduce-overhead`), so a step costs its kernels, not Python's dispatch of each of them and their launches; the KV
+cache's tensors are marked static so the graph reads and writes them where they lie. Prompt
+chunks, packed passes and steps whose lanes must first be filled run eagerly, as do the rest
+where compiling fails: said once, then every step is eager.
+
+The same code path runs on a CPU (inductor's C++ kernels), so the CPU suite exercises it; there
+the linear weights stay plain (PyTorch's compiler cannot trace oneDNN's packed weights, and
+lays out its own), and whether it pays is measured by benchmarks/serve_vs_vllm.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from shardyard.models.kv_cache import CacheStep, KVCache
+
+
+def bucket(rows: int) -> int:
+    """The row count a step of `rows` is padded to: the next power of two."""
+    return 1 << (rows - 1).bit_length()
+
+
+class CompiledDecode:
+    def __init__(self, cache: KVCache, max_running: int, context: int, device: torch.device) -> None:
+        """Fixes `cache` (before its first pass) at `max_running` lanes of `context` positions."""
+        cache.fix(max_running, context)
+        self.cache, self.device = cache, device
+        self.mode = "reduce-overhead" if device.type == "cuda" else "default"
+        self.failed: str | None = None
+        self.steps = 0  # decode steps run compiled
+        self._compiled: tuple[torch.nn.Module, Callable] | None = None  # the model it is for, compiled
+
+    def __call__(self, model: torch.nn.Module, tokens: torch.Tensor, step: CacheStep) -> torch.Tensor | None:
+        """Logits (rows, 1, V) of the decode step `step` over `tokens` (rows, 1), compiled, or
+        None: the caller runs the step eagerly (not a step that compiles, or compiling failed)."""
+        if self.failed is not None or not self.cache.takes_padded(step, tokens.shape[1]):
+            return None
+        rows = tokens.shape[0]
+        padded = torch.zeros((bucket(rows), 1), dtype=tokens.dtype, device=tokens.device)
+        padded[:rows] = tokens
+        self.cache.begin(step, 1, tokens.device, pad_to=padded.shape[0])
+        try:
+            # A graph's output is overwritten by its next replay: the rows are copied out.
+            logits = self._for(model)(padded, cache=self.cache)[:rows].clone()
+            self.steps += 1
+            return logits
+        except Exception as err:  # noqa: BLE001 - whatever the compiler raises, the step runs eagerly
+            self.failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            print(f"shardyard: compiling the decode step failed, every step runs eagerly from now on: "
+                  f"{self.failed}", flush=True)
+            return None
+
+    def _for(self, model: torch.nn.Module) -> Callable:
+        """`model` compiled (again after a weight swap put another model in its place)."""
+        if self._compiled is None or self._compiled[0] is not model:
+            # Shapes as the compiler's default takes them: the first step's exactly, then, once a
+            # second bucket or width comes, one graph whatever the rows and width (a CUDA graph is
+            # still recorded per shape, which costs a replay's time, not a compile's).
+            self._compiled = (model, torch.compile(model, mode=self.mode))
+        return self._compiled[1]
