@@ -22,9 +22,9 @@ A batch of rows attends over a view of consecutive lanes, in place: a decode ste
 token, not the sequence's past. A lane is filled from its sequence's blocks only where the step
 says it does not hold them yet (`CacheStep.held`: a sequence new to its lane, whose prefix was
 found cached; a caller that names no lanes gets every row's past read from the blocks each
-step). Measured on this CPU (16 rows of ~160 positions, bfloat16, one layer): the blocks gathered
-into a tensor and attended 0.69 ms, a view of lanes 0.46 ms, FlexAttention (compiled, a block
-mask over the block tables, reading the blocks in place) 2.4 ms.
+step). benchmarks/kv_attention.py measures the choices side by side: on this CPU the blocks
+gathered into a tensor and attended took 1.2-2.2x the lanes' time, FlexAttention (compiled, a
+block mask over the block tables, reading the blocks in place) 3.5-5.7x.
 The lanes cost memory: at most the running sequences' positions again, twice (keys, values).
 The cache attends itself (`attend`), so that query heads sharing a key head (grouped-query
 attention) read it without a copy whichever transformers is installed, and so that a packed pass
