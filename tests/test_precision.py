@@ -61,25 +61,29 @@ def test_a_model_cast_for_serving_keeps_its_ties_and_its_float32_rotary_frequenc
     assert model.hf.model.rotary_emb.inv_freq.dtype == torch.float32
 
 
-@pytest.mark.parametrize("source", ["run checkpoint", "llama directory"])
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("source,compiled", [("run checkpoint", False), ("llama directory", False),
+                                             ("llama directory", True)])
 def test_a_bfloat16_model_served_in_process_decodes_as_the_same_model_without_a_cache(
-        tmp_path: Path, ddp_checkpoint: Path, source: str) -> None:
+        tmp_path: Path, ddp_checkpoint: Path, source: str, compiled: bool) -> None:
     """LocalModel loads the weights straight into bfloat16 (a run's DCP checkpoint, a model
     directory's safetensors: equal to the float32 model cast), its KV cache holds bfloat16 keys and
-    values, and every token the engine gives a greedy request (packed passes for the Llama) is the
-    one the same bfloat16 model picks from that request's tokens without a cache, or one whose
-    logit is within bfloat16's rounding of it: logits of 8-bit mantissas tie, and a batch of
-    another size rounds them otherwise (token for token equality is test_engine.py's, in float32)."""
+    values, and every token the engine gives a greedy request (packed passes for the Llama; its
+    decode steps compiled too) is the one the same bfloat16 model picks from that request's tokens
+    without a cache, or one whose logit is within bfloat16's rounding of it: logits of 8-bit
+    mantissas tie, and a batch of another size rounds them otherwise (token for token equality is
+    test_engine.py's, in float32)."""
     if source == "llama directory":
         directory = str(save_llama(tmp_path / "llama", initializer_range=0.5))
     else:
         directory = str(ddp_checkpoint)
-    decodes_as_without_a_cache(directory, torch.bfloat16, use_gpu=False)
+    decodes_as_without_a_cache(directory, torch.bfloat16, use_gpu=False, compile_for=2 if compiled else 0)
 
 
-def decodes_as_without_a_cache(directory: str, dtype: torch.dtype, use_gpu: bool) -> None:
-    """The check above, for `directory` served in `dtype` on the CPU or the GPU."""
-    local = LocalModel(directory, use_gpu=use_gpu, cache_blocks=5 * 2, dtype=dtype)
+def decodes_as_without_a_cache(directory: str, dtype: torch.dtype, use_gpu: bool, compile_for: int = 0) -> None:
+    """The check above, for `directory` served in `dtype` on the CPU or the GPU (`compile_for`:
+    its decode steps compiled, LocalModel's)."""
+    local = LocalModel(directory, use_gpu=use_gpu, cache_blocks=5 * 2, dtype=dtype, compile_for=compile_for)
     try:
         assert {p.dtype for p in local.model.parameters()} == {dtype}
         reference = cast_for_serving(load_model(directory).eval(), dtype).to(local.device)
@@ -90,6 +94,7 @@ def decodes_as_without_a_cache(directory: str, dtype: torch.dtype, use_gpu: bool
         requests = fresh()
         got = asyncio.run(serve_all(engine, requests, join_after=3))
         assert {t.dtype for t in local.cache.keys.values()} == {dtype}
+        assert not compile_for or (local.decode.failed is None and local.decode.steps > 0)
     finally:
         local.close()
     assert [len(tokens) for tokens in got] == [r.max_tokens for r in requests]
