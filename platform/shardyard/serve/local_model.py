@@ -59,6 +59,9 @@ class LocalModel:
         self.cache = KVCache(cache_blocks) if cache_blocks else None
         self.decode = (CompiledDecode(self.cache, compile_for, self.block_size, self.device)
                        if compile_for and self.cache is not None and self.cache_attends else None)
+        if self.decode is None and not self.packs:  # nothing compiles after all (a model attending itself)
+            self.packs = True
+            self.model = self.thread.run(pack_linears, self.model)
         self.rebuilds = 0  # nothing here dies apart from the replica, which Serve replaces
         self._lock = threading.RLock()  # one forward pass at a time over the one cache
 
