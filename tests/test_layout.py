@@ -91,12 +91,14 @@ def test_strategies_know_no_model_library() -> None:
 
 
 @pytest.mark.timeout(30)
-def test_layers_point_down_checkpoint_below_train_and_serve_and_ray_train_in_one_adapter() -> None:
+def test_layers_point_down_checkpoint_below_train_and_serve_side_by_side_and_ray_train_in_one_adapter() -> None:
     """checkpoint/ is the floor serving and training stand on: serve/, data/ and checkpoint/
-    import nothing from train/, checkpoint/ nothing from serve/, and only the launcher (the one
-    Ray Train adapter) imports Ray Train."""
+    import nothing from train/, checkpoint/ and train/ nothing from serve/, and only the launcher
+    (the one Ray Train adapter) imports Ray Train."""
     graph = imports()
     for name, uses in graph.items():
+        if name.startswith("shardyard.train"):
+            assert not any(u.startswith("shardyard.serve") for u in uses), (name, uses)
         if name.startswith(("shardyard.serve", "shardyard.data", "shardyard.checkpoint", "shardyard.parallel",
                             "shardyard.models")):
             assert not any(u.startswith("shardyard.train") for u in uses), (name, uses)

@@ -238,7 +238,7 @@ def replace_a_replica(app: str, serving: str, timeout_s: float = 240) -> None:
     import ray
     from ray import serve
 
-    from shardyard.serve.app_weights import APP_WEIGHTS
+    from shardyard.checkpoint.published import APP_WEIGHTS
 
     before = replicas_of(app)
     killed = sorted(before)[0]

@@ -20,6 +20,10 @@ from shardyard.models import build_model, give_storage
 from shardyard.models.initial_weights import copy_local
 from shardyard.spec import GPTSpec, HFSpec
 
+# The deployment of a serving app that takes published weights (serve/app_weights.py): training
+# finds it by this name with serve.get_deployment_handle, knowing nothing else of serving.
+APP_WEIGHTS = "AppWeights"
+
 
 @dataclass(frozen=True)
 class Published:

@@ -18,10 +18,9 @@ from pathlib import Path
 from ray import serve
 
 from shardyard.checkpoint.loaders import committed_record
-from shardyard.checkpoint.published import Published, source_step
+from shardyard.checkpoint.published import APP_WEIGHTS, Published, source_step
 from shardyard.checkpoint.record import checkpoint_name
 
-APP_WEIGHTS = "AppWeights"  # the deployment's name: training finds it with serve.get_deployment_handle
 LIVE_S = 10.0  # a replica that has not looked for this long is gone (scaled down, replaced)
 
 Source = Path | Published  # a checkpoint directory, or weights published through the object store

@@ -15,8 +15,7 @@ import time
 import ray
 from ray import serve
 
-from shardyard.checkpoint.published import Published
-from shardyard.serve.app_weights import APP_WEIGHTS
+from shardyard.checkpoint.published import APP_WEIGHTS, Published
 from shardyard.train.trainer import Callback, Trainer
 
 PUT_TIMEOUT_S = 30.0
