@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shardyard.layout.capabilities import check_tensor_parallel, pipeline_blocks
+from shardyard.models.kv_cache import largest_lanes
 from shardyard.spec import LANGUAGE_MODELS, ZERO_STAGES, GPTSpec, HFSpec, JobSpec, ModelSpec
 
 FP32 = 4
@@ -279,9 +280,7 @@ def serving_memory(spec: ModelSpec, dtype: torch.dtype, kv_tokens: int, max_runn
     if per_token is None:
         return None
     shape = ModelShape.of_model(spec)
-    # Lanes grow to the next power of two of the lanes and positions they need, or, for compiled
-    # decode steps, are allocated whole with a scratch lane (models/kv_cache.py).
-    lanes = (max(1 << (max_running - 1).bit_length(), max_running + 1), 1 << (spec.block_size - 1).bit_length())
+    lanes = largest_lanes(max_running, spec.block_size)
     packs = not use_gpu and dtype in (torch.float32, torch.bfloat16)
     return ServingMemory(dtype, shape.total * dtype.itemsize, shape.linear * dtype.itemsize if packs else 0,
                          kv_tokens, kv_tokens * per_token, lanes[0] * lanes[1] * per_token)

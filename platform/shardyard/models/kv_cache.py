@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch._dynamo import mark_static_address
 
 BLOCK_TOKENS = 16  # positions per block: vLLM's default
+LANE_POSITIONS = 64  # the fewest positions a lane is grown to, and the narrowest width a padded step attends
 
 
 @dataclass(frozen=True)
@@ -188,15 +189,13 @@ class KVCache:
         size, pads = self.block_tokens, rows - len(step.tables)
         starts = torch.tensor(step.starts + (0,) * pads, device=device)
         slots = [table[start // size] * size + start % size for table, start in zip(step.tables, step.starts)]
-        width = min(positions, _power_of_two(max(64, self.past + 1)))
+        width = min(positions, power_of_two(max(LANE_POSITIONS, self.past + 1)))
         keys = torch.arange(width, device=device)
         mask = (keys[None, :] <= starts[:, None])[:, None, None]
         placed = torch.tensor(step.lanes + (lanes,) * pads, device=device)
-        lane_mask = torch.zeros((lanes + 1, 1, 1, width), dtype=torch.bool, device=device)
-        lane_mask[..., 0] = True
-        lane_mask[placed] = mask
         return _Plan(torch.tensor(slots + [self.blocks * size] * pads, device=device), starts[:, None], placed,
-                     (_Group(rows, 1, slice(0, lanes + 1), placed, mask, lane_mask),), packed=False,
+                     (_Group(rows, 1, slice(0, lanes + 1), placed, mask, _over_lanes(mask, placed, lanes + 1)),),
+                     packed=False,
                      ends=torch.arange(rows, device=device), fills=(), lanes=lanes + 1, width=width)
 
     def _fill(self, lane: int, table: tuple[int, ...], first: int, end: int, device: torch.device) -> _Fill:
@@ -224,10 +223,8 @@ class KVCache:
         # Rows on lanes with gaps (others prefill or are free): the lanes between attend too, each
         # its first key only, and their output is dropped: cheaper than copying the rows' lanes out.
         placed = torch.tensor(lanes, device=device) - low
-        lane_mask = torch.zeros((high - low, 1, seq, keys.numel()), dtype=torch.bool, device=device)
-        lane_mask[..., 0] = True
-        lane_mask[placed] = mask
-        return slots, positions, _Group(len(tables), seq, slice(low, high), placed, mask, lane_mask)
+        return slots, positions, _Group(len(tables), seq, slice(low, high), placed, mask,
+                                        _over_lanes(mask, placed, high - low))
 
     def last_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """Each sequence's last new token of this pass's (B, T, D) hidden states, as (sequences, 1, D):
@@ -353,13 +350,29 @@ class KVCache:
             mark_static_address(lanes[layer])
             return lanes[layer]
         old_count, old_width = (0, 0) if have is None else (have.shape[0], have.shape[2])
-        grown = like.new_zeros((max(old_count, _power_of_two(count)), heads,
-                                max(old_width, _power_of_two(max(width, 64))), head_dim))
+        grown = like.new_zeros((max(old_count, power_of_two(count)), heads,
+                                max(old_width, power_of_two(max(width, LANE_POSITIONS))), head_dim))
         if have is not None:
             grown[:old_count, :, :old_width] = have
         lanes[layer] = grown
         return grown
 
 
-def _power_of_two(n: int) -> int:
+def _over_lanes(mask: torch.Tensor, placed: torch.Tensor, lanes: int) -> torch.Tensor:
+    """Rows' masks (rows, 1, seq, W) laid over `lanes` lanes at their places; a lane no row is on
+    sees its first key only (a row of nothing attended to nothing would be NaN)."""
+    over = torch.zeros((lanes, *mask.shape[1:]), dtype=torch.bool, device=mask.device)
+    over[..., 0] = True
+    over[placed] = mask
+    return over
+
+
+def power_of_two(n: int) -> int:
+    """The smallest power of two at least `n`."""
     return 1 << (n - 1).bit_length()
+
+
+def largest_lanes(running: int, positions: int) -> tuple[int, int]:
+    """The most lanes, and positions each, a cache takes for `running` sequences of up to
+    `positions` positions: grown to powers of two, or fixed whole with a scratch lane (`fix`)."""
+    return max(power_of_two(running), running + 1), max(power_of_two(positions), LANE_POSITIONS)

@@ -17,19 +17,14 @@ from collections.abc import Callable
 
 import torch
 
-from shardyard.models.kv_cache import CacheStep, KVCache
-
-
-def bucket(rows: int) -> int:
-    """The row count a step of `rows` is padded to: the next power of two."""
-    return 1 << (rows - 1).bit_length()
+from shardyard.models.kv_cache import CacheStep, KVCache, power_of_two
 
 
 class CompiledDecode:
     def __init__(self, cache: KVCache, max_running: int, context: int, device: torch.device) -> None:
         """Fixes `cache` (before its first pass) at `max_running` lanes of `context` positions."""
         cache.fix(max_running, context)
-        self.cache, self.device = cache, device
+        self.cache = cache
         self.mode = "reduce-overhead" if device.type == "cuda" else "default"
         self.failed: str | None = None
         self.steps = 0  # decode steps run compiled
@@ -41,7 +36,7 @@ class CompiledDecode:
         if self.failed is not None or not self.cache.takes_padded(step, tokens.shape[1]):
             return None
         rows = tokens.shape[0]
-        padded = torch.zeros((bucket(rows), 1), dtype=tokens.dtype, device=tokens.device)
+        padded = torch.zeros((power_of_two(rows), 1), dtype=tokens.dtype, device=tokens.device)
         padded[:rows] = tokens
         self.cache.begin(step, 1, tokens.device, pad_to=padded.shape[0])
         try:
