@@ -157,7 +157,7 @@ def decode_steps(batch: int, repeats: int = 20) -> list[dict[str, Any]]:
     """One decode step at each context length: cached (the engine) and recomputed (static)."""
     from shardyard.models.gpt import GPT
     from shardyard.models.kv_cache import BLOCK_TOKENS, CacheStep, KVCache
-    from shardyard.serve.shards import run_model
+    from shardyard.serve.model_pass import run_model
     from shardyard.spec import GPTSpec
 
     torch.manual_seed(0)

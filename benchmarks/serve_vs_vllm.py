@@ -204,7 +204,7 @@ def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompt
 
     import torch
 
-    from shardyard.serve.app import REPLICA_CPUS
+    from shardyard.serve.builtin_engine import REPLICA_CPUS
     from shardyard.serve.batching import prefill_budget
     from shardyard.serve.config import ServeConfig
     from shardyard.serve.engine import DecodingEngine

@@ -202,3 +202,25 @@ def bucket(monkeypatch: pytest.MonkeyPatch) -> Iterator[Bucket]:
     finally:
         s3.clear_instance_cache()
         server.stop()
+
+
+@contextmanager
+def served_by_uvicorn(app: Any) -> Iterator[str]:
+    """`app` (ASGI) on a real socket, served by uvicorn on a thread of this process: its base URL."""
+    import threading
+
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)

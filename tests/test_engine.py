@@ -20,7 +20,7 @@ from shardyard.serve.engine import DecodingEngine, TokenBudget
 from shardyard.serve.local_model import LocalModel
 from shardyard.serve.sampling import Sampling
 from shardyard.serve.generation import Completion, encode, generate
-from shardyard.serve.shards import Draws, model_output, run_model
+from shardyard.serve.model_pass import Draws, model_output, run_model
 from shardyard.checkpoint.loaders import load_model
 from shardyard.localdist import run_distributed
 from test_serve import train_and_save

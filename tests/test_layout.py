@@ -109,6 +109,23 @@ def test_layers_point_down_checkpoint_below_train_and_serve_side_by_side_and_ray
     assert ray_train == {"shardyard.train.launcher"}, ray_train
 
 
+@pytest.mark.timeout(30)
+def test_serving_is_small_rooms_and_only_the_app_knows_which_engine_decodes() -> None:
+    """No module of serve/ is over 400 lines; the routes, the gate and the follower speak to the
+    engine backend's protocol only (none imports an engine), and the follower and the gate know no
+    HTTP (no FastAPI, no Serve): each is tested without Ray Serve."""
+    long = {p.name: n for p in (PACKAGE / "serve").glob("*.py") if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long
+    graph = imports()
+    engines = {"shardyard.serve.builtin_engine", "shardyard.serve.vllm_engine", "shardyard.serve.engine",
+               "shardyard.serve.local_model", "shardyard.serve.static_batches"}
+    for name in ("openai_routes", "admin_routes", "weight_gate", "weight_follower"):
+        assert not graph[f"shardyard.serve.{name}"] & engines, (name, graph[f"shardyard.serve.{name}"] & engines)
+    for name in ("weight_gate", "weight_follower", "backend"):
+        outside = external_imports(PACKAGE / "serve" / f"{name}.py")
+        assert not {m for m in outside if m.split(".")[0] in ("fastapi", "starlette") or m.startswith("ray.serve")}, name
+
+
 @pytest.mark.timeout(60)
 def test_validating_a_config_imports_no_torch() -> None:
     """Every launch validates the spec before anything else: for README's job that stays a

@@ -650,7 +650,7 @@ def test_shard_actors_hold_their_whole_bundle_gpu_included() -> None:
     without num_cpus it asks 1 CPU to be scheduled, which a 0.75 CPU bundle cannot give."""
     from ray.util.placement_group import PlacementGroup
 
-    from shardyard.serve.shards import bundle_actor_options, shard_bundle
+    from shardyard.serve.placement import bundle_actor_options, shard_bundle
 
     on_gpu = bundle_actor_options(shard_bundle(True, 0.75), PlacementGroup.empty(), 2)
     assert (on_gpu["num_gpus"], on_gpu["num_cpus"]) == (1.0, 0.75)

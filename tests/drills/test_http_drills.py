@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import requests
-import uvicorn
 from fastapi import FastAPI, Request
 
-from shardyard.localdist import free_port
-from shardyard.serve.app import PredictRequest
+from conftest import served_by_uvicorn
+from shardyard.serve.openai_routes import PredictRequest
 from shardyard.serve.guard import GuardSettings, install
 from shardyard.spec import SpecError
 
@@ -57,17 +55,9 @@ class App:
 
 @pytest.fixture(scope="module")
 def app() -> Iterator[tuple[App, str]]:
-    app, port = App(), free_port()
-    server = uvicorn.Server(uvicorn.Config(app.api, host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield app, f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    app = App()
+    with served_by_uvicorn(app.api) as url:
+        yield app, url
 
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -151,7 +151,7 @@ def test_a_shard_group_that_finds_no_free_room_gives_up_and_leaves_no_pending_gr
     import ray
     from ray.util import placement_group, placement_group_table, remove_placement_group
 
-    from shardyard.serve.shards import place_shards
+    from shardyard.serve.placement import place_shards
 
     node_cpus = max(node["Resources"].get("CPU", 0) for node in ray.nodes() if node["Alive"])
     neighbour = placement_group([{"CPU": 0.5}])  # another team's work on the node

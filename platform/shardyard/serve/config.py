@@ -15,7 +15,8 @@ from shardyard.serve.generation import TextCodec
 from shardyard.serve.golden import GoldenPrompt
 from shardyard.serve.precision import DtypeName
 from shardyard.serve.rollout import CanarySettings
-from shardyard.serve.shards import sharding_problem, supports_kv_cache
+from shardyard.serve.model_pass import supports_kv_cache
+from shardyard.serve.shards import sharding_problem
 from shardyard.spec import LANGUAGE_MODELS, validate
 from shardyard.checkpoint.layout import is_hf_directory, read_spec
 from shardyard.checkpoint.loaders import servable

@@ -17,6 +17,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -67,20 +68,26 @@ class DecodingEngine:
         self.scheduler = Scheduler(self.pool, max_running, budget, min_chunk)
         self.stats = EngineStats(cache_blocks=blocks, prefill_budget=budget.tokens)
         self.weights = weights
-        self._swap: tuple[Callable[[], str], asyncio.Future] | None = None
+        self._pause: tuple[asyncio.Future, asyncio.Event] | None = None  # a drained window asked for
         self._wake = asyncio.Event()
         self._loop: asyncio.Task | None = None
 
-    async def swap_weights(self, apply: Callable[[], str]) -> None:
-        """New weights at an iteration boundary: no request is admitted meanwhile, the running
-        ones finish on the weights they started with, then `apply` swaps the model's weights
-        (returning their fingerprint), every cached key and value (prefix-cache blocks too) is
-        dropped, and the waiting requests start on the new weights."""
-        done = asyncio.get_running_loop().create_future()
-        self._swap = (apply, done)
+    @asynccontextmanager
+    async def drained(self) -> AsyncIterator[None]:
+        """A window at an iteration boundary: no request is admitted meanwhile and the running
+        ones finish on the weights they started with; inside it the caller may swap the model's
+        weights and decode with them outside the engine. If `weights` changed meanwhile, every
+        cached key and value (prefix-cache blocks too) is dropped before the waiting requests
+        start on the new weights."""
+        paused, resume = asyncio.get_running_loop().create_future(), asyncio.Event()
+        self._pause = (paused, resume)
         self.scheduler.admitting = False
         self._ensure_running()
-        await done
+        try:
+            await paused
+            yield
+        finally:
+            resume.set()
 
     def submit(self, request: Completion) -> Sequence:
         total = len(request.prompt) + request.max_tokens
@@ -115,8 +122,8 @@ class DecodingEngine:
 
     async def _run(self) -> None:
         while True:
-            if self._swap is not None and not self.scheduler.decoding:
-                await self._apply_swap()
+            if self._pause is not None and not self.scheduler.decoding:
+                await self._pause_here()
                 continue
             if not self.scheduler.has_work:
                 self._wake.clear()
@@ -140,21 +147,24 @@ class DecodingEngine:
             self.stats.cache_blocks_used, self.stats.prefix_hit_rate = self.pool.used, self.pool.hit_rate
             self.stats.prefill_budget = self.scheduler.budget.tokens
 
-    async def _apply_swap(self) -> None:
-        apply, done = self._swap
-        try:
-            self.weights = await asyncio.to_thread(apply)
-            await self._reset_caches()
-            # Only finished requests are left running: every block is forgotten, so none made by
-            # the old weights is found again.
+    async def _pause_here(self) -> None:
+        """Hold the loop while a `drained` window is open; then, if the weights changed, start
+        over with empty caches: only finished requests are left running, and every block is
+        forgotten, so none made by the old weights is found again."""
+        paused, resume = self._pause
+        weights = self.weights
+        if not paused.done():
+            paused.set_result(None)
+        await resume.wait()
+        self._pause = None
+        self.scheduler.admitting = True
+        if self.weights != weights:
+            try:
+                await self._reset_caches()
+            except self.lost:
+                await self._start_over()
+                return
             self.scheduler.start_over()
-            done.set_result(None)
-        except Exception as err:  # noqa: BLE001 - the caller hears of it; serving goes on
-            if not done.done():
-                done.set_exception(err)
-        finally:
-            self._swap = None
-            self.scheduler.admitting = True
 
     async def _execute(self, work: Pass) -> None:
         """The executor runs one pass and picks; the scheduler takes its output; ready requests

@@ -21,7 +21,8 @@ from shardyard.serve.model_thread import ModelThread, one_intra_op_thread
 from shardyard.serve.packed_linear import pack_linears
 from shardyard.serve.precision import cast_for_serving
 from shardyard.serve.sampling import Outcome
-from shardyard.serve.shards import CheckpointHolds, Draws, Extra, all_finite, hold_served, model_output, run_model
+from shardyard.serve.checkpoint_holds import CheckpointHolds, hold_served
+from shardyard.serve.model_pass import Draws, Extra, all_finite, model_output, run_model
 from shardyard.spec import LANGUAGE_MODELS
 
 

@@ -20,7 +20,8 @@ attention and per MLP, over torch.distributed rather than through Ray.
 
 Sampling happens where the logits are: a forward pass given each row's draw (serve/sampling.py)
 returns the rows' picks, token ids, from the last pipeline shard or tensor rank 0, never the
-logits (batch x vocabulary floats per step).
+logits (batch x vocabulary floats per step). The shard actors are in serve/shard_actors.py, their
+placement in serve/placement.py.
 
 Any training checkpoint loads here, whatever strategy wrote it, and each shard reads only its part
 of it (checkpoint.load_model_part): a model too large for one device never materialises whole.
@@ -31,51 +32,33 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Executor
 from contextlib import AbstractContextManager, ExitStack
-from dataclasses import dataclass
-from datetime import timedelta
-from pathlib import Path
-from collections.abc import Sequence
 from typing import Any, Literal
 
 import ray
 import torch
-import torch.distributed as dist
 from ray.dag import InputNode
-from torch.distributed.device_mesh import init_device_mesh
-from ray.util.placement_group import PlacementGroup, get_current_placement_group, placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from shardyard.models import build_model, repeated_blocks
-from shardyard.layout.capabilities import check_tensor_parallel, pipeline_blocks
-from shardyard.models.kv_cache import CacheStep, KVCache
-from shardyard.parallel.pipeline import balanced_split
-from shardyard.parallel.tensor import apply_tensor_parallel
-from shardyard.runtime import select_device
-from shardyard.serve.model_thread import one_intra_op_thread
-from shardyard.serve.packed_linear import pack_linears
-from shardyard.serve.precision import cast_for_serving
-from shardyard.serve.sampling import Draw, Outcome, choose_rows
-from shardyard.spec import LANGUAGE_MODELS, CustomSpec, GPTSpec, HFSpec
-from shardyard.checkpoint.loaders import committed_record, servable
-from shardyard.checkpoint.published import Published, load_source_part
 from shardyard.checkpoint.layout import read_spec, trusted
-from shardyard.checkpoint.lease import holding
-
+from shardyard.checkpoint.loaders import servable
+from shardyard.checkpoint.published import Published
+from shardyard.layout.capabilities import check_tensor_parallel, pipeline_blocks
+from shardyard.models import build_model, repeated_blocks
+from shardyard.models.kv_cache import CacheStep
+from shardyard.parallel.pipeline import balanced_split
+from shardyard.serve.checkpoint_holds import CheckpointHolds, hold_served
+from shardyard.serve.model_pass import Draws, Extra
+from shardyard.serve.placement import bundle_actor_options, place_shards, shard_bundle
+from shardyard.serve.sampling import Outcome
+from shardyard.serve.shard_actors import PipelineShard, TensorShard
+from shardyard.spec import LANGUAGE_MODELS, CustomSpec, GPTSpec, HFSpec
 
 Sharding = Literal["pipeline", "tensor"]
 Health = Literal["ok", "dead", "slow", "rebuilding"]
-# A collective waiting on a dead peer gives up after this (gloo's default is 30 minutes).
-COLLECTIVE_TIMEOUT = timedelta(seconds=30)
 # Loading a shard of a large model from remote storage takes minutes; one that has not answered
 # in this long is not coming.
 SHARD_START_S = 600.0
-# Room the cluster has (check_room) but that others hold: wait this long for them to free it.
-PLACEMENT_TIMEOUT_S = 120.0
 # What a forward pass raises when a shard has died: a task on a dead actor, a closed channel.
 SHARD_LOST = (ray.exceptions.RayActorError, ray.exceptions.RayChannelError)
-# A forward pass's second argument: left padding per row (a batch of ragged prompts, no cache),
-# or a step of KV-cached decoding.
-Extra = torch.Tensor | CacheStep | None
 
 
 class CachesLost(RuntimeError):
@@ -83,229 +66,8 @@ class CachesLost(RuntimeError):
     sequences cached in the old group are gone."""
 
 
-def run_model(model: torch.nn.Module, x: torch.Tensor, extra: Extra, cache: KVCache | None) -> torch.Tensor:
-    """`model` on `x`, as `extra` says: left padding, or a step of KV-cached decoding."""
-    if not isinstance(extra, CacheStep):
-        return model(x, extra)
-    if extra.reset:
-        return x
-    cache.begin(extra, x.shape[1], x.device)
-    return model(x, cache=cache)
-
-
-Draws = Sequence[Draw | None] | None
-
-
-def model_output(logits: torch.Tensor, extra: Extra, draws: Draws) -> torch.Tensor | list[Outcome]:
-    """What leaves the model: with draws, each row's pick from its last position's logits (token
-    ids, not logits); without, the logits, of each sequence's last position only for a cached step
-    (its caller reads only the next token's, so a prefill's others need not travel)."""
-    if isinstance(extra, CacheStep):
-        last = logits[:, -1]  # (sequences, vocabulary): a cached pass's logits are its sequences' last
-        return choose_rows(last, draws) if draws is not None else last[:, None].cpu()
-    if draws is not None:
-        return choose_rows(logits[:, -1, :], draws)
-    return logits.cpu()
-
-
-def supports_kv_cache(spec: GPTSpec | HFSpec | CustomSpec) -> bool:
-    """Whether the engine can decode this model with its KV cache (models/kv_cache.py): the own GPT,
-    and a Hugging Face model whose every layer attends over the whole served context (full
-    attention, or a sliding window at least as long as the context); the cache holds every past
-    token, which a narrower window would not read. Other models (custom modules, windows
-    narrower than the context, linear-attention or state-space layers) are served by static
-    batching, recomputing the sequence every token."""
-    if isinstance(spec, GPTSpec):
-        return True
-    if not isinstance(spec, HFSpec):
-        return False
-    config = spec.hf_config()
-    window = getattr(config, "sliding_window", None)
-    kinds = set(getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"])
-    if not kinds <= {"full_attention", "sliding_attention"}:
-        return False
-    return "sliding_attention" not in kinds or window is None or window >= spec.block_size
-
-
-@ray.remote
-class PipelineShard:
-    """Blocks [start, end) of the model in `checkpoint_dir` (the whole model when `whole`), on
-    this actor's device."""
-
-    def __init__(self, checkpoint_dir: str | Published, start: int, end: int, whole: bool, last: bool, use_gpu: bool,
-                 cache_blocks: int, trust_factory: str | None = None, dtype: torch.dtype = torch.float32) -> None:
-        self.last = last  # its output is the logits (else hidden states for the next shard)
-        self.device = select_device(0) if use_gpu else torch.device("cpu")
-        self.whole, self.trust_factory, self.dtype = whole, trust_factory, dtype
-        self.blocks = (start, end)
-        self.stage = self._load(checkpoint_dir)
-        self.staged: torch.nn.Module | None = None
-        # This shard's layers' keys and values (allocated at their first use).
-        self.cache = KVCache(cache_blocks) if cache_blocks else None
-
-    def _load(self, source: str | Published) -> torch.nn.Module:
-        """Only this shard's blocks are read and held, never the whole model. With one intra-op
-        thread: the passes run on another thread (a compiled graph's), whose OpenMP team stays the
-        process's only one (serve/model_thread.py)."""
-        start, end = self.blocks
-        with one_intra_op_thread():
-            return pack_linears(load_source_part(
-                source, lambda m: cast_for_serving(m if self.whole else m.pipeline_stage(start, end), self.dtype),
-                self.device, trust_factory=self.trust_factory))
-
-    def prepare(self, source: str | Published) -> bool:
-        """Reads this shard's part of another checkpoint (or of published weights) beside the one
-        serving (a compiled graph's passes go on meanwhile, on their own thread); whether its
-        weights are finite."""
-        self.staged = self._load(source)
-        return all_finite(self.staged)
-
-    def swap(self) -> None:
-        """The prepared weights serve from now on and the serving ones are kept beside them
-        (called between passes): a second swap puts them back, `drop_staged` frees them."""
-        self.stage, self.staged = self.staged, self.stage
-
-    def drop_staged(self) -> None:
-        self.staged = None
-
-    @torch.no_grad()
-    def forward(self, x: torch.Tensor, extra: Extra, draws: Draws = None) -> torch.Tensor | list[Outcome]:
-        extra = extra.to(self.device) if isinstance(extra, torch.Tensor) else extra
-        out = run_model(self.stage, x.to(self.device), extra, self.cache)
-        return model_output(out, extra, draws) if self.last else out.cpu()
-
-    def describe(self) -> dict:
-        return {"blocks": self.blocks, "device": str(self.device),
-                "parameters": sum(p.numel() for p in self.stage.parameters())}
-
-
-@ray.remote
-class TensorShard:
-    """Rank `rank` of `num_shards`: its slice of every block's linears, the small rest whole."""
-
-    def __init__(self, checkpoint_dir: str | Published, rank: int, num_shards: int, use_gpu: bool, cache_blocks: int,
-                 trust_factory: str | None = None, dtype: torch.dtype = torch.float32) -> None:
-        self.checkpoint_dir, self.rank, self.num_shards = checkpoint_dir, rank, num_shards
-        self.trust_factory, self.dtype = trust_factory, dtype
-        self.device = select_device(0) if use_gpu else torch.device("cpu")
-        self.model: torch.nn.Module | None = None
-        self.staged: torch.nn.Module | None = None
-        # Keys and values of this rank's heads only.
-        self.cache = KVCache(cache_blocks) if cache_blocks else None
-        self.store: dist.TCPStore | None = None  # rank 0's, from host_rendezvous
-
-    def host_rendezvous(self) -> tuple[str, int]:
-        """Rank 0 hosts the shards' store, on a port the kernel gives it while binding (a port found
-        free and handed on can be taken by another process first); where the other shards find it."""
-        host = ray.util.get_node_ip_address()
-        self.store = dist.TCPStore(host, 0, self.num_shards, is_master=True, wait_for_workers=False,
-                                   timeout=COLLECTIVE_TIMEOUT)
-        return host, self.store.port
-
-    def join(self, host: str, port: int) -> None:
-        """Form the shards' process group (every shard at once), then keep only this rank's slices:
-        parallelize_module replaces each full weight by its shard, and the full one is freed."""
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        store = self.store if self.store is not None else dist.TCPStore(host, port, is_master=False,
-                                                                         timeout=COLLECTIVE_TIMEOUT)
-        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.num_shards,
-                                timeout=COLLECTIVE_TIMEOUT)
-        self.mesh = init_device_mesh(self.device.type, (self.num_shards,))
-        self.model = self._load(self.checkpoint_dir)
-
-    def _load(self, source: str | Published) -> torch.nn.Module:
-        """Sharded while empty, then each rank reads only its slices (every rank at once; published
-        weights: each cuts its slices locally)."""
-        return load_source_part(source, lambda m: apply_tensor_parallel(cast_for_serving(m, self.dtype), self.mesh),
-                                self.device, collective=True, trust_factory=self.trust_factory)
-
-    def prepare(self, source: str | Published) -> bool:
-        """Reads this rank's slices of another checkpoint beside the serving ones (a collective
-        read: every rank at once, between passes, which wait for it); whether they are finite."""
-        self.staged = self._load(source)
-        return all_finite(self.staged)
-
-    def swap(self) -> None:
-        """As PipelineShard.swap."""
-        self.model, self.staged = self.staged, self.model
-
-    def drop_staged(self) -> None:
-        self.staged = None
-
-    @torch.no_grad()
-    def forward(self, x: torch.Tensor, extra: Extra, draws: Draws = None) -> torch.Tensor | list[Outcome] | None:
-        extra = extra.to(self.device) if isinstance(extra, torch.Tensor) else extra
-        out = run_model(self.model, x.to(self.device), extra, self.cache)
-        return model_output(out, extra, draws) if self.rank == 0 else None  # the same logits on every rank: one picks
-
-    def describe(self) -> dict:
-        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-                    for p in self.model.parameters())
-        return {"rank": self.rank, "device": str(self.device), "parameters": local}
-
-
-@dataclass
-class ShardPlacement:
-    group: PlacementGroup
-    first_bundle: int  # bundles before it belong to the caller (a Serve replica's own bundle)
-    owned: bool        # created here (and so removed here), not the caller's
-
-
-def shard_bundle(use_gpu: bool, cpus: float) -> dict[str, float]:
-    """One shard's placement-group bundle: its CPU share, and on GPUs one GPU."""
-    return {"GPU": 1.0, "CPU": cpus} if use_gpu else {"CPU": cpus}
-
-
-def bundle_actor_options(bundle: dict[str, float], group: PlacementGroup, index: int) -> dict:
-    """Options that run an actor in bundle `index` of `group` holding all of it. Without num_gpus
-    Ray hides the bundle's GPU from the actor (CUDA_VISIBLE_DEVICES empty) and it falls back to
-    the CPU; without num_cpus it asks 1 CPU to be scheduled, which a smaller bundle cannot give."""
-    return {"num_cpus": bundle.get("CPU", 0.0), "num_gpus": bundle.get("GPU", 0.0),
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)}
-
-
-def check_room(bundles: list[dict[str, float]], multi_node: bool, what: str) -> None:
-    """Fail fast, before a placement group waits forever: ValueError saying what `bundles` ask and
-    what the cluster's live nodes have (one node for STRICT_PACK, all of them for PACK). Nodes an
-    autoscaler has not started yet are not counted."""
-    need: dict[str, float] = {}
-    for bundle in bundles:
-        for key, amount in bundle.items():
-            need[key] = need.get(key, 0.0) + amount
-    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
-    if multi_node:
-        pools = [{key: sum(n.get(key, 0.0) for n in nodes) for key in need}]
-    else:
-        pools = [{key: n.get(key, 0.0) for key in need} for n in nodes]
-    if any(all(pool[key] >= amount - 1e-9 for key, amount in need.items()) for pool in pools):
-        return
-    best = max(pools, key=lambda pool: sum(pool.values()), default={})
-    where = "the cluster has" if multi_node else "its largest node has"
-    raise ValueError(f"{what} asks for {_resources(need)} ({'PACK' if multi_node else 'STRICT_PACK'}); {where} "
-                     f"{_resources(best)}: lower num_shards or cpus_per_shard, or add a node with more")
-
-
-def _resources(amounts: dict[str, float]) -> str:
-    return ", ".join(f"{amount:g} {key}" for key, amount in sorted(amounts.items())) or "nothing"
-
-
-def place_shards(num_shards: int, bundle: dict[str, float], multi_node: bool = False,
-                 timeout_s: float = PLACEMENT_TIMEOUT_S) -> ShardPlacement:
-    """One bundle per shard: inside a Serve replica that asked for `1 + num_shards` bundles, its
-    own placement group; otherwise a new one (STRICT_PACK on one node, PACK across nodes)."""
-    current = get_current_placement_group()
-    if current is not None and len(current.bundle_specs) >= num_shards + 1:
-        return ShardPlacement(current, len(current.bundle_specs) - num_shards, owned=False)
-    check_room([bundle] * num_shards, multi_node, f"{num_shards} shards")
-    group = placement_group([bundle] * num_shards, strategy="PACK" if multi_node else "STRICT_PACK")
-    try:
-        ray.get(group.ready(), timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        # A pending group is not forgotten: it would take the resources whenever they free up.
-        ray.util.remove_placement_group(group)
-        raise RuntimeError(f"the cluster has no room for {num_shards} shards of {bundle} "
-                           f"({'PACK' if multi_node else 'STRICT_PACK'}) after {timeout_s:g} s") from None
-    return ShardPlacement(group, 0, owned=True)
+class StaleCandidate(RuntimeError):
+    """The shard group was rebuilt after a candidate was read: the new shards never read it."""
 
 
 def sharding_problem(spec: GPTSpec | HFSpec | CustomSpec, num_shards: int, sharding: Sharding) -> str | None:
@@ -322,61 +84,6 @@ def sharding_problem(spec: GPTSpec | HFSpec | CustomSpec, num_shards: int, shard
     except ValueError as err:
         return f"{sharding} sharding: {err}"
     return None
-
-
-def all_finite(module: torch.nn.Module) -> bool:
-    """No NaN or infinity in any weight (a tensor-parallel rank checks its own slices)."""
-    return all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
-               for p in module.parameters())
-
-
-def hold_served(source: str, fallback: str, hold: ExitStack) -> str:
-    """Find what to serve (a run directory's newest committed checkpoint, or the checkpoint as
-    given; `fallback` if `source` has none now) and hold it in `hold` until that closes: training
-    does not prune it under the model that reads it now and may read it again (a rebuild)."""
-    while True:
-        found = servable(source) or Path(fallback)
-        if committed_record(found) is None:  # a Hugging Face model directory: not training's to prune
-            return str(found)
-        hold.enter_context(holding(str(found.parent), found.name))
-        if committed_record(found) is not None:  # still there once held: pruning now keeps it
-            return str(found)
-        hold.close()  # pruned between finding and holding it: find the newest again
-
-
-class CheckpointHolds:
-    """The served checkpoint's hold and, while a candidate is read beside it (prepare), the
-    candidate's: they change places with the weights, so training prunes neither while either
-    may be read again (a rebuild, a swap back)."""
-
-    def __init__(self) -> None:
-        self.served, self.staged = ExitStack(), ExitStack()
-        self.staged_dir = ""
-
-    def stage(self, source: str | Published) -> str | Published:
-        """Hold the candidate checkpoint (letting go of the one held before); published weights
-        are in the object store, nothing to hold."""
-        self.staged.close()
-        self.staged_dir = source if isinstance(source, Published) else hold_served(source, source, self.staged)
-        return self.staged_dir
-
-    def swap(self, served_dir: str | Published) -> str | Published:
-        """The candidate is served and `served_dir` becomes the candidate; returns the served one."""
-        self.served, self.staged = self.staged, self.served
-        served, self.staged_dir = self.staged_dir, served_dir
-        return served
-
-    def drop(self) -> None:
-        self.staged.close()
-        self.staged_dir = ""
-
-    def close(self) -> None:
-        self.drop()
-        self.served.close()
-
-
-class StaleCandidate(RuntimeError):
-    """The shard group was rebuilt after a candidate was read: the new shards never read it."""
 
 
 class ShardedModel:

@@ -2,13 +2,13 @@
 directory, or a training run's Hugging Face model written out as one. vLLM's async engine runs
 inside the replica, behind the same routes, guard (auth, body limits and deadlines, error
 shape), choice limits, text handling and metrics as the built-in engine: it only replaces what
-turns a prompt's tokens into the next tokens. It takes the calls DecodingEngine takes
-(`submit`, `tokens`, `stats`), so the app holds either.
+turns a prompt's tokens into the next tokens. It is an engine backend (serve/backend.py), as the
+built-in engine is, so the routes and the weight gate hold either.
 
-Following a run (`follow`), a new checkpoint is written out as a model directory and vLLM
-reloads its weights in place (its workers' `reload_weights`) in a drained window: new requests
-wait, the running ones finish on the old weights, and the prefix cache is emptied before any
-request runs on the new ones.
+Following a run (`follow`), a new checkpoint is staged by writing it out as a model directory,
+and vLLM reloads its weights in place (its workers' `reload_weights`) in a drained window: new
+requests wait, the running ones finish on the old weights, and the prefix cache is emptied before
+any request runs on the new ones; swapping back reloads the directory served before.
 
 vLLM is optional (`pip install shardyard[vllm]`; on CPU, vLLM's CPU build, see
 ../shared/FIELD_NOTES.md). `start_vllm` says why it cannot be used (not installed, a model it
@@ -19,22 +19,29 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from shardyard.checkpoint.layout import is_hf_directory, read_spec
 from shardyard.checkpoint.published import Published, load_source_part
 from shardyard.planner import kv_bytes_per_token
+from shardyard.serve.backend import Generation, WeightsRefused
+from shardyard.serve.config import ServeConfig
 from shardyard.serve.engine import EngineStats
-from shardyard.serve.generation import Completion
+from shardyard.serve.generation import Completion, TextCodec
+from shardyard.serve.golden import GoldenPrompt, answer_texts, golden_requests
+from shardyard.serve.metrics import ServingMetrics
 from shardyard.serve.precision import dtype_name
 from shardyard.serve.sampling import Pick
-from shardyard.serve.shards import all_finite
+from shardyard.serve.model_pass import all_finite
 from shardyard.spec import HFSpec
 
 _request_ids = itertools.count()
@@ -52,38 +59,95 @@ class VllmRequest:
 
 
 class VllmEngine:
-    def __init__(self, engine: Any, sampling_params: type) -> None:
+    name, bounded = "vllm", True
+
+    def __init__(self, engine: Any, sampling_params: type, model_dir: str, given: bool, codec: TextCodec,
+                 stop_token: int | None, trust_factory: str | None) -> None:
+        """`model_dir`: what vLLM loaded; `given`: it is the user's own model directory (never
+        deleted), not one this replica wrote out."""
         self.engine, self.sampling_params = engine, sampling_params
+        self.codec, self.stop_token, self.trust_factory = codec, stop_token, trust_factory
         self.stats = EngineStats()
         self.weights = ""  # the fingerprint of the weights vLLM holds (set by the app)
+        self.served_dir, self.staged_dir = model_dir, None
+        self.given_dir = model_dir if given else None
         self._running = 0
         self._open, self._drained = asyncio.Event(), asyncio.Event()  # made on the replica's loop
         self._open.set()
         self._drained.set()
 
-    async def swap_weights(self, apply: Callable[[], Awaitable[str]]) -> None:
-        """New weights in a drained window: requests that arrive meanwhile wait, the running ones
-        finish on the weights they started with, then `apply` (which may decode with
-        `tokens(..., gated=False)`) reloads them and returns their fingerprint."""
+    def generate(self, request: Completion) -> Generation:
+        handle = VllmRequest(request, f"shardyard-{next(_request_ids)}", time.perf_counter())
+        return Generation(request, self.tokens(handle), lambda: setattr(handle, "abandoned", True),
+                          lambda: handle.weights or self.weights)
+
+    async def stage(self, source: str | Published) -> None:
+        """`source` written out as a model directory beside the served one (nothing is written
+        when its weights are not finite)."""
+        model_dir = await asyncio.to_thread(written_out, source, self.trust_factory)
+        if model_dir is None:
+            raise WeightsRefused("has weights that are not finite")
+        self._let_go(self.staged_dir)
+        self.staged_dir = model_dir
+
+    @asynccontextmanager
+    async def drained(self) -> AsyncIterator[None]:
+        """Requests that arrive meanwhile wait, the running ones finish on the weights they
+        started with; inside, the caller reloads weights and decodes ungated (golden prompts).
+        At the end the directory not serving is deleted (unless it is the user's own)."""
         self._open.clear()
         try:
             await self._drained.wait()
-            self.weights = await apply()
+            yield
         finally:
             self._open.set()
+            self._let_go(self.staged_dir)
+            self.staged_dir = None
 
-    async def load_weights(self, model_dir: str) -> None:
+    async def swap(self) -> None:
+        try:
+            await self._load(self.staged_dir)
+        except BaseException:
+            await self._load(self.served_dir)  # a reload that failed half-way: the served weights again
+            raise
+        self.served_dir, self.staged_dir = self.staged_dir, self.served_dir
+
+    async def swap_back(self) -> None:
+        await self._load(self.staged_dir)
+        self.served_dir, self.staged_dir = self.staged_dir, self.served_dir
+
+    async def _load(self, model_dir: str) -> None:
         """vLLM's workers read the weights of `model_dir` in place of theirs; blocks cached from
         the old weights are dropped."""
         await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": model_dir})
         if not await self.engine.reset_prefix_cache():
             raise RuntimeError("vLLM did not empty its prefix cache after a weight reload")
 
+    def _let_go(self, model_dir: str | None) -> None:
+        if model_dir is not None and model_dir != self.given_dir:
+            shutil.rmtree(model_dir, ignore_errors=True)
+
+    async def golden_answers(self, prompts: Sequence[GoldenPrompt]) -> list[str]:
+        """The prompts' greedy answers, decoded by vLLM inside the drained window."""
+        requests = golden_requests(prompts, self.codec, self.stop_token)
+        for request in requests:
+            handle = VllmRequest(request, f"shardyard-{next(_request_ids)}", time.perf_counter())
+            async for _ in self.tokens(handle, gated=False):
+                pass
+        return answer_texts(requests, self.codec)
+
+    async def health(self) -> bool:
+        return True  # vLLM checks its own workers; a dead one fails its requests and Serve's check
+
+    def heal(self) -> None:
+        pass
+
+    def report(self, metrics: ServingMetrics) -> None:
+        metrics.read_engine(self.stats)
+
     def close(self) -> None:
         self.engine.shutdown()
-
-    def submit(self, request: Completion) -> VllmRequest:
-        return VllmRequest(request, f"shardyard-{next(_request_ids)}", time.perf_counter())
+        self._let_go(self.served_dir)
 
     def _params(self, request: Completion) -> Any:
         from vllm.sampling_params import RequestOutputKind
@@ -154,8 +218,6 @@ def vllm_model_directory(checkpoint: str, hf_directory: bool, trust_factory: str
     """A directory vLLM loads: the model directory itself, or a training run's Hugging Face
     model written out as one (in a temporary directory the replica keeps); None for models
     vLLM does not know (the own GPT, custom modules)."""
-    from shardyard.checkpoint.layout import read_spec
-
     if hf_directory:
         return checkpoint
     if not isinstance(read_spec(checkpoint).model, HFSpec):
@@ -175,29 +237,40 @@ def written_out(source: str | Path | Published, trust_factory: str | None) -> st
     return str(export_hf_directory(model, Path(tempfile.mkdtemp(prefix="shardyard-vllm-"))))
 
 
-def start_vllm(model_dir: str, num_shards: int, sharding: str, context: int, max_running: int,
-               kv_tokens: int, prefix_caching: bool, dtype: torch.dtype) -> VllmEngine | str:
-    """vLLM's async engine over `model_dir` (tensor or pipeline parallel over `num_shards`, a KV
-    cache of `kv_tokens` positions, in `dtype`: the app's, resolved), or why it cannot serve it. The model's shape comes through
-    the spec's HFSpec, the one place (with the model adapter) that reads transformers configs."""
+def start_vllm(cfg: ServeConfig, context: int, dtype: torch.dtype) -> VllmEngine | str:
+    """vLLM's async engine over the app's model (tensor or pipeline parallel over its shards, a KV
+    cache of `max_kv_tokens` positions, in `dtype`: the app's, resolved), or why it cannot serve
+    it. The model's shape comes through the spec's HFSpec, the one place (with the model adapter)
+    that reads transformers configs."""
     try:
         from vllm import SamplingParams
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
     except ImportError as err:
         return f"vLLM is not installed here ({err}); pip install 'shardyard[vllm]'"
-    parallel = {"tensor_parallel_size": num_shards} if sharding == "tensor" else {"pipeline_parallel_size": num_shards}
-    args = AsyncEngineArgs(model=model_dir, max_model_len=context, max_num_seqs=max_running,
-                           enable_prefix_caching=prefix_caching, dtype=dtype_name(dtype),
+    given = is_hf_directory(cfg.checkpoint)
+    model_dir = vllm_model_directory(cfg.checkpoint, given, cfg.trust_factory)
+    if model_dir is None:
+        return f"vLLM does not load this '{read_spec(cfg.checkpoint).model.name}' model (only Hugging Face ones)"
+    kv_tokens = cfg.max_kv_tokens or cfg.max_batch_size * context
+    shards = cfg.num_shards
+    parallel = {"tensor_parallel_size": shards} if cfg.sharding == "tensor" else {"pipeline_parallel_size": shards}
+    args = AsyncEngineArgs(model=model_dir, max_model_len=context, max_num_seqs=cfg.max_batch_size,
+                           enable_prefix_caching=cfg.prefix_caching, dtype=dtype_name(dtype),
                            # the app's KV cache size, else vLLM reserves a fraction of the whole
                            # machine, on CPU too, and refuses to start where less is free
                            kv_cache_memory_bytes=kv_tokens * kv_bytes_per_token(HFSpec(path=model_dir), dtype),
-                           distributed_executor_backend="ray" if num_shards > 1 else None,
+                           distributed_executor_backend="ray" if shards > 1 else None,
                            # A run's model written out without a tokenizer (its data was UTF-8
                            # bytes): token ids in and out are all vLLM is asked for anyway.
                            skip_tokenizer_init=not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES),
                            disable_log_stats=True, **parallel)
     try:
-        return VllmEngine(AsyncLLM.from_engine_args(args), SamplingParams)
+        engine = AsyncLLM.from_engine_args(args)
     except Exception as err:  # noqa: BLE001 - any reason vLLM cannot load it: the built-in engine serves
         return f"vLLM could not load {model_dir}: {type(err).__name__}: {err}"
+    tokenizer = cfg.tokenizer
+    print(f"shardyard: vLLM's engine serves {model_dir} ({shards} {cfg.sharding} shard(s), up to "
+          f"{cfg.max_batch_size} requests at once, prefix caching {'on' if cfg.prefix_caching else 'off'})", flush=True)
+    return VllmEngine(engine, SamplingParams, model_dir, given, TextCodec(tokenizer),
+                      getattr(tokenizer, "eos_token_id", None), cfg.trust_factory)

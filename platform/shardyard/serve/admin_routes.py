@@ -1,0 +1,68 @@
+"""The operator's routes, on an app that follows a run (`follow: true`):
+
+    POST /admin/rollback       back to the weights the app served before, on every replica
+    POST /admin/promote        {"step": N}: the run's checkpoint of step N, through the gate, everywhere
+
+Both change what every client is answered with, so they need the app's bearer token (checked
+by the guard before the body is read) and are refused where the app has none. The work is the
+weight follower's (serve/weight_follower.py); these routes only speak HTTP for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from shardyard.serve.guard import ClientError
+from shardyard.serve.weight_follower import OperatorRefused, WeightFollower
+
+
+class PromoteRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    step: int = Field(ge=0, description="the step of a committed checkpoint of the served run")
+
+
+@dataclass
+class Admin:
+    """What the admin routes act through: the replica's follower (None: the app follows no run)."""
+    has_token: bool
+    follower: WeightFollower | None
+
+
+def follower(request: Request) -> WeightFollower:
+    """The follower, once the caller may use it: only with the app's bearer token (the guard has
+    checked it), and only on an app that follows a run."""
+    admin: Admin = request.app.state.admin
+    if not admin.has_token:
+        raise ClientError(403, "the admin routes need the app's bearer token (bearer_token_env or "
+                               "bearer_token_file)")
+    if admin.follower is None:
+        raise ClientError(409, "the admin routes act on an app that follows a run directory (follow: true)")
+    return admin.follower
+
+
+Follower = Annotated[WeightFollower, Depends(follower)]
+router = APIRouter()
+
+
+@router.post("/admin/rollback")
+async def rollback(f: Follower) -> dict[str, Any]:
+    """Back to the weights the app promoted before the current ones; the followers then wait for a
+    checkpoint committed after this call."""
+    try:
+        return await f.rollback()
+    except OperatorRefused as err:
+        raise ClientError(err.status, err.reason, err.field) from None
+
+
+@router.post("/admin/promote")
+async def promote(body: PromoteRequest, f: Follower) -> dict[str, Any]:
+    """The run's checkpoint of `step`, through the same gate; the followers then wait for a
+    checkpoint committed after this call."""
+    try:
+        return await f.promote(body.step)
+    except OperatorRefused as err:
+        raise ClientError(err.status, err.reason, err.field) from None

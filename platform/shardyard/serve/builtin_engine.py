@@ -1,0 +1,222 @@
+"""The built-in engine as an engine backend (serve/backend.py): a model in the replica's own
+process (LocalModel) or a group of shard actors (ShardedModel), decoded by continuous batching
+(serve/engine.py) when it keeps a KV cache, else by static batches (serve/static_batches.py),
+fixed in size or measured on each candidate device (adaptive), keeping the device that decodes
+fastest within the per-token latency target.
+
+A weight swap reads the candidate beside the served weights on every shard (`stage`), then, in a
+window where no request is mid-way (the engine's drained iteration boundary, or between static
+batches), swaps, decodes the golden prompts and swaps back on one shard group: the window holds
+the group's lock, so no rebuild comes in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import torch
+
+from shardyard.checkpoint.published import Published
+from shardyard.models.kv_cache import BLOCK_TOKENS
+from shardyard.planner import serving_memory
+from shardyard.serve.backend import Generation, WeightsRefused
+from shardyard.serve.batching import AdaptiveBatchSize, calibrate, prefill_budget
+from shardyard.serve.config import ServeConfig
+from shardyard.serve.engine import DecodingEngine
+from shardyard.serve.generation import Completion, TextCodec
+from shardyard.serve.golden import GoldenPrompt, greedy_answers
+from shardyard.serve.local_model import LocalModel
+from shardyard.serve.metrics import ServingMetrics
+from shardyard.serve.precision import described, serving_dtype
+from shardyard.serve.scheduler import MIN_CHUNK
+from shardyard.serve.shards import SHARD_LOST, CachesLost, ShardedModel
+from shardyard.serve.static_batches import StaticBatches
+from shardyard.spec import GPTSpec, HFSpec, CustomSpec
+
+T = TypeVar("T")
+
+# The replica decodes and batches; its shards compute. Its bundle is small so that README's
+# default app (2 shards of 0.75) fits a 2-core machine.
+REPLICA_CPUS = 0.5
+
+
+class BuiltinEngine:
+    name = "builtin"
+
+    def __init__(self, cfg: ServeConfig, source: str, spec: GPTSpec | HFSpec | CustomSpec,
+                 metrics: ServingMetrics, weights: str) -> None:
+        """`source`: the checkpoint (or run, or model directory) the model loads, at start and at
+        every rebuild; `spec`: its model's; `weights`: their fingerprint."""
+        self.cfg, self.source, self.spec, self.metrics = cfg, source, spec, metrics
+        self.block_size = spec.block_size
+        self.codec = TextCodec(cfg.tokenizer)
+        self.stop_token = getattr(cfg.tokenizer, "eos_token_id", None)
+        self.engine: DecodingEngine | None = None
+        self.batches: StaticBatches | None = None
+        self._weights = weights
+        # A swap's blocking calls (the lock, the swap, the golden passes, the swap back) run on
+        # one thread: the group's lock is held across them.
+        self._window = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardyard-swap")
+        self.bounded = cfg.batching == "continuous"  # static batches slide over the context
+        if self.bounded:
+            self._start_engine()
+        else:
+            self._start_static()
+
+    @property
+    def weights(self) -> str:
+        return self._weights
+
+    @weights.setter
+    def weights(self, fingerprint: str) -> None:
+        self._weights = fingerprint
+        if self.engine is not None:  # new weights: it empties its caches when the window ends
+            self.engine.weights = fingerprint
+
+    # ------------------------------------------------------------------ starting
+
+    def _model(self, use_gpu: bool) -> ShardedModel | LocalModel:
+        cfg, dtype = self.cfg, serving_dtype(self.cfg.dtype, use_gpu, self.cfg.checkpoint)
+        if cfg.num_shards == 1:  # decoded in this process: its bundle holds the shard's CPUs
+            # Its CPUs as threads, rounded up: the model is what this process spends them on.
+            torch.set_num_threads(max(1, math.ceil(REPLICA_CPUS + cfg.cpus_per_shard)))
+            return LocalModel(self.source, use_gpu, cfg.cache_blocks, cfg.trust_factory, dtype,
+                              compile_for=cfg.max_batch_size if cfg.compiles(use_gpu) else 0)
+        return ShardedModel(self.source, cfg.num_shards, use_gpu, cfg.multi_node, cfg.sharding,
+                            cpus_per_shard=cfg.cpus_per_shard, cache_blocks=cfg.cache_blocks,
+                            trust_factory=cfg.trust_factory, dtype=dtype)
+
+    def _start_engine(self) -> None:
+        """The shard group and the continuous-batching engine, its prefill budget measured."""
+        cfg = self.cfg
+        self.model = self._model(cfg.use_gpu)
+        budget = prefill_budget(self.model.forward, self.block_size, cfg.max_batch_size,
+                                cfg.token_latency_target_ms / 1000)
+        self.engine = DecodingEngine(self.model.forward, cfg.max_batch_size, self.block_size, cfg.cache_blocks,
+                                     budget, lambda: self._heal(rebuild_if_slow=True), (*SHARD_LOST, CachesLost),
+                                     min_chunk=MIN_CHUNK if cfg.chunked_prefill else self.block_size,
+                                     prefix_caching=cfg.prefix_caching, weights=self.weights,
+                                     packs=self.model.cache_attends, executor=self.model.executor)
+        memory = serving_memory(self.spec, self.model.dtype, cfg.cache_blocks * BLOCK_TOKENS,
+                                cfg.max_batch_size, cfg.use_gpu)
+        print(f"shardyard: continuous batching in {described(self.model.dtype, cfg.use_gpu)}, up to "
+              f"{cfg.max_batch_size} requests at once, a KV cache of "
+              f"{cfg.cache_blocks} blocks of {BLOCK_TOKENS} tokens (prefix caching "
+              f"{'on' if cfg.prefix_caching else 'off'}), prefill budget {budget.tokens} tokens per iteration, "
+              f"decode steps {'compiled' if getattr(self.model, 'decode', None) else 'eager'}"
+              + (f"; memory {memory}" if memory else ""), flush=True)
+
+    def _start_static(self) -> None:
+        """Static batches from the config, or (adaptive) measured on each candidate device."""
+        cfg = self.cfg
+        if cfg.batching != "adaptive":
+            self.model = self._model(cfg.use_gpu)
+            self.batches = StaticBatches(self.model, self.block_size, self.metrics, lambda: self.weights)
+            if cfg.batching == "none":
+                self.batches.set_batching(1, 0.0)
+            else:
+                self.batches.set_batching(cfg.max_batch_size, cfg.batch_wait_timeout_s)
+            return
+        target = cfg.token_latency_target_ms / 1000
+        # A GPU is not always faster: a small model's steps can be all transfer overhead.
+        devices = [True, False] if cfg.use_gpu and cfg.device == "auto" else [cfg.use_gpu]
+        calibrations, model = {}, None
+        for use_gpu in devices:
+            if model is not None:
+                model.close()
+            model = self._model(use_gpu)
+            calibrations[use_gpu] = calibrate(model.forward, self.block_size, cfg.max_batch_size)
+
+        def best_rate(use_gpu: bool) -> float:
+            c = calibrations[use_gpu]
+            return c.tokens_per_s(c.best_size(target))
+
+        chosen = max(calibrations, key=best_rate)
+        if chosen != devices[-1]:
+            model.close()
+            model = self._model(chosen)
+        self.model, calibration = model, calibrations[chosen]
+        size = calibration.best_size(target)
+        self.batches = StaticBatches(self.model, self.block_size, self.metrics, lambda: self.weights,
+                                     AdaptiveBatchSize(size, cfg.max_batch_size, target))
+        self.batches.set_batching(size, calibration.wait_timeout_s(size))
+        print(f"shardyard: adaptive batching on {'cuda' if chosen else 'cpu'}: step seconds by batch size "
+              f"{ {b: round(t, 4) for b, t in calibration.step_s.items()} }; max_batch_size {size}, "
+              f"wait {calibration.wait_timeout_s(size):.4f} s", flush=True)
+
+    # ------------------------------------------------------------------ decoding
+
+    def generate(self, request: Completion) -> Generation:
+        if self.engine is None:
+            return self.batches.generate(request)
+        seq, engine = self.engine.submit(request), self.engine
+        return Generation(request, engine.tokens(seq), lambda: setattr(seq, "abandoned", True),
+                          lambda: seq.weights or engine.weights)
+
+    # ------------------------------------------------------------------ weight swaps
+
+    async def stage(self, source: str | Published) -> None:
+        if not await asyncio.to_thread(self.model.prepare, source):
+            await asyncio.to_thread(self.model.drop_staged)
+            raise WeightsRefused("has weights that are not finite")
+
+    @asynccontextmanager
+    async def drained(self) -> AsyncIterator[None]:
+        lock = self.model.exclusive()
+        try:
+            async with self.engine.drained() if self.engine is not None else self.batches.gate.exclusive():
+                await self._in_window(lock.acquire)
+                try:
+                    yield
+                finally:
+                    await self._in_window(lock.release)
+        finally:
+            await asyncio.to_thread(self.model.drop_staged)
+
+    async def swap(self) -> None:
+        await self._in_window(self.model.swap)
+
+    async def swap_back(self) -> None:
+        await self._in_window(self.model.swap_back)
+
+    async def golden_answers(self, prompts: Sequence[GoldenPrompt]) -> list[str]:
+        try:
+            return await self._in_window(greedy_answers, self.model.forward, prompts, self.codec, self.block_size,
+                                         self.stop_token)
+        except SHARD_LOST:
+            raise
+        except RuntimeError as err:  # a golden prompt's token could not be chosen (NaN logits)
+            raise WeightsRefused(f"a golden prompt could not be decoded ({err})") from None
+
+    async def _in_window(self, call: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._window, call, *args)
+
+    # ------------------------------------------------------------------ health
+
+    async def health(self) -> bool:
+        return await asyncio.to_thread(self.model.healthy)
+
+    def heal(self) -> None:
+        self._heal()
+
+    def _heal(self, rebuild_if_slow: bool = False) -> None:
+        """A group with a dead shard is rebuilt (one being rebuilt, or already replaced, is kept):
+        Serve's health check, and the engine's call after a forward pass failed (then a shard
+        that does not answer counts as lost too)."""
+        if self.model.heal(rebuild_if_slow):
+            self.metrics.rebuilds.inc()
+
+    def report(self, metrics: ServingMetrics) -> None:
+        if self.engine is not None:
+            metrics.read_engine(self.engine.stats)
+        else:
+            metrics.max_batch_size.set(self.batches.limit)
+
+    def close(self) -> None:
+        self.model.close()
+        self._window.shutdown(wait=False)

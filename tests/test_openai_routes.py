@@ -1,0 +1,116 @@
+"""The HTTP surface (serve/openai_routes.py, serve/admin_routes.py) without Ray Serve: the routes
+and the guard in a FastAPI app served by uvicorn on a real socket, over the built-in engine in
+this process; answers equal to the model's alone, streamed or whole, each mistake's status, the
+admin routes' rights and an operator's promotion. test_serve.py runs the same routes in the Serve
+app."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from conftest import served_by_uvicorn
+from followed_run import PROMPT, alone, commit
+from shardyard.checkpoint.record import checkpoint_name
+from shardyard.serve.admin_routes import Admin
+from shardyard.serve.guard import GuardSettings
+from shardyard.serve.http_surface import http_app
+from shardyard.serve.openai_routes import Answering
+from test_weight_follower import follower_of
+
+TOKEN = "operator-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("routes") / "gpt_ddp"
+    commit(run, 10)
+    commit(run, 20)
+    return run
+
+
+@contextmanager
+def served(answering: Answering, admin: Admin, token: str | None) -> Iterator[str]:
+    """The routes over `answering`, behind the guard, on a real socket: their base URL."""
+    with served_by_uvicorn(http_app(GuardSettings(16_384, token), answering, admin)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def app(run_dir: Path) -> Iterator[str]:
+    """The run served from its newest checkpoint (20), following it, without a token."""
+    follower, _ = follower_of(run_dir)
+    cfg, engine = follower.cfg, follower.gate.engine
+    answering = Answering(cfg, "gpt", 2048, 256, engine, follower.served, lambda: "ray_serve_up 1\n")
+    try:
+        with served(answering, Admin(False, follower), None) as url:
+            yield url
+    finally:
+        engine.close()
+
+
+def error_of(response: requests.Response) -> tuple[int, str]:
+    return response.status_code, response.json()["error"]["message"]
+
+
+@pytest.mark.timeout(120)
+def test_completions_whole_or_streamed_equal_the_model_alone(app: str, run_dir: Path) -> None:
+    expected = alone(run_dir / checkpoint_name(20))
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    whole = requests.post(f"{app}/v1/completions", json=body, timeout=60).json()
+    assert whole["choices"][0]["text"] == expected and whole["system_fingerprint"] == "gpt_ddp@20"
+    with requests.post(f"{app}/v1/completions", json={**body, "stream": True}, stream=True, timeout=60) as r:
+        events = [line.removeprefix(b"data: ") for line in r.iter_lines() if line]
+    assert events[-1] == b"[DONE]"
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == expected
+    model: dict[str, Any] = requests.get(f"{app}/v1/models", timeout=10).json()["data"][0]
+    assert (model["id"], model["served_step"], model["max_model_len"], model["served_from"]) == (
+        "gpt_ddp", 20, 2048, "storage")
+    assert requests.get(f"{app}/healthz", timeout=10).json() == {"status": "ok", "model": "gpt", "engine": "builtin"}
+    assert requests.get(f"{app}/metrics", timeout=10).text == "ray_serve_up 1\n"
+
+
+@pytest.mark.timeout(60)
+def test_each_mistake_gets_its_status_and_reason(app: str) -> None:
+    post = lambda route, body: requests.post(f"{app}{route}", json=body, timeout=30)  # noqa: E731
+    status, reason = error_of(post("/v1/completions", {"prompt": "x", "model": "other"}))
+    assert status == 404 and "'other' is not served here" in reason
+    status, reason = error_of(post("/v1/completions", {"prompt": "x" * 2040, "max_tokens": 16}))
+    assert status == 400 and "exceed the model's context of 2048 tokens" in reason
+    status, reason = error_of(post("/v1/completions", {"prompt": "x", "n": 9}))
+    assert status == 422 and "at most 8" in reason
+    status, reason = error_of(post("/v1/predict", {"inputs": [[1.0]]}))
+    assert status == 404 and "use /v1/completions" in reason
+    status, reason = error_of(post("/admin/rollback", {}))
+    assert status == 403 and "bearer token" in reason
+
+
+@pytest.mark.timeout(120)
+def test_an_operator_promotes_with_the_token_and_a_client_without_it_cannot(run_dir: Path) -> None:
+    follower, _ = follower_of(run_dir)
+    answering = Answering(follower.cfg, "gpt", 2048, 256, follower.gate.engine, follower.served, lambda: "")
+    try:
+        with served(answering, Admin(True, follower), TOKEN) as url:
+            assert requests.post(f"{url}/admin/promote", json={"step": 10}, timeout=30).status_code == 401
+            status, reason = error_of(requests.post(f"{url}/admin/promote", json={"step": 99}, headers=AUTH,
+                                                    timeout=30))
+            assert status == 404 and "no committed checkpoint of step 99" in reason
+            promoted = requests.post(f"{url}/admin/promote", json={"step": 10}, headers=AUTH, timeout=60).json()
+            assert promoted["served_step"] == 10 and promoted["system_fingerprint"] == "gpt_ddp@10"
+            answer = requests.post(f"{url}/v1/completions", headers=AUTH, timeout=60,
+                                   json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0}).json()
+            assert answer["choices"][0]["text"] == alone(run_dir / checkpoint_name(10))
+    finally:
+        follower.gate.engine.close()
+
+    not_following = Admin(True, None)
+    with served(answering, not_following, TOKEN) as url:
+        status, reason = error_of(requests.post(f"{url}/admin/rollback", headers=AUTH, timeout=30))
+        assert status == 409 and "follow: true" in reason

@@ -1,0 +1,117 @@
+"""The weight follower and its gate (serve/weight_follower.py, serve/weight_gate.py) without Ray
+Serve: a replica's follower over the built-in engine in this process, the app-wide AppWeights
+called here (in a served app, through its deployment handle), following a run as it commits;
+the operator's rollback and promotion as the admin routes call them. The same journeys over HTTP
+in served apps: tests/drills/test_follow_drills.py."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from followed_run import PROMPT, alone, commit
+from test_builtin_engine import run_closing
+from shardyard.checkpoint.layout import read_spec
+from shardyard.checkpoint.record import checkpoint_name
+from shardyard.serve.app_weights import AppWeights
+from shardyard.serve.builtin_engine import BuiltinEngine
+from shardyard.serve.config import parse_config
+from shardyard.serve.generation import Completion, decode, encode
+from shardyard.serve.metrics import ServingMetrics
+from shardyard.serve.weight_follower import OperatorRefused, WeightFollower
+from shardyard.serve.weight_gate import WeightGate, served_at_start
+
+TOKENS = 12
+
+
+class Here:
+    """A deployment's class called in this process, its methods as coroutines (as the app's
+    Remote makes of a deployment handle's)."""
+
+    def __init__(self, instance: Any) -> None:
+        self.instance = instance
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.instance, name)
+
+        async def call(*args: Any) -> Any:
+            return method(*args)
+        return call
+
+
+def follower_of(run: Path, **args: Any) -> tuple[WeightFollower, Any]:
+    """A replica's follower of `run` (as ModelServer composes one), and the app's AppWeights."""
+    cfg = parse_config({"checkpoint": str(run), "device": "cpu", "max_batch_size": 4, "follow": True,
+                        "follow_interval_s": 0.1, **args})
+    metrics = ServingMetrics()
+    engine = BuiltinEngine(cfg, cfg.checkpoint, read_spec(cfg.checkpoint).model, metrics, cfg.fingerprint)
+    app_weights = AppWeights.func_or_class()
+    app_weights.promote(Path(cfg.checkpoint))  # as a replica starting does
+    gate = WeightGate(cfg, engine, served_at_start(cfg), metrics)
+    return WeightFollower(cfg, gate, Here(app_weights), None, "replica-1", metrics), app_weights
+
+
+async def answer(follower: WeightFollower) -> str:
+    generation = follower.gate.engine.generate(Completion(encode(PROMPT), TOKENS))
+    return decode([t async for t in generation.tokens])
+
+
+@pytest.mark.timeout(120)
+def test_the_follower_serves_each_commit_refuses_a_diverged_one_and_obeys_the_operator(tmp_path: Path) -> None:
+    run = tmp_path / "gpt_ddp"
+    commit(run, 10)
+    follower, app_weights = follower_of(run)
+    served = follower.served
+
+    async def scenario() -> None:
+        await follower.look()
+        assert served.step == 10 and await answer(follower) == alone(run / checkpoint_name(10))
+        await asyncio.to_thread(commit, run, 20)
+        await follower.look()
+        assert (served.step, served.fingerprint) == (20, "gpt_ddp@20")
+        assert await answer(follower) == alone(run / checkpoint_name(20))
+        await asyncio.to_thread(commit, run, 30, fault="nan")
+        await follower.look()
+        assert served.step == 20 and "not finite" in served.refused[30]
+        assert 30 in app_weights.state.refused  # no other replica tries it
+
+        assert await follower.rollback() == {"served_step": 10, "system_fingerprint": "gpt_ddp@10",
+                                             "replicas_serving": 1, "replicas": 1}
+        assert await answer(follower) == alone(run / checkpoint_name(10))
+        await follower.look()
+        assert served.step == 10  # the run's newest (20) is passed over: committed before the rollback
+        await asyncio.to_thread(commit, run, 40)
+        await follower.look()
+        assert served.step == 40
+
+        with pytest.raises(OperatorRefused, match="no committed checkpoint of step 99") as refused:
+            await follower.promote(99)
+        assert refused.value.status == 404
+        assert (await follower.promote(20))["served_step"] == 20 == served.step
+        assert app_weights.state.pin.step == 20
+
+    run_closing(follower.gate.engine, scenario)
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_that_answers_a_golden_prompt_otherwise_is_refused_and_undone(tmp_path: Path) -> None:
+    run = tmp_path / "gpt_ddp"
+    commit(run, 10)
+    expected = alone(run / checkpoint_name(10))
+    follower, _ = follower_of(run, golden_prompts=[{"prompt": PROMPT, "max_tokens": TOKENS, "expect": expected}])
+    served = follower.served
+
+    async def scenario() -> None:
+        await asyncio.to_thread(commit, run, 20)
+        await follower.look()
+        assert served.step == 10 and "golden prompt" in served.refused[20]
+        assert served.candidate_step is None
+        assert await answer(follower) == expected
+        await asyncio.to_thread(commit, run, 30, seed=10)  # step 10's weights again: they answer as expected
+        await follower.look()
+        assert served.step == 30 and await answer(follower) == expected
+
+    run_closing(follower.gate.engine, scenario)
