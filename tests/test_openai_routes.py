@@ -6,6 +6,7 @@ app."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,13 +20,14 @@ from conftest import served_by_uvicorn
 from followed_run import PROMPT, alone, commit
 from shardyard.checkpoint.record import checkpoint_name
 from shardyard.serve.admin_routes import Admin
-from shardyard.serve.guard import GuardSettings
+from shardyard.serve import openai_api as oa
+from shardyard.serve.guard import ClientError, GuardSettings
 from shardyard.serve.http_surface import http_app
-from shardyard.serve.openai_routes import Answering
+from shardyard.serve.openai_routes import Answering, answer
 from test_weight_follower import follower_of
 
-TOKEN = "operator-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
+TOKEN, ADMIN_TOKEN = "client-token", "operator-token"
+AUTH, ADMIN = ({"Authorization": f"Bearer {token}"} for token in (TOKEN, ADMIN_TOKEN))
 
 
 @pytest.fixture(scope="module")
@@ -37,23 +39,28 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @contextmanager
-def served(answering: Answering, admin: Admin, token: str | None) -> Iterator[str]:
+def served(answering: Answering, admin: Admin, token: str | None, admin_token: str | None = None) -> Iterator[str]:
     """The routes over `answering`, behind the guard, on a real socket: their base URL."""
-    with served_by_uvicorn(http_app(GuardSettings(16_384, token), answering, admin)) as url:
+    with served_by_uvicorn(http_app(GuardSettings(16_384, token, admin_token=admin_token), answering, admin)) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
-def app(run_dir: Path) -> Iterator[str]:
-    """The run served from its newest checkpoint (20), following it, without a token."""
+def answering(run_dir: Path) -> Iterator[Answering]:
+    """The run served from its newest checkpoint (20), following it."""
     follower, _ = follower_of(run_dir)
-    cfg, engine = follower.cfg, follower.gate.engine
-    answering = Answering(cfg, "gpt", 2048, 256, engine, follower.served, lambda: "ray_serve_up 1\n")
     try:
-        with served(answering, Admin(False, follower), None) as url:
-            yield url
+        yield Answering(follower.cfg, "gpt", 2048, 256, follower.gate.engine, follower.served,
+                        lambda: "ray_serve_up 1\n")
     finally:
-        engine.close()
+        follower.gate.engine.close()
+
+
+@pytest.fixture(scope="module")
+def app(answering: Answering) -> Iterator[str]:
+    """Its routes without a token (and without an operator's: the admin routes are off)."""
+    with served(answering, Admin(None), None) as url:
+        yield url
 
 
 def error_of(response: requests.Response) -> tuple[int, str]:
@@ -86,31 +93,59 @@ def test_each_mistake_gets_its_status_and_reason(app: str) -> None:
     assert status == 400 and "exceed the model's context of 2048 tokens" in reason
     status, reason = error_of(post("/v1/completions", {"prompt": "x", "n": 9}))
     assert status == 422 and "at most 8" in reason
+    status, reason = error_of(post("/v1/completions", {"prompt": "x", "seed": 2**64 - 1}))
+    assert status == 422 and "seed" in reason  # over vLLM's range, as its own server refuses it
+    last = post("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "seed": 2**63 - 1, "n": 2}).json()
+    assert len(last["choices"]) == 2  # the second choice's seed wraps to 0
+    assert post("/v1/completions", {"prompt": PROMPT, "max_tokens": 4}).status_code == 200
     status, reason = error_of(post("/v1/predict", {"inputs": [[1.0]]}))
     assert status == 404 and "use /v1/completions" in reason
     status, reason = error_of(post("/admin/rollback", {}))
-    assert status == 403 and "bearer token" in reason
+    assert status == 403 and "admin routes are off" in reason
+
+
+@pytest.mark.timeout(60)
+def test_streams_that_arrive_together_count_against_the_replicas_limit_until_they_end(answering: Answering) -> None:
+    """Three streamed requests of 3 choices each arrive before any of their streams starts: the
+    third does not fit beside the other two (the limit is 8 choices), and each stream's choices
+    are given back when its response ends, whether or not it ever streamed."""
+    body = oa.CompletionRequest(prompt=PROMPT, max_tokens=4, n=3, stream=True)
+    prompts = [answering.prompt_tokens(PROMPT, 4)]
+
+    async def arrive_together() -> None:
+        responses = [await answer(answering, prompts, body, chat=False) for _ in range(2)]
+        assert answering.choices.in_flight == 6
+        with pytest.raises(ClientError) as busy:
+            await answer(answering, prompts, body, chat=False)
+        assert busy.value.status == 503
+        for response in responses:  # their clients left before the streams started
+            await response.background()
+        assert answering.choices.in_flight == 0
+
+    asyncio.run(arrive_together())
 
 
 @pytest.mark.timeout(120)
-def test_an_operator_promotes_with_the_token_and_a_client_without_it_cannot(run_dir: Path) -> None:
+def test_an_operator_promotes_with_the_admin_token_and_a_client_cannot(run_dir: Path) -> None:
     follower, _ = follower_of(run_dir)
     answering = Answering(follower.cfg, "gpt", 2048, 256, follower.gate.engine, follower.served, lambda: "")
     try:
-        with served(answering, Admin(True, follower), TOKEN) as url:
-            assert requests.post(f"{url}/admin/promote", json={"step": 10}, timeout=30).status_code == 401
-            status, reason = error_of(requests.post(f"{url}/admin/promote", json={"step": 99}, headers=AUTH,
+        with served(answering, Admin(follower), TOKEN, ADMIN_TOKEN) as url:
+            for headers in ({}, AUTH):  # no token, or the clients'
+                refused = requests.post(f"{url}/admin/promote", json={"step": 10}, headers=headers, timeout=30)
+                assert error_of(refused) == (401, "missing or wrong admin token (Authorization: Bearer <admin token>)")
+            assert requests.get(f"{url}/v1/models", headers=ADMIN, timeout=30).status_code == 401  # admin only
+            status, reason = error_of(requests.post(f"{url}/admin/promote", json={"step": 99}, headers=ADMIN,
                                                     timeout=30))
             assert status == 404 and "no committed checkpoint of step 99" in reason
-            promoted = requests.post(f"{url}/admin/promote", json={"step": 10}, headers=AUTH, timeout=60).json()
+            promoted = requests.post(f"{url}/admin/promote", json={"step": 10}, headers=ADMIN, timeout=60).json()
             assert promoted["served_step"] == 10 and promoted["system_fingerprint"] == "gpt_ddp@10"
-            answer = requests.post(f"{url}/v1/completions", headers=AUTH, timeout=60,
-                                   json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0}).json()
-            assert answer["choices"][0]["text"] == alone(run_dir / checkpoint_name(10))
+            reply = requests.post(f"{url}/v1/completions", headers=AUTH, timeout=60,
+                                  json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0}).json()
+            assert reply["choices"][0]["text"] == alone(run_dir / checkpoint_name(10))
     finally:
         follower.gate.engine.close()
 
-    not_following = Admin(True, None)
-    with served(answering, not_following, TOKEN) as url:
-        status, reason = error_of(requests.post(f"{url}/admin/rollback", headers=AUTH, timeout=30))
+    with served(answering, Admin(None), TOKEN, ADMIN_TOKEN) as url:
+        status, reason = error_of(requests.post(f"{url}/admin/rollback", headers=ADMIN, timeout=30))
         assert status == 409 and "follow: true" in reason

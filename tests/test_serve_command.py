@@ -67,6 +67,21 @@ def test_the_dtype_flag_is_the_configs_dtype(run_dir: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_the_operators_token_file_is_the_admin_token(run_dir: Path, tmp_path: Path) -> None:
+    import argparse
+
+    from shardyard.serve.command import add_serve_arguments, serve_config
+    from shardyard.serve.config import parse_config
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    (tmp_path / "admin").write_text("s3cret-of-the-operator\n")
+    config = serve_config(parser.parse_args([str(run_dir), "--admin-token-file", str(tmp_path / "admin")]))
+    assert parse_config(config).admin_token == "s3cret-of-the-operator" and "s3cret" not in str(config)
+    assert parse_config(serve_config(parser.parse_args([str(run_dir)]))).admin_token is None
+
+
+@pytest.mark.timeout(60)
 def test_decode_steps_compile_on_gpus_unless_enforce_eager_says_otherwise(run_dir: Path) -> None:
     """`enforce_eager` (vLLM's flag): unset, decode steps compile on GPUs and run eagerly on CPUs;
     `--enforce-eager` makes every pass eager, `enforce_eager: false` compiles on CPUs too."""

@@ -91,7 +91,22 @@ def test_the_follower_serves_each_commit_refuses_a_diverged_one_and_obeys_the_op
             await follower.promote(99)
         assert refused.value.status == 404
         assert (await follower.promote(20))["served_step"] == 20 == served.step
-        assert app_weights.state.pin.step == 20
+        assert app_weights.state.pin.step == 20 and 20 not in served.refused
+
+        # A second rollback goes further back, never forward to the step the first left.
+        assert (await follower.rollback())["served_step"] == 40
+        assert (await follower.rollback())["served_step"] == 10
+        assert {20, 40} <= set(app_weights.state.refused)
+        await follower.look()
+        assert served.step == 10
+
+        # A refused promotion leaves the replica following the run: a step committed before it serves.
+        await asyncio.to_thread(commit, run, 50)
+        with pytest.raises(OperatorRefused, match="not finite") as refused:
+            await follower.promote(30)
+        assert refused.value.status == 422 and served.step == 10
+        await follower.look()
+        assert served.step == 50
 
     run_closing(follower.gate.engine, scenario)
 

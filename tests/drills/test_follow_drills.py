@@ -31,6 +31,8 @@ from shardyard.localdist import free_port
 from test_serve import TOKEN, metric
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}  # the token test_serve.metric sends to /metrics too
+ADMIN_TOKEN = "the-operators-own"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 def served(url: str) -> dict:
@@ -61,7 +63,7 @@ def complete(url: str, max_tokens: int = 12) -> dict:
 
 
 def admin(url: str, route: str, **body) -> requests.Response:
-    return requests.post(f"{url}/admin/{route}", json=body or None, headers=AUTH, timeout=120)
+    return requests.post(f"{url}/admin/{route}", json=body or None, headers=ADMIN, timeout=120)
 
 
 @dataclass
@@ -96,8 +98,11 @@ def start_app(base: str, name: str, run_dir: Path, token_file: Path, **args) -> 
 
     from shardyard.serve.app import build_app
 
+    admin_token_file = token_file.with_name("admin_token")  # the operator's, beside the clients'
+    admin_token_file.write_text(ADMIN_TOKEN)
     serve.run(build_app({"checkpoint": str(run_dir), "follow_interval_s": 0.5, "request_timeout_s": 120,
-                         "bearer_token_file": str(token_file), **args}), name=name, route_prefix=f"/{name}")
+                         "bearer_token_file": str(token_file), "admin_token_file": str(admin_token_file), **args}),
+              name=name, route_prefix=f"/{name}")
     return f"{base}/{name}"
 
 
@@ -375,12 +380,13 @@ def test_a_checkpoint_with_a_worse_validation_loss_is_refused(followed: Followed
 
 @pytest.mark.drill(outcome="the earlier weights answer; a bad step is refused", lost="nothing")
 @pytest.mark.timeout(240)
-def test_an_operator_rolls_back_and_promotes_with_the_token_only(followed: Followed) -> None:
+def test_an_operator_rolls_back_and_promotes_with_the_admin_token_only(followed: Followed) -> None:
     url = followed.url
     earlier = followed.served_step()
     newer = followed.commit()
     wait_for_step(url, newer)
     assert requests.post(f"{url}/admin/rollback", timeout=30).status_code == 401
+    assert requests.post(f"{url}/admin/rollback", headers=AUTH, timeout=30).status_code == 401  # a client's token
     assert admin(url, "rollback").json() == {"served_step": earlier, "system_fingerprint": f"gpt_ddp@{earlier}",
                                              "replicas_serving": 1, "replicas": 1}
     back = complete(url)

@@ -102,6 +102,8 @@ def test_a_request_without_the_token_is_refused_before_its_body_is_read(app) -> 
     assert near.status_code == 401  # compared whole, not by prefix
     missing_route = requests.get(f"{url}/no/such/route")
     assert missing_route.status_code == 401  # auth comes before routing too
+    admin = requests.post(f"{url}/admin/rollback", headers=AUTH)  # the clients' token opens no admin route
+    assert admin.status_code == 403 and "admin routes are off" in assert_error_shape(admin.json(), "permission_error")
     assert requests.get(f"{url}/healthz").status_code == 200  # open for load balancers
     assert app.bodies == []
 
@@ -153,28 +155,35 @@ def test_every_error_leaves_in_one_json_shape_and_is_counted_by_route_template(a
 @pytest.mark.drill(outcome="refused with a message", lost="nothing")
 @pytest.mark.timeout(60)
 def test_the_bearer_token_never_travels_in_deployment_arguments_and_is_never_empty(tmp_path: Path, monkeypatch) -> None:
-    """Serve's dashboard shows deployment arguments: the token is read from a variable or a file
-    where the config is parsed; an empty one would let every request in, so it is refused."""
+    """Serve's dashboard shows deployment arguments: the tokens (the clients' and the operator's)
+    are read from a variable or a file where the config is parsed; an empty one would let every
+    request in, and an operator's token that is the clients' too would make every client an
+    operator, so both are refused."""
     from shardyard.serve.config import parse_config, read_token
 
-    with pytest.raises(SpecError, match="bearer_token: deployment arguments are shown by Serve's dashboard"):
-        parse_config({"bearer_token": TOKEN})
+    for name in ("bearer_token", "admin_token"):
+        with pytest.raises(SpecError, match=f"{name}: deployment arguments are shown by Serve's dashboard"):
+            parse_config({name: TOKEN})
     from test_run_drills import job, write_checkpoint
 
     write_checkpoint(job(tmp_path))
     (tmp_path / "token").write_text(TOKEN + "\n")
     cfg = parse_config({"checkpoint": str(tmp_path / "run"), "bearer_token_file": str(tmp_path / "token")})
     assert cfg.bearer_token == TOKEN and TOKEN not in json.dumps(cfg.model_dump())  # what Serve is given
+    assert cfg.admin_token is None  # the admin routes are off unless an operator's token is given
     monkeypatch.setenv("SHARDYARD_TEST_TOKEN", f" {TOKEN}\n")
-    assert read_token("SHARDYARD_TEST_TOKEN", None) == TOKEN
-    assert read_token(None, str(tmp_path / "token")) == TOKEN
+    assert read_token("SHARDYARD_TEST_TOKEN", None, "bearer_token") == TOKEN
+    assert read_token(None, str(tmp_path / "token"), "bearer_token") == TOKEN
+    with pytest.raises(SpecError, match="admin_token: it is the clients' bearer token too"):
+        parse_config({"checkpoint": str(tmp_path / "run"), "bearer_token_file": str(tmp_path / "token"),
+                      "admin_token_env": "SHARDYARD_TEST_TOKEN"})
     monkeypatch.setenv("SHARDYARD_EMPTY_TOKEN", "  ")
-    with pytest.raises(ValueError, match="SHARDYARD_EMPTY_TOKEN is empty"):
-        read_token("SHARDYARD_EMPTY_TOKEN", None)
-    with pytest.raises(ValueError, match="SHARDYARD_NO_SUCH_VARIABLE is not set"):
-        read_token("SHARDYARD_NO_SUCH_VARIABLE", None)
+    with pytest.raises(ValueError, match="admin_token: the environment variable SHARDYARD_EMPTY_TOKEN is empty"):
+        read_token("SHARDYARD_EMPTY_TOKEN", None, "admin_token")
+    with pytest.raises(ValueError, match="bearer_token_env: the environment variable SHARDYARD_NO_SUCH_VARIABLE"):
+        read_token("SHARDYARD_NO_SUCH_VARIABLE", None, "bearer_token")
     with pytest.raises(ValueError, match="cannot read"):
-        read_token(None, str(tmp_path / "missing"))
+        read_token(None, str(tmp_path / "missing"), "bearer_token")
 
 
 def trickle(url: str, declared: int) -> socket.socket:
@@ -223,8 +232,7 @@ def test_a_replicas_limit_counts_choices_not_requests() -> None:
     limit.give_back(3)
     limit.take(2)
     assert limit.in_flight == 7
-    limit.admit(1)  # fits: nothing counted until the stream holds it
-    assert limit.in_flight == 7
-    limit.hold(1)
+    limit.take(1)
     with pytest.raises(ClientError):
-        limit.admit(1)
+        limit.take(1)
+    assert limit.in_flight == 8

@@ -3,9 +3,10 @@
     POST /admin/rollback       back to the weights the app served before, on every replica
     POST /admin/promote        {"step": N}: the run's checkpoint of step N, through the gate, everywhere
 
-Both change what every client is answered with, so they need the app's bearer token (checked
-by the guard before the body is read) and are refused where the app has none. The work is the
-weight follower's (serve/weight_follower.py); these routes only speak HTTP for it.
+Both change what every client is answered with, so they take the operator's token alone (the
+app's `admin_token_env` or `admin_token_file`), never the clients': the guard checks it before the
+body is read, and answers 403 where the app has none (off by default). The work is the weight
+follower's (serve/weight_follower.py); these routes only speak HTTP for it.
 """
 
 from __future__ import annotations
@@ -28,17 +29,12 @@ class PromoteRequest(BaseModel):
 @dataclass
 class Admin:
     """What the admin routes act through: the replica's follower (None: the app follows no run)."""
-    has_token: bool
     follower: WeightFollower | None
 
 
 def follower(request: Request) -> WeightFollower:
-    """The follower, once the caller may use it: only with the app's bearer token (the guard has
-    checked it), and only on an app that follows a run."""
+    """The follower, on an app that follows a run (the guard has checked the operator's token)."""
     admin: Admin = request.app.state.admin
-    if not admin.has_token:
-        raise ClientError(403, "the admin routes need the app's bearer token (bearer_token_env or "
-                               "bearer_token_file)")
     if admin.follower is None:
         raise ClientError(409, "the admin routes act on an app that follows a run directory (follow: true)")
     return admin.follower

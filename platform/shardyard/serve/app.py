@@ -127,8 +127,8 @@ class ModelServer:
         """The replica's HTTP app, over its own parts (Serve calls this once the replica is made)."""
         cfg = self.config
         guard = GuardSettings(cfg.max_body_bytes, cfg.bearer_token, cfg.body_timeout_s, self.metrics.count_error,
-                              self.start_tasks)
-        return http_app(guard, self.answering, Admin(cfg.bearer_token is not None, self.follower))
+                              self.start_tasks, cfg.admin_token)
+        return http_app(guard, self.answering, Admin(self.follower))
 
     def __del__(self) -> None:
         """Serve calls this as it stops the replica: vLLM's engine process goes with it."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -43,6 +44,9 @@ T = TypeVar("T")
 # The replica decodes and batches; its shards compute. Its bundle is small so that README's
 # default app (2 shards of 0.75) fits a 2-core machine.
 REPLICA_CPUS = 0.5
+# How long one probe of the shards answers /healthz: the route is open to anyone, and each probe
+# asks every shard.
+HEALTH_REUSE_S = 1.0
 
 
 class BuiltinEngine:
@@ -59,6 +63,7 @@ class BuiltinEngine:
         self.engine: DecodingEngine | None = None
         self.batches: StaticBatches | None = None
         self._weights = weights
+        self._health, self._probing = (float("-inf"), False), asyncio.Lock()  # (when, healthy): the last probe
         # A swap's blocking calls (the lock, the swap, the golden passes, the swap back) run on
         # one thread: the group's lock is held across them.
         self._window = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardyard-swap")
@@ -199,7 +204,11 @@ class BuiltinEngine:
     # ------------------------------------------------------------------ health
 
     async def health(self) -> bool:
-        return await asyncio.to_thread(self.model.healthy)
+        """Whether every shard answers, probed at most once per HEALTH_REUSE_S however often asked."""
+        async with self._probing:
+            if time.monotonic() - self._health[0] > HEALTH_REUSE_S:
+                self._health = (time.monotonic(), await asyncio.to_thread(self.model.healthy))
+            return self._health[1]
 
     def heal(self) -> None:
         self._heal()

@@ -42,6 +42,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     key = parser.add_mutually_exclusive_group()
     key.add_argument("--api-key", help="the bearer token requests need (on a cluster, use --api-key-file)")
     key.add_argument("--api-key-file", help="a file holding it, at that path on every node")
+    parser.add_argument("--admin-token-file", help="a file holding the operator's token, the only one /admin/rollback "
+                        "and /admin/promote take (without it they are off)")
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--header-timeout", type=positive_seconds, default=DEFAULT_HEADER_TIMEOUT_S,
@@ -88,6 +90,8 @@ def serve_config(args: argparse.Namespace) -> dict[str, Any]:
                             "(RAY_ADDRESS is set) use --api-key-file with a path every node has")
         os.environ[API_KEY_ENV] = args.api_key  # inherited by the local Ray's workers, not shown by Serve
         config["bearer_token_env"] = API_KEY_ENV
+    if args.admin_token_file:
+        config["admin_token_file"] = os.path.abspath(args.admin_token_file)
     for item in args.overrides:
         apply_override(config, item)
     return config

@@ -37,6 +37,7 @@ class ServeConfig(BaseModel):
     _fingerprint: str = PrivateAttr("")
     _tokenizer: Any = PrivateAttr(None)  # language models: the serving tokenizer (None: UTF-8 bytes)
     _token: str | None = PrivateAttr(None)  # read where the config is parsed; never in the bound arguments
+    _admin_token: str | None = PrivateAttr(None)  # the same, for the admin routes
 
     checkpoint: str = Field(DEFAULT_CHECKPOINT, description="a checkpoint, a run directory (its latest), or a Hugging Face model directory")
     trust_factory: str | None = Field(None, description="a custom model's factory ('module:function'), named by "
@@ -123,13 +124,18 @@ class ServeConfig(BaseModel):
     bearer_token_env: str | None = Field(None, min_length=1, description="the environment variable that holds "
                                          "the token requests need (Authorization: Bearer <token>)")
     bearer_token_file: str | None = Field(None, min_length=1, description="or the file that holds it")
+    admin_token_env: str | None = Field(None, min_length=1, description="the environment variable that holds "
+                                        "the operator's token, the only one /admin/rollback and /admin/promote "
+                                        "take (off by default: they answer 403)")
+    admin_token_file: str | None = Field(None, min_length=1, description="or the file that holds it")
 
     @model_validator(mode="before")
     @classmethod
     def _no_token_in_arguments(cls, args: Any) -> Any:
-        if isinstance(args, dict) and "bearer_token" in args:
-            raise ValueError("bearer_token: deployment arguments are shown by Serve's dashboard and API; put the "
-                             "token in an environment variable (bearer_token_env=NAME) or a file (bearer_token_file=PATH)")
+        for key in ("bearer_token", "admin_token"):
+            if isinstance(args, dict) and key in args:
+                raise ValueError(f"{key}: deployment arguments are shown by Serve's dashboard and API; put the "
+                                 f"token in an environment variable ({key}_env=NAME) or a file ({key}_file=PATH)")
         return args
 
     @model_validator(mode="before")
@@ -161,7 +167,11 @@ class ServeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:
-        self._token = read_token(self.bearer_token_env, self.bearer_token_file)
+        self._token = read_token(self.bearer_token_env, self.bearer_token_file, "bearer_token")
+        self._admin_token = read_token(self.admin_token_env, self.admin_token_file, "admin_token")
+        if self._admin_token is not None and self._admin_token == self._token:
+            raise ValueError("admin_token: it is the clients' bearer token too, so every client could roll the app "
+                             "back; give the operator a token of their own")
         if self.max_replicas is not None and self.max_replicas < self.num_replicas:
             raise ValueError(f"max_replicas ({self.max_replicas}) is below num_replicas ({self.num_replicas})")
         self._source = self.checkpoint
@@ -259,6 +269,11 @@ class ServeConfig(BaseModel):
         return self._token
 
     @property
+    def admin_token(self) -> str | None:
+        """The token the admin routes need, or None: they are off."""
+        return self._admin_token
+
+    @property
     def concurrency(self) -> int:
         """Choices a replica takes at once: Serve's `max_ongoing_requests` counts requests, and a
         request with several prompts or n > 1 counts once per choice against this. Above one full
@@ -319,24 +334,24 @@ def check_vocabulary(model: Any, tokenizer: Any) -> None:
                          f"(a model trained on synthetic token ids cannot serve text)")
 
 
-def read_token(env: str | None, file: str | None) -> str | None:
-    """The bearer token from its variable or file (surrounding whitespace dropped); one that is
+def read_token(env: str | None, file: str | None, name: str) -> str | None:
+    """The token `name` from its variable or file (surrounding whitespace dropped); one that is
     missing or empty is an error, never "no auth"."""
     if env and file:
-        raise ValueError("give bearer_token_env or bearer_token_file, not both")
+        raise ValueError(f"give {name}_env or {name}_file, not both")
     if env:
         if env not in os.environ:
-            raise ValueError(f"bearer_token_env: the environment variable {env} is not set")
+            raise ValueError(f"{name}_env: the environment variable {env} is not set")
         token, where = os.environ[env].strip(), f"the environment variable {env}"
     elif file:
         try:
             token, where = Path(file).expanduser().read_text().strip(), f"the file {file}"
         except OSError as err:
-            raise ValueError(f"bearer_token_file: cannot read {file}: {err.strerror}") from None
+            raise ValueError(f"{name}_file: cannot read {file}: {err.strerror}") from None
     else:
         return None
     if not token:
-        raise ValueError(f"bearer token: {where} is empty (an empty token would let every request in)")
+        raise ValueError(f"{name}: {where} is empty (an empty token would let every request in)")
     return token
 
 

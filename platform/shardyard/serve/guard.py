@@ -3,6 +3,8 @@
 - Auth first: a request without the bearer token is refused (401) before its body is read, the
   token compared in constant time. `GET /healthz` stays open for load balancers; `/metrics` needs
   the token like everything else (Prometheus sends one with `authorization: credentials_file`).
+  The admin routes (`/admin/...`) take the operator's token alone, never the clients': 403 where
+  the app has none (they are off), 401 for any other token.
 - Then size and time: a Content-Length over the limit is refused (413) before the body is read,
   a body sent in chunks (no Content-Length) is read only up to the limit, and a body not received
   whole within the deadline gets 408: a client that trickles its body (slowloris) holds one of the
@@ -21,7 +23,7 @@ import asyncio
 import hmac
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -37,6 +39,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 OPEN_PATHS = ("/healthz",)  # GET without a token
+ADMIN_PREFIX = "/admin/"  # the operator's routes: the admin token only
 UNMATCHED = "unmatched"  # the route label of a request that matched no route
 
 
@@ -57,16 +60,13 @@ class GuardSettings:
     body_timeout_s: float = 10.0
     count_error: Callable[[int, str], None] = lambda status, route: None
     on_request: Callable[[], None] = lambda: None  # e.g. start the replica's metrics publisher
-    _expected: bytes = field(init=False, repr=False)
+    admin_token: str | None = None  # None: the admin routes are off
 
-    def __post_init__(self) -> None:
-        self._expected = f"Bearer {self.token}".encode()
-
-    def authorized(self, scope: Scope) -> bool:
-        if self.token is None:
+    def authorized(self, scope: Scope, token: str | None) -> bool:
+        if token is None:
             return True
         given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
-        return hmac.compare_digest(given, self._expected)  # constant time: no prefix oracle
+        return hmac.compare_digest(given, f"Bearer {token}".encode())  # constant time: no prefix oracle
 
 
 class ChoiceLimit:
@@ -78,18 +78,11 @@ class ChoiceLimit:
     def __init__(self, limit: int) -> None:
         self.limit, self.in_flight = limit, 0
 
-    def admit(self, choices: int) -> None:
-        """Refuse (503) a request whose choices do not fit now."""
+    def take(self, choices: int) -> None:
+        """Count a request's choices in, or refuse it (503) if they do not fit now."""
         if self.in_flight and self.in_flight + choices > self.limit:
             raise ClientError(503, f"busy: {self.in_flight} choices in flight and this request adds {choices}; "
                                    f"the limit is {self.limit}", retry_after_s=1)
-
-    def take(self, choices: int) -> None:
-        self.admit(choices)
-        self.in_flight += choices
-
-    def hold(self, choices: int) -> None:
-        """Count choices admitted earlier (a stream's, once its response starts)."""
         self.in_flight += choices
 
     def give_back(self, choices: int) -> None:
@@ -138,7 +131,14 @@ class RequestGuard:
                      settings: GuardSettings) -> tuple[JSONResponse | None, Receive | None]:
         """A refusal, or a receive that replays the body read within the limit."""
         path = scope["path"].removeprefix(scope.get("root_path", ""))
-        if not (scope["method"] == "GET" and path in OPEN_PATHS) and not settings.authorized(scope):
+        if path.startswith(ADMIN_PREFIX):
+            if settings.admin_token is None:
+                return error_response(403, "the admin routes are off: the app needs an operator's token "
+                                           "(admin_token_env or admin_token_file)"), receive
+            if not settings.authorized(scope, settings.admin_token):
+                return error_response(401, "missing or wrong admin token (Authorization: Bearer <admin token>)",
+                                      code="invalid_api_key"), receive
+        elif not (scope["method"] == "GET" and path in OPEN_PATHS) and not settings.authorized(scope, settings.token):
             return error_response(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
                                   code="invalid_api_key"), receive
         limit = settings.max_body_bytes

@@ -24,6 +24,15 @@ MAX_LOGIT_BIAS = 300  # entries, as OpenAI's API
 DEFAULT_MAX_TOKENS = 16  # as OpenAI's completions API
 
 
+# Seeds within int64, as vLLM's own server bounds them (its engine refuses larger ones); a request's
+# choice j draws from seed + j, wrapped within the same range (choice_seed).
+SEED_LIMIT = 2**63 - 1
+
+
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    return None if seed is None else (seed + choice) % (SEED_LIMIT + 1)
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False            # a last chunk with the usage
@@ -46,7 +55,7 @@ class _Sampling(BaseModel):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop: str | list[str] | None = Field(None, validate_default=True)  # validated into a list
-    seed: int | None = Field(None, ge=0, le=2**64 - 1)  # the range torch's generator takes
+    seed: int | None = Field(None, ge=0, le=SEED_LIMIT)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, description="choices per prompt")

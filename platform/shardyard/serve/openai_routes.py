@@ -30,6 +30,7 @@ from typing import Annotated, Any
 import torch
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from pydantic import BaseModel, ConfigDict, Field
 
 from shardyard.checkpoint.published import Published
@@ -108,7 +109,8 @@ class Answering:
 
     def completions(self, prompts: list[list[int]], body: oa.CompletionRequest | oa.ChatRequest) -> list[Completion]:
         """A choice per prompt and per `n`, in OpenAI's order (prompt by prompt); choice j of a
-        seeded request draws from seed + j, so its n choices differ and each is reproducible."""
+        seeded request draws from seed + j (oa.choice_seed), so its n choices differ and each is
+        reproducible."""
         count, limit = len(prompts) * body.n, self.cfg.max_choices_per_request
         if count > limit:
             raise ClientError(422, f"{len(prompts)} prompt(s) x n {body.n} = {count} choices; a request may ask "
@@ -117,7 +119,7 @@ class Answering:
             raise ClientError(422, f"logit_bias names token {max(body.logit_bias)}; the vocabulary has "
                                    f"{self.vocabulary}", "logit_bias")
         sampling = body.sampling()
-        return [Completion(p, body.new_tokens, sampling, None if body.seed is None else body.seed + j, self.stop_token)
+        return [Completion(p, body.new_tokens, sampling, oa.choice_seed(body.seed, j), self.stop_token)
                 for p in prompts for j in range(body.n)]
 
     async def metrics_text(self) -> str:
@@ -142,14 +144,14 @@ router = APIRouter()
 async def completions(body: oa.CompletionRequest, a: Replica) -> Any:
     a.expect(generates=True, model=body.model)
     prompts = [a.prompt_tokens(p, body.new_tokens) for p in body.prompt]
-    return await _answer(a, prompts, body, chat=False)
+    return await answer(a, prompts, body, chat=False)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: oa.ChatRequest, a: Replica) -> Any:
     a.expect(generates=True, model=body.model)
     prompt = oa.render_chat(body.messages, a.cfg.tokenizer)
-    return await _answer(a, [a.prompt_tokens(prompt, body.new_tokens, "messages")], body, chat=True)
+    return await answer(a, [a.prompt_tokens(prompt, body.new_tokens, "messages")], body, chat=True)
 
 
 @router.get("/v1/models")
@@ -194,17 +196,17 @@ def _event(payload: dict[str, Any] | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-async def _answer(a: Answering, prompts: list[list[int]], body: oa.CompletionRequest | oa.ChatRequest,
+async def answer(a: Answering, prompts: list[list[int]], body: oa.CompletionRequest | oa.ChatRequest,
                   chat: bool) -> Any:
     id_ = oa.completion_id(chat)
     requests = a.completions(prompts, body)
     prompt_tokens = sum(len(p) for p in prompts)
-    if body.stream:  # counted and decoded once the response streams: a client gone before holds nothing
-        a.choices.admit(len(requests))
-        options = body.stream_options or oa.StreamOptions()
-        return StreamingResponse(_stream(a, requests, body.stop, chat, id_, options, prompt_tokens),
-                                 media_type="text/event-stream")
     a.choices.take(len(requests))
+    if body.stream:  # counted from now until the response ends, however it ends: the background task
+        options = body.stream_options or oa.StreamOptions()  # runs even if the client leaves before it starts
+        return StreamingResponse(_stream(a, requests, body.stop, chat, id_, options, prompt_tokens),
+                                 media_type="text/event-stream",
+                                 background=BackgroundTask(a.choices.give_back, len(requests)))
     gens: list[Generation] = []
     started = time.perf_counter()
     try:
@@ -258,7 +260,6 @@ async def _stream(a: Answering, requests: list[Completion], stops: list[str], ch
         piece_choice = oa.choice(index, piece, reason, chat, delta=True, first=first,
                                  logprobs=choices[index].logprobs())
         return _event(oa.body(id_, model, gens[index].weights(), [piece_choice], chat, chunk=True, usage=used))
-    a.choices.hold(len(requests))
     gens: list[Generation] = []
     streams: Interleaved | None = None
     try:
@@ -295,5 +296,4 @@ async def _stream(a: Answering, requests: list[Completion], stops: list[str], ch
             streams.close()
         for gen in gens:
             gen.abandon()
-        a.choices.give_back(len(requests))
     yield _event("[DONE]")

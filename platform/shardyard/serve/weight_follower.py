@@ -164,7 +164,9 @@ class WeightFollower:
 
     async def rollback(self) -> dict[str, Any]:
         """Back to the weights the app promoted before the current ones, on every replica; the
-        followers then wait for a checkpoint committed after this call."""
+        followers then wait for a checkpoint committed after this call. The step rolled back from
+        is refused app-wide (an operator may still promote it), so a second rollback goes further
+        back instead of forward to it."""
         served = self.served
         view: View = await self.app_weights.look(self.replica, served.fingerprint)
         target = rollback_target(view.promoted, served.step, {**view.refused, **served.refused})
@@ -173,7 +175,13 @@ class WeightFollower:
         if isinstance(target, Path) and committed_record(target) is None:
             raise OperatorRefused(409, f"the earlier weights ({target.name}) are no longer in the run (pruned); "
                                        f"POST /admin/promote names a step it still holds")
-        return await self._pin(target)
+        rolled_back = served.step
+        answer = await self._pin(target)
+        if rolled_back is not None and rolled_back != answer["served_step"]:
+            reason = "rolled back by the operator"
+            served.refused[rolled_back] = reason
+            await self.app_weights.refuse(rolled_back, reason)
+        return answer
 
     async def promote(self, step: int) -> dict[str, Any]:
         """The run's checkpoint of `step`, through the same gate, on every replica; the followers
@@ -192,7 +200,6 @@ class WeightFollower:
         published: Published | None = (await self.app_weights.look(self.replica, served.fingerprint)).published
         follow_after = max(self.follow_after, step_of(newest[0].name) if newest else 0,
                            published.step if published is not None else 0)
-        self.follow_after = follow_after
         try:
             await self.gate.serve(checkpoint, operator=True)
         except (WeightsRefused, BadCheckpoint) as err:
@@ -200,6 +207,8 @@ class WeightFollower:
         except ray.exceptions.ObjectLostError:
             raise OperatorRefused(409, f"the weights published at {checkpoint} are gone (the training worker "
                                        f"that held them exited); {served.fingerprint} still serves") from None
+        # Raised once the swap succeeded: a refused promotion leaves this replica following the run.
+        self.follow_after = follow_after
         pin: Pin = await self.app_weights.pin(checkpoint, follow_after)
         self.pin_applied = max(self.pin_applied, pin.serial)
         await self.app_weights.look(self.replica, served.fingerprint)  # its own weights: counted now
