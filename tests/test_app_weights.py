@@ -84,3 +84,30 @@ def test_a_replica_started_later_begins_on_the_weights_the_app_serves(tmp_path: 
     config = parse_config({"checkpoint": str(run_dir)}).starting_at(run_dir / checkpoint_name(10))
     assert (config.served_step, config.fingerprint, config.follow) == (10, "gpt_ddp@10", True)
     assert (config.checkpoint, config.source) == (str(run_dir / checkpoint_name(10)), str(run_dir))
+
+
+@pytest.mark.timeout(30)
+def test_only_the_two_newest_published_versions_stay_referenced_however_many_are_published() -> None:
+    """Each published version's reference pins a whole model in Ray's object store: the app's
+    promotions and a replica's served list keep the current and the previous one only (paths,
+    which hold nothing, stay), so a run publishing every few steps does not fill the store."""
+    import gc
+    import weakref
+
+    from shardyard.serve.app_weights import with_few_published
+
+    state, served, alive = AppWeightsState(), [], []
+    for step in range(1, 31):
+        published = Published("gpt_ddp", step, GPTSpec(), [])
+        alive.append(weakref.ref(published))
+        state.put(published)
+        state.promote(published)
+        served = with_few_published([*served, published])
+        if step == 10:
+            state.promote(Path("runs/gpt_ddp") / checkpoint_name(11))  # a committed checkpoint between
+        del published
+    gc.collect()
+    assert [s.step for s in served] == [29, 30]
+    assert [s.step if isinstance(s, Published) else s.name for s in state.promoted] == [checkpoint_name(11), 29, 30]
+    assert [ref() is not None for ref in alive].count(True) == 2  # 28 versions let go: Ray frees them
+    assert rollback_target(state.promoted, 30, {}).step == 29

@@ -103,3 +103,39 @@ def test_published_weights_serve_resharded_with_the_training_models_logits(ray_c
             proc.kill()
         serve.delete(app)
         serve.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_many_publishes_keep_the_object_stores_use_bounded(ray_cluster) -> None:
+    """Forty versions of 4 MB published to an app's AppWeights (a real actor, holding what the app
+    holds): the object store keeps the newest two and frees the others as they are passed over,
+    where every version used to stay pinned by the promotion list."""
+    import time
+
+    import ray
+    from ray.util.state import list_objects
+
+    from shardyard.checkpoint.published import Published
+    from shardyard.serve.app_weights import AppWeights
+    from shardyard.spec import GPTSpec
+
+    size = 4 << 20
+    app_weights = ray.remote(num_cpus=0)(AppWeights.func_or_class).remote()
+
+    def pinned() -> int:
+        """Objects of the weights' size the cluster still holds."""
+        return sum(1 for o in list_objects(limit=10_000, detail=True, raise_on_missing_output=False)
+                   if (o.object_size or 0) >= size)
+
+    try:
+        for step in range(1, 41):
+            weights = ray.put(torch.zeros(size // 4, dtype=torch.float32).numpy())
+            published = Published("soak", step, GPTSpec(), [weights])
+            ray.get([app_weights.put.remote(published), app_weights.promote.remote(published)])
+            del weights, published
+        deadline = time.monotonic() + 60
+        while (held := pinned()) > 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert held <= 2, f"{held} published versions still in the object store"
+    finally:
+        ray.kill(app_weights)

@@ -3,7 +3,7 @@ starts and deletes it with the app), which every replica's follower reads at eac
 
 It holds the newest weights training published to the app (`checkpoint.publish_to`: a reference
 into Ray's object store, the weights themselves stay there), the weights the app has promoted in
-order (where a replica started later, by autoscaling or to replace one, begins, and what
+order (of published ones, the two newest only: each pins a whole model in the object store) (where a replica started later, by autoscaling or to replace one, begins, and what
 `/admin/rollback` goes back through), the steps a replica's gate refused (no replica tries them
 again), and the operator's pin: the weights `/admin/rollback` or `/admin/promote` chose, which
 every replica serves once it sees a pin newer than the last it applied.
@@ -22,8 +22,22 @@ from shardyard.checkpoint.published import APP_WEIGHTS, Published, source_step
 from shardyard.checkpoint.record import checkpoint_name
 
 LIVE_S = 10.0  # a replica that has not looked for this long is gone (scaled down, replaced)
+# Published versions a list of sources keeps: the weights serving and those before them (what a
+# rollback or a canary stepping back needs). Each pins a whole model in Ray's object store.
+KEEP_PUBLISHED = 2
 
 Source = Path | Published  # a checkpoint directory, or weights published through the object store
+
+
+def with_few_published(sources: list[Source]) -> list[Source]:
+    """`sources` in order, without the published weights older than the KEEP_PUBLISHED newest
+    steps published (their references dropped, so Ray frees them); checkpoint directories stay
+    (a path holds nothing, and training's pruning decides whether they still load)."""
+    newest: list[int] = []
+    for source in reversed(sources):
+        if isinstance(source, Published) and source.step not in newest and len(newest) < KEEP_PUBLISHED:
+            newest.append(source.step)
+    return [s for s in sources if not isinstance(s, Published) or s.step in newest]
 
 
 @dataclass(frozen=True)
@@ -73,7 +87,7 @@ class AppWeightsState:
         step = source_step(source)
         if (self.promoted and step <= source_step(self.promoted[-1])) or (self.pin and step <= self.pin.follow_after):
             return
-        self.promoted.append(source)
+        self.promoted = with_few_published([*self.promoted, source])
 
     def refuse(self, step: int, reason: str) -> None:
         self.refused[step] = reason
@@ -82,7 +96,7 @@ class AppWeightsState:
         """The operator's choice serves everywhere from now on, whatever was refused or promoted."""
         self.refused.pop(source_step(source), None)
         if not self.promoted or source_step(self.promoted[-1]) != source_step(source):
-            self.promoted.append(source)
+            self.promoted = with_few_published([*self.promoted, source])
         self.pin = Pin((self.pin.serial if self.pin else 0) + 1, source, follow_after)
         return self.pin
 

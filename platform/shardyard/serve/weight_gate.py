@@ -15,7 +15,7 @@ from pathlib import Path
 from shardyard.checkpoint.events import read_metrics, validation_loss_at
 from shardyard.checkpoint.published import Published, source_step
 from shardyard.checkpoint.record import BadCheckpoint
-from shardyard.serve.app_weights import Source
+from shardyard.serve.app_weights import Source, with_few_published
 from shardyard.serve.backend import EngineBackend, WeightsRefused
 from shardyard.serve.config import ServeConfig
 from shardyard.serve.golden import GoldenPrompt, regressions
@@ -27,7 +27,7 @@ class Served:
     """What the replica serves and has judged, as /v1/models shows it."""
     step: int | None  # the training step of the weights answering (None: a model directory)
     fingerprint: str  # run@step
-    sources: list[Source]  # every source served, in order
+    sources: list[Source]  # every source served, in order (of published weights, the newest two)
     refused: dict[int, str] = field(default_factory=dict)  # steps the gate refused, and why
     candidate_step: int | None = None  # the checkpoint being read and judged
 
@@ -69,7 +69,7 @@ class WeightGate:
             finally:
                 served.candidate_step = None
             served.refused.pop(step, None)  # an operator's promotion of a step refused before
-            served.sources.append(checkpoint)
+            served.sources = with_few_published([*served.sources, checkpoint])
             served.step, served.fingerprint = step, self.engine.weights
             self.metrics.promotions.inc()
             print(f"shardyard: serving {served.fingerprint}", flush=True)
