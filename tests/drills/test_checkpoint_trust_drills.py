@@ -309,3 +309,84 @@ def test_pruning_touches_only_the_names_the_run_writes(tmp_path: Path) -> None:
     assert find_latest(run).name == "checkpoint_step_00000006"
     assert sorted(p.name for p in run.glob("checkpoint_step_*")) == ["checkpoint_step_00000002.bak",
                                                                      "checkpoint_step_00000006"]
+
+
+def outside_entry(tmp_path: Path) -> tuple[str, dict[str, int]]:
+    """A file beside the run, and the record entry a hostile record gives it (its true size and
+    checksum: a reader that follows the name finds it matching)."""
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"not the checkpoint's")
+    return "../../outside.txt", entry(outside.read_bytes())
+
+
+@pytest.mark.drill(outcome="recovered", lost="the damaged checkpoint only")
+@pytest.mark.parametrize("damage", ["wrong_types", "file_outside", "no_file_list"])
+def test_a_record_that_parses_but_cannot_be_trusted_falls_back_with_a_reason(tmp_path: Path, damage: str,
+                                                                              caplog) -> None:
+    """JSON-valid records no commit wrote: fields of the wrong type, a file named outside the
+    checkpoint (with its true size and checksum), no file list (nothing to verify). Each is named
+    with its reason and the previous checkpoint is used; none raises, none loads unverified."""
+    run, _ = two_checkpoints(tmp_path)
+    path = run / "checkpoint_step_00000004" / COMMIT_FILE
+    record = json.loads(path.read_text())
+    if damage == "wrong_types":
+        record["world_size"], record["files"] = "one", {name: "big" for name in record["files"]}
+    elif damage == "file_outside":
+        name, given = outside_entry(tmp_path)
+        record["files"][name] = given
+    else:
+        record["version"] = 1
+        del record["files"]
+    path.write_text(json.dumps(record))
+    assert find_latest(run).name == "checkpoint_step_00000002"
+    reason = {"wrong_types": "of the wrong type", "file_outside": "names a file outside its checkpoint",
+              "no_file_list": "lists no files"}[damage]
+    assert reason in caplog.text and str(path) in caplog.text
+    spec = spec_for(tmp_path)
+    engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
+    assert CheckpointManager(spec.run_uri, keep=3).restore(engine).step == 2
+
+
+@pytest.mark.drill(outcome="recovered", lost="nothing")
+def test_steps_of_nine_digits_and_more_are_checkpoints_like_any_other(tmp_path: Path) -> None:
+    """A long run (or one resumed with a large step) passes 99,999,999: its checkpoints' names
+    grow a ninth digit, and they are still found, ordered by step, restored and pruned."""
+    spec = spec_for(tmp_path)
+    engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
+    manager = CheckpointManager(spec.run_uri, keep=2)
+    for step in (99_999_998, 100_000_000, 100_000_002):
+        manager.save(engine, TrainState(step, step * 8, 1), spec)
+    run = Path(spec.run_uri)
+    assert find_latest(run).name == "checkpoint_step_100000002"
+    assert sorted(p.name for p in run.glob("checkpoint_step_*")) == ["checkpoint_step_100000000",
+                                                                     "checkpoint_step_100000002"]
+    assert manager.restore(engine).step == 100_000_002
+
+
+@pytest.mark.drill(outcome="refused", lost="nothing")
+@pytest.mark.parametrize("where", ["absolute", "parent"])
+def test_dcp_metadata_pointing_outside_the_checkpoint_is_refused(tmp_path: Path, where: str, capsys) -> None:
+    """A `.metadata` rewritten (and its record with it, so the checksums match) to send DCP's
+    reads to a file outside the checkpoint: refused by name, nothing read from there."""
+    import dataclasses
+    import io
+
+    from shardyard.checkpoint.safe_load import read_metadata
+
+    run, _ = two_checkpoints(tmp_path)
+    checkpoint = run / "checkpoint_step_00000004"
+    target = next(checkpoint.glob("*.distcp"))
+    outside = tmp_path / "elsewhere.distcp"
+    outside.write_bytes(target.read_bytes())  # the same bytes: only the name tells it apart
+    metadata = read_metadata(io.BytesIO((checkpoint / ".metadata").read_bytes()), "metadata")
+    name = str(outside) if where == "absolute" else f"../../{outside.name}"
+    metadata.storage_data = {index: dataclasses.replace(info, relative_path=name)
+                             for index, info in metadata.storage_data.items()}
+    rewritten = pickle.dumps(metadata)
+    (checkpoint / ".metadata").write_bytes(rewritten)
+    record = json.loads((checkpoint / COMMIT_FILE).read_text())
+    record["files"][".metadata"] = entry(rewritten)
+    (checkpoint / COMMIT_FILE).write_text(json.dumps(record))
+    code, err = exported(run, tmp_path / "out.safetensors", capsys, checkpoint)
+    assert code == 2 and "not a file of this checkpoint" in err and name in err, err
+    assert "Traceback" not in err

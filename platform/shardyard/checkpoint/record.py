@@ -6,10 +6,10 @@ with its size and CRC-32C, computed as the file was written. The record is writt
 every file is durable, so a crash leaves the old checkpoint committed or the new one, never half.
 
 Readers trust nothing else: a record that is missing means "not committed"; one that is empty,
-torn or inconsistent, or files that are missing, of another size or another checksum, make the
-checkpoint bad. `newest_good` names each bad one in a warning and falls back to the next older.
-Records written before files were listed (version 1) are accepted with a warning: they carry no
-checksums to verify.
+torn or inconsistent (a field of the wrong type, a file named outside its checkpoint), or files
+that are missing, of another size or another checksum, make the checkpoint bad. `newest_good`
+names each bad one in a warning and falls back to the next older. A record that lists no files
+(version 1, from before files were listed) is bad too: nothing in it can be verified.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
+from pathlib import PurePosixPath
 from typing import Any
 
 import crc32c
@@ -101,24 +102,41 @@ def read_record(storage: RunStorage, name: str) -> dict[str, Any] | None:
         record = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise BadCheckpoint(f"{where} is not a valid commit record (torn or overwritten)") from None
-    if not isinstance(record, dict) or not {"step", "world_size", "format"} <= record.keys():
-        raise BadCheckpoint(f"{where} lacks the step, world size or format of its checkpoint")
-    if record["step"] != step_of(name):
-        raise BadCheckpoint(f"{where} records step {record['step']}, not the step its directory names")
-    if record.get("version", 1) >= 2 and not isinstance(record.get("files"), dict):
-        raise BadCheckpoint(f"{where} lists no files")
+    problem = record_problem(record, step_of(name))
+    if problem:
+        raise BadCheckpoint(f"{where} {problem}")
     return record
+
+
+def record_problem(record: Any, step: int) -> str | None:
+    """What makes a JSON-valid record untrustworthy for the checkpoint of `step` (None: nothing):
+    a missing or mistyped field, another step, no file list, a file named outside the checkpoint."""
+    if not isinstance(record, dict) or not {"step", "world_size", "format"} <= record.keys():
+        return "lacks the step, world size or format of its checkpoint"
+    if not all(_is_int(record[key]) for key in ("step", "world_size")) or not isinstance(record["format"], str):
+        return "holds a step, world size or format of the wrong type (not written by shardyard)"
+    if record["step"] != step:
+        return f"records step {record['step']}, not the step its directory names"
+    files = record.get("files")
+    if not isinstance(files, dict) or not files:
+        return "lists no files (a record from before files were listed, or cut short): nothing can be verified"
+    for relative, expected in files.items():
+        parts = PurePosixPath(relative).parts
+        if not relative or relative.startswith("/") or "\\" in relative or ".." in parts or COMMIT_FILE in parts:
+            return f"names a file outside its checkpoint ({relative!r})"
+        if not isinstance(expected, dict) or not all(_is_int(expected.get(key)) for key in ("size", "crc32c")):
+            return f"gives {relative!r} no integer size and checksum"
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def verify(storage: RunStorage, name: str, record: dict[str, Any]) -> None:
     """Every file the record lists is there with its size and checksum; raises BadCheckpoint
     naming the first that is not."""
-    files = record.get("files")
-    if files is None:
-        log.warning("%s was committed before checkpoints listed their files: it is loaded unverified",
-                    storage.url(name))
-        return
-    for relative, expected in files.items():
+    for relative, expected in record["files"].items():
         where = storage.url(name, relative)
         try:
             size = storage.size(name, relative)

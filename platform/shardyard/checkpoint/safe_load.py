@@ -16,8 +16,9 @@ torch's `weights_only` loading does:
 from __future__ import annotations
 
 import io
+import json
 import pickle
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
-from shardyard.checkpoint.record import BadCheckpoint
+from shardyard.checkpoint.record import COMMIT_FILE, BadCheckpoint
 
 _DCP_TYPES = {
     "torch.distributed.checkpoint.metadata": {
@@ -65,17 +66,47 @@ def read_metadata(stream: io.IOBase, where: str) -> Metadata:
     return metadata
 
 
+def check_storage_paths(metadata: Metadata, listed: set[str] | None, where: str) -> None:
+    """Every file DCP's metadata points its reads at is a file of this checkpoint: a relative
+    name inside it and, when the checkpoint has a commit record (`listed`), one the record lists.
+    A hostile `.metadata` could otherwise send the reads anywhere (an absolute path, `..`)."""
+    for info in (metadata.storage_data or {}).values():
+        relative = getattr(info, "relative_path", None)
+        if relative is None:
+            continue
+        inside = (not PurePosixPath(relative).is_absolute() and ".." not in PurePosixPath(relative).parts
+                  and "\\" not in relative)
+        if not inside or (listed is not None and relative not in listed):
+            raise BadCheckpoint(f"{where} points its reads at {relative!r}, not a file of this checkpoint "
+                                f"that its commit record lists: refused")
+
+
 class _SafeMetadata:
-    """DCP's reader with its `.metadata` read by `MetadataUnpickler` instead of plain pickle."""
+    """DCP's reader with its `.metadata` read by `MetadataUnpickler` instead of plain pickle, and
+    its reads kept to the checkpoint's own files (`check_storage_paths`)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self.fs.concat_path(self.path, ".metadata")
         with self.fs.create_stream(path, "rb") as stream:
             metadata = read_metadata(stream, str(path))
+        check_storage_paths(metadata, self._listed_files(), str(path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _listed_files(self) -> set[str] | None:
+        """The files the checkpoint's commit record lists (None: it has no readable record, such
+        as a scratch copy; the record itself is judged before any load)."""
+        path = self.fs.concat_path(self.path, COMMIT_FILE)
+        if not self.fs.exists(path):
+            return None
+        with self.fs.create_stream(path, "rb") as stream:
+            try:
+                files = json.load(stream).get("files")
+            except (ValueError, AttributeError):
+                return None
+        return set(files) if isinstance(files, dict) else None
 
 
 class SafeFileSystemReader(_SafeMetadata, FileSystemReader):

@@ -20,8 +20,9 @@ from pathlib import Path
 import fsspec
 
 DIR_PREFIX = "checkpoint_step_"
-# Only names the run writes itself: a user's `checkpoint_step_00000050.bak` copy is never pruned.
-CHECKPOINT_NAME = re.compile(rf"^{DIR_PREFIX}(\d{{8}})$")
+# Only names the run writes itself (8 digits, more from step 100,000,000 on, never a leading zero
+# beyond 8): a user's `checkpoint_step_00000050.bak` copy is never pruned.
+CHECKPOINT_NAME = re.compile(rf"^{DIR_PREFIX}(\d{{8}}|[1-9]\d{{8,}})$")
 
 
 def fsync_path(path: str | Path) -> None:
@@ -132,8 +133,10 @@ class RunStorage:
         return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.path(*parts), detail=False))
 
     def checkpoint_names(self) -> list[str]:
-        """The run's checkpoint directories, oldest first: only names of the form it writes."""
-        return [n for n in self.list() if CHECKPOINT_NAME.match(n)]
+        """The run's checkpoint directories, oldest first (by step: a name's digits grow past 8):
+        only names of the form it writes."""
+        steps = {n: int(m.group(1)) for n in self.list() if (m := CHECKPOINT_NAME.match(n))}
+        return sorted(steps, key=steps.__getitem__)
 
     @contextmanager
     def local_copy(self, *parts: str) -> Iterator[Path]:
