@@ -174,3 +174,43 @@ def test_zero_files_are_copied_down_without_the_holds_other_readers_release_mean
         assert zero.name == "zero" and zero != checkpoint / "zero"  # a copy, as from a bucket
         assert [p.name for p in zero.iterdir()] == ["mp_rank_00_model_states.pt"]
         assert torch.load(zero / "mp_rank_00_model_states.pt", weights_only=True)["w"].tolist() == [1.0, 1.0]
+
+
+class _RunsCode:
+    """A pickle that runs a command when it is loaded without an allow-list."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.timeout(60)
+def test_deepspeed_loads_the_zero_files_that_were_checked_not_ones_swapped_after(tmp_path: Path,
+                                                                                monkeypatch) -> None:
+    """DeepSpeed unpickles its files unrestricted, so they are checked first. Whoever can write
+    the run's directory swaps a file right after the check: the load must read the checked bytes
+    (a private copy), not the swapped ones, which would run their code."""
+    import pickle
+
+    from shardyard.checkpoint import zero_format
+    from shardyard.checkpoint.store import RunStorage
+
+    checkpoint = tmp_path / "run" / "checkpoint_step_00000002"
+    shared = checkpoint / "zero" / "mp_rank_00_model_states.pt"
+    shared.parent.mkdir(parents=True)
+    torch.save({"w": torch.ones(2)}, shared)
+    marker, check = tmp_path / "code_ran", zero_format.check_zero_files
+
+    def checked_then_swapped(directory: Path) -> None:
+        check(directory)
+        shared.write_bytes(pickle.dumps(_RunsCode(str(marker))))  # the attacker, just after the check
+
+    monkeypatch.setattr(zero_format, "check_zero_files", checked_then_swapped)
+    with zero_format.local_zero_files(RunStorage(str(tmp_path / "run")), checkpoint.name) as zero:
+        loaded = torch.load(zero / shared.name, weights_only=False)  # as DeepSpeed loads its files
+    assert not marker.exists()
+    assert loaded["w"].tolist() == [1.0, 1.0]

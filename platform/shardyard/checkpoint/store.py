@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import secrets
 import tempfile
 from collections.abc import Iterator
@@ -145,9 +146,20 @@ class RunStorage:
         if not self.remote:
             yield Path(self.path(*parts))
             return
-        with tempfile.TemporaryDirectory(prefix="shardyard-download-") as tmp:
+        with self.private_copy(*parts) as local:
+            yield local
+
+    @contextmanager
+    def private_copy(self, *parts: str) -> Iterator[Path]:
+        """A copy of the directory at `parts` in a temporary directory of this user's alone (mode
+        700), named as its last part: what is read from it is what was there when it was copied,
+        whoever else can write the run's directory (a file checked, then swapped, is not loaded)."""
+        with tempfile.TemporaryDirectory(prefix="shardyard-private-") as tmp:
             local = Path(tmp, parts[-1])
-            local.mkdir()
-            # The trailing slash copies the directory's contents, not the directory, into `local`.
-            self.fs.get(f"{self.path(*parts)}/", str(local), recursive=True)
+            if self.remote:
+                local.mkdir()
+                # The trailing slash copies the directory's contents, not the directory, into `local`.
+                self.fs.get(f"{self.path(*parts)}/", str(local), recursive=True)
+            else:
+                shutil.copytree(self.path(*parts), local)
             yield local

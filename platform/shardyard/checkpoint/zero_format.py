@@ -224,10 +224,12 @@ def _writable_local(storage: RunStorage) -> Iterator[Path]:
 
 @contextmanager
 def local_zero_files(storage: RunStorage, name: str) -> Iterator[Path]:
-    """Checkpoint `name`'s DeepSpeed files (its `zero/`) on the local disk, checked before DeepSpeed
-    unpickles them unrestricted. Only `zero/` is copied down: the readers' holds beside it come
-    and go while other ranks read (a hold listed, then released, failed the copy)."""
-    with storage.local_copy(name, ZERO_DIR) as zero:
+    """Checkpoint `name`'s DeepSpeed files (its `zero/`), copied to a directory of this process's
+    alone and checked there before DeepSpeed unpickles them unrestricted: DeepSpeed loads the very
+    files that were checked (checked in the run's directory, a file swapped after the check would
+    run its code). Only `zero/` is copied: the readers' holds beside it come and go while other
+    ranks read (a hold listed, then released, failed the copy)."""
+    with storage.private_copy(name, ZERO_DIR) as zero:
         check_zero_files(zero)
         yield zero
 
