@@ -113,8 +113,10 @@ def test_vllm_follows_a_run_through_the_gate(serving, tmp_path: Path) -> None:
     first = alone(commit_llama(run_dir, 10))
     wanted = alone(commit_llama(tmp_path / "elsewhere" / "llama_fsdp", 20))  # step 20's weights, drawn from seed 20
     (tmp_path / "token").write_text(TOKEN)
+    (tmp_path / "admin_token").write_text("the-operators-own")
     url = serving("follow", {"checkpoint": str(run_dir), "engine": "vllm", "bearer_token_file": str(tmp_path / "token"),
-                             "max_batch_size": 4, "cpus_per_shard": 1.0, "follow_interval_s": 0.5,
+                             "admin_token_file": str(tmp_path / "admin_token"), "max_batch_size": 4,
+                             "cpus_per_shard": 1.0, "follow_interval_s": 0.5,
                              "golden_prompts": [{"prompt": PROMPT, "max_tokens": 12, "expect": wanted}]})
     assert requests.get(f"{url}/healthz", timeout=30).json()["engine"] == "vllm"
     headers = {"Authorization": f"Bearer {TOKEN}"}
@@ -153,7 +155,7 @@ def test_vllm_follows_a_run_through_the_gate(serving, tmp_path: Path) -> None:
     assert "golden prompt" in models()["refused_steps"]["30"]
     assert ask() == (200, "llama_fsdp@20", wanted)
 
-    back = requests.post(f"{url}/admin/rollback", headers=headers, timeout=120)
+    back = requests.post(f"{url}/admin/rollback", headers={"Authorization": "Bearer the-operators-own"}, timeout=120)
     assert back.status_code == 200 and back.json()["served_step"] == 10, back.text
     assert ask() == (200, "llama_fsdp@10", first)
     commit_llama(run_dir, 40, fault="nan")  # committed after the rollback: looked at, and refused
