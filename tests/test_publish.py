@@ -120,7 +120,8 @@ def test_many_publishes_keep_the_object_stores_use_bounded(ray_cluster) -> None:
     from shardyard.spec import GPTSpec
 
     size = 4 << 20
-    app_weights = ray.remote(num_cpus=0)(AppWeights.func_or_class).remote()
+    # The deployment's class as a Ray actor with the deployment's own options (what Serve starts).
+    app_weights = ray.remote(**AppWeights.ray_actor_options)(AppWeights.func_or_class).remote()
 
     def pinned() -> int:
         """Objects of the weights' size the cluster still holds."""
