@@ -29,7 +29,7 @@ from shardyard.serve.backend import Generation, WeightsRefused
 from shardyard.serve.batching import AdaptiveBatchSize, calibrate, prefill_budget
 from shardyard.serve.config import ServeConfig
 from shardyard.serve.engine import DecodingEngine
-from shardyard.serve.generation import Completion, TextCodec
+from shardyard.serve.generation import Completion
 from shardyard.serve.golden import GoldenPrompt, greedy_answers
 from shardyard.serve.local_model import LocalModel
 from shardyard.serve.metrics import ServingMetrics
@@ -58,8 +58,7 @@ class BuiltinEngine:
         every rebuild; `spec`: its model's; `weights`: their fingerprint."""
         self.cfg, self.source, self.spec, self.metrics = cfg, source, spec, metrics
         self.block_size = spec.block_size
-        self.codec = TextCodec(cfg.tokenizer)
-        self.stop_token = getattr(cfg.tokenizer, "eos_token_id", None)
+        self.codec, self.stop_token = cfg.codec, cfg.stop_token
         self.engine: DecodingEngine | None = None
         self.batches: StaticBatches | None = None
         self._weights = weights

@@ -215,9 +215,8 @@ class ServeConfig(BaseModel):
                              "follow: true and more than one replica (num_replicas or max_replicas)")
         if self.golden_prompts and not self.follow:
             raise ValueError("golden_prompts gate the checkpoints an app following a run swaps in (follow: true)")
-        codec = TextCodec(self._tokenizer)
         for i, golden in enumerate(self.golden_prompts):
-            if len(codec.encode(golden.prompt)) + golden.max_tokens > model.block_size:
+            if len(self.codec.encode(golden.prompt)) + golden.max_tokens > model.block_size:
                 raise ValueError(f"golden_prompts[{i}]: its prompt's tokens plus max_tokens {golden.max_tokens} "
                                  f"exceed the model's context of {model.block_size} tokens")
         self._fingerprint = (Path(self.checkpoint).name if self._served_step is None
@@ -254,6 +253,16 @@ class ServeConfig(BaseModel):
         """What turns text into the model's tokens: the tokenizer a Hugging Face model directory
         brings, or the one the run's data was prepared with; None: UTF-8 bytes are the tokens."""
         return self._tokenizer
+
+    @property
+    def codec(self) -> TextCodec:
+        """Text to the model's tokens and back, through `tokenizer`."""
+        return TextCodec(self._tokenizer)
+
+    @property
+    def stop_token(self) -> int | None:
+        """The token that ends a sequence (None: UTF-8 bytes have none)."""
+        return getattr(self._tokenizer, "eos_token_id", None)
 
     @property
     def canary(self) -> CanarySettings | None:

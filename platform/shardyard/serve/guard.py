@@ -23,7 +23,7 @@ import asyncio
 import hmac
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -61,12 +61,16 @@ class GuardSettings:
     count_error: Callable[[int, str], None] = lambda status, route: None
     on_request: Callable[[], None] = lambda: None  # e.g. start the replica's metrics publisher
     admin_token: str | None = None  # None: the admin routes are off
+    _expected: dict[str, bytes] = field(init=False, repr=False)  # each token's header, made once
+
+    def __post_init__(self) -> None:
+        self._expected = {t: f"Bearer {t}".encode() for t in (self.token, self.admin_token) if t is not None}
 
     def authorized(self, scope: Scope, token: str | None) -> bool:
         if token is None:
             return True
         given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
-        return hmac.compare_digest(given, f"Bearer {token}".encode())  # constant time: no prefix oracle
+        return hmac.compare_digest(given, self._expected[token])  # constant time: no prefix oracle
 
 
 class ChoiceLimit:

@@ -38,7 +38,7 @@ from shardyard.serve import openai_api as oa
 from shardyard.serve.backend import EngineBackend, Generation
 from shardyard.serve.choices import ChoiceText
 from shardyard.serve.config import ServeConfig
-from shardyard.serve.generation import Completion, TextCodec
+from shardyard.serve.generation import Completion
 from shardyard.serve.guard import ChoiceLimit, ClientError, error_response
 from shardyard.serve.rollout import Tally
 from shardyard.serve.scheduler import LostTwice
@@ -73,8 +73,7 @@ class Answering:
 
     def __post_init__(self) -> None:
         self.choices = ChoiceLimit(self.cfg.concurrency)
-        self.codec = TextCodec(self.cfg.tokenizer)
-        self.stop_token = getattr(self.cfg.tokenizer, "eos_token_id", None)
+        self.codec, self.stop_token = self.cfg.codec, self.cfg.stop_token
         self._scrape, self._scrape_lock = (float("-inf"), ""), asyncio.Lock()
 
     @property

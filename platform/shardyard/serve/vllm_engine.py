@@ -269,8 +269,6 @@ def start_vllm(cfg: ServeConfig, context: int, dtype: torch.dtype) -> VllmEngine
         engine = AsyncLLM.from_engine_args(args)
     except Exception as err:  # noqa: BLE001 - any reason vLLM cannot load it: the built-in engine serves
         return f"vLLM could not load {model_dir}: {type(err).__name__}: {err}"
-    tokenizer = cfg.tokenizer
     print(f"shardyard: vLLM's engine serves {model_dir} ({shards} {cfg.sharding} shard(s), up to "
           f"{cfg.max_batch_size} requests at once, prefix caching {'on' if cfg.prefix_caching else 'off'})", flush=True)
-    return VllmEngine(engine, SamplingParams, model_dir, given, TextCodec(tokenizer),
-                      getattr(tokenizer, "eos_token_id", None), cfg.trust_factory)
+    return VllmEngine(engine, SamplingParams, model_dir, given, cfg.codec, cfg.stop_token, cfg.trust_factory)
