@@ -14,7 +14,7 @@ import pytest
 
 from followed_run import PROMPT, alone, commit
 from shardyard.checkpoint.layout import read_spec
-from shardyard.checkpoint.lease import live_holds
+from shardyard.checkpoint.reader_holds import live_holds
 from shardyard.checkpoint.record import checkpoint_name
 from shardyard.checkpoint.store import RunStorage
 from shardyard.serve.backend import EngineBackend, WeightsRefused

@@ -77,7 +77,7 @@ def test_shards_and_checkpoints_in_a_bucket_train_as_one_process_would(bucket: B
 def test_the_run_lease_on_a_bucket_admits_one_holder_by_conditional_write(bucket: Bucket) -> None:
     """On object storage a lease generation is taken by a PUT with `If-None-Match: *`: a second
     writer of the same generation is refused by the store itself, and fencing sees the holder."""
-    from shardyard.checkpoint.lease import LeaseHeld, LeaseLost, RunLease, current_lease, lease_fence
+    from shardyard.checkpoint.lease import LeaseHeld, LeaseLost, RunLease, current_lease
 
     storage = RunStorage("s3://bucket/runs/leased")
     assert storage.create_exclusive(b"{}", "probe") is True
@@ -91,7 +91,7 @@ def test_the_run_lease_on_a_bucket_admits_one_holder_by_conditional_write(bucket
         taker = RunLease("s3://bucket/runs/leased", "leased", ttl_s=3.0)
         taker.acquire(take_over=True)
         with pytest.raises(LeaseLost):
-            lease_fence("s3://bucket/runs/leased", first.generation)()
+            first.fence()()
         taker.release()
     finally:
         first.release()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from followed_run import PROMPT, alone, commit
-from shardyard.checkpoint.lease import live_holds
+from shardyard.checkpoint.reader_holds import live_holds
 from shardyard.checkpoint.record import checkpoint_name
 from shardyard.checkpoint.store import RunStorage
 from shardyard.serve.batching import BatchGate

@@ -23,6 +23,8 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
+from shardyard.checkpoint.store import local_path_of
+
 
 class SpecError(ValueError):
     """A job spec that cannot run. The message is meant for the user, not a traceback."""
@@ -371,6 +373,11 @@ class CheckpointSpec(Section):
     publish_every_n_steps: int | None = Field(
         None, ge=1, description="publish_to: how often (default checkpoint.every_n_steps; and at the last step)")
 
+    @field_validator("storage_path")
+    @classmethod
+    def _file_uri_is_a_path(cls, storage_path: str) -> str:
+        return local_path_of(storage_path)  # a file:// URI is the local path it names (store.py)
+
 
 class EvalSpec(Section):
     every_n_steps: int | None = Field(None, ge=1, description="validation loss every N steps (and at the last)")
@@ -631,6 +638,7 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
 
 
 def _absolute_storage(path: str) -> str:
+    path = local_path_of(path)
     if "://" in path:  # s3://, gs://, ... are handed to Ray Train's storage layer as they are
         return path
     return str(Path(path).expanduser().resolve())

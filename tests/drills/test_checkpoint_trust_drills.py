@@ -174,7 +174,7 @@ def test_two_launches_at_once_never_both_hold_the_run(tmp_path: Path) -> None:
 FROZEN = """
 import sys, time, torch
 from shardyard.checkpoint.layout import TrainState
-from shardyard.checkpoint.lease import LeaseLost, RunLease, lease_fence
+from shardyard.checkpoint.lease import LeaseLost, RunLease
 from shardyard.checkpoint.manager import CheckpointManager
 from shardyard.models import build_model
 from shardyard.parallel import single_process
@@ -186,7 +186,7 @@ spec = parse_spec({"model": {"n_layer": 2, "n_head": 2, "n_embd": 16, "block_siz
                    "checkpoint": {"storage_path": sys.argv[1], "keep": 100}, "run": {"name": "run"}})
 lease = RunLease(spec.run_uri, "run", ttl_s=1.5)
 lease.acquire()
-manager = CheckpointManager(spec.run_uri, keep=100, fence=lease_fence(spec.run_uri, lease.generation))
+manager = CheckpointManager(spec.run_uri, keep=100, fence=lease.fence())
 engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
 step = 0
 try:

@@ -300,7 +300,7 @@ def test_a_failed_parameter_server_run_leaves_none_of_its_actors_behind(ray_clus
 
 READ = """
 import sys, time
-from shardyard.checkpoint.lease import holding
+from shardyard.checkpoint.reader_holds import holding
 with holding(sys.argv[1], sys.argv[2]):
     print("holding", flush=True)
     time.sleep(600)
@@ -313,7 +313,7 @@ def test_a_checkpoint_being_read_is_not_pruned_under_its_reader(tmp_path: Path) 
     """Rank 0 prunes as it commits; a replacement rank loading the checkpoint it found (hot
     recovery), or a serving group, lost it mid-read. A reader holds it: pruning keeps it until
     the reader is done, and a hold whose reader was killed does not keep it for ever."""
-    from shardyard.checkpoint.lease import holding
+    from shardyard.checkpoint.reader_holds import holding
     from test_serving_drills import checkpoints
 
     spec = parse_spec(job(tmp_path))

@@ -93,19 +93,25 @@ _WRITER = f"{socket.gethostname()}-{os.getpid()}"
 def log_event(run_dir: str | Path, event: str, **fields: Any) -> None:
     """Append one event to the run's event log: `start` of a worker group, `failure`, `healed`,
     `injected_crash`, `held`, and the parameter servers' `worker_joined` and `server_restored`.
-    Each process writes a file of its own under `events/`."""
+    Each process writes a file of its own under `events/`.
+
+    Events are ordered by cause, not by clocks: each carries `order`, one more than the highest
+    of the events its writer can read (a Lamport clock). A worker group's `start` reads the
+    `failure` that restarted it, so it comes after it even from a host whose clock is behind;
+    `time` (the writer's clock) only breaks ties and is shown to people."""
+    order = 1 + max((e.get("order", 0) for e in read_events(run_dir)), default=0)
     JsonLines(RunStorage(run_dir), EVENTS_DIR, f"{_WRITER}.jsonl").append(
-        {"event": event, "time": time.time(), **fields})
+        {"event": event, "order": order, "time": time.time(), **fields})
 
 
 def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Every writer's events, in time order."""
+    """Every writer's events, in causal order (`order`, then time)."""
     storage = RunStorage(run_dir)
     if not storage.exists(EVENTS_DIR):
         return []
     files = [p.rsplit("/", 1)[-1] for p in storage.fs.ls(storage.path(EVENTS_DIR), detail=False)]
     rows = [row for name in files if name.endswith(".jsonl") for row in JsonLines(storage, EVENTS_DIR, name).read()]
-    return sorted(rows, key=lambda e: e["time"])
+    return sorted(rows, key=lambda e: (e.get("order", 0), e["time"]))
 
 
 METRICS_FILE = "metrics.jsonl"  # rank 0's row per logged step (train/metrics.py writes it)

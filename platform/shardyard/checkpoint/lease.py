@@ -1,5 +1,4 @@
-"""Who is using a run's storage: the run's lease (one launch trains a run directory at a time)
-and reader holds on its checkpoints (a checkpoint being read is not pruned).
+"""The run's lease: one launch trains a run directory at a time.
 
 The lease is a sequence of generations, `<run>/lease/<generation:08d>.json`, each file made
 atomically only if absent (store.py: a hard link locally, a conditional PUT on object storage):
@@ -15,11 +14,19 @@ not changed for `ttl_s` as the *reader* watches it: expiry never compares two ho
 A renewer that cannot write for `ttl_s` counts its lease as lost. `take_over` takes the lease
 whatever its state, for a holder the user knows is gone.
 
-Training keeps its newest `checkpoint.keep` checkpoints and deletes older ones as it commits new
-ones. A reader of an older one would lose it mid-read: a replacement rank loading the checkpoint
-it found while rank 0 commits the next (hot recovery), a serving shard group loading or serving
-it. A reader holds the checkpoint while it reads (`<checkpoint>/holds/<id>.json`, renewed), and
-pruning skips a checkpoint with a live hold and deletes it at a later commit, once released.
+What a store must offer: an exclusive create (a second create of the same name fails). A launch
+probes that once when it takes the lease (lease/probe-*) and refuses a store that let a second
+create through (an S3-compatible store that ignores `If-None-Match`): two launches would both
+hold the run. Each launch's lease has an id of its own, and the fence compares the holder's id
+as well as its generation.
+
+Which launch wrote which checkpoint: each lease record carries the run's generation ceilings
+(generations.py), so that a commit a stale holder makes late never counts.
+
+"Its holder's process no longer exists" is decided only where the holder's record names this
+machine *and* this PID namespace: the host name, the kernel's boot id and the PID namespace
+all equal ours. Containers with host networking share a host name, not their PIDs; there, and
+on any other machine, only the TTL decides.
 """
 
 from __future__ import annotations
@@ -33,16 +40,20 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
 from typing import Any
 
 import psutil
 
+from shardyard.checkpoint.generations import LEASE_DIR, Lineage, current_lease
+from shardyard.checkpoint.record import committed, step_of
 from shardyard.checkpoint.store import RunStorage
 from shardyard.spec import SpecError
 
 log = logging.getLogger("shardyard")
 
-LEASE_DIR = "lease"
 TTL_S = 30.0  # renewed every TTL_S / 3: a holder that stopped renewing is gone within TTL_S
 KEEP_GENERATIONS = 3  # older lease files are removed by the holder (a few stay for the record)
 
@@ -53,6 +64,10 @@ class LeaseHeld(SpecError):
 
 class LeaseLost(RuntimeError):
     """This launch's lease was taken over (or could not be renewed): it stops, committing nothing."""
+
+
+class StoreCannotFence(SpecError):
+    """The run's storage let a second exclusive create of one name through: no lease can hold."""
 
 
 def _process_start(pid: int) -> float | None:
@@ -66,25 +81,37 @@ def _process_start(pid: int) -> float | None:
         return None
 
 
+@cache
+def _machine() -> dict[str, str]:
+    """Where this process's PIDs mean something: the host name, the kernel's boot id (a reboot
+    reuses PIDs) and the PID namespace (containers on one kernel each number their own)."""
+    def read(path: str, how: Callable[[str], str]) -> str:
+        try:
+            return how(path)
+        except OSError:
+            return ""
+    return {"host": socket.gethostname(),
+            "boot_id": read("/proc/sys/kernel/random/boot_id", lambda p: Path(p).read_text().strip()),
+            "pid_ns": read("/proc/self/ns/pid", os.readlink)}
+
+
 def process_gone(record: dict[str, Any]) -> bool:
-    """The holder ran on this host and its process is no longer there."""
-    return record["host"] == socket.gethostname() and _process_start(record["pid"]) != record["started"]
+    """The holder's PID is one of ours (same host, boot and PID namespace) and its process is no
+    longer there. A record lacking any of them (another machine, an older version) is not judged."""
+    here = _machine()
+    if not all(here[key] and record.get(key) == here[key] for key in here):
+        return False
+    return _process_start(record["pid"]) != record["started"]
 
 
-def _identity() -> dict[str, Any]:
+def identity() -> dict[str, Any]:
     pid = os.getpid()
-    return {"host": socket.gethostname(), "pid": pid, "started": _process_start(pid)}
+    return {**_machine(), "pid": pid, "started": _process_start(pid)}
 
 
-def _read_json(storage: RunStorage, *parts: str) -> dict[str, Any] | None:
-    try:
-        return json.loads(storage.read_bytes(*parts))
-    except (FileNotFoundError, json.JSONDecodeError):  # released, or being replaced, as it was read
-        return None
-
-
-def _renewer(interval_s: float, renew: Callable[[], bool], name: str) -> tuple[threading.Thread, threading.Event]:
-    """A daemon thread calling `renew` every `interval_s` until it returns False or is stopped."""
+def renewer(interval_s: float, renew: Callable[[], bool], name: str) -> tuple[threading.Thread, threading.Event]:
+    """A daemon thread calling `renew` every `interval_s` until it returns False or is stopped
+    (`renew` handles its own errors: one that escapes ends the renewals)."""
     stop = threading.Event()
 
     def loop() -> None:
@@ -98,28 +125,42 @@ def _renewer(interval_s: float, renew: Callable[[], bool], name: str) -> tuple[t
 # ----------------------------------------------------------------------------- the run's lease
 
 
-def current_lease(storage: RunStorage) -> dict[str, Any] | None:
-    """The record of the highest lease generation, or None if the run was never leased."""
-    names = [n for n in storage.list(LEASE_DIR) if n.endswith(".json") and n[:-5].isdigit()]
-    for name in sorted(names, reverse=True):
-        record = _read_json(storage, LEASE_DIR, name)
-        if record is not None:
-            return record
-        # a file is made whole (linked or PUT at once): an unreadable one was removed meanwhile
-    return None
+@dataclass(frozen=True)
+class LeaseFence:
+    """A check that raises LeaseLost once the run's lease is not held by launch `holder` at
+    `generation` (both: a store that let two launches make one generation is caught too)."""
+
+    run_uri: str
+    generation: int
+    holder: str
+
+    def __call__(self) -> None:
+        held = current_lease(RunStorage(self.run_uri))
+        if held is None or (held["generation"], held.get("id")) != (self.generation, self.holder) \
+                or held.get("released"):
+            by = f"host {held['host']}, pid {held['pid']}, generation {held['generation']}" if held else "nobody"
+            raise LeaseLost(f"run {self.run_uri}: this launch's lease (generation {self.generation}) is no longer "
+                            f"held (now: {by}); it stops and commits nothing more")
 
 
-def lease_fence(run_uri: str, generation: int) -> Callable[[], None]:
-    """A check that raises LeaseLost once the run's lease is no longer at `generation`."""
-    storage = RunStorage(run_uri)
+def probe_exclusive_create(storage: RunStorage) -> None:
+    """Refuse a store whose exclusive create lets a second create of one name through."""
+    name = f"probe-{uuid.uuid4().hex}"
+    try:
+        first = storage.create_exclusive(b"{}", LEASE_DIR, name)
+        second = storage.create_exclusive(b"{}", LEASE_DIR, name)
+    finally:
+        storage.delete(LEASE_DIR, name)
+    if not first or second:
+        raise StoreCannotFence(
+            f"the run's storage {storage.url()} does not refuse a second create of the same name (an S3-compatible "
+            f"store that ignores If-None-Match?): two launches could both hold the run. Use a store with "
+            f"conditional writes (AWS S3, GCS, MinIO, a local or shared file system)")
 
-    def check() -> None:
-        held = current_lease(storage)
-        if held is None or held["generation"] != generation or held.get("released"):
-            by = f"host {held['host']}, pid {held['pid']}" if held else "nobody"
-            raise LeaseLost(f"run {run_uri}: this launch's lease (generation {generation}) is no longer held "
-                            f"(now: {by}); it stops and commits nothing more")
-    return check
+
+def newest_step(storage: RunStorage, lineage: Lineage) -> int:
+    """The step of the run's newest committed checkpoint in `lineage`'s view (-1: none)."""
+    return next((step_of(name) for name, _ in committed(storage, lineage)), -1)
 
 
 class RunLease:
@@ -128,6 +169,8 @@ class RunLease:
         self.run_name, self.ttl_s = run_name, ttl_s
         self.id = uuid.uuid4().hex
         self.generation = 0
+        self.base_step = -1
+        self.ceilings: dict[str, int] = {}
         self.lost = threading.Event()
         self._beat = 0
         self._renewing: tuple[threading.Thread, threading.Event] | None = None
@@ -135,7 +178,8 @@ class RunLease:
 
     def _record(self, released: bool = False) -> bytes:
         return json.dumps({"generation": self.generation, "id": self.id, "beat": self._beat, "ttl_s": self.ttl_s,
-                           "released": released, **_identity()}).encode()
+                           "released": released, "base_step": self.base_step, "ceilings": self.ceilings,
+                           **identity()}).encode()
 
     def _file(self, generation: int | None = None) -> str:
         return f"{generation or self.generation:08d}.json"
@@ -169,7 +213,13 @@ class RunLease:
         if held is not None and not held.get("released"):
             log.warning("taking over run '%s' from a launch that is gone (host %s, pid %s)",
                         self.run_name, held["host"], held["pid"])
+        probe_exclusive_create(self.storage)
         self.generation = (held["generation"] if held else 0) + 1
+        # The newest checkpoint now is where this launch's history starts: one of an earlier
+        # launch committed after this moment is a stale writer's (generations.py).
+        lineage = Lineage(held)
+        self.base_step = newest_step(self.storage, lineage)
+        self.ceilings = lineage.after_taking(self.generation, self.base_step)
         if not self.storage.create_exclusive(self._record(), LEASE_DIR, self._file()) \
                 or (current_lease(self.storage) or {}).get("id") != self.id:
             raise LeaseHeld(f"run '{self.run_name}' was taken by another launch at the same moment "
@@ -178,10 +228,13 @@ class RunLease:
             if name[:-5].isdigit() and int(name[:-5]) <= self.generation - KEEP_GENERATIONS:
                 self.storage.delete(LEASE_DIR, name)
         self._last_renewed = time.monotonic()
-        self._renewing = _renewer(self.ttl_s / 3, self._renew, f"renew-lease-{self.run_name}")
+        self._renewing = renewer(self.ttl_s / 3, self._renew, f"renew-lease-{self.run_name}")
+
+    def fence(self) -> LeaseFence:
+        return LeaseFence(self.storage.uri, self.generation, self.id)
 
     def check(self) -> None:
-        lease_fence(self.storage.uri, self.generation)()
+        self.fence()()
 
     def _renew(self) -> bool:
         try:
@@ -226,67 +279,3 @@ class RunLease:
             yield self
         finally:
             self.release()
-
-
-# ----------------------------------------------------------------------------- reader holds
-
-HOLDS_DIR = "holds"
-HOLD_TTL_S = 60.0
-
-
-def holder_alive(record: dict[str, Any], now: float) -> bool:
-    """A reader's hold is live while its own renewal deadline has not passed and, on this host,
-    its process exists. (Holds only delay pruning: a wrong guess costs disk, not data.)"""
-    return now <= record["expires"] and not process_gone(record)
-
-
-class CheckpointHold:
-    """`<checkpoint>/holds/<id>.json`: this process reads the checkpoint; renewed until released."""
-
-    def __init__(self, run_uri: str, name: str) -> None:
-        self.storage = RunStorage(run_uri)
-        self.parts = (name, HOLDS_DIR, f"{uuid.uuid4().hex}.json")
-        self._renewing: tuple[threading.Thread, threading.Event] | None = None
-
-    def _write(self) -> bool:
-        self.storage.write_bytes(json.dumps({**_identity(), "expires": time.time() + HOLD_TTL_S}).encode(),
-                                 *self.parts)
-        return True
-
-    def start(self) -> None:
-        self._write()
-        self._renewing = _renewer(HOLD_TTL_S / 3, self._write, f"renew-{self.parts[-1]}")
-
-    def stop(self) -> None:
-        if self._renewing is not None:
-            thread, stop = self._renewing
-            stop.set()
-            thread.join()
-        self.storage.delete(*self.parts)
-
-
-@contextmanager
-def holding(run_uri: str, name: str) -> Iterator[CheckpointHold | None]:
-    """Hold checkpoint `name` of the run at `run_uri` for the block. Storage this process may only
-    read gets no hold (a warning): the read goes on unprotected rather than failing."""
-    hold: CheckpointHold | None = CheckpointHold(run_uri, name)
-    try:
-        hold.start()
-    except OSError as err:
-        log.warning("cannot hold %s (%s): training may prune it while it is read", hold.storage.url(name), err)
-        hold = None
-    try:
-        yield hold
-    finally:
-        if hold is not None:
-            hold.stop()
-
-
-def live_holds(storage: RunStorage, name: str) -> list[dict[str, Any]]:
-    """The holds on checkpoint `name` whose holders are still there."""
-    now, live = time.time(), []
-    for file in storage.list(name, HOLDS_DIR):
-        record = _read_json(storage, name, HOLDS_DIR, file)
-        if record is not None and holder_alive(record, now):
-            live.append(record)
-    return live

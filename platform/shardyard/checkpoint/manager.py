@@ -24,7 +24,6 @@ from __future__ import annotations
 import io
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol
@@ -35,9 +34,11 @@ import torch.distributed as dist
 from shardyard.checkpoint.collective import Written, barrier, rank, single_process_io, world_size, storage_errors
 from shardyard.checkpoint.dcp_format import DCPFormat
 from shardyard.checkpoint.layout import SPEC_FILE, STATE_FILE, TrainState, stored_spec
-from shardyard.checkpoint.lease import LeaseLost, holding, live_holds
+from shardyard.checkpoint.lease import LeaseFence, LeaseLost
+from shardyard.checkpoint.reader_holds import HoldWatch, holding, live_holds
 from shardyard.checkpoint.record import (
     BadCheckpoint,
+    CommitRefused,
     FileEntry,
     checkpoint_name,
     committed,
@@ -66,7 +67,7 @@ class CheckpointFormat(Protocol):
 
 FORMATS: dict[str, CheckpointFormat] = {f.name: f for f in (DCPFormat(), DeepSpeedFormat())}
 
-Fence = Callable[[], None]  # raises when this launch no longer holds the run (checkpoint/lease.py)
+Fence = LeaseFence  # raises when this launch no longer holds the run (checkpoint/lease.py)
 
 
 class CheckpointManager:
@@ -92,7 +93,9 @@ class CheckpointManager:
         self.writer = writer
         self.load_optimizer = load_optimizer
         self.fence = fence
+        self.generation = fence.generation if fence is not None else 0  # written into each record
         self.spec = spec
+        self._holds = HoldWatch()  # what this pruner has seen of readers' holds, by its own clock
         self._group: dist.ProcessGroup | None = None
         self._pending: tuple[str, Written, dict[str, Any], dict[str, FileEntry]] | None = None
 
@@ -208,11 +211,20 @@ class CheckpointManager:
         else:
             everyone = [files]
         self._fenced_everywhere()
+        refused: list[str | None] = [None]
         if rank() == 0:
             listed = {path: item for part in everyone for path, item in part.items()}
-            write_record(self.storage, name, make_record(record["step"], record["world_size"], record["format"],
-                                                         listed, time.time()))
-            self._prune(newest=name)
+            try:
+                write_record(self.storage, name, make_record(record["step"], record["world_size"], record["format"],
+                                                             listed, time.time(), self.generation))
+            except CommitRefused as err:  # another launch committed this step: it holds the run
+                refused[0] = str(err)
+            else:
+                self._prune(newest=name)
+        if dist.is_initialized():
+            dist.broadcast_object_list(refused, src=0)
+        if refused[0] is not None:
+            raise LeaseLost(refused[0])
 
     def close(self) -> None:
         self.wait()
@@ -251,7 +263,7 @@ class CheckpointManager:
         names = self.storage.checkpoint_names()
         uncommitted = [n for n in names if n < newest and n not in kept]
         for name in kept[max(self.keep, 1):] + uncommitted:
-            holders = live_holds(self.storage, name)
+            holders = live_holds(self.storage, name, self._holds)
             if holders:  # pruned at a later commit, once its readers are done
                 print(f"shardyard: keeping {self.storage.url(name)} for now: read by "
                       + ", ".join(f"host {h['host']} pid {h['pid']}" for h in holders), flush=True)

@@ -10,6 +10,10 @@ torn or inconsistent (a field of the wrong type, a file named outside its checkp
 that are missing, of another size or another checksum, make the checkpoint bad. `newest_good`
 names each bad one in a warning and falls back to the next older. A record that lists no files
 (version 1, from before files were listed) is bad too: nothing in it can be verified.
+
+A record also names the lease generation of the launch that wrote it: a stale writer's commit,
+landing after another launch took the run over, is no part of the run (generations.py), and the
+record is made only if none has its name yet, so it never replaces the new holder's.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 
 import crc32c
 
+from shardyard.checkpoint.generations import Lineage
 from shardyard.checkpoint.store import CHECKPOINT_NAME, DIR_PREFIX, RunStorage
 
 log = logging.getLogger("shardyard")
@@ -77,20 +82,41 @@ def file_entry(storage: RunStorage, *parts: str) -> FileEntry:
     return checksum.entry()
 
 
-def make_record(step: int, world_size: int, fmt: str, files: dict[str, FileEntry], time: float) -> dict[str, Any]:
+def make_record(step: int, world_size: int, fmt: str, files: dict[str, FileEntry], time: float,
+                generation: int = 0) -> dict[str, Any]:
     return {"version": RECORD_VERSION, "step": step, "world_size": world_size, "format": fmt,
-            "time": time, "files": dict(sorted(files.items()))}
+            "generation": generation, "time": time, "files": dict(sorted(files.items()))}
+
+
+class CommitRefused(Exception):
+    """Another launch's record already commits this checkpoint and is not stale."""
 
 
 def write_record(storage: RunStorage, name: str, record: dict[str, Any]) -> None:
-    """Commit: every file of the checkpoint is made durable first, then the record (durably)."""
+    """Commit: every file of the checkpoint is made durable first, then the record, created only
+    if no record has its name (durably). A stale writer's record found there (one that landed
+    after this launch took the run over) is removed and the commit made again; any other raises
+    CommitRefused."""
     storage.sync(name)
-    storage.write_bytes(json.dumps(record).encode(), name, COMMIT_FILE)
+    data = json.dumps(record).encode()
+    for _ in range(3):
+        if storage.create_exclusive(data, name, COMMIT_FILE):
+            return
+        try:
+            there = read_record(storage, name)
+        except BadCheckpoint:  # torn or stale: not a commit
+            there = None
+        if there is not None:
+            raise CommitRefused(f"{storage.url(name, COMMIT_FILE)} was committed by lease generation "
+                                f"{there.get('generation', 0)} meanwhile; this launch's commit is refused")
+        storage.delete(name, COMMIT_FILE)
+    raise CommitRefused(f"{storage.url(name, COMMIT_FILE)} keeps being made by another writer")
 
 
-def read_record(storage: RunStorage, name: str) -> dict[str, Any] | None:
+def read_record(storage: RunStorage, name: str, lineage: Lineage | None = None) -> dict[str, Any] | None:
     """The commit record of checkpoint `name`; None while it has none (not committed).
-    Raises BadCheckpoint for a record that exists but cannot be trusted."""
+    Raises BadCheckpoint for a record that exists but cannot be trusted, or that a stale writer
+    made (judged by `lineage`, the run's lease generations; read now if not given)."""
     try:
         data = storage.read_bytes(name, COMMIT_FILE)
     except FileNotFoundError:
@@ -102,7 +128,7 @@ def read_record(storage: RunStorage, name: str) -> dict[str, Any] | None:
         record = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise BadCheckpoint(f"{where} is not a valid commit record (torn or overwritten)") from None
-    problem = record_problem(record, step_of(name))
+    problem = record_problem(record, step_of(name)) or (lineage or Lineage.of(storage)).stale(record)
     if problem:
         raise BadCheckpoint(f"{where} {problem}")
     return record
@@ -113,7 +139,8 @@ def record_problem(record: Any, step: int) -> str | None:
     a missing or mistyped field, another step, no file list, a file named outside the checkpoint."""
     if not isinstance(record, dict) or not {"step", "world_size", "format"} <= record.keys():
         return "lacks the step, world size or format of its checkpoint"
-    if not all(_is_int(record[key]) for key in ("step", "world_size")) or not isinstance(record["format"], str):
+    if not all(_is_int(record.get(key, 0)) for key in ("step", "world_size", "generation")) \
+            or not isinstance(record["format"], str):
         return "holds a step, world size or format of the wrong type (not written by shardyard)"
     if record["step"] != step:
         return f"records step {record['step']}, not the step its directory names"
@@ -148,12 +175,14 @@ def verify(storage: RunStorage, name: str, record: dict[str, Any]) -> None:
             raise BadCheckpoint(f"{where} does not match its checksum (corrupted)")
 
 
-def committed(storage: RunStorage) -> Iterator[tuple[str, dict[str, Any]]]:
+def committed(storage: RunStorage, lineage: Lineage | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
     """(name, record) of each checkpoint with a readable commit record, newest first; a bad
-    record is skipped with a warning naming it."""
+    record, or a stale writer's (by `lineage`, read now if not given), is skipped with a warning
+    naming it."""
+    lineage = lineage or Lineage.of(storage)
     for name in reversed(storage.checkpoint_names()):
         try:
-            record = read_record(storage, name)
+            record = read_record(storage, name, lineage)
         except BadCheckpoint as err:
             log.warning("skipping checkpoint %s: %s", storage.url(name), err)
             continue

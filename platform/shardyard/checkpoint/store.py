@@ -26,6 +26,15 @@ DIR_PREFIX = "checkpoint_step_"
 CHECKPOINT_NAME = re.compile(rf"^{DIR_PREFIX}(\d{{8}}|[1-9]\d{{8,}})$")
 
 
+def local_path_of(uri: str) -> str:
+    """`file:///x` is the local path `/x`: fsspec would make it a store of its own whose writes
+    are never fsynced and whose exclusive create is check-then-write (two launches could both
+    take the run's lease). Any other URI, or a path, is returned as it is."""
+    if uri.startswith("file://"):
+        return uri[len("file://"):] or "/"
+    return uri
+
+
 def fsync_path(path: str | Path) -> None:
     """Flush a local file or directory to the disk (a directory: the names it holds)."""
     fd = os.open(path, os.O_RDONLY)
@@ -39,7 +48,7 @@ class RunStorage:
     """A run directory on a local path or an object store, through fsspec."""
 
     def __init__(self, run_dir: str | Path) -> None:
-        self.uri = str(run_dir)
+        self.uri = local_path_of(str(run_dir))
         # No listings cache: object stores' filesystems keep the listings they read, and a
         # process that watches a run (a serving app following it, a driver, the launcher) would
         # never see a checkpoint that another process committed since.

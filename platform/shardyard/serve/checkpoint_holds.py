@@ -7,7 +7,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 from pathlib import Path
 
-from shardyard.checkpoint.lease import holding
+from shardyard.checkpoint.reader_holds import holding
 from shardyard.checkpoint.loaders import committed_record, servable
 from shardyard.checkpoint.published import Published
 

@@ -8,7 +8,7 @@ process group of its own, so one replica writes checkpoints.
 Ray Train is told nothing about checkpoints: shardyard's commit records alone say which a run has
 (checkpoint/record.py), and Ray Train's own files live apart, under `<run>/ray_train/`, holding
 no reference that pruning could break. The driver holds the run's lease for the whole launch;
-its workers check it (`lease_fence`) before each commit and at step boundaries. SIGTERM to the
+its workers check it (`LeaseFence`) before each commit and at step boundaries. SIGTERM to the
 driver (a spot instance's notice, a Kubernetes eviction, `ray job stop`) asks the workers to
 checkpoint at the next step boundary and stop (`<run>/PREEMPT`); the driver then exits 143.
 """
@@ -46,7 +46,7 @@ from shardyard.train.callbacks import (
     injected_crash_step,
 )
 from shardyard.checkpoint.layout import SPEC_FILE, stored_spec
-from shardyard.checkpoint.lease import LeaseLost, RunLease, lease_fence
+from shardyard.checkpoint.lease import LeaseFence, LeaseLost, RunLease
 from shardyard.checkpoint.record import newest_good
 from shardyard.checkpoint.store import RunStorage
 from shardyard.checkpoint.events import log_event, read_events
@@ -71,7 +71,7 @@ def train_worker(config: dict[str, Any]) -> None:
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     launch_id = config["launch_id"]
-    fence = lease_fence(spec.run_uri, config["lease_generation"])
+    fence = LeaseFence(spec.run_uri, config["lease_generation"], config["lease_id"])
     try:
         fence()
     except LeaseLost as err:  # a group restarted after its launch lost the run: it starts nothing
@@ -384,7 +384,7 @@ def _launch(spec: JobSpec, attach_to_running: bool, lease: RunLease) -> RunResul
     if spec.parallelism.strategy == "parameter_server":  # its own actors, not a Ray Train group
         from shardyard.train.parameter_server import run
 
-        return run(spec, fence=lease.check)
+        return run(spec, fence=lease.fence())
     tune_ray_train(spec)
     launch_id = uuid.uuid4().hex
     log_event(spec.run_uri, "launch", id=launch_id, lease_generation=lease.generation)
@@ -392,7 +392,8 @@ def _launch(spec: JobSpec, attach_to_running: bool, lease: RunLease) -> RunResul
         train_worker,
         torch_config=torch_config(spec),
         train_loop_config={"spec": spec.model_dump(mode="json"), "progress_bar": sys.stdout.isatty(),
-                           "launch_id": launch_id, "lease_generation": lease.generation, **fault_injection},
+                           "launch_id": launch_id, "lease_generation": lease.generation, "lease_id": lease.id,
+                           **fault_injection},
         scaling_config=scaling_config(spec),
         run_config=RunConfig(
             # Ray Train's own files, apart from the checkpoints it is never told of: the workers

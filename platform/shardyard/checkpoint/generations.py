@@ -1,0 +1,76 @@
+"""Which launch a checkpoint belongs to: the run's lease generations, as checkpoints see them.
+
+Each launch of a run holds the run's lease at a generation of its own (lease.py) and writes that
+generation into every commit record. A launch can be paused after its fence check passed (GC,
+SIGSTOP, a slow fsync) while another launch takes the run over; its commit may then land later,
+on top of the new holder's history. Such a commit must not count.
+
+So each lease generation G records, when it is taken, the step of the newest checkpoint then
+committed (`base_step`), and carries forward every earlier generation's *ceiling*: the highest
+step a checkpoint of that generation may have and still be part of the run's history,
+
+    ceiling[g] = min(base_step of every generation after g).
+
+A checkpoint of generation g at a step above ceiling[g] was committed after a later launch had
+started from an older one: restore, pruning, serving and export treat it as not committed. The
+newest lease record holds the whole map, so older lease files can be removed. A record without
+a generation (written before generations were recorded) counts as generation 0.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from shardyard.checkpoint.store import RunStorage
+
+LEASE_DIR = "lease"
+
+
+def read_json(storage: RunStorage, *parts: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(storage.read_bytes(*parts))
+    except (FileNotFoundError, json.JSONDecodeError):  # released, or being replaced, as it was read
+        return None
+
+
+def current_lease(storage: RunStorage) -> dict[str, Any] | None:
+    """The record of the highest lease generation, or None if the run was never leased."""
+    names = [n for n in storage.list(LEASE_DIR) if n.endswith(".json") and n[:-5].isdigit()]
+    for name in sorted(names, reverse=True):
+        record = read_json(storage, LEASE_DIR, name)
+        if record is not None:
+            return record
+        # a file is made whole (linked or PUT at once): an unreadable one was removed meanwhile
+    return None
+
+
+class Lineage:
+    """The ceilings of the run's lease generations, as its newest lease record states them."""
+
+    def __init__(self, lease: dict[str, Any] | None) -> None:
+        self.generation = int(lease["generation"]) if lease else 0
+        self.ceilings = {int(g): int(step) for g, step in (lease or {}).get("ceilings", {}).items()}
+
+    @classmethod
+    def of(cls, storage: RunStorage) -> Lineage:
+        return cls(current_lease(storage))
+
+    def after_taking(self, generation: int, base_step: int) -> dict[str, int]:
+        """The ceilings a lease taken at `generation` records, the run's newest checkpoint being
+        at `base_step` (-1: none): every earlier generation's, lowered to `base_step`."""
+        ceilings = {g: min(step, base_step) for g, step in self.ceilings.items()}
+        for g in {0, self.generation}:
+            ceilings[g] = min(ceilings.get(g, base_step), base_step)
+        return {str(g): step for g, step in sorted(ceilings.items()) if g < generation}
+
+    def stale(self, record: dict[str, Any]) -> str | None:
+        """Why the checkpoint `record` commits is not part of the run's history (None: it is)."""
+        generation = record.get("generation", 0)
+        if generation > self.generation:
+            return f"names lease generation {generation}, which never held the run (newest: {self.generation})"
+        ceiling = self.ceilings.get(generation)
+        if ceiling is not None and record["step"] > ceiling:
+            return (f"was committed by lease generation {generation} after a later launch had taken the run over "
+                    f"from step {ceiling} (a stale writer's commit)")
+        return None

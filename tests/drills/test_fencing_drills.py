@@ -1,0 +1,280 @@
+"""Drills where distribution begins: a stale writer, a store that cannot refuse a second create,
+containers that share a host name, clocks that disagree. Each failed before its fix (issue 52,
+items 1-4). None needs Ray: they act on the lease, the commit records and the event log directly.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardyard.checkpoint import events, reader_holds
+from shardyard.checkpoint.events import log_event, read_events
+from shardyard.checkpoint.generations import LEASE_DIR
+from shardyard.checkpoint.layout import TrainState
+from shardyard.checkpoint.lease import LeaseFence, LeaseLost, RunLease, StoreCannotFence, identity
+from shardyard.checkpoint.manager import CheckpointManager
+from shardyard.checkpoint.reader_holds import HOLDS_DIR, CheckpointHold, HoldWatch, live_holds
+from shardyard.checkpoint.record import (COMMIT_FILE, BadCheckpoint, CommitRefused, make_record, newest_good,
+                                         read_record, write_record)
+from shardyard.checkpoint.store import RunStorage
+from shardyard.models import build_model
+from shardyard.parallel import single_process
+from shardyard.spec import parse_spec
+from shardyard.train.launcher import repeated_failure
+from conftest import Bucket
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def spec_for(storage: str):
+    return parse_spec({"model": {"n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 8},
+                       "data": {"name": "synthetic", "num_samples": 64}, "scaling": {"num_workers": 1},
+                       "batch": {"global_batch_size": 8, "micro_batch_size": 8},
+                       "checkpoint": {"storage_path": storage, "keep": 5}, "run": {"name": "run"}})
+
+
+class Pause:
+    """Where a PausingFence stops: after its `at`-th check, until `resume` is set."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.calls = at, 0
+        self.paused, self.resume = threading.Event(), threading.Event()
+
+
+@dataclass(frozen=True)
+class PausingFence(LeaseFence):
+    """The launch's real fence and, on its `pause.at`-th check, a pause right after the check
+    passed (a GC, SIGSTOP, a slow fsync): the moment a stale commit is made in."""
+
+    pause: Pause = field(default_factory=lambda: Pause(0), compare=False)
+
+    def __call__(self) -> None:
+        super().__call__()
+        self.pause.calls += 1
+        if self.pause.calls == self.pause.at:
+            self.pause.paused.set()
+            self.pause.resume.wait(60)
+
+
+def params(engine) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+
+
+@pytest.mark.drill(outcome="refused", lost="nothing")
+def test_a_stale_writers_commit_landing_after_a_takeover_is_never_restored_or_kept(tmp_path: Path) -> None:
+    """Launch A passes its fence for step 6's commit and pauses; launch B takes the run over from
+    step 4; A's step-6 record lands. B restores step 4 (not A's 6), writes its own step 6 (not
+    skipping it as committed), and every reader sees B's."""
+    spec = spec_for(str(tmp_path))
+    a_lease = RunLease(spec.run_uri, "run", ttl_s=30)
+    a_lease.acquire()
+    # Steps 2 and 4 check the fence three times each (before writing, before committing, before
+    # pruning); step 6's second check (before its commit) passes, then A pauses.
+    pause = Pause(at=8)
+    fence = PausingFence(spec.run_uri, a_lease.generation, a_lease.id, pause)
+    a_engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
+    a = CheckpointManager(spec.run_uri, keep=5, fence=fence)
+    for step in (2, 4):
+        a.save(a_engine, TrainState(step, 8 * step, 1), spec)
+    with torch.no_grad():
+        for p in a_engine.model.parameters():
+            p.add_(1.0)  # A's step 6: weights B will never compute
+    saving = threading.Thread(target=a.save, args=(a_engine, TrainState(6, 48, 1), spec))
+    saving.start()
+    assert pause.paused.wait(60), "A never reached its commit"
+
+    b_lease = RunLease(spec.run_uri, "run", ttl_s=30)
+    b_lease.acquire(take_over=True)
+    pause.resume.set()  # A's stale record lands now (its prune after it is fenced off)
+    saving.join(60)
+    storage = RunStorage(spec.run_uri)
+    stale = json.loads(storage.read_bytes("checkpoint_step_00000006", COMMIT_FILE))
+    assert stale["generation"] == a_lease.generation  # it did land
+    assert newest_good(storage)[0] == "checkpoint_step_00000004"
+    with pytest.raises(BadCheckpoint, match="stale writer"):
+        read_record(storage, "checkpoint_step_00000006")
+
+    b_engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
+    b = CheckpointManager(spec.run_uri, keep=5, fence=b_lease.fence())
+    assert b.restore(b_engine).step == 4
+    at_four = params(b_engine)
+    b.save(b_engine, TrainState(6, 48, 1), spec)  # not skipped as "committed already"
+    name, record = newest_good(storage)
+    assert name == "checkpoint_step_00000006" and record["generation"] == b_lease.generation
+    check = single_process(spec, build_model(spec.model), torch.device("cpu"))
+    CheckpointManager(spec.run_uri, keep=5).restore(check)
+    for key, value in params(check).items():
+        torch.testing.assert_close(value, at_four[key], rtol=0, atol=0, msg=key)
+    b_lease.release()
+    a_lease.release()
+
+
+@pytest.mark.drill(outcome="refused", lost="nothing")
+def test_a_commit_is_made_only_if_absent_and_a_stale_record_in_its_place_is_replaced(tmp_path: Path) -> None:
+    """The record is created exclusively: a live launch's record there refuses the commit; a stale
+    writer's record there is replaced by the holder's."""
+    spec = spec_for(str(tmp_path))
+    engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
+    old = RunLease(spec.run_uri, "run", ttl_s=30)
+    old.acquire()
+    CheckpointManager(spec.run_uri, keep=5, fence=old.fence()).save(engine, TrainState(2, 16, 1), spec)
+    storage = RunStorage(spec.run_uri)
+    record = read_record(storage, "checkpoint_step_00000002")
+    with pytest.raises(CommitRefused, match="generation 1"):
+        write_record(storage, "checkpoint_step_00000002", {**record, "time": 0.0})
+    new = RunLease(spec.run_uri, "run", ttl_s=30)
+    new.acquire(take_over=True)  # from step 2
+    storage.write_bytes(b"{}", "checkpoint_step_00000004", "spec.json")
+    stale = make_record(4, 1, "dcp", {"spec.json": {"size": 2, "crc32c": 0}}, 0.0, generation=old.generation)
+    storage.write_bytes(json.dumps(stale).encode(), "checkpoint_step_00000004", COMMIT_FILE)
+    mine = {**stale, "generation": new.generation, "time": 1.0}
+    write_record(storage, "checkpoint_step_00000004", mine)
+    assert json.loads(storage.read_bytes("checkpoint_step_00000004", COMMIT_FILE)) == mine
+    new.release()
+    old.release()
+
+
+# ----------------------------------------------------------------------------- two holders
+
+
+@pytest.mark.drill(outcome="refused", lost="nothing")
+def test_a_store_that_lets_a_second_create_through_is_refused_by_name(conditionless_bucket: Bucket) -> None:
+    """An S3-compatible store that ignores If-None-Match: the lease's probe finds a second create
+    of one name succeeding, and the launch is refused before anything is written."""
+    with pytest.raises(StoreCannotFence, match="does not refuse a second create"):
+        RunLease("s3://bucket/runs/run", "run", ttl_s=3).acquire()
+    assert not conditionless_bucket.fs.exists("bucket/runs/run/lease/00000001.json")
+
+
+@pytest.mark.drill(outcome="refused", lost="nothing")
+def test_the_fence_compares_the_holders_id_not_only_its_generation(tmp_path: Path) -> None:
+    """Two launches at one generation (what a store without exclusive create allows): the one whose
+    id the record does not hold is fenced off."""
+    lease = RunLease(str(tmp_path / "run"), "run", ttl_s=30)
+    lease.acquire()
+    other = json.loads(lease.storage.read_bytes(LEASE_DIR, "00000001.json")) | {"id": "another-launch"}
+    lease.storage.write_bytes(json.dumps(other).encode(), LEASE_DIR, "00000001.json")
+    with pytest.raises(LeaseLost, match="no longer held"):
+        lease.fence()()
+    lease.release()
+
+
+def test_file_uris_are_the_local_path_with_its_fsyncs_and_exclusive_create(tmp_path: Path) -> None:
+    storage = RunStorage(f"file://{tmp_path}/run")
+    assert not storage.remote and storage.uri == f"{tmp_path}/run"
+    assert storage.create_exclusive(b"1", "x") and not storage.create_exclusive(b"2", "x")
+    assert spec_for(f"file://{tmp_path}").run_uri == f"{tmp_path}/run"
+
+
+# ----------------------------------------------------------------------------- containers
+
+
+def dead_pid() -> int:
+    pid = 4_000_000  # above the kernel's default pid_max: no process has it
+    return pid
+
+
+@pytest.mark.parametrize("differs", ["pid_ns", "boot_id"])
+@pytest.mark.drill(outcome="refused", lost="nothing")
+def test_a_holder_in_another_container_on_this_host_is_watched_not_taken_over(tmp_path: Path, differs: str) -> None:
+    """A lease record naming this host name but another PID namespace (a container with host
+    networking) or another boot: its PID means nothing here, so only the TTL can end it. The same
+    record from this very namespace, its process gone, is taken over at once."""
+    storage = RunStorage(str(tmp_path / "run"))
+    holder = {**identity(), "pid": dead_pid(), "started": 1.0, "generation": 1, "id": "x", "beat": 0,
+              "ttl_s": 1.5, "released": False}
+    assert holder["host"] == socket.gethostname()
+    storage.write_bytes(json.dumps(holder).encode(), LEASE_DIR, "00000001.json")
+    start = time.monotonic()
+    RunLease(storage.uri, "run").held().__enter__().release()
+    assert time.monotonic() - start < 1.0  # ours and gone: at once
+    storage.delete()
+
+    storage.write_bytes(json.dumps({**holder, differs: "elsewhere"}).encode(), LEASE_DIR, "00000001.json")
+    start = time.monotonic()
+    lease = RunLease(storage.uri, "run")
+    lease.acquire()
+    assert time.monotonic() - start >= 1.5  # watched for its ttl first
+    lease.release()
+
+
+# ----------------------------------------------------------------------------- clocks
+
+
+@pytest.mark.drill(outcome="recovered", lost="nothing")
+def test_a_hold_from_a_reader_whose_clock_is_behind_keeps_its_checkpoint(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hold is judged by the pruner's clock: a reader's record with a deadline minutes in the
+    pruner's past (its clock is behind; the old rule pruned under it) is live until it stops
+    changing for HOLD_TTL_S as the pruner watches."""
+    monkeypatch.setattr(reader_holds, "HOLD_TTL_S", 0.5)
+    storage = RunStorage(str(tmp_path / "run"))
+    behind = {"host": "other-host", "pid": 7, "started": 1.0, "expires": time.time() - 120, "beat": 3}
+    storage.write_bytes(json.dumps(behind).encode(), "checkpoint_step_00000002", HOLDS_DIR, "r.json")
+    watch = HoldWatch()
+    assert live_holds(storage, "checkpoint_step_00000002", watch)
+    time.sleep(0.3)
+    assert live_holds(storage, "checkpoint_step_00000002", watch)
+    storage.write_bytes(json.dumps({**behind, "beat": 4}).encode(), "checkpoint_step_00000002", HOLDS_DIR, "r.json")
+    assert live_holds(storage, "checkpoint_step_00000002", watch)  # renewed: watched afresh from now
+    time.sleep(0.3)
+    assert live_holds(storage, "checkpoint_step_00000002", watch)  # 0.6 s since first seen, 0.3 since renewed
+    time.sleep(0.3)
+    assert not live_holds(storage, "checkpoint_step_00000002", watch)  # unchanged for 0.6 s: gone
+
+
+@pytest.mark.drill(outcome="recovered", lost="nothing")
+def test_a_hold_survives_an_io_error_in_its_renewal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One failed renewal (the holds directory unwritable for a moment) used to end the renewer
+    thread, and the hold with it; now the next renewal writes it again."""
+    monkeypatch.setattr(reader_holds, "HOLD_TTL_S", 0.3)
+    run = tmp_path / "run"
+    (run / "checkpoint_step_00000002").mkdir(parents=True)
+    hold = CheckpointHold(str(run), "checkpoint_step_00000002")
+    hold.start()
+    try:
+        holds = run / "checkpoint_step_00000002" / HOLDS_DIR
+        for file in holds.iterdir():
+            file.unlink()
+        holds.rmdir()
+        holds.write_text("not a directory")  # the next renewal fails with an OSError
+        time.sleep(0.35)
+        holds.unlink()
+        deadline = time.monotonic() + 10
+        while not holds.is_dir() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert holds.is_dir() and list(holds.iterdir()), "the renewer stopped after one error"
+    finally:
+        hold.stop()
+
+
+@pytest.mark.drill(outcome="recovered", lost="nothing")
+def test_a_worker_whose_clock_is_behind_does_not_make_progress_look_like_a_repeated_failure(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The controller logs a failure; the restarted group's rank 0, on a host 5 s behind, logs its
+    start after it, having progressed to step 4. Ordered by clocks the start came first, and two
+    failures seemed to follow one start: "failed twice without progress". Ordered by cause, not."""
+    run = str(tmp_path / "run")
+    error = {"0": "ValueError: bad batch"}
+    log_event(run, "launch", id="L")
+    log_event(run, "start", restored_step=0)
+    log_event(run, "failure", ranks=[0], errors=error, from_code=True)
+
+    class Behind:
+        @staticmethod
+        def time() -> float:
+            return time.time() - 5.0
+    monkeypatch.setattr(events, "time", Behind)
+    log_event(run, "start", restored_step=4)
+    monkeypatch.undo()
+    log_event(run, "failure", ranks=[0], errors=error, from_code=True)
+    assert [e["event"] for e in read_events(run)] == ["launch", "start", "failure", "start", "failure"]
+    assert repeated_failure(read_events(run), "L") is None
