@@ -126,3 +126,16 @@ def test_the_rayservice_serves_a_serve_config_the_app_accepts_for_the_rayjobs_ru
     # The volume's and the Secret's paths, as they are here.
     config = parse_config({**app["args"], "checkpoint": str(run_dir), "bearer_token_file": str(token)})
     assert config.num_shards == 2 and config.sharding == "pipeline" and app["import_path"] == "serve_apps.gpt:app"
+
+
+def test_the_rayjobs_pods_give_a_preempted_run_time_to_checkpoint() -> None:
+    """SIGTERM checkpoints within checkpoint.preempt_timeout_s: every pod's grace period, and the
+    head's wait before `ray job stop` sends SIGKILL (Ray's default is 3 s), are longer."""
+    from shardyard.spec import CheckpointSpec
+
+    preempt = CheckpointSpec().preempt_timeout_s
+    cluster = manifest("rayjob.yaml")["spec"]["rayClusterSpec"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        assert group["template"]["spec"]["terminationGracePeriodSeconds"] > preempt
+    head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert int({e["name"]: e["value"] for e in head["env"]}["RAY_JOB_STOP_WAIT_TIME_S"]) > preempt

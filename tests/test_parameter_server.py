@@ -249,3 +249,50 @@ def test_workers_join_when_a_node_brings_room_and_a_killed_job_resumes(ray_clust
             driver.kill()
         for node in nodes:
             node.stop()
+
+
+@pytest.mark.timeout(240)
+def test_a_diverging_parameter_server_run_stops_and_commits_nothing_non_finite(ray_cluster, tmp_path: Path) -> None:
+    """run.on_nonfinite: stop holds for parameter servers too: a loss that is not finite stops the
+    run naming the step (RunGaveUp, the CLI's exit 1), and no committed checkpoint holds NaN or inf
+    (before: the run went on and committed them)."""
+    from shardyard.train.launcher import RunGaveUp, launch
+
+    raw = ps_job(tmp_path, "diverging", workers=2, servers=2, staleness=0, total=40,
+                 optim={**SGD, "lr": 1e6, "momentum": 0.0})
+    raw["checkpoint"]["every_n_steps"] = 1
+    raw["checkpoint"]["keep"] = 100
+    with pytest.raises(RunGaveUp, match="not finite at step"):
+        launch(parse_spec(raw))
+    run = tmp_path / "diverging"
+    assert [e for e in read_events(run) if e["event"] == "diverged"]
+    for checkpoint in run.glob("checkpoint_step_*"):
+        if (checkpoint / "COMMITTED").exists():
+            assert all(torch.isfinite(v).all() for v in load_model(checkpoint).state_dict().values()), checkpoint.name
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_checkpoints_a_parameter_server_run_at_the_step_in_flight(ray_cluster, tmp_path: Path) -> None:
+    """SIGTERM to the driver (here, this process's main thread runs it) cuts at the step being
+    computed, commits it and stops (Preempted, exit 143); the next launch goes on from that step
+    (before: the driver died without a checkpoint, losing everything since the last interval)."""
+    from shardyard.train.launcher import Preempted, launch
+
+    raw = ps_job(tmp_path, "preempted", workers=2, servers=2, staleness=None, total=10_000)
+    raw["checkpoint"]["every_n_steps"] = 5_000  # far away: only the notice can make a checkpoint
+    run = tmp_path / "preempted"
+
+    def notice_once_training() -> None:
+        deadline = time.monotonic() + 120
+        while not any(row["step"] >= 5 for row in logged(run)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGTERM)
+    threading.Thread(target=notice_once_training, daemon=True).start()
+    with pytest.raises(Preempted, match="after committing step"):
+        launch(parse_spec(raw))
+    stopped = [e for e in read_events(run) if e["event"] == "preempted"]
+    assert len(stopped) == 1 and find_latest(run).name == f"checkpoint_step_{stopped[0]['step']:08d}"
+    raw["run"]["steps"] = stopped[0]["step"] + 5
+    launch(parse_spec(raw))
+    starts = [e for e in read_events(run) if e["event"] == "start"]
+    assert starts[-1]["restored_step"] == stopped[0]["step"]

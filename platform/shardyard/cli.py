@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 from importlib.metadata import version
 
 import yaml
 
+from shardyard import exit_codes
 from shardyard.serve import command as serve_command
 from shardyard.spec import JobSpec, SpecError, load_spec
+from shardyard.train.early_sigterm import StoppedBeforeTraining, sigterm_before_training
 
 
 def add_spec_arguments(parser: argparse.ArgumentParser, config_flag: bool, what: str = "YAML job spec",
@@ -45,26 +46,30 @@ def add_train_arguments(parser: argparse.ArgumentParser, config_flag: bool) -> N
 
 def run_train(config: str, overrides: list[str], attach_to_running: bool, take_over: bool = False,
               print_config: bool = False) -> int:
-    """Validate, then train. A bad spec is a message and exit code 2, never a traceback."""
-    try:
-        spec = load_spec(config, overrides)
-        if print_config:
-            print(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False), end="")
-            return 0
-        from shardyard.train.launcher import Preempted, RunGaveUp, launch  # imports Ray: only once the spec is valid
-
+    """Validate, then train. A bad spec is a message and exit code 2, never a traceback; every
+    outcome has its own exit code (shardyard/exit_codes.py)."""
+    with sigterm_before_training():
         try:
+            spec = load_spec(config, overrides)
+            if print_config:
+                print(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False), end="")
+                return exit_codes.DONE
+            from shardyard.train.launcher import Preempted, RunGaveUp, launch  # Ray: once the spec is valid
+
             launch(spec, attach_to_running=attach_to_running, take_over=take_over)
         except RunGaveUp as err:  # a deterministic error, its message already in the worker logs
             print(f"shardyard: {err}", file=sys.stderr)
-            return 1
+            return exit_codes.GAVE_UP
         except Preempted as err:
             print(f"shardyard: {err}", file=sys.stderr)
-            return 128 + signal.SIGTERM
-    except SpecError as err:
-        print(f"shardyard: {err}", file=sys.stderr)
-        return 2
-    return 0
+            return exit_codes.PREEMPTED
+        except StoppedBeforeTraining:
+            print("shardyard: SIGTERM before training began: stopped, nothing to save", file=sys.stderr)
+            return exit_codes.PREEMPTED
+        except SpecError as err:
+            print(f"shardyard: {err}", file=sys.stderr)
+            return exit_codes.REFUSED
+    return exit_codes.DONE
 
 
 def run_export(checkpoint: str, out: str, fmt: str, trust_factory: str | None = None) -> int:

@@ -278,3 +278,38 @@ def test_a_worker_whose_clock_is_behind_does_not_make_progress_look_like_a_repea
     log_event(run, "failure", ranks=[0], errors=error, from_code=True)
     assert [e["event"] for e in read_events(run)] == ["launch", "start", "failure", "start", "failure"]
     assert repeated_failure(read_events(run), "L") is None
+
+
+# ----------------------------------------------------------------------------- SIGTERM, exit codes
+
+
+@pytest.mark.drill(outcome="stopped, exit 143", lost="nothing")
+def test_sigterm_before_training_stops_the_launch_and_releases_the_lease(tmp_path: Path) -> None:
+    """SIGTERM while a launch holds the lease but has not begun training (its checks, before Ray's
+    start): recorded, not acted on mid-call; the launch stops at its next safe point, releasing
+    the lease (the CLI exits 143). Before, Python's default action killed it there, leaving the
+    lease to expire and the next launch to wait."""
+    import os
+    import signal
+
+    from shardyard.checkpoint.generations import current_lease
+    from shardyard.train.early_sigterm import StoppedBeforeTraining, sigterm_before_training
+    from shardyard.train.launcher import launch
+
+    spec = spec_for(str(tmp_path))
+    storage = RunStorage(spec.run_uri)
+    storage.write_bytes(b"kept", "notes.txt")  # the run directory stays: only the lease is released
+    with sigterm_before_training():
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives now: only recorded
+        with pytest.raises(StoppedBeforeTraining):
+            launch(spec)
+    held = current_lease(storage)
+    assert held is not None and held["released"]
+
+
+def test_each_outcome_has_its_own_exit_code() -> None:
+    from shardyard import exit_codes
+
+    codes = [exit_codes.DONE, exit_codes.GAVE_UP, exit_codes.REFUSED, exit_codes.PREEMPT_TIMED_OUT,
+             exit_codes.PREEMPTED]
+    assert len(set(codes)) == len(codes)

@@ -171,6 +171,7 @@ class RunLease:
         self.generation = 0
         self.base_step = -1
         self.ceilings: dict[str, int] = {}
+        self._made = False  # whether this launch made its generation's lease file
         self.lost = threading.Event()
         self._beat = 0
         self._renewing: tuple[threading.Thread, threading.Event] | None = None
@@ -220,8 +221,8 @@ class RunLease:
         lineage = Lineage(held)
         self.base_step = newest_step(self.storage, lineage)
         self.ceilings = lineage.after_taking(self.generation, self.base_step)
-        if not self.storage.create_exclusive(self._record(), LEASE_DIR, self._file()) \
-                or (current_lease(self.storage) or {}).get("id") != self.id:
+        self._made = self.storage.create_exclusive(self._record(), LEASE_DIR, self._file())
+        if not self._made or (current_lease(self.storage) or {}).get("id") != self.id:
             raise LeaseHeld(f"run '{self.run_name}' was taken by another launch at the same moment "
                             f"(lease generation {self.generation}); this launch starts nothing")
         for name in self.storage.list(LEASE_DIR):
@@ -258,11 +259,17 @@ class RunLease:
         self.lost.set()
 
     def release(self) -> None:
+        """Give the run back (if this launch made its lease file: a launch refused never touches
+        another's lease)."""
         if self._renewing is not None:
             thread, stop = self._renewing
             stop.set()
-            thread.join()
-        if self.generation and not self.lost.is_set():
+            # Bounded: a signal handler that raised inside a logging call (Ray's SIGTERM handler
+            # does) leaves logging's lock held by this thread, and the renewer waits on it forever.
+            thread.join(timeout=5)
+        if not self._made:
+            return
+        if not self.lost.is_set():
             try:
                 self.check()
                 self.storage.write_bytes(self._record(released=True), LEASE_DIR, self._file())
@@ -274,8 +281,8 @@ class RunLease:
 
     @contextmanager
     def held(self, take_over: bool = False) -> Iterator[RunLease]:
-        self.acquire(take_over)
-        try:
+        try:  # acquire inside: a SIGTERM raised in it right after the file was made releases it too
+            self.acquire(take_over)
             yield self
         finally:
             self.release()

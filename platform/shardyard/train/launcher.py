@@ -33,7 +33,9 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from shardyard.data.corpus import corpus_files
 from shardyard.data.shards import TOKENIZER_DIR, open_split, read_index, tokenizer_files, validation_source
+from shardyard import exit_codes
 from shardyard.cluster import connect_ray
+from shardyard.train.early_sigterm import sigterm_handler_kept, stop_if_terminated
 from shardyard.runtime import select_device
 from shardyard.spec import ZERO_STAGES, JobSpec, SpecError, parse_spec
 from shardyard.train.callbacks import (
@@ -361,7 +363,9 @@ def preemption_notice(spec: JobSpec) -> Iterator[None]:
               f"stopping (at most {timeout:g} s)", file=sys.stderr, flush=True)
         storage.write_bytes(str(time.time()).encode(), PREEMPT_FILE)
         if not ended.wait(timeout):
-            os._exit(128 + signal.SIGTERM)
+            print(f"shardyard: no checkpoint committed within checkpoint.preempt_timeout_s ({timeout:g} s); "
+                  f"stopping: a new launch resumes from the last committed one", file=sys.stderr, flush=True)
+            os._exit(exit_codes.PREEMPT_TIMED_OUT)
 
     watcher = threading.Thread(target=act_on_notice, name="shardyard-preemption-notice", daemon=True)
     watcher.start()
@@ -376,15 +380,37 @@ def preemption_notice(spec: JobSpec) -> Iterator[None]:
         storage.delete(PREEMPT_FILE)
 
 
+def _launch_parameter_servers(spec: JobSpec, lease: RunLease) -> RunResult:
+    """The parameter-server run in this driver, with the guarantees of the others: SIGTERM
+    checkpoints the step being computed and stops; a non-finite loss or weights stop the run
+    before anything from them is committed; a lost lease stops it."""
+    from shardyard.train.parameter_server import ParameterServerRun
+
+    ps = ParameterServerRun(spec, fence=lease.fence())
+    stop_if_terminated()
+    with preemption_notice(spec):
+        try:
+            result = ps.run()
+        except (Diverged, LeaseLost) as err:
+            log_event(spec.run_uri, "diverged" if isinstance(err, Diverged) else "lease_lost", reason=str(err),
+                      step=ps.state.step)
+            raise RunGaveUp(f"run '{spec.run.name}' stopped: {err}") from None
+    if ps.preempted:
+        raise Preempted(f"run '{spec.run.name}' stopped on SIGTERM after committing step {ps.state.step}; "
+                        f"launch it again to continue from there")
+    return result
+
+
 def _launch(spec: JobSpec, attach_to_running: bool, lease: RunLease) -> RunResult:
+    stop_if_terminated()
     preflight(spec)
+    stop_if_terminated()
     fault_injection = {"crash_at_checkpoint": injected_crash_step(), "hold_at": hold_steps()}
     largest = spec.scaling.world_sizes[-1] * spec.scaling.resources_per_worker.get("CPU", 1.0)
-    connect_ray(largest, attach_to_running)
+    with sigterm_handler_kept():
+        connect_ray(largest, attach_to_running)
     if spec.parallelism.strategy == "parameter_server":  # its own actors, not a Ray Train group
-        from shardyard.train.parameter_server import run
-
-        return run(spec, fence=lease.fence())
+        return _launch_parameter_servers(spec, lease)
     tune_ray_train(spec)
     launch_id = uuid.uuid4().hex
     log_event(spec.run_uri, "launch", id=launch_id, lease_generation=lease.generation)
@@ -407,6 +433,7 @@ def _launch(spec: JobSpec, attach_to_running: bool, lease: RunLease) -> RunResul
         ),
     )
     start = time.perf_counter()
+    stop_if_terminated()
     with preemption_notice(spec):
         trainer.fit()
     ended = {e["event"]: e for e in read_events(spec.run_uri) if e.get("launch") == launch_id}

@@ -34,6 +34,7 @@ Exactly once, across failures:
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import sys
 import time
@@ -55,6 +56,7 @@ from shardyard.checkpoint.manager import CheckpointManager, Fence
 from shardyard.checkpoint.layout import TrainState
 from shardyard.checkpoint.events import log_event
 from shardyard.train.metrics import MetricsLog, Progress, RunResult, Throughput, finish_run
+from shardyard.train.step_guard import PREEMPT_FILE, Diverged
 from shardyard.optim import decay_groups, decayed, lr_factor, optimizer_over
 
 # What a call to a server that died raises, before and while Ray restarts it.
@@ -253,6 +255,14 @@ class Coordinator:
             self.limit = min(self.end, self.limit + self.cut_every)
             self.changed.notify_all()
 
+    async def cut_now(self, global_batch: int) -> int:
+        """Hand out nothing past the step now being computed (a preemption): the samples at which
+        the run checkpoints and stops."""
+        async with self.changed:
+            self.limit = min(self.limit, -(-self.next_offset // global_batch) * global_batch)
+            self.changed.notify_all()
+            return self.limit
+
     async def rollback(self, start: int, generation: int) -> None:
         async with self.changed:
             self._restart(start, generation)
@@ -344,6 +354,8 @@ class ParameterServerRun:
         self.state = TrainState(world_size=self.slots)
         self.running: dict[ray.ObjectRef, tuple[str, Any]] = {}
         self.next_worker, self.failures = 0, 0
+        self.preempt_step: int | None = None  # SIGTERM: the step checkpointed before stopping
+        self.preempted = False
 
     def _log(self, event: str, **fields: Any) -> None:
         log_event(self.spec.run_uri, event, **fields)
@@ -404,8 +416,9 @@ class ParameterServerRun:
         staleness: list[int] = []
         since_report, last_loss = 0, float("nan")
         server_pids = [s["pid"] for s in self._statuses()]
-        while self.state.step < self.spec.run.steps:
+        while self.state.step < self.spec.run.steps and not self.preempted:
             self._replace_dead_workers()
+            self._notice_preemption()
             report = ray.get(self.coordinator.progress.remote())
             for name in report["joined"]:
                 self._log("worker_joined", worker=name, step=self.state.step, workers=report["workers"])
@@ -417,6 +430,10 @@ class ParameterServerRun:
                 continue
             rolled_back = False
             for offset, loss in report["losses"]:
+                if not math.isfinite(loss):  # run.on_nonfinite: stop (the spec offers no skip here)
+                    raise Diverged(f"the loss is not finite at step {offset // self.global_batch + 1} "
+                                   f"(run.on_nonfinite: stop): nothing from this state was committed. Lower "
+                                   f"optim.lr or set optim.grad_clip")
                 losses.setdefault(offset // self.global_batch + 1, []).append(loss)
             staleness += [s for status in statuses for s in status["staleness"]]
             reached = report["samples"] // self.global_batch
@@ -432,7 +449,7 @@ class ParameterServerRun:
                 self.state.samples_seen = self.state.step * self.global_batch
                 since_report += 1
                 step = self.state.step
-                save_now = step == self.spec.run.steps or step % self.spec.checkpoint.every_n_steps == 0
+                save_now = step in (self.spec.run.steps, self.preempt_step) or step % self.spec.checkpoint.every_n_steps == 0
                 if not (save_now or step % self.spec.run.log_every == 0):
                     continue
                 # Batches finish out of order: a row takes every loss of its steps and earlier
@@ -450,8 +467,12 @@ class ParameterServerRun:
                 log.append(metrics)  # before the checkpoint commits: a run resumed from it has this row
                 progress.update(since_report, metrics)
                 since_report = 0
-                if save_now and not self._checkpoint(metrics):
+                if save_now and not self._checkpoint():
                     rolled_back = True
+                    break
+                if step == self.preempt_step:
+                    self.preempted = True
+                    self._log("preempted", step=step)
                     break
             if rolled_back:
                 server_pids = [s["pid"] for s in self._statuses()]
@@ -460,6 +481,19 @@ class ParameterServerRun:
                 time.sleep(0.2)
         progress.close()
         log.close()
+
+    def _notice_preemption(self) -> None:
+        """At the driver's SIGTERM notice (`<run>/PREEMPT`), cut at the step now being computed:
+        it is checkpointed, then the run stops."""
+        if self.preempt_step is None and self.checkpoints.storage.exists(PREEMPT_FILE):
+            cut = ray.get(self.coordinator.cut_now.remote(self.global_batch))
+            self.preempt_step = max(cut // self.global_batch, self.state.step)
+            if self.preempt_step == self.state.step:  # nothing handed out past it: checkpoint it now
+                if self._checkpoint():
+                    self.preempted = True
+                    self._log("preempted", step=self.state.step)
+                else:  # rolled back meanwhile: cut again from where it went back to
+                    self.preempt_step = None
 
     def _replace_dead_workers(self) -> None:
         if not self.running:
@@ -478,7 +512,7 @@ class ParameterServerRun:
                                        f"is {self.spec.scaling.max_failures}") from err
                 self._start_worker()  # the replacement joins when there is room for it
 
-    def _checkpoint(self, metrics: dict[str, Any]) -> bool:
+    def _checkpoint(self) -> bool:
         """The cut at this step: every server's partition, all of this stretch's pushes applied.
         False if a server restarted meanwhile: the run was rolled back instead."""
         cut = self.state.samples_seen
@@ -486,6 +520,9 @@ class ParameterServerRun:
         if any(generation != self.generation for generation, _, _ in snapshots):
             self._roll_back()
             return False
+        if not all(torch.isfinite(t).all() for _, tensors, _ in snapshots for t in tensors):
+            raise Diverged(f"the weights are not finite at step {self.state.step} (run.on_nonfinite: stop): "
+                           f"nothing from this state was committed")
         optimizer = self.engine.optimizers[0]
         with torch.no_grad():
             for names, (_, tensors, states) in zip(self.parts, snapshots):

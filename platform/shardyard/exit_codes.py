@@ -1,0 +1,11 @@
+"""What `shardyard train` and jobs/train.py exit with: each outcome its own code, so a scheduler
+(a RayJob's backoff, a shell loop, a spot-instance script) can tell "launch it again" from "fix
+something first"."""
+
+DONE = 0
+GAVE_UP = 1  # the run stopped and retrying would not help: a repeated error, divergence, a lost lease
+REFUSED = 2  # nothing started: a bad spec, a run held by another launch, storage that cannot fence
+PREEMPT_TIMED_OUT = 3  # SIGTERM, but no checkpoint committed within checkpoint.preempt_timeout_s:
+#                        a new launch resumes from the last committed one; the steps since are lost
+PREEMPTED = 143  # SIGTERM (128 + 15), nothing lost: training had not begun, or it committed the
+#                  step it stopped at; launching again continues from there
