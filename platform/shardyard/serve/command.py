@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import sys
 import time
 from contextlib import ExitStack
@@ -62,18 +61,6 @@ def positive_seconds(text: str) -> int:
     return int(text)
 
 
-def can_listen(host: str, port: int) -> bool:
-    """Whether a server could listen on host:port now (a port left in TIME_WAIT by one that
-    stopped can be listened on again)."""
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def serve_config(args: argparse.Namespace) -> dict[str, Any]:
     """The application's arguments from the command line (ServeConfig keys; vLLM's names where
     the config takes them too)."""
@@ -110,12 +97,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from shardyard.cluster import address_to_join
     from shardyard.serve.app import build_app
     from shardyard.serve.ingress import haproxy_ingress
+    from shardyard.serve.port_holder import claim
 
     address = address_to_join()
     own = address == "local"  # a Ray instance of this command's: HAProxy takes HTTP, with a header deadline
-    if own and not can_listen(args.host, args.port):
-        print(f"shardyard: {args.host}:{args.port} is taken (another server is listening there): choose another "
-              "with --port", file=sys.stderr)
+    taken = claim(args.host, args.port) if own else None  # an HAProxy orphan of a killed serve is stopped
+    if taken is not None:
+        print(f"shardyard: {taken}", file=sys.stderr)
         return 2
     with ExitStack() as instance:
         if own:

@@ -35,6 +35,7 @@ HAPROXY_DEFAULT_CLIENT_TIMEOUT_S = 3600  # Ray's, when CLIENT_TIMEOUT is unset
 DEFAULT_HEADER_TIMEOUT_S = 15
 MIN_DRAINING_PERIOD_S = 2
 # Ray's variables for HAProxy's files (each under a directory per node inside the one named).
+HAPROXY_DIR_PREFIX = "sy-haproxy-"  # HAProxy's files for a `shardyard serve`: port_holder.py knows them by it
 FILES = {"RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": "haproxy.cfg", "RAY_SERVE_HAPROXY_SOCKET_PATH": "admin.sock",
          "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": "server-state", "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": "metrics.sock"}
 
@@ -87,7 +88,7 @@ def haproxy_ingress(header_timeout_s: int) -> Iterator[None]:
     HTTP through HAProxy with that header deadline. Stop Serve before leaving, so HAProxy stops
     with it: a Ray instance killed under it leaves HAProxy running, holding the port."""
     # Mode 0700; short, as HAProxy takes socket paths of 97 characters at most (node ids take 56).
-    files = tempfile.mkdtemp(prefix="sy-haproxy-", dir="/tmp")
+    files = tempfile.mkdtemp(prefix=HAPROXY_DIR_PREFIX, dir="/tmp")
     environment = haproxy_environment(header_timeout_s, files)
     before = {variable: os.environ.get(variable) for variable in environment}
     os.environ.update(environment)
