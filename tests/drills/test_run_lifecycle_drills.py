@@ -109,6 +109,35 @@ def test_sigterm_checkpoints_at_the_next_step_and_the_next_launch_loses_nothing(
     assert [row["step"] for row in read_metrics(run)] == list(range(1, stopped_at + 3))
 
 
+@pytest.mark.drill(outcome="exits 3, not 143", lost="the steps since the last checkpoint")
+@pytest.mark.timeout(300)
+def test_a_sigterm_whose_checkpoint_cannot_commit_in_time_exits_3_not_143(ray_cluster, tmp_path: Path) -> None:
+    """The run is held (a hung step) when SIGTERM arrives, so no checkpoint can commit within
+    checkpoint.preempt_timeout_s: the driver gives up with exit 3, saying so, not the 143 that
+    means "checkpointed, nothing lost" (before, both were 143)."""
+    from shardyard.train.callbacks import HOLD_ENV, held_at, release
+
+    run = tmp_path / "journey"
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.gcs_address, HOLD_ENV: "2"}
+    proc = subprocess.Popen([SHARDYARD, "train", str(DEFAULT_JOB),
+                             *[a for o in job(tmp_path, 6, "checkpoint.preempt_timeout_s=2") for a in ("--set", o)]],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while held_at(run, 2) is None:  # held after committing step 2: no step boundary comes
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        release(run, 2)  # the held workers go on and end with their driver
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 3, out + err
+    assert "no checkpoint committed within checkpoint.preempt_timeout_s" in err, err
+    assert find_latest(run).name == "checkpoint_step_00000002"
+
+
 @pytest.mark.drill(outcome="stops naming the step", lost="nothing committed from a non-finite state")
 @pytest.mark.timeout(600)
 def test_a_diverging_run_stops_naming_the_step_and_commits_nothing_non_finite(ray_cluster, tmp_path: Path) -> None:
