@@ -54,21 +54,26 @@ def run_train(config: str, overrides: list[str], attach_to_running: bool, take_o
             if print_config:
                 print(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False), end="")
                 return exit_codes.DONE
-            from shardyard.train.launcher import Preempted, RunGaveUp, launch  # Ray: once the spec is valid
-
-            launch(spec, attach_to_running=attach_to_running, take_over=take_over)
-        except RunGaveUp as err:  # a deterministic error, its message already in the worker logs
-            print(f"shardyard: {err}", file=sys.stderr)
-            return exit_codes.GAVE_UP
-        except Preempted as err:
-            print(f"shardyard: {err}", file=sys.stderr)
-            return exit_codes.PREEMPTED
+            return _train(spec, attach_to_running, take_over)
         except StoppedBeforeTraining:
             print("shardyard: SIGTERM before training began: stopped, nothing to save", file=sys.stderr)
             return exit_codes.PREEMPTED
         except SpecError as err:
             print(f"shardyard: {err}", file=sys.stderr)
             return exit_codes.REFUSED
+
+
+def _train(spec: JobSpec, attach_to_running: bool, take_over: bool) -> int:
+    from shardyard.train.launcher import Preempted, RunGaveUp, launch  # imports Ray: only once the spec is valid
+
+    try:
+        launch(spec, attach_to_running=attach_to_running, take_over=take_over)
+    except RunGaveUp as err:  # a deterministic error, its message already in the worker logs
+        print(f"shardyard: {err}", file=sys.stderr)
+        return exit_codes.GAVE_UP
+    except Preempted as err:
+        print(f"shardyard: {err}", file=sys.stderr)
+        return exit_codes.PREEMPTED
     return exit_codes.DONE
 
 
