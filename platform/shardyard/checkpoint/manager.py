@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from shardyard.checkpoint.collective import Written, barrier, rank, single_process_io, world_size, storage_errors
 from shardyard.checkpoint.dcp_format import DCPFormat
+from shardyard.checkpoint.generations import Lineage
 from shardyard.checkpoint.layout import SPEC_FILE, STATE_FILE, TrainState, stored_spec
 from shardyard.checkpoint.lease import LeaseFence, LeaseLost
 from shardyard.checkpoint.reader_holds import HoldWatch, holding, live_holds
@@ -93,7 +94,9 @@ class CheckpointManager:
         self.writer = writer
         self.load_optimizer = load_optimizer
         self.fence = fence
-        self.generation = fence.generation if fence is not None else 0  # written into each record
+        # Written into each record: the launch's lease generation. A manager without a fence (a
+        # local tool, a test driving ranks itself) commits as the run's current holder would.
+        self.generation = fence.generation if fence is not None else None
         self.spec = spec
         self._holds = HoldWatch()  # what this pruner has seen of readers' holds, by its own clock
         self._group: dist.ProcessGroup | None = None
@@ -216,7 +219,7 @@ class CheckpointManager:
             listed = {path: item for part in everyone for path, item in part.items()}
             try:
                 write_record(self.storage, name, make_record(record["step"], record["world_size"], record["format"],
-                                                             listed, time.time(), self.generation))
+                                                             listed, time.time(), self._writing_generation()))
             except CommitRefused as err:  # another launch committed this step: it holds the run
                 refused[0] = str(err)
             else:
@@ -228,6 +231,9 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.wait()
+
+    def _writing_generation(self) -> int:
+        return self.generation if self.generation is not None else Lineage.of(self.storage).generation
 
     def _fenced_everywhere(self) -> None:
         """Collective: rank 0 checks that this launch still holds the run; if not, every rank
