@@ -178,8 +178,7 @@ def test_file_uris_are_the_local_path_with_its_fsyncs_and_exclusive_create(tmp_p
 
 
 def dead_pid() -> int:
-    pid = 4_000_000  # above the kernel's default pid_max: no process has it
-    return pid
+    return 4_194_305  # above PID_MAX_LIMIT (2**22): no process can have it
 
 
 @pytest.mark.parametrize("differs", ["pid_ns", "boot_id"])
@@ -194,7 +193,8 @@ def test_a_holder_in_another_container_on_this_host_is_watched_not_taken_over(tm
     assert holder["host"] == socket.gethostname()
     storage.write_bytes(json.dumps(holder).encode(), LEASE_DIR, "00000001.json")
     start = time.monotonic()
-    RunLease(storage.uri, "run").held().__enter__().release()
+    with RunLease(storage.uri, "run").held():
+        pass
     assert time.monotonic() - start < 1.0  # ours and gone: at once
     storage.delete()
 
