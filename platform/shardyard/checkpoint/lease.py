@@ -41,14 +41,14 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 from shardyard.checkpoint.generations import LEASE_DIR, Lineage, current_lease
-from shardyard.checkpoint.record import committed, step_of
+from shardyard.checkpoint.record import newest_name, step_of
 from shardyard.checkpoint.store import RunStorage
 from shardyard.spec import SpecError
 
@@ -134,8 +134,12 @@ class LeaseFence:
     generation: int
     holder: str
 
+    @cached_property
+    def storage(self) -> RunStorage:
+        return RunStorage(self.run_uri)
+
     def __call__(self) -> None:
-        held = current_lease(RunStorage(self.run_uri))
+        held = current_lease(self.storage)
         if held is None or (held["generation"], held.get("id")) != (self.generation, self.holder) \
                 or held.get("released"):
             by = f"host {held['host']}, pid {held['pid']}, generation {held['generation']}" if held else "nobody"
@@ -156,11 +160,6 @@ def probe_exclusive_create(storage: RunStorage) -> None:
             f"the run's storage {storage.url()} does not refuse a second create of the same name (an S3-compatible "
             f"store that ignores If-None-Match?): two launches could both hold the run. Use a store with "
             f"conditional writes (AWS S3, GCS, MinIO, a local or shared file system)")
-
-
-def newest_step(storage: RunStorage, lineage: Lineage) -> int:
-    """The step of the run's newest committed checkpoint in `lineage`'s view (-1: none)."""
-    return next((step_of(name) for name, _ in committed(storage, lineage)), -1)
 
 
 class RunLease:
@@ -218,9 +217,9 @@ class RunLease:
         self.generation = (held["generation"] if held else 0) + 1
         # The newest checkpoint now is where this launch's history starts: one of an earlier
         # launch committed after this moment is a stale writer's (generations.py).
-        lineage = Lineage(held)
-        self.base_step = newest_step(self.storage, lineage)
-        self.ceilings = lineage.after_taking(self.generation, self.base_step)
+        newest = newest_name(self.storage, check_files=False)
+        self.base_step = step_of(newest) if newest else -1
+        self.ceilings = Lineage(held).after_taking(self.generation, self.base_step)
         self._made = self.storage.create_exclusive(self._record(), LEASE_DIR, self._file())
         if not self._made or (current_lease(self.storage) or {}).get("id") != self.id:
             raise LeaseHeld(f"run '{self.run_name}' was taken by another launch at the same moment "

@@ -284,14 +284,15 @@ class CheckpointManager:
                 log.warning("setting aside %s, which failed verification, as %s.bad", self.storage.url(name), name)
                 self.storage.fs.mv(self.storage.path(name), self.storage.path(f"{name}.bad"), recursive=True)
 
-    def _committed(self, name: str) -> bool:
+    def _committed(self, name: str, lineage: Lineage | None = None) -> bool:
         """Whether `name` has a valid commit record (a bad one is named once, by `newest_good`)."""
         try:
-            return read_record(self.storage, name) is not None
+            return read_record(self.storage, name, lineage) is not None
         except BadCheckpoint:
             return False
 
     def _delete_uncommitted(self) -> None:
+        lineage = Lineage.of(self.storage)  # the lease read once, not once a checkpoint
         for name in self.storage.checkpoint_names():
-            if not self._committed(name):
+            if not self._committed(name, lineage):
                 self.storage.delete(name)

@@ -141,7 +141,7 @@ def record_problem(record: Any, step: int) -> str | None:
         return "lacks the step, world size or format of its checkpoint"
     if not all(_is_int(record.get(key, 0)) for key in ("step", "world_size", "generation")) \
             or not isinstance(record["format"], str):
-        return "holds a step, world size or format of the wrong type (not written by shardyard)"
+        return "holds a step, world size, generation or format of the wrong type (not written by shardyard)"
     if record["step"] != step:
         return f"records step {record['step']}, not the step its directory names"
     files = record.get("files")
