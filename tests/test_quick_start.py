@@ -123,3 +123,21 @@ def test_readme_spec_override_runs_four_workers_on_a_two_core_machine(tmp_path: 
     assert "step 4/4" in output, output[-4000:]
     rows = read_metrics(tmp_path / "gpt_ddp")
     assert {row["world_size"] for row in rows} == {4} and rows[-1]["lr"] <= 3e-4
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(120)
+def test_readme_default_job_on_a_one_gpu_machine_trains_at_once_and_says_where(tmp_path: Path) -> None:
+    """README's command on a machine with one GPU (a local Ray given one fake GPU resource, as Ray
+    reads it from RAY_OVERRIDE_RESOURCES): two workers cannot share it and the instance cannot
+    grow, so the job trains on CPU, saying so, instead of waiting forever for a second GPU."""
+    with ray_files_of_their_own() as ray_tmp:
+        done = subprocess.run([SHARDYARD, "train", "jobs/configs/gpt_ddp.yaml", "--set", "run.steps=2",
+                               "--set", f"checkpoint.storage_path={tmp_path}"], cwd=REPO, capture_output=True,
+                              text=True, timeout=110,
+                              env={**user_environment(ray_tmp), "RAY_OVERRIDE_RESOURCES": '{"GPU": 1}'})
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert ("shardyard: 1 GPU cannot hold 2 workers and this machine's Ray instance cannot grow, so training "
+            "runs on CPU; --set scaling.num_workers=1 trains on the GPU") in output, output[-4000:]
+    assert "waiting for it to scale up" not in output and "step 2/2" in output, output[-4000:]

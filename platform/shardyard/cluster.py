@@ -15,18 +15,18 @@ import ray
 QUIET = {"env_vars": {"RUST_LOG": os.environ.get("RUST_LOG", "warn")}}
 
 
-def connect_ray(min_cpus: float, attach_to_running: bool = False) -> None:
+def connect_ray(min_cpus: float, attach_to_running: bool = False) -> bool:
     """Attach to the cluster in RAY_ADDRESS (set inside `ray job submit` jobs), optionally to one
     already running on this machine, or else start a local Ray instance with at least `min_cpus`
-    logical CPUs."""
+    logical CPUs. Returns whether the cluster may grow: one started here never does."""
     if ray.is_initialized():
-        return
+        return True
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=QUIET)
-        return
+        return True
     if attach_to_running and (address := running_cluster()) is not None:
         ray.init(address=address, runtime_env=QUIET)
-        return
+        return True
     # address="local": a new instance even if an earlier cluster left its address behind. At
     # least `min_cpus` logical CPUs, so a 4-worker job still runs (oversubscribed, slower) on a
     # 2-core laptop. With the dashboard: Ray Train's placement-group cleaner asks the State API,
@@ -34,6 +34,7 @@ def connect_ray(min_cpus: float, attach_to_running: bool = False) -> None:
     # time; its cost was not measurable (benchmarks/ddp_overhead.py, docs/benchmarks.md).
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(min_cpus)), include_dashboard=True,
              runtime_env=QUIET)
+    return False
 
 
 def address_to_join() -> str:

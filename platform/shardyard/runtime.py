@@ -8,9 +8,10 @@ from collections.abc import Iterator
 import torch
 
 
-def select_device(local_rank: int = 0) -> torch.device:
-    """One CUDA device per worker when CUDA is visible, the CPU otherwise."""
-    if torch.cuda.is_available():
+def select_device(local_rank: int = 0, use_cuda: bool = True) -> torch.device:
+    """One CUDA device per worker when CUDA is visible (and `use_cuda`: a worker placed on CPU
+    beside GPUs still sees them, as Ray leaves CUDA_VISIBLE_DEVICES alone), the CPU otherwise."""
+    if use_cuda and torch.cuda.is_available():
         index = local_rank % torch.cuda.device_count()
         torch.cuda.set_device(index)
         return torch.device("cuda", index)

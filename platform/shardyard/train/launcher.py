@@ -15,7 +15,6 @@ checkpoint at the next step boundary and stop (`<run>/PREEMPT`); the driver then
 
 from __future__ import annotations
 
-import logging
 import os
 import queue
 import signal
@@ -28,7 +27,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import ray
-from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig, UserCallback
+from ray.train import FailureConfig, LoggingConfig, RunConfig, UserCallback
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from shardyard.data.corpus import corpus_files
@@ -55,8 +54,8 @@ from shardyard.checkpoint.events import log_event, read_events
 from shardyard.train.metrics import RunResult, finish_run
 from shardyard.train.step_guard import PREEMPT_FILE, Diverged
 from shardyard.train.trainer import Callback, Trainer
+from shardyard.train.worker_resources import scaling_config
 
-log = logging.getLogger("shardyard")
 
 def node_drained() -> bool:
     """Collective over the worker group: whether Ray is draining a worker's node (a spot instance's
@@ -100,7 +99,7 @@ def train_worker(config: dict[str, Any]) -> None:
 
         callbacks.append(WeightsPublisher(spec.checkpoint.publish_to,
                                           spec.checkpoint.publish_every_n_steps or spec.checkpoint.every_n_steps))
-    trainer = Trainer.build(spec, rank, world_size, select_device(context.get_local_rank()), callbacks=callbacks,
+    trainer = Trainer.build(spec, rank, world_size, select_device(context.get_local_rank(), config["use_gpu"]), callbacks=callbacks,
                             checkpoint_writer=not hot or rank == 0, fence=fence,
                             node_drained=None if hot else node_drained,
                             replica_id=f"{spec.run.name}_{rank}", progress_bar=config["progress_bar"])
@@ -275,31 +274,6 @@ def check_optimizer_resumes(spec: JobSpec, stored: JobSpec, written_at: int, whe
                         f"data position only")
 
 
-def scaling_config(spec: JobSpec) -> ScalingConfig:
-    s = spec.scaling
-    use_gpu = ray.cluster_resources().get("GPU", 0) > 0 if s.use_gpu == "auto" else s.use_gpu
-    resources = dict(s.resources_per_worker)
-    if use_gpu:
-        resources.setdefault("GPU", 1.0)
-    num_workers = s.num_workers if s.num_workers is not None else (s.min_workers, s.max_workers)
-    _check_capacity(spec, resources)
-    return ScalingConfig(num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=resources,
-                         elastic_resize_monitor_interval_s=s.resize_check_interval_s)
-
-
-def _check_capacity(spec: JobSpec, per_worker: dict[str, float]) -> None:
-    """A fixed-size group that the cluster can never hold would wait forever: say so now.
-    (An autoscaling cluster may still grow, so this only warns.)"""
-    minimum = spec.scaling.world_sizes.start
-    total = ray.cluster_resources()
-    short = {k: (v * minimum, total.get(k, 0.0)) for k, v in per_worker.items()
-             if v * minimum > total.get(k, 0.0)}
-    if short:
-        detail = ", ".join(f"{k}: need {need:g}, cluster has {have:g}" for k, (need, have) in short.items())
-        log.warning("the cluster cannot yet hold %d workers (%s); waiting for it to scale up",
-                    minimum, detail)
-
-
 def tune_ray_train(spec: JobSpec) -> None:
     """Failure detection and restart timing that Ray Train reads from the driver's environment
     (and passes on to its controller). After a node is lost, a restart may first be tried at the
@@ -408,19 +382,21 @@ def _launch(spec: JobSpec, attach_to_running: bool, lease: RunLease) -> RunResul
     fault_injection = {"crash_at_checkpoint": injected_crash_step(), "hold_at": hold_steps()}
     largest = spec.scaling.world_sizes[-1] * spec.scaling.resources_per_worker.get("CPU", 1.0)
     with sigterm_handler_kept():
-        connect_ray(largest, attach_to_running)
+        can_grow = connect_ray(largest, attach_to_running)
     if spec.parallelism.strategy == "parameter_server":  # its own actors, not a Ray Train group
         return _launch_parameter_servers(spec, lease)
     tune_ray_train(spec)
     launch_id = uuid.uuid4().hex
+    scaling = scaling_config(spec, ray.cluster_resources(), can_grow)
     log_event(spec.run_uri, "launch", id=launch_id, lease_generation=lease.generation)
     trainer = TorchTrainer(
         train_worker,
         torch_config=torch_config(spec),
         train_loop_config={"spec": spec.model_dump(mode="json"), "progress_bar": sys.stdout.isatty(),
                            "launch_id": launch_id, "lease_generation": lease.generation, "lease_id": lease.id,
+                           "use_gpu": scaling.use_gpu,
                            **fault_injection},
-        scaling_config=scaling_config(spec),
+        scaling_config=scaling,
         run_config=RunConfig(
             # Ray Train's own files, apart from the checkpoints it is never told of: the workers
             # resume from the newest good checkpoint by shardyard's commit records.
