@@ -8,6 +8,7 @@ import os
 import re
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,28 @@ def test_the_ingress_settings_refuse_a_directory_another_user_made(tmp_path: Pat
     os.chown(squatted, 65534, 65534)
     done = source_ingress(squatted)
     assert done.returncode == 1 and "belongs to another user" in done.stderr, done
+
+
+def readme_cluster_setup() -> list[str]:
+    """The lines of README's "On a cluster" block that run once on the client, before any Ray."""
+    block = (REPO / "README.md").read_text().split("## On a cluster", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line.split("  #", 1)[0] for line in block.splitlines() if "# once" in line]
+
+
+@pytest.mark.timeout(60)
+def test_readme_makes_every_local_file_the_cluster_configs_copy_and_keeps_them(tmp_path: Path) -> None:
+    """`ray up` stops with a FileNotFoundError traceback when a file_mounts source is missing: on
+    a client that followed only README, every one exists; run again, the tokens stay the same."""
+    setup = readme_cluster_setup()
+    env = {**os.environ, "HOME": str(tmp_path), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+
+    def run_setup() -> dict[str, str]:
+        for line in setup:
+            subprocess.run(["bash", "-ec", line], env=env, check=True, capture_output=True, timeout=30)
+        return {local: (tmp_path / local[2:]).read_text() for name in CONFIGS for local in read(name)["file_mounts"].values()
+                if local.startswith("~/")}
+
+    made = run_setup()
+    assert set(made) == {"~/.ray/auth_token", "~/.shardyard/serve_token"} and all(made.values())
+    assert oct((tmp_path / ".shardyard" / "serve_token").stat().st_mode & 0o777) == "0o600"
+    assert run_setup() == made
