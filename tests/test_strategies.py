@@ -72,6 +72,9 @@ CASES = {
     "ddp": ({"strategy": "ddp"}, 2, 4),
     "fsdp": ({"strategy": "fsdp"}, 2, 4),
     "fsdp-accum-ac": ({"strategy": "fsdp", "activation_checkpointing": True}, 2, 2),
+    # parallelism.compile: Inductor's fused kernels round differently, within the same tolerance.
+    "ddp-compiled": ({"strategy": "ddp", "compile": True}, 2, 4),
+    "fsdp-compiled": ({"strategy": "fsdp", "compile": True}, 2, 2),
     "tensor": ({"strategy": "tensor", "tp": 2}, 2, 4),
     "fsdp-x-tensor": ({"strategy": "fsdp", "tp": 2}, 4, 4),
     "zero1": ({"strategy": "zero1"}, 2, 4),

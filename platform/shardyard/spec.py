@@ -253,6 +253,8 @@ class ParallelismSpec(Section):
     cpu_offload: bool = Field(False, description="fsdp: parameters and optimizer state on CPU; "
                                                  "zero: optimizer state (and zero3 parameters) on CPU")
     activation_checkpointing: bool = Field(False, description="fsdp: recompute blocks in backward")
+    compile: bool = Field(False, description="torch.compile each repeated block (ddp, fsdp, tensor, fsdp x tp, "
+                                             "local_sgd): fused kernels, same math")
     mixed_precision: bool = Field(True, description="fsdp on GPU: bf16 compute, fp32 reduce")
     sync_every: int = Field(1, ge=1, description="local_sgd: local optimizer steps between parameter "
                                                  "averages (H; 1 with optim sgd is synchronous DDP)")
@@ -281,6 +283,10 @@ class ParallelismSpec(Section):
         if (self.num_servers > 1 or self.max_staleness is not None) and s != "parameter_server":
             raise ValueError(f"parallelism.num_servers and max_staleness apply to strategy "
                              f"'parameter_server' only, not '{s}'")
+        if self.compile and (s in ("parameter_server", *ZERO_STAGES) or self.pp > 1):
+            raise ValueError(f"parallelism.compile compiles each block before the data-parallel wrapper: built for "
+                             f"ddp, fsdp, tensor and local_sgd without pipeline stages, not strategy '{s}' with "
+                             f"pp {self.pp} (DeepSpeed's engine and pipeline stages wrap the blocks their own way)")
         if (self.schedule == "interleaved_1f1b") != (self.stages_per_rank > 1):
             raise ValueError("parallelism.schedule 'interleaved_1f1b' goes with "
                              "parallelism.stages_per_rank >= 2, and only it")

@@ -4,7 +4,7 @@
 pipeline stages (pipeline.py), tensor parallelism (tensor.py), then the data-parallel flavour:
 DDP (ddp.py), FSDP2 (fsdp.py), DeepSpeed ZeRO (zero.py) or periodic parameter averaging
 (local_sgd.py). Hot recovery replaces DDP with replicas that survive each other's failures
-(fault_tolerant_ddp.py).
+(fault_tolerant_ddp.py). `parallelism.compile` compiles each block in between (compile.py).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardyard.models import loss_fn_for, materialise
+from shardyard.parallel.compile import apply_compile
 from shardyard.parallel.ddp import DDPEngine, apply_ddp
 from shardyard.parallel.engine import Engine, MicroBatch
 from shardyard.parallel.fsdp import FSDPEngine, apply_activation_checkpointing, apply_fsdp
@@ -50,6 +51,8 @@ def build_engine(spec: JobSpec, model: nn.Module, device: torch.device, replica_
     amp = autocast_dtype(spec.run.precision, device)
     on_meta = any(p.is_meta for p in model.parameters())  # see models.build_for_job
 
+    if par.compile and (spec.scaling.recovery == "hot" or par.strategy == "local_sgd"):
+        apply_compile(model)  # whole-model replicas: no wrapper between the blocks and the engine
     if spec.scaling.recovery == "hot":
         from shardyard.parallel.fault_tolerant_ddp import FaultTolerantDDPEngine  # imports torchft
 
@@ -106,10 +109,13 @@ def _tensor_parallel(model: nn.Module, par, mesh) -> nn.Module:
 
 
 def _data_parallel(model: nn.Module, par, dp_mesh, device: torch.device) -> nn.Module:
-    """The data-parallel wrapper over the dp mesh dimension: FSDP2 shards, DDP replicates."""
+    """The data-parallel wrapper over the dp mesh dimension: FSDP2 shards, DDP replicates; each
+    block is compiled first, when asked (after activation checkpointing wraps it)."""
+    if par.strategy == "fsdp" and par.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if par.compile:
+        apply_compile(model)
     if par.strategy == "fsdp":
-        if par.activation_checkpointing:
-            apply_activation_checkpointing(model)
         return apply_fsdp(model, dp_mesh, par, device)
     if dp_mesh.size() > 1 or par.strategy == "ddp":
         return apply_ddp(model, device, dp_mesh.get_group())
