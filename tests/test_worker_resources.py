@@ -51,3 +51,9 @@ def test_a_cluster_that_can_grow_is_waited_for_with_a_warning(caplog) -> None:
         placed = place_workers(load_spec(DEFAULT_JOB), {"CPU": 16.0, "GPU": 1.0}, can_grow=True)
     assert placed.use_gpu and placed.resources["GPU"] == 1.0
     assert "cannot yet hold 2 workers (GPU: need 2, cluster has 1); waiting for it to scale up" in caplog.text
+
+
+def test_float8_on_workers_placed_on_cpu_stops_at_once() -> None:
+    with pytest.raises(SpecError, match="run.precision float8 trains on GPUs .* workers run on CPU: use run.precision auto"):
+        place_workers(load_spec(DEFAULT_JOB, ["run.precision=float8"]), {"CPU": 16.0}, can_grow=False)
+    assert place_workers(load_spec(DEFAULT_JOB, ["run.precision=float8"]), {"CPU": 16.0, "GPU": 2.0}, can_grow=False).use_gpu

@@ -23,8 +23,9 @@ def backend_for(device: torch.device) -> str:
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """bf16 autocast on GPU by default; CPU trains in fp32 (CPU bf16 matmuls are slow and lossy)."""
-    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+    """bf16 autocast on GPU by default; CPU trains in fp32 (CPU bf16 matmuls are slow and lossy).
+    float8 computes in bf16 around its float8 matmuls."""
+    if precision in ("bf16", "float8") or (precision == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return None
 

@@ -395,8 +395,9 @@ class RunSpec(Section):
     steps: int = Field(200, ge=1, description="optimizer steps in all (a resumed run trains up to this)")
     seed: int = Field(0, description="seeds the weights and the data order")
     log_every: int = Field(10, ge=1, description="metrics every N steps")
-    precision: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="auto: bf16 autocast on GPU, fp32 on CPU"
+    precision: Literal["auto", "fp32", "bf16", "float8"] = Field(
+        "auto", description="auto: bf16 autocast on GPU, fp32 on CPU; float8: the blocks' matmuls in float8 "
+                            "(torchao, GPUs of compute capability 8.9+), bf16 elsewhere"
     )
     sample_ledger: bool = Field(
         False, description="record every step's sample ids per rank under <run>/ledger (audits)"
@@ -502,6 +503,7 @@ class JobSpec(Section):
         if read_from_storage(info):  # checked when it was launched; checking again may run its factory
             return self
         self._check_hot_recovery()
+        self._check_float8()
         # What the model can be split into, and the run at every size it may train at: asked of the
         # model family's own rules (layout/capabilities.py) and the mesh planner (parallel/).
         from shardyard.layout.capabilities import check_fits_mesh
@@ -523,6 +525,17 @@ class JobSpec(Section):
         if self.scaling.recovery != "restart" or self.checkpoint.async_write:
             raise ValueError("parallelism.strategy 'parameter_server' runs its own actors: scaling.recovery "
                              "'hot' and checkpoint.async_write are for Ray Train strategies")
+
+    def _check_float8(self) -> None:
+        par = self.parallelism
+        if self.run.precision != "float8":
+            return
+        if par.strategy not in ("ddp", "fsdp", "local_sgd") or par.tp > 1 or par.pp > 1:
+            raise ValueError(f"run.precision float8 converts the blocks' linears before the data-parallel wrapper: "
+                             f"built for ddp, fsdp and local_sgd without tensor or pipeline parallelism, not "
+                             f"strategy '{par.strategy}' with tp {par.tp} and pp {par.pp}")
+        if importlib.util.find_spec("torchao") is None:
+            raise ValueError("run.precision float8 runs on torchao, which is not installed: pip install 'shardyard[float8]'")
 
     def _check_hot_recovery(self) -> None:
         if self.scaling.recovery != "hot":

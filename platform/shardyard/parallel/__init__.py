@@ -19,6 +19,7 @@ from shardyard.models import loss_fn_for, materialise
 from shardyard.parallel.compile import apply_compile
 from shardyard.parallel.ddp import DDPEngine, apply_ddp
 from shardyard.parallel.engine import Engine, MicroBatch
+from shardyard.parallel.float8 import apply_float8, float8_unsupported
 from shardyard.parallel.fsdp import FSDPEngine, apply_activation_checkpointing, apply_fsdp
 from shardyard.parallel.local_sgd import LocalSGDEngine
 from shardyard.parallel.mesh import build_mesh
@@ -50,6 +51,10 @@ def build_engine(spec: JobSpec, model: nn.Module, device: torch.device, replica_
     loss_fn, accum = loss_fn_for(spec.model), grad_accum_steps(spec, world)
     amp = autocast_dtype(spec.run.precision, device)
     on_meta = any(p.is_meta for p in model.parameters())  # see models.build_for_job
+    if spec.run.precision == "float8":  # the spec allows it under ddp, fsdp and local_sgd only
+        if (reason := float8_unsupported(device)) is not None:
+            raise ValueError(reason)
+        apply_float8(model)
 
     if par.compile and (spec.scaling.recovery == "hot" or par.strategy == "local_sgd"):
         apply_compile(model)  # whole-model replicas: no wrapper between the blocks and the engine

@@ -70,6 +70,9 @@ def place_workers(spec: JobSpec, cluster: dict[str, float], can_grow: bool) -> W
             reason = (f"{_plural(gpus, 'GPU')} cannot hold {fewest} workers and this machine's Ray "
                       f"instance cannot grow, so training runs on CPU"
                       + (f"; {setting} trains on the GPU{'s' if fit > 1 else ''}" if fit else ""))
+    if spec.run.precision == "float8" and not use_gpu:
+        raise SpecError("run.precision float8 trains on GPUs of compute capability 8.9 or later and this launch's "
+                        "workers run on CPU" + (f" ({reason})" if reason else "") + ": use run.precision auto")
     short = _shortfall(resources, fewest, cluster)
     if short and not can_grow:
         raise SpecError(f"this machine's Ray instance cannot hold {fewest} workers ({_described(short)}) "
