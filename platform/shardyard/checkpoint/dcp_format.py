@@ -77,7 +77,7 @@ class DCPFormat:
             return
         parts = dcp_state(engine, load_optimizer)
         merged = merged_state(parts)
-        read_dcp(merged, storage.url(name))
+        read_dcp(merged, storage.url(name), expected=record["files"])  # checksums checked as it reads
         set_parts(engine, parts, merged)
 
     @staticmethod

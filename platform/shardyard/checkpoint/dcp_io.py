@@ -20,11 +20,12 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter, StorageReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # torch exports no public name for it
 from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from shardyard.checkpoint.record import Checksum, FileEntry
+from shardyard.checkpoint.record import BadCheckpoint, Checksum, FileEntry
 from shardyard.checkpoint.safe_load import SafeLoadPlanner, safe_reader
 
 
@@ -48,17 +49,25 @@ def dcp_layout(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_dcp(state: dict[str, Any], checkpoint_id: str | Path | None = None, *,
-             reader: StorageReader | None = None, **kwargs: Any) -> None:
+             reader: StorageReader | None = None, expected: dict[str, FileEntry] | None = None,
+             **kwargs: Any) -> None:
     """Fill `state` in place from the DCP checkpoint at `checkpoint_id` (or through `reader`,
     such as a Hugging Face directory's), running no code from it; a packed tensor is read
-    through a plain-shard stand-in and copied back into its own layout. `kwargs` go to
-    `dcp.load` (`no_dist`, `process_group`)."""
+    through a plain-shard stand-in and copied back into its own layout. `expected`: the commit
+    record's files, each file read checked against them (BadCheckpoint, on every rank, if one
+    does not match). `kwargs` go to `dcp.load` (`no_dist`, `process_group`)."""
     if reader is None:
-        reader = safe_reader(checkpoint_id)
+        reader = safe_reader(checkpoint_id, expected)
         reader.read_metadata()  # refused here, as BadCheckpoint, before DCP wraps the error
     read = dcp_layout(state)
     stand_ins = [key for key, value in state.items() if read[key] is not value]
-    dcp.load(read, storage_reader=reader, planner=SafeLoadPlanner(), **kwargs)
+    try:
+        dcp.load(read, storage_reader=reader, planner=SafeLoadPlanner(), **kwargs)
+    except CheckpointException as err:  # DCP gives every rank each rank's error
+        bad = [f"rank {r}: {exc}" for r, (exc, _) in sorted(err.failures.items()) if isinstance(exc, BadCheckpoint)]
+        if bad:
+            raise BadCheckpoint("; ".join(bad)) from None
+        raise
     with torch.no_grad():
         for key in stand_ins:
             state[key].copy_(read[key].redistribute(placements=state[key].placements))

@@ -50,6 +50,7 @@ from shardyard.checkpoint.record import (
     write_record,
 )
 from shardyard.checkpoint.store import RunStorage
+from shardyard.checkpoint.verified_reads import check_entry
 from shardyard.checkpoint.zero_format import DeepSpeedFormat
 from shardyard.parallel import Engine
 from shardyard.spec import JobSpec
@@ -101,26 +102,52 @@ class CheckpointManager:
         self._holds = HoldWatch()  # what this pruner has seen of readers' holds, by its own clock
         self._group: dist.ProcessGroup | None = None
         self._pending: tuple[str, Written, dict[str, Any], dict[str, FileEntry]] | None = None
+        # The last restore's phases on this rank: choosing a good checkpoint (rank 0 reads the
+        # records and checks each file's size and checksum) and loading it.
+        self.restore_timings: dict[str, float] = {}
 
     # -- restore
 
     def restore(self, engine: Engine) -> TrainState | None:
-        """Collective: load the newest good checkpoint, if any. Rank 0 chooses it (verifying
-        records and files, passing over bad ones with a warning) and, as the writer, first
-        deletes directories that no commit record completed (no worker group is writing now)."""
+        """Collective: load the newest good checkpoint, if any. Rank 0 chooses it (a valid record,
+        every file there at its size; a DCP checkpoint's checksums are checked as its files are
+        read, another format's here), passing over bad ones with a warning; one found bad while
+        loading is passed over too, and the next older one loaded. As the writer, rank 0 first
+        deletes directories that no commit record completed (no worker group is writing now), and
+        sets aside the bad ones newer than the one loaded."""
         if self.writer:
             self._fenced_everywhere()
-        chosen: list[str | None] = [None]
-        if rank() == 0:
-            if self.writer:
-                self._delete_uncommitted()
-            found = newest_good(self.storage)
-            chosen[0] = found[0] if found else None
-            if self.writer:
-                self._set_aside_bad(after=chosen[0])
-        if dist.is_initialized():
-            dist.broadcast_object_list(chosen, src=0)
-        return self.load(engine, chosen[0]) if chosen[0] else None
+        if rank() == 0 and self.writer:
+            self._delete_uncommitted()
+        failed: list[str] = []
+        self.restore_timings = {"verify_s": 0.0, "load_s": 0.0}
+        while True:
+            choosing = time.perf_counter()
+            chosen: list[str | None] = [None]
+            if rank() == 0:
+                found = newest_good(self.storage, passing_over=failed,
+                                    checksums=lambda record: record["format"] != DCPFormat.name)
+                chosen[0] = found[0] if found else None
+            if dist.is_initialized():
+                dist.broadcast_object_list(chosen, src=0)
+            loading = time.perf_counter()
+            self.restore_timings["verify_s"] += loading - choosing
+            if chosen[0] is None:
+                state = None
+                break
+            try:
+                state = self.load(engine, chosen[0])
+                break
+            except BadCheckpoint as err:  # raised on every rank alike (read_dcp gathers them)
+                failed.append(chosen[0])
+                if rank() == 0:
+                    log.warning("checkpoint %s failed verification while loading (%s); falling back to an older one",
+                                self.storage.url(chosen[0]), err)
+            finally:
+                self.restore_timings["load_s"] += time.perf_counter() - loading
+        if rank() == 0 and self.writer:
+            self._set_aside_bad(after=chosen[0])
+        return state
 
     def load(self, engine: Engine, name: str) -> TrainState:
         with holding(self.storage.uri, name):  # not pruned under this rank while it reads
@@ -130,8 +157,8 @@ class CheckpointManager:
         record = read_record(self.storage, name)
         if record is None:
             raise BadCheckpoint(f"checkpoint {self.storage.url(name)} is not committed")
-        meta = torch.load(io.BytesIO(self.storage.read_bytes(name, STATE_FILE)), weights_only=True)
-        stored = stored_spec(self.storage.read_bytes(name, SPEC_FILE))
+        meta = torch.load(io.BytesIO(self._read_checked(name, record, STATE_FILE)), weights_only=True)
+        stored = stored_spec(self._read_checked(name, record, SPEC_FILE))
         if self.spec is not None:  # the launched model: never a factory named by the stored file
             stored = stored.model_copy(update={"model": self.spec.model})
         with single_process_io():
@@ -149,6 +176,11 @@ class CheckpointManager:
             for group, base, factor in zip(scheduler.optimizer.param_groups, base_lrs, scheduler.lr_lambdas):
                 group["lr"] = base * factor(scheduler.last_epoch)
         return TrainState(**meta)
+
+    def _read_checked(self, name: str, record: dict[str, Any], relative: str) -> bytes:
+        data = self.storage.read_bytes(name, relative)
+        check_entry(data, record["files"].get(relative), self.storage.url(name, relative))
+        return data
 
     # -- save
 

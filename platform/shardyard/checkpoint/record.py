@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -160,9 +160,9 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def verify(storage: RunStorage, name: str, record: dict[str, Any]) -> None:
-    """Every file the record lists is there with its size and checksum; raises BadCheckpoint
-    naming the first that is not."""
+def verify(storage: RunStorage, name: str, record: dict[str, Any], checksums: bool = True) -> None:
+    """Every file the record lists is there with its size and (`checksums`: read whole) its
+    checksum; raises BadCheckpoint naming the first that is not."""
     for relative, expected in record["files"].items():
         where = storage.url(name, relative)
         try:
@@ -171,7 +171,7 @@ def verify(storage: RunStorage, name: str, record: dict[str, Any]) -> None:
             raise BadCheckpoint(f"{where} is missing") from None
         if size != expected["size"]:
             raise BadCheckpoint(f"{where} holds {size} bytes, its commit record says {expected['size']}")
-        if file_entry(storage, name, relative)["crc32c"] != expected["crc32c"]:
+        if checksums and file_entry(storage, name, relative)["crc32c"] != expected["crc32c"]:
             raise BadCheckpoint(f"{where} does not match its checksum (corrupted)")
 
 
@@ -190,13 +190,18 @@ def committed(storage: RunStorage, lineage: Lineage | None = None) -> Iterator[t
             yield name, record
 
 
-def newest_good(storage: RunStorage, check_files: bool = True) -> tuple[str, dict[str, Any]] | None:
-    """The newest checkpoint whose record is valid and (`check_files`) whose files match it;
-    each one passed over is named in a warning. None when the run has none."""
+def newest_good(storage: RunStorage, check_files: bool = True, passing_over: Collection[str] = (),
+                checksums: Callable[[dict[str, Any]], bool] = lambda record: True) -> tuple[str, dict[str, Any]] | None:
+    """The newest checkpoint whose record is valid and (`check_files`) whose files match it, not
+    one of `passing_over`; each one passed over is named in a warning. `checksums(record)`: whether
+    to read a checkpoint's files here for their checksums (not where the loader checks them as it
+    reads; their presence and sizes are checked either way). None when the run has none."""
     for name, record in committed(storage):
+        if name in passing_over:
+            continue
         if check_files:
             try:
-                verify(storage, name, record)
+                verify(storage, name, record, checksums(record))
             except BadCheckpoint as err:
                 log.warning("skipping checkpoint %s: %s; falling back to an older one", storage.url(name), err)
                 continue

@@ -28,7 +28,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
-from shardyard.checkpoint.record import COMMIT_FILE, BadCheckpoint
+from shardyard.checkpoint.record import COMMIT_FILE, BadCheckpoint, FileEntry
+from shardyard.checkpoint.verified_reads import VerifiedFiles
 
 _DCP_TYPES = {
     "torch.distributed.checkpoint.metadata": {
@@ -83,7 +84,14 @@ def check_storage_paths(metadata: Metadata, listed: set[str] | None, where: str)
 
 class _SafeMetadata:
     """DCP's reader with its `.metadata` read by `MetadataUnpickler` instead of plain pickle, and
-    its reads kept to the checkpoint's own files (`check_storage_paths`)."""
+    its reads kept to the checkpoint's own files (`check_storage_paths`). Given the commit
+    record's files (`expected`), every file it opens is checked against them as it is read
+    (checkpoint/verified_reads.py)."""
+
+    def __init__(self, path: str | Path, expected: dict[str, FileEntry] | None = None, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        if expected is not None:
+            self.fs = VerifiedFiles(self.fs, self.path, expected)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self.fs.concat_path(self.path, ".metadata")
@@ -117,10 +125,11 @@ class SafeFsspecReader(_SafeMetadata, FsspecReader):
     pass
 
 
-def safe_reader(checkpoint_id: str | Path) -> FileSystemReader:
-    """The DCP reader for a local path or an object store URI, reading no code."""
+def safe_reader(checkpoint_id: str | Path, expected: dict[str, FileEntry] | None = None) -> FileSystemReader:
+    """The DCP reader for a local path or an object store URI, reading no code (and, given the
+    commit record's files, checking each file it reads against them)."""
     text = str(checkpoint_id)
-    return SafeFsspecReader(text) if "://" in text else SafeFileSystemReader(text)
+    return SafeFsspecReader(text, expected) if "://" in text else SafeFileSystemReader(text, expected)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

@@ -142,7 +142,8 @@ class DeepSpeedFormat:
     def load(self, engine: Engine, storage: RunStorage, name: str, record: dict, stored: JobSpec,
              load_optimizer: bool) -> None:
         if record["format"] != self.name:
-            self._load_full_state(engine, self._from_dcp(engine, storage.url(name), load_optimizer), load_optimizer)
+            self._load_full_state(engine, self._from_dcp(engine, storage.url(name), record["files"], load_optimizer),
+                                  load_optimizer)
         elif record["world_size"] == dist.get_world_size():
             with local_zero_files(storage, name) as zero:
                 loaded_from, _ = engine.ds.load_checkpoint(str(zero.parent), tag=zero.name,
@@ -154,14 +155,15 @@ class DeepSpeedFormat:
                 self._load_full_state(engine, full, load_optimizer and stored.optim.name == "adamw")
 
     @staticmethod
-    def _from_dcp(engine: Engine, url: str, load_optimizer: bool) -> FullState:
-        """Every rank reads the whole tensors it needs from a DCP checkpoint."""
+    def _from_dcp(engine: Engine, url: str, files: dict[str, FileEntry], load_optimizer: bool) -> FullState:
+        """Every rank reads the whole tensors it needs from a DCP checkpoint (each file checked
+        against the commit record's `files` as it is read)."""
         shapes = {n: getattr(p, "ds_shape", p.shape) for n, p in engine.ds.module.named_parameters()}
         fields = optimizer_state_keys(engine.optimizers[0]) if load_optimizer else []
         wanted = {f"model.{n}": torch.empty(s) for n, s in shapes.items()}
         wanted |= {f"optim.state.{n}.{f}": torch.empty(() if f == "step" else s) for n, s in shapes.items()
                    for f in fields}
-        read_dcp(wanted, url)
+        read_dcp(wanted, url, expected=files)
         return lambda fqn, field: wanted[f"model.{fqn}" if field == "param" else f"optim.state.{fqn}.{field}"]
 
     @staticmethod
