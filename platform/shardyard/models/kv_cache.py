@@ -39,7 +39,6 @@ from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
-from torch._dynamo import mark_static_address
 
 BLOCK_TOKENS = 16  # positions per block: vLLM's default
 LANE_POSITIONS = 64  # the fewest positions a lane is grown to, and the narrowest width a padded step attends
@@ -344,6 +343,10 @@ class KVCache:
             if have is not None or count > self.fixed[0] + 1 or width > self.fixed[1]:
                 raise RuntimeError(f"a step needs {count} lanes of {width} positions; the cache was fixed at "
                                    f"{self.fixed[0]} of {self.fixed[1]}")
+            # Imported here: torch._dynamo costs a second to import, paid only by compiled decoding
+            # (every training worker imports the models).
+            from torch._dynamo import mark_static_address
+
             lanes[layer] = like.new_zeros((self.fixed[0] + 1, heads, self.fixed[1], head_dim))
             for pool in (self.keys, self.values):
                 mark_static_address(pool[layer])

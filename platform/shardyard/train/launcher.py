@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import ray
-from ray.train import FailureConfig, LoggingConfig, RunConfig, UserCallback
+from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig, UserCallback
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from shardyard.data.corpus import corpus_files
@@ -52,9 +52,10 @@ from shardyard.checkpoint.record import newest_good
 from shardyard.checkpoint.store import RunStorage
 from shardyard.checkpoint.events import log_event, read_events
 from shardyard.train.metrics import RunResult, finish_run
+from shardyard.train.startup import StartupPhases, driver_marks, report
 from shardyard.train.step_guard import PREEMPT_FILE, Diverged
 from shardyard.train.trainer import Callback, Trainer
-from shardyard.train.worker_resources import scaling_config
+from shardyard.train.worker_resources import place_workers
 
 
 def node_drained() -> bool:
@@ -68,6 +69,7 @@ def train_worker(config: dict[str, Any]) -> None:
     """Entry point of each Ray Train worker. `config["spec"]` is the validated job spec as a
     dict; `progress_bar` says whether the driver has a terminal to draw a bar on;
     `crash_at_checkpoint` and `hold_at` are fault-injection settings read on the driver."""
+    entered_at = time.time()
     spec = parse_spec(config["spec"])
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
@@ -85,7 +87,7 @@ def train_worker(config: dict[str, Any]) -> None:
             log_event(spec.run_uri, "gave_up", launch=config["launch_id"], reason=reason)
         return
     hot = spec.scaling.recovery == "hot"
-    callbacks: list[Callback] = [RunEvents()]
+    callbacks: list[Callback] = [RunEvents(), StartupPhases(launch_id, config["startup"], entered_at)]
     if spec.run.sample_ledger:
         # Hot-recovery replicas are not one group, and replacements join a running step
         # sequence: one attempt id for all of them.
@@ -274,6 +276,18 @@ def check_optimizer_resumes(spec: JobSpec, stored: JobSpec, written_at: int, whe
                         f"data position only")
 
 
+def scaling_config(spec: JobSpec, cluster: dict[str, float], can_grow: bool) -> ScalingConfig:
+    """Ray Train's worker group for `spec` on a cluster with `cluster` resources (see
+    train/worker_resources.py for where the workers go and why)."""
+    placement = place_workers(spec, cluster, can_grow)
+    if placement.reason:  # the user reads it before Ray's output, not in a log file
+        print(f"shardyard: {placement.reason}", file=sys.stderr, flush=True)
+    s = spec.scaling
+    num_workers = s.num_workers if s.num_workers is not None else (s.min_workers, s.max_workers)
+    return ScalingConfig(num_workers=num_workers, use_gpu=placement.use_gpu, resources_per_worker=placement.resources,
+                         elastic_resize_monitor_interval_s=s.resize_check_interval_s)
+
+
 def tune_ray_train(spec: JobSpec) -> None:
     """Failure detection and restart timing that Ray Train reads from the driver's environment
     (and passes on to its controller). After a node is lost, a restart may first be tried at the
@@ -381,8 +395,10 @@ def _launch(spec: JobSpec, attach_to_running: bool, lease: RunLease) -> RunResul
     stop_if_terminated()
     fault_injection = {"crash_at_checkpoint": injected_crash_step(), "hold_at": hold_steps()}
     largest = spec.scaling.world_sizes[-1] * spec.scaling.resources_per_worker.get("CPU", 1.0)
+    ray_started_at = time.time()
     with sigterm_handler_kept():
         can_grow = connect_ray(largest, attach_to_running)
+    ray_start_s = time.time() - ray_started_at
     if spec.parallelism.strategy == "parameter_server":  # its own actors, not a Ray Train group
         return _launch_parameter_servers(spec, lease)
     tune_ray_train(spec)
@@ -394,7 +410,7 @@ def _launch(spec: JobSpec, attach_to_running: bool, lease: RunLease) -> RunResul
         torch_config=torch_config(spec),
         train_loop_config={"spec": spec.model_dump(mode="json"), "progress_bar": sys.stdout.isatty(),
                            "launch_id": launch_id, "lease_generation": lease.generation, "lease_id": lease.id,
-                           "use_gpu": scaling.use_gpu,
+                           "use_gpu": scaling.use_gpu, "startup": driver_marks(ray_started_at, ray_start_s),
                            **fault_injection},
         scaling_config=scaling,
         run_config=RunConfig(
@@ -413,10 +429,11 @@ def _launch(spec: JobSpec, attach_to_running: bool, lease: RunLease) -> RunResul
     with preemption_notice(spec):
         trainer.fit()
     ended = {e["event"]: e for e in read_events(spec.run_uri) if e.get("launch") == launch_id}
+    startup = report(ended.get("first_step"))
     for kind in ("gave_up", "diverged", "lease_lost"):
         if kind in ended:
             raise RunGaveUp(f"run '{spec.run.name}' stopped: {ended[kind]['reason']}")
     if "preempted" in ended:
         raise Preempted(f"run '{spec.run.name}' stopped on SIGTERM after committing step {ended['preempted']['step']}; "
                         f"launch it again to continue from there")
-    return finish_run(spec, f"shardyard run '{spec.run.name}' ({spec.parallelism.strategy})", start)
+    return finish_run(spec, f"shardyard run '{spec.run.name}' ({spec.parallelism.strategy})", start, startup)

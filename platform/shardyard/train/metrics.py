@@ -194,9 +194,10 @@ def summarize(run_dir: str | Path, title: str, wall_s: float) -> dict[str, Any]:
     }
 
 
-def finish_run(spec: JobSpec, title: str, start: float) -> RunResult:
-    """The end-of-run table and loss plot; the run's newest committed checkpoint."""
-    summary = summarize(spec.run_uri, title, time.perf_counter() - start)
+def finish_run(spec: JobSpec, title: str, start: float, startup: dict[str, float] | None = None) -> RunResult:
+    """The end-of-run table and loss plot; the run's newest committed checkpoint. `startup`: the
+    launch's start-up phases (train/startup.py), shown in the table too."""
+    summary = summarize(spec.run_uri, title, time.perf_counter() - start) | (startup or {})
     storage = RunStorage(spec.run_uri)
     newest = newest_name(storage)
     summary["checkpoint"] = storage.url(newest) if newest else None

@@ -49,6 +49,9 @@ class Callback:
     def on_healed(self, trainer: Trainer, from_step: int) -> None:
         """The engine replaced this rank's state with a live peer's (hot recovery)."""
 
+    def on_first_step(self, trainer: Trainer) -> None:
+        """This worker's first step since it started ended (`trainer.timings` holds its start-up)."""
+
     def on_checkpoint_start(self, trainer: Trainer) -> None: ...
 
     def on_checkpoint_end(self, trainer: Trainer) -> None: ...
@@ -75,6 +78,8 @@ class Trainer:
         self.state = TrainState(world_size=world_size)
         self.restored: TrainState | None = None  # what train() resumed from, if anything
         self.restore_s = 0.0
+        # Seconds of this worker's start-up, phase by phase (train/startup.py reports them).
+        self.timings: dict[str, float] = {}
         # Summed on the device between reports: reading a loss each step would sync a GPU.
         self._loss_sum = torch.zeros((), device=engine.device)
         self._last_loss = torch.zeros((), device=engine.device)
@@ -97,6 +102,7 @@ class Trainer:
         and (if the spec allows it) the global batch changed. `fence` raises once this launch no
         longer holds the run's lease (checkpoint/lease.py); `node_drained`, collective, says whether
         a worker's node is about to be reclaimed (the run then checkpoints at once and trains on)."""
+        start = time.perf_counter()
         spec = at_world_size(written, world_size)
         # Same seed on every rank: identical initial weights, as a single process would build them.
         torch.manual_seed(spec.run.seed)
@@ -104,8 +110,10 @@ class Trainer:
         checkpoints = CheckpointManager(spec.run_uri, spec.checkpoint.keep, asynchronous=spec.checkpoint.async_write,
                                         writer=checkpoint_writer, load_optimizer=spec.checkpoint.load_optimizer,
                                         fence=fence, spec=written)
-        return cls(spec, written, engine, build_dataset(spec), checkpoints, rank, world_size, callbacks,
-                   progress_bar, build_validation(spec), fence, node_drained)
+        trainer = cls(spec, written, engine, build_dataset(spec), checkpoints, rank, world_size, callbacks,
+                      progress_bar, build_validation(spec), fence, node_drained)
+        trainer.timings["build_s"] = time.perf_counter() - start
+        return trainer
 
     @property
     def global_batch(self) -> int:
@@ -116,6 +124,7 @@ class Trainer:
         start = time.perf_counter()
         self.restored = self.checkpoints.restore(self.engine)
         self.restore_s = time.perf_counter() - start
+        self.timings |= self.checkpoints.restore_timings
         if self.restored is not None:
             self.state = TrainState(self.restored.step, self.restored.samples_seen, self.world_size)
 
@@ -161,9 +170,14 @@ class Trainer:
         throughput = Throughput()
         since_report = 0
         last = self.spec.run.steps if until is None else min(until, self.spec.run.steps)
+        first_step = time.perf_counter()
         while self.state.step < last:
             if not self.train_step():
                 continue
+            if "first_step_s" not in self.timings:
+                self.timings["first_step_s"] = time.perf_counter() - first_step
+                for callback in self.callbacks:
+                    callback.on_first_step(self)
             since_report += 1
             throughput.add(self.global_batch, self.global_batch * self.tokens_per_sample)
             step = self.state.step

@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 from dataclasses import dataclass
-
-from ray.train import ScalingConfig
 
 from shardyard.spec import JobSpec, SpecError
 
@@ -81,13 +78,3 @@ def place_workers(spec: JobSpec, cluster: dict[str, float], can_grow: bool) -> W
         log.warning("the cluster cannot yet hold %d workers (%s); waiting for it to scale up",
                     fewest, _described(short))
     return WorkerPlacement(use_gpu, resources, reason)
-
-
-def scaling_config(spec: JobSpec, cluster: dict[str, float], can_grow: bool) -> ScalingConfig:
-    placement = place_workers(spec, cluster, can_grow)
-    if placement.reason:  # the user reads it before Ray's output, not in a log file
-        print(f"shardyard: {placement.reason}", file=sys.stderr, flush=True)
-    s = spec.scaling
-    num_workers = s.num_workers if s.num_workers is not None else (s.min_workers, s.max_workers)
-    return ScalingConfig(num_workers=num_workers, use_gpu=placement.use_gpu, resources_per_worker=placement.resources,
-                         elastic_resize_monitor_interval_s=s.resize_check_interval_s)
