@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The device check in one call, on a lent GPU machine (benchmarks/gpu_check.py says what it measures):
+#   here, once:  python benchmarks/gpu_prepare.py
+#   then:        run(command="bash benchmarks/gpu_check.sh", carry=[".gpu_wheels"], timeout_s=540)
+# Installs the carried wheels into the image's Python (nothing can be fetched there), then runs the
+# stages within BUDGET_S seconds (default 450); $OUT/summary.json and $OUT/log.txt come back.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$(mktemp -d)}"
+PYTHON="${PYTHON:-python3}"
+mkdir -p "$OUT"
+if [ -d .gpu_wheels ] && ! "$PYTHON" -c "import ray" 2>/dev/null; then  # a bare image: install what it lacks
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile .gpu_wheels/*.whl >"$OUT/log.txt" 2>&1 \
+        || { echo "installing the carried wheels failed:"; tail -20 "$OUT/log.txt"; exit 1; }
+fi
+# The checkout's code before the carried wheel of it (built when the wheels were prepared): Ray's
+# workers inherit this from the local instances the stages start.
+export PYTHONPATH="$PWD/platform${PYTHONPATH:+:$PYTHONPATH}"
+exec "$PYTHON" benchmarks/gpu_check.py --out "$OUT" --budget "${BUDGET_S:-450}" "$@"

@@ -1,0 +1,69 @@
+"""The device check (benchmarks/gpu_check.sh) run here as on a lent GPU machine, its stages on
+the small model a machine without CUDA gets and the GPU-only ones skipped, so the script a loan
+depends on cannot rot between loans. Four calls, each under two minutes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, ray_files_of_their_own, user_environment
+
+
+def device_check(out: Path, stages: str, ray_tmp: str | None = None) -> dict:
+    """The one call, limited to `stages`; their results, checked to have run or been skipped."""
+    env = user_environment(ray_tmp) if ray_tmp else dict(os.environ)
+    done = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--stages", stages, "--budget", "110"], cwd=REPO,
+                          env={**env, "OUT": str(out), "PYTHON": sys.executable},
+                          capture_output=True, text=True, timeout=115)
+    log = (out / "log.txt").read_text() if (out / "log.txt").exists() else ""
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + log[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    failed = {name: s["status"] for name, s in summary["stages"].items() if not s["status"].startswith(("ok", "skipped"))}
+    assert not failed, (failed, log[-4000:])
+    return summary["stages"]
+
+
+@pytest.mark.timeout(120)
+def test_the_plain_loop_serving_and_gpu_test_stages_run_here(tmp_path: Path) -> None:
+    stages = device_check(tmp_path, "peak,loop,serving,pytest_gpu,train_float8")
+    assert stages["peak"]["status"] == "skipped: needs a GPU"
+    assert stages["train_float8"]["status"] == "skipped: needs a GPU of compute capability 8.9+"
+    assert stages["pytest_gpu"]["tests"] > 0 and stages["pytest_gpu"]["skipped"] == stages["pytest_gpu"]["tests"]
+    assert stages["loop"]["eager"]["tokens_per_s"] > 0 and stages["loop"]["compiled"]["tokens_per_s"] > 0
+    assert "float8 compiled" not in stages["loop"]  # float8 needs a GPU of compute capability 8.9+
+    assert stages["serving"]["engine_tokens_per_s"] > 0 and stages["serving"]["generate_tokens_per_s"] > 0
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(120)
+def test_the_training_stage_runs_shardyard_train_eager_and_compiled(tmp_path: Path) -> None:
+    with ray_files_of_their_own() as ray_tmp:
+        stages = device_check(tmp_path, "train", ray_tmp)
+    for run in (stages["train"]["eager"], stages["train"]["compiled"]):
+        assert run["exit_code"] == 0 and run["tokens_per_s"] > 0, run
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(120)
+def test_the_relaunch_is_timed_in_phases(tmp_path: Path) -> None:
+    with ray_files_of_their_own() as ray_tmp:
+        stages = device_check(tmp_path, "relaunch", ray_tmp)
+    relaunched = stages["relaunch"]
+    assert relaunched["exit_code"] == 0 and relaunched["tokens_per_s"] > 0, relaunched
+    assert {"command_s", "ray_start_s", "worker_start_s", "build_s", "verify_s", "load_s", "first_step_s",
+            "since_command_s"} <= set(relaunched["startup"])
+    assert relaunched["startup"]["load_s"] > 0  # it resumed from the first launch's checkpoint
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(120)
+def test_the_readme_stage_runs_readmes_default_job(tmp_path: Path) -> None:
+    with ray_files_of_their_own() as ray_tmp:
+        stages = device_check(tmp_path, "readme", ray_tmp)
+    assert stages["readme"]["exit_code"] == 0 and stages["readme"]["tokens_per_s"] > 0
