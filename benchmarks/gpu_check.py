@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 from typing import Any, Callable
 
@@ -113,7 +114,8 @@ def peak() -> dict[str, Any]:
     for _ in range(10):
         a @ b
     torch.cuda.synchronize()
-    return {"device": torch.cuda.get_device_name(), "capability": ".".join(map(str, torch.cuda.get_device_capability())),
+    capability = ".".join(map(str, torch.cuda.get_device_capability()))
+    return {"device": torch.cuda.get_device_name(), "capability": capability,
             "bf16_matmul_tflops": 10 * 2 * 8192**3 / (time.perf_counter() - began) / 1e12}
 
 
@@ -209,11 +211,10 @@ def pytest_gpu(work: Path) -> dict[str, Any]:
     done = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
                            f"--junitxml={report}", "tests/"], cwd=REPO, capture_output=True, text=True, timeout=600)
     print(done.stdout[-6000:], done.stderr[-2000:], sep="\n", flush=True)
-    import xml.etree.ElementTree as ElementTree
-
     suite = ElementTree.parse(report).getroot()
     suite = suite if suite.tag == "testsuite" else suite[0]
-    return {"exit_code": done.returncode, **{k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")},
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    return {"exit_code": done.returncode, **counts,
             "failed": [c.get("name") for c in suite.iter("testcase") if c.find("failure") is not None
                        or c.find("error") is not None]}
 

@@ -88,7 +88,8 @@ def checkout_mib() -> float:
     """The files that travel besides the wheels: tracked, and untracked but not ignored."""
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
                             capture_output=True, check=True).stdout.split(b"\0")
-    return sum((REPO / name.decode()).stat().st_size for name in listed if name and (REPO / name.decode()).is_file()) / 2**20
+    files = [REPO / name.decode() for name in listed if name]
+    return sum(f.stat().st_size for f in files if f.is_file()) / 2**20
 
 
 if __name__ == "__main__":

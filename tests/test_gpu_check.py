@@ -24,7 +24,8 @@ def device_check(out: Path, stages: str, ray_tmp: str | None = None) -> dict:
     log = (out / "log.txt").read_text() if (out / "log.txt").exists() else ""
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + log[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    failed = {name: s["status"] for name, s in summary["stages"].items() if not s["status"].startswith(("ok", "skipped"))}
+    failed = {name: stage["status"] for name, stage in summary["stages"].items()
+              if not stage["status"].startswith(("ok", "skipped"))}
     assert not failed, (failed, log[-4000:])
     return summary["stages"]
 

@@ -54,6 +54,7 @@ def test_a_cluster_that_can_grow_is_waited_for_with_a_warning(caplog) -> None:
 
 
 def test_float8_on_workers_placed_on_cpu_stops_at_once() -> None:
+    float8 = load_spec(DEFAULT_JOB, ["run.precision=float8"])
     with pytest.raises(SpecError, match="run.precision float8 trains on GPUs .* workers run on CPU: use run.precision auto"):
-        place_workers(load_spec(DEFAULT_JOB, ["run.precision=float8"]), {"CPU": 16.0}, can_grow=False)
-    assert place_workers(load_spec(DEFAULT_JOB, ["run.precision=float8"]), {"CPU": 16.0, "GPU": 2.0}, can_grow=False).use_gpu
+        place_workers(float8, {"CPU": 16.0}, can_grow=False)
+    assert place_workers(float8, {"CPU": 16.0, "GPU": 2.0}, can_grow=False).use_gpu

@@ -21,7 +21,8 @@ KERNEL_MULTIPLE = 16
 def float8_unsupported(device: torch.device) -> str | None:
     """Why float8 training cannot run on `device`; None where it can."""
     if device.type != "cuda":
-        return f"run.precision float8 needs a GPU of compute capability 8.9 or later; this worker trains on {device.type}"
+        return (f"run.precision float8 needs a GPU of compute capability 8.9 or later; this worker trains on "
+                f"{device.type}")
     capability = torch.cuda.get_device_capability(device)
     if capability < FLOAT8_CAPABILITY:
         return (f"run.precision float8 needs a GPU of compute capability 8.9 or later (Ada, Hopper, Blackwell); "

@@ -101,7 +101,8 @@ def train_worker(config: dict[str, Any]) -> None:
 
         callbacks.append(WeightsPublisher(spec.checkpoint.publish_to,
                                           spec.checkpoint.publish_every_n_steps or spec.checkpoint.every_n_steps))
-    trainer = Trainer.build(spec, rank, world_size, select_device(context.get_local_rank(), config["use_gpu"]), callbacks=callbacks,
+    device = select_device(context.get_local_rank(), config["use_gpu"])
+    trainer = Trainer.build(spec, rank, world_size, device, callbacks=callbacks,
                             checkpoint_writer=not hot or rank == 0, fence=fence,
                             node_drained=None if hot else node_drained,
                             replica_id=f"{spec.run.name}_{rank}", progress_bar=config["progress_bar"])
