@@ -3,7 +3,7 @@
 #   here, once:  python benchmarks/gpu_prepare.py
 #   then:        run(command="bash benchmarks/gpu_check.sh", carry=[".gpu_wheels"], timeout_s=540)
 # Installs the carried wheels into the image's Python (nothing can be fetched there), then runs the
-# stages within BUDGET_S seconds (default 450); $OUT/summary.json and $OUT/log.txt come back.
+# stages within BUDGET_S seconds (default 440); $OUT/summary.json and $OUT/log.txt come back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d)}"
@@ -16,4 +16,4 @@ fi
 # The checkout's code before the carried wheel of it (built when the wheels were prepared): Ray's
 # workers inherit this from the local instances the stages start.
 export PYTHONPATH="$PWD/platform${PYTHONPATH:+:$PYTHONPATH}"
-exec "$PYTHON" benchmarks/gpu_check.py --out "$OUT" --budget "${BUDGET_S:-450}" "$@"
+exec "$PYTHON" benchmarks/gpu_check.py --out "$OUT" --budget "${BUDGET_S:-440}" "$@"

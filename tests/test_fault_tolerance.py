@@ -76,8 +76,11 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(ray_cluster, un
     assert proc.returncode == 0, output[-4000:]
 
     events = read_events(run_dir)
-    assert [e["event"] for e in events] == ["launch", "start", "injected_crash", "failure", "start"], events
-    crash, restart = events[2], events[4]
+    # Each worker group's start-up is reported once its first step ends, the restarted one's too.
+    assert [e["event"] for e in events] == ["launch", "start", "first_step", "injected_crash", "failure", "start",
+                                            "first_step"], events
+    crash, restart, restarted = events[3], events[5], events[6]
+    assert restarted["step"] == 151 and restarted["load_s"] > 0 and restarted["since_command_s"] > 0
     assert crash["step"] == 200 and crash["latest_complete"] is not None
     # The newest complete checkpoint when the crash happened, never the partial one.
     assert crash["latest_complete"] == "checkpoint_step_00000150"
