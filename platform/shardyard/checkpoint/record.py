@@ -169,10 +169,18 @@ def verify(storage: RunStorage, name: str, record: dict[str, Any], checksums: bo
             size = storage.size(name, relative)
         except FileNotFoundError:
             raise BadCheckpoint(f"{where} is missing") from None
-        if size != expected["size"]:
-            raise BadCheckpoint(f"{where} holds {size} bytes, its commit record says {expected['size']}")
-        if checksums and file_entry(storage, name, relative)["crc32c"] != expected["crc32c"]:
-            raise BadCheckpoint(f"{where} does not match its checksum (corrupted)")
+        check_file(where, expected, size)
+        if checksums:
+            check_file(where, expected, size, file_entry(storage, name, relative)["crc32c"])
+
+
+def check_file(where: str, expected: FileEntry, size: int, checksum: int | None = None) -> None:
+    """A file's size and (when given) checksum are the ones its commit record lists; raises
+    BadCheckpoint naming `where` if not."""
+    if size != expected["size"]:
+        raise BadCheckpoint(f"{where} holds {size} bytes, its commit record says {expected['size']}")
+    if checksum is not None and checksum != expected["crc32c"]:
+        raise BadCheckpoint(f"{where} does not match its checksum (corrupted)")
 
 
 def committed(storage: RunStorage, lineage: Lineage | None = None) -> Iterator[tuple[str, dict[str, Any]]]:

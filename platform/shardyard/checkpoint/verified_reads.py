@@ -20,18 +20,14 @@ from typing import Any
 
 import crc32c
 
-from shardyard.checkpoint.record import COMMIT_FILE, BadCheckpoint, FileEntry
+from shardyard.checkpoint.record import COMMIT_FILE, BadCheckpoint, FileEntry, check_file
 
 
 def check_entry(data: Any, expected: FileEntry | None, where: str) -> None:
     """`data` (bytes, or any buffer) is the file the record lists at `where`; BadCheckpoint if not."""
     if expected is None:
         raise BadCheckpoint(f"{where} is not listed in its checkpoint's commit record")
-    size = memoryview(data).nbytes
-    if size != expected["size"]:
-        raise BadCheckpoint(f"{where} holds {size} bytes, its commit record says {expected['size']}")
-    if crc32c.crc32c(data) != expected["crc32c"]:
-        raise BadCheckpoint(f"{where} does not match its checksum (corrupted)")
+    check_file(where, expected, memoryview(data).nbytes, crc32c.crc32c(data))
 
 
 class MemoryReader(io.RawIOBase):
