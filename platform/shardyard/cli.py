@@ -6,6 +6,7 @@
     shardyard export CHECKPOINT_OR_RUN_DIR --format hf OUT_DIR
     shardyard plan CONFIG.yaml [--gpus N --gpu-memory 80GB --nodes M] [--set key=value ...]
     shardyard serve RUN_OR_CHECKPOINT_OR_MODEL_DIR [--tensor-parallel-size N] [--port 8000] ...
+    shardyard pool POOL.yaml [--set key=value ...]
     shardyard schema [--serve]
 """
 
@@ -199,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
                                                "HTTP (OpenAI API), with vLLM's flag names",
                                 description=serve_command.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     serve_command.add_serve_arguments(serve)
+    pool = commands.add_parser("pool", help="train an elastic run and serve it from one pool of devices: serving "
+                                             "borrows training's workers under load and gives them back")
+    add_spec_arguments(pool, config_flag=False, what="YAML pool spec (devices, training job, serving app, policy)",
+                       example="policy.cool_down_s=30")
     schema = commands.add_parser("schema", help="the job spec's JSON schema (for editors' completion and checks)")
     schema.add_argument("--serve", action="store_true", help="the serving config's instead")
     args = parser.parse_args(argv)
@@ -216,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
         from shardyard.data.prepare import main as run_prepare  # imports Ray Data: only when asked for
 
         return run_prepare(args.config, args.overrides)
+    if args.command == "pool":
+        from shardyard.pool.command import run_pool  # imports Ray and Serve: only when asked for
+
+        return run_pool(args.config, args.overrides)
     if args.command == "export":
         return run_export(args.checkpoint, args.out, args.fmt, args.trust_factory)
     # Local Ray unless RAY_ADDRESS names a cluster.

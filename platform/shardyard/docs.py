@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from shardyard.pool.spec import LendWhen, Policy, PoolSpec
 from shardyard.serve.config import VLLM_NAMES, ServeConfig
 from shardyard.spec import JobSpec, _members
 
@@ -77,6 +78,13 @@ def reference() -> str:
                + ", ".join(f"`{theirs}` for `{ours}`" for theirs, ours in VLLM_NAMES.items())
                + ", and `tensor_parallel_size` or `pipeline_parallel_size` for `num_shards` with `sharding`.\n")
     out.append(_table(_rows(ServeConfig, "")))
+    out.append("## Pool spec\n")
+    out.append("The file `shardyard pool` reads ([the elastic pool](pool.md)).\n")
+    sections = [(name, field.annotation) for name, field in PoolSpec.model_fields.items()]
+    sections.insert(sections.index(("policy", Policy)) + 1, ("policy.lend_when", LendWhen))
+    for section, cls in sections:
+        out.append(f"### `{section}`\n")
+        out.append(_table(_rows(cls, f"{section}.")))
     return "\n".join(out)
 
 

@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import ray
 from fastapi import FastAPI
 from ray import serve
 from ray.serve.config import BackpressureConfig
@@ -37,7 +38,7 @@ from shardyard.serve.config import ServeConfig, parse_config
 from shardyard.serve.guard import GuardSettings
 from shardyard.serve.http_surface import http_app
 from shardyard.serve.ingress import header_deadline_s
-from shardyard.serve.metrics import ServingMetrics, scrape_cluster
+from shardyard.serve.metrics import ARBITER_NAMESPACE, ServingMetrics, scrape_cluster
 from shardyard.serve.openai_routes import Answering
 from shardyard.serve.precision import serving_dtype
 from shardyard.serve.rollout import Rollout
@@ -148,6 +149,9 @@ class ModelServer:
 
     async def _publish(self) -> None:
         served = self.answering.served
+        arbiter = None
+        if self.config.report_load_to is not None:
+            arbiter = ray.get_actor(self.config.report_load_to, namespace=ARBITER_NAMESPACE)
         while True:
             if self.rollout is not None:  # what this replica's answers cost, for the canary's verdict
                 tallies = {weights: replace(tally) for weights, tally in self.answering.tally.items()}
@@ -155,6 +159,8 @@ class ModelServer:
             self.metrics.served_step.set(-1 if served.step is None else served.step)
             if self.engine is not None:
                 self.engine.report(self.metrics)
+            if arbiter is not None and self.metrics.load is not None:
+                arbiter.report_load.remote(self.replica, self.metrics.load)  # no answer awaited
             await asyncio.sleep(PUBLISH_EVERY_S)
 
     def check_health(self) -> None:
@@ -169,7 +175,7 @@ class ModelServer:
 
 
 def _describe(bundle: dict[str, float]) -> str:
-    return f"{bundle['CPU']:g} CPU" + (" and 1 GPU" if bundle.get("GPU") else "")
+    return f"{bundle['CPU']:g} CPU" + "".join(f" and {n:g} {name}" for name, n in bundle.items() if name != "CPU")
 
 
 def _check_room(bundles: list[dict[str, float]], cfg: Any, what: str) -> None:
@@ -195,11 +201,15 @@ def build_app(args: dict[str, Any]) -> "serve.Application":
         options["num_replicas"] = cfg.num_replicas
     else:  # scale on requests in flight: a replica is busy at one full batch
         options["autoscaling_config"] = {"min_replicas": cfg.num_replicas, "max_replicas": cfg.max_replicas,
-                                         "target_ongoing_requests": cfg.max_batch_size}
+                                         "target_ongoing_requests": cfg.max_batch_size,
+                                         "upscale_delay_s": cfg.upscale_delay_s,
+                                         "downscale_delay_s": cfg.downscale_delay_s,
+                                         "look_back_period_s": cfg.look_back_period_s}
     if generates and cfg.num_shards == 1:  # the model in the replica: the replica holds its shard's bundle
-        bundle = shard_bundle(cfg.use_gpu, REPLICA_CPUS + cfg.cpus_per_shard)
+        bundle = {**shard_bundle(cfg.use_gpu, REPLICA_CPUS + cfg.cpus_per_shard), **cfg.device_resources}
         _check_room([bundle], cfg, f"a replica decoding in its own process ({_describe(bundle)})")
-        options["ray_actor_options"] = {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0.0)}
+        options["ray_actor_options"] = {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0.0),
+                                        "resources": cfg.device_resources}
     elif generates:  # the replica's own bundle, then one per shard: Serve reserves them together
         bundles = [{"CPU": REPLICA_CPUS}] + [shard_bundle(cfg.use_gpu, cfg.cpus_per_shard)] * cfg.num_shards
         _check_room(bundles, cfg, f"a replica (its {REPLICA_CPUS} CPU and {cfg.num_shards} shards of "

@@ -110,6 +110,18 @@ class ServeConfig(BaseModel):
         "every request in the batch) may take")
     num_replicas: int = Field(1, ge=1, description="replicas, or the autoscaling lower bound with max_replicas")
     max_replicas: int | None = Field(None, ge=1, description="autoscale between num_replicas and this")
+    upscale_delay_s: float = Field(30.0, ge=0, description="autoscaling: how long load must call for more "
+                                   "replicas before Serve adds one (Serve's setting)")
+    downscale_delay_s: float = Field(600.0, ge=0, description="autoscaling: how long load must call for fewer "
+                                     "replicas before Serve stops one (Serve's setting)")
+    look_back_period_s: float = Field(30.0, gt=0, description="autoscaling: the window Serve averages each "
+                                      "replica's requests in flight over (Serve's setting)")
+    device_resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources each device reserves beside its CPUs (and GPU): "
+        "each shard's bundle, or the replica's own when it decodes in its process (a pool's devices)")
+    report_load_to: str | None = Field(None, min_length=1, description="the pool arbiter (a named Ray actor) "
+                                       "each replica reports its engine's load to every second; set by "
+                                       "`shardyard pool`")
     graceful_shutdown_timeout_s: float = Field(
         30.0, ge=0, description="a replica being stopped finishes its in-flight requests for up to this long")
     max_queued_requests: int = Field(64, ge=1, description="beyond this, 503 with Retry-After")
@@ -172,6 +184,8 @@ class ServeConfig(BaseModel):
         if self._admin_token is not None and self._admin_token == self._token:
             raise ValueError("admin_token: it is the clients' bearer token too, so every client could roll the app "
                              "back; give the operator a token of their own")
+        if self.device_resources and self.num_shards > 1:
+            raise ValueError("device_resources: reserved by a replica that decodes in its own process (num_shards 1)")
         if self.max_replicas is not None and self.max_replicas < self.num_replicas:
             raise ValueError(f"max_replicas ({self.max_replicas}) is below num_replicas ({self.num_replicas})")
         self._source = self.checkpoint

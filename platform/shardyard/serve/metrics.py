@@ -14,6 +14,7 @@ them all. The agents publish every few seconds: a value appears there a little a
 from __future__ import annotations
 
 import urllib.request
+from typing import Any
 
 import ray
 from ray.serve import metrics
@@ -23,6 +24,8 @@ from shardyard.serve.engine import EngineStats
 # Seconds: from a few milliseconds (a decode step on a GPU) to a long queue.
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 EXPORTED_PREFIXES = ("ray_serve_", "ray_shardyard_")
+# Where a pool's arbiter (the actor replicas report their load to: `report_load_to`) is named.
+ARBITER_NAMESPACE = "shardyard"
 
 
 class ServingMetrics:
@@ -66,6 +69,8 @@ class ServingMetrics:
         self.errors = metrics.Counter("shardyard_http_errors", "error responses by status and route",
                                       tag_keys=("status", "route"))
         self._engine_tokens = 0
+        # What the engine reported last, as a pool's arbiter reads it (pool/load.py's ReplicaLoad).
+        self.load: dict[str, Any] | None = None
 
     def batch_started(self, waits: list[float]) -> None:
         """A static batch begins: each request's time in the queue, and the batch's size."""
@@ -101,6 +106,8 @@ class ServingMetrics:
         self.kv_blocks_total.set(stats.cache_blocks)
         self.prefix_hit_rate.set(stats.prefix_hit_rate)
         self.prefill_budget.set(stats.prefill_budget)
+        self.load = {"running": stats.running, "waiting": stats.waiting, "kv_blocks_used": stats.cache_blocks_used,
+                     "kv_blocks": stats.cache_blocks, "ttft_s": ttft}
 
 
 def scrape_cluster(timeout_s: float = 5.0) -> str:

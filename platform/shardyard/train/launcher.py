@@ -137,7 +137,13 @@ class RunGaveUp(RuntimeError):
 
 
 class Preempted(RuntimeError):
-    """SIGTERM stopped the run after it committed a checkpoint: launching it again continues."""
+    """A preemption notice stopped the run after it committed a checkpoint: launching it again
+    continues. `signalled`: the notice was SIGTERM to this driver, not one written by another part
+    of shardyard (the pool resizing the run)."""
+
+    def __init__(self, message: str, signalled: bool) -> None:
+        super().__init__(message)
+        self.signalled = signalled
 
 
 def repeated_failure(events: list[dict[str, Any]], launch_id: str) -> str | None:
@@ -330,14 +336,16 @@ def launch(spec: JobSpec, attach_to_running: bool = False, take_over: bool = Fal
 
 
 @contextmanager
-def preemption_notice(spec: JobSpec) -> Iterator[None]:
+def preemption_notice(spec: JobSpec) -> Iterator[threading.Event]:
     """While the block runs, SIGTERM asks the workers to checkpoint at the next step boundary and
     stop (`<run>/PREEMPT`); if the run has not ended `checkpoint.preempt_timeout_s` later, the
-    driver exits anyway. Installed after Ray's own driver handler, which would abort at once."""
+    driver exits anyway. Installed after Ray's own driver handler, which would abort at once.
+    Yields an event set once a SIGTERM has been heard."""
     storage = RunStorage(spec.run_uri)
     storage.delete(PREEMPT_FILE)  # a notice a stopped launch left behind is not for this one
+    heard = threading.Event()
     if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
-        yield
+        yield heard
         return
     # The handler only queues the notice (SimpleQueue.put is reentrant): printing or starting a
     # thread inside it could deadlock or raise when a second SIGTERM lands while the first is handled.
@@ -347,6 +355,7 @@ def preemption_notice(spec: JobSpec) -> Iterator[None]:
     def act_on_notice() -> None:
         if notices.get() is None:
             return
+        heard.set()
         timeout = spec.checkpoint.preempt_timeout_s
         print(f"shardyard: SIGTERM: checkpointing run '{spec.run.name}' at the next step boundary, then "
               f"stopping (at most {timeout:g} s)", file=sys.stderr, flush=True)
@@ -360,7 +369,7 @@ def preemption_notice(spec: JobSpec) -> Iterator[None]:
     watcher.start()
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: notices.put(time.time()))
     try:
-        yield
+        yield heard
     finally:
         signal.signal(signal.SIGTERM, previous)
         ended.set()
@@ -377,7 +386,7 @@ def _launch_parameter_servers(spec: JobSpec, lease: RunLease) -> RunResult:
 
     ps = ParameterServerRun(spec, fence=lease.fence())
     stop_if_terminated()
-    with preemption_notice(spec):
+    with preemption_notice(spec) as sigterm:
         try:
             result = ps.run()
         except (Diverged, LeaseLost) as err:
@@ -386,7 +395,7 @@ def _launch_parameter_servers(spec: JobSpec, lease: RunLease) -> RunResult:
             raise RunGaveUp(f"run '{spec.run.name}' stopped: {err}") from None
     if ps.preempted:
         raise Preempted(f"run '{spec.run.name}' stopped on SIGTERM after committing step {ps.state.step}; "
-                        f"launch it again to continue from there")
+                        f"launch it again to continue from there", sigterm.is_set())
     return result
 
 
@@ -427,7 +436,7 @@ def _launch(spec: JobSpec, attach_to_running: bool, lease: RunLease) -> RunResul
     )
     start = time.perf_counter()
     stop_if_terminated()
-    with preemption_notice(spec):
+    with preemption_notice(spec) as sigterm:
         trainer.fit()
     ended = {e["event"]: e for e in read_events(spec.run_uri) if e.get("launch") == launch_id}
     startup = report(ended.get("first_step"))
@@ -436,5 +445,5 @@ def _launch(spec: JobSpec, attach_to_running: bool, lease: RunLease) -> RunResul
             raise RunGaveUp(f"run '{spec.run.name}' stopped: {ended[kind]['reason']}")
     if "preempted" in ended:
         raise Preempted(f"run '{spec.run.name}' stopped on SIGTERM after committing step {ended['preempted']['step']}; "
-                        f"launch it again to continue from there")
+                        f"launch it again to continue from there", sigterm.is_set())
     return finish_run(spec, f"shardyard run '{spec.run.name}' ({spec.parallelism.strategy})", start, startup)

@@ -1,0 +1,188 @@
+"""`shardyard pool POOL.yaml`: one pool of devices shared by a training run and a serving app.
+
+The driver starts (or joins) Ray, starts the arbiter (pool/arbiter.py), trains the run at the
+size the arbiter allots, and deploys the app once the run has a checkpoint to serve. When the
+allotment changes, the run is asked to checkpoint at its next step boundary and stop (the
+preemption notice's path: `<run>/PREEMPT`), then launched again at the new size from that
+checkpoint; the sample ledger carries the data position across, so no sample is repeated or
+skipped. Serve places the replicas it is waiting for on the devices the run let go; a replica
+Serve stops finishes the requests it holds first. The pool ends with its run (or on SIGTERM,
+which checkpoints the run first): the app is deleted and the arbiter's timeline is written to
+`<run>/pool/timeline.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import threading
+from typing import Any
+
+import ray
+from ray import serve
+
+from shardyard import exit_codes
+from shardyard.checkpoint.events import read_events
+from shardyard.checkpoint.record import newest_good
+from shardyard.checkpoint.store import RunStorage
+from shardyard.cluster import QUIET
+from shardyard.pool.arbiter import RemoteArbiter, arbiter_name
+from shardyard.pool.spec import PoolSpec, load_pool
+from shardyard.serve.builtin_engine import REPLICA_CPUS
+from shardyard.serve.metrics import ARBITER_NAMESPACE
+from shardyard.spec import JobSpec, SpecError, parse_spec
+from shardyard.train.launcher import Preempted, RunGaveUp, launch
+from shardyard.train.step_guard import PREEMPT_FILE
+
+TIMELINE = ("pool", "timeline.json")
+
+
+def at_size(job: JobSpec, workers: int) -> JobSpec:
+    """The elastic job as a fixed-size launch of `workers` (the pool, not Ray Train, picks the size)."""
+    raw = job.model_dump(mode="json")
+    raw["scaling"].update(num_workers=workers, min_workers=None, max_workers=None)
+    return parse_spec(raw)
+
+
+def connect(pool: PoolSpec, job: JobSpec) -> float:
+    """Join RAY_ADDRESS's cluster, or start a local Ray instance holding the pool's devices (a
+    custom resource) and CPUs enough for every device's worker or replica (oversubscribed on a
+    small machine, as `shardyard train` is). Returns the devices the pool has."""
+    devices = pool.pool
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=QUIET)
+        return ray.cluster_resources().get(devices.resource, 0.0)
+    if devices.resource == "GPU":
+        raise SpecError("pool.resource GPU: a local Ray instance pools the GPUs of a cluster it joins; set "
+                        "RAY_ADDRESS, or pool a custom resource (pool.resource: device, pool.units: N)")
+    if devices.units is None:
+        raise SpecError("pool.units: a local Ray instance started for the pool needs how many devices to make")
+    replica = REPLICA_CPUS + pool.serving.args.get("cpus_per_shard", 1.0)
+    per_device = max(job.scaling.resources_per_worker.get("CPU", 1.0), replica)
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(devices.units * per_device)),
+             resources={devices.resource: devices.units}, include_dashboard=True, runtime_env=QUIET)
+    return float(devices.units)
+
+
+class Pool:
+    def __init__(self, pool: PoolSpec, job: JobSpec, devices: float) -> None:
+        self.pool, self.job = pool, job
+        replicas = pool.serving.args.get("num_replicas", 1)
+        self.size = min(job.scaling.max_workers, int(devices) - replicas)
+        if self.size < job.scaling.min_workers:
+            raise SpecError(f"the pool's {devices:g} {pool.pool.resource} devices cannot hold training's min_workers "
+                            f"({job.scaling.min_workers}) beside serving's num_replicas ({replicas})")
+        self.storage = RunStorage(job.run_uri)
+        self.name = arbiter_name(job.run.name)
+        self.arbiter = RemoteArbiter.options(name=self.name, namespace=ARBITER_NAMESPACE).remote(
+            pool.model_dump(mode="json"), job.run_uri, job.scaling.min_workers, job.scaling.max_workers, self.size)
+        self.lock = threading.Lock()
+        self.resize_asked = False
+        self.ended = threading.Event()
+        self.serving = False
+        self.serving_error: str | None = None
+
+    # ------------------------------------------------------------ serving
+
+    def serve_when_ready(self) -> None:
+        """Deploy the app once the run has committed a checkpoint; then the arbiter decides."""
+        while newest_good(self.storage) is None:
+            if self.ended.wait(1.0):
+                return
+        from shardyard.serve.app import build_app  # Serve's app imports the engines: only when serving
+
+        s = self.pool.serving
+        try:
+            serve.start(http_options={"host": s.host, "port": s.port})
+            serve.run(build_app({**s.args, "report_load_to": self.name}), name=s.app, route_prefix="/")
+        except Exception as err:  # noqa: BLE001 - whatever stops the app from deploying stops the pool, saying why
+            self.serving_error = f"{type(err).__name__}: {err}" if not isinstance(err, SpecError) else str(err)
+            print(f"shardyard pool: serving did not start: {err}; stopping training", file=sys.stderr, flush=True)
+            self.storage.write_bytes(b"serving failed", PREEMPT_FILE)
+            return
+        print(f"shardyard pool: serving app '{s.app}' on http://{s.host}:{s.port}", flush=True)
+        self.serving = True
+        self.arbiter.watch.remote()
+
+    # ------------------------------------------------------------ training
+
+    def follow_allotment(self) -> None:
+        """While the run trains: when the arbiter allots another size, ask the run to checkpoint and
+        stop (again each poll until it has: a launch starting deletes a notice left before it)."""
+        while not self.ended.wait(self.pool.policy.poll_interval_s):
+            allotted = ray.get(self.arbiter.allotment.remote())
+            with self.lock:
+                if allotted != self.size:
+                    self.resize_asked = True
+                    self.storage.write_bytes(f"resize to {allotted}".encode(), PREEMPT_FILE)
+
+    def train(self) -> int:
+        """Launch the run at its allotted size until it ends; each resize is a checkpoint and a launch."""
+        while True:
+            try:
+                launch(at_size(self.job, self.size))
+                return exit_codes.DONE
+            except Preempted as err:
+                with self.lock:
+                    allotted = ray.get(self.arbiter.allotment.remote())
+                    if err.signalled or not self.resize_asked or self.serving_error is not None:
+                        print(f"shardyard pool: {self.serving_error or err}", file=sys.stderr, flush=True)
+                        return exit_codes.GAVE_UP if self.serving_error else exit_codes.PREEMPTED
+                    print(f"shardyard pool: training resumes at {allotted} workers (from {self.size})", flush=True)
+                    self.size, self.resize_asked = allotted, False
+            except RunGaveUp as err:
+                print(f"shardyard: {err}", file=sys.stderr, flush=True)
+                return exit_codes.GAVE_UP
+
+    def run(self) -> int:
+        threads = [threading.Thread(target=self.serve_when_ready, name="shardyard-pool-serving", daemon=True),
+                   threading.Thread(target=self.follow_allotment, name="shardyard-pool-resizer", daemon=True)]
+        for thread in threads:
+            thread.start()
+        try:
+            return self.train()
+        finally:
+            self.ended.set()
+            self.finish()
+
+    def finish(self) -> None:
+        timeline = ray.get(self.arbiter.timeline.remote())
+        self.storage.write_bytes(json.dumps(timeline).encode(), *TIMELINE)
+        self.arbiter.stop.remote()
+        if self.serving:
+            serve.delete(self.pool.serving.app)  # replicas finish the requests they hold
+        print(summary(read_events(self.job.run_uri)), flush=True)
+
+
+def summary(events: list[dict[str, Any]]) -> str:
+    """The pool's decisions and how long each took to take effect, as a table."""
+    rows = [e for e in events if e["event"] in ("lend", "lend_serving", "return", "return_training")]
+    if not rows:
+        return "shardyard pool: no device changed hands"
+    start = rows[0]["time"]
+    lines = ["shardyard pool: what changed hands", f"{'t (s)':>7}  {'event':<16} detail"]
+    for e in rows:
+        if e["event"] in ("lend", "return"):
+            detail = f"training {e['from_workers']} -> {e['to_workers']} workers: {e['reason']}"
+        elif e["event"] == "lend_serving":
+            detail = f"{e['replicas']} replicas serve, {e['since_breach_s']:.1f} s after the breach began"
+        else:
+            detail = f"training steps at {e['world_size']} workers, {e['since_decision_s']:.1f} s after the decision"
+        lines.append(f"{e['time'] - start:7.1f}  {e['event']:<16} {detail}")
+    return "\n".join(lines)
+
+
+def run_pool(config: str, overrides: list[str]) -> int:
+    """Validate everything, then run the pool. A bad spec is a message and exit code 2."""
+    try:
+        pool, job = load_pool(config, overrides)
+        devices = connect(pool, job)
+        return Pool(pool, job, devices).run()
+    except SpecError as err:
+        print(f"shardyard: {err}", file=sys.stderr)
+        return exit_codes.REFUSED
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()

@@ -1,0 +1,82 @@
+"""The arbiter's decisions, as plain code over what it observed (no Ray here): when training lends
+a device to serving, and when serving's device goes back.
+
+A lend needs all of: serving has priority; the SLO signal has been over its bound for `for_s`
+(counted from the last decision too, so one breach lends one device at a time); Serve wants a
+replica it has not placed and no device is free for it; training is above its min_workers. A
+return needs: a device is lent; one is free (Serve let a replica go); the signal within bound
+for `cool_down_s` since the last breach and since the last decision; Serve wants no replica it
+lacks. Nothing is decided while the run is restarting at a new size. Serving's own min_replicas
+are never touched: the arbiter takes back only devices Serve has released.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from shardyard.pool.spec import Policy
+
+
+@dataclass(frozen=True)
+class Observation:
+    now: float
+    signal: float | None      # the SLO signal now (None: no replica has reported)
+    replicas_running: int     # Serve's replicas that serve
+    replicas_wanted: int      # replicas Serve wants (running, starting, or waiting for a device)
+    free_devices: float       # devices of the pool no one holds
+    training_size: int | None  # the run's world size now; None while it stops or restarts
+
+
+@dataclass(frozen=True)
+class Decision:
+    kind: str  # "lend" or "return"
+    from_workers: int
+    to_workers: int
+    reason: str
+
+
+class Arbitration:
+    def __init__(self, policy: Policy, min_workers: int, max_workers: int, start_workers: int) -> None:
+        self.policy = policy
+        self.min_workers, self.max_workers = min_workers, max_workers
+        self.allotment = start_workers  # the world size the run is to train at
+        self.lent = 0
+        self.breach_since: float | None = None
+        self.last_breach = -math.inf
+        self.last_decision = -math.inf
+
+    def breached(self, signal: float | None) -> bool:
+        return signal is not None and signal > self.policy.lend_when.above
+
+    def observe(self, o: Observation) -> Decision | None:
+        """Take one observation; the decision it calls for, if any (`allotment` already changed)."""
+        if self.breached(o.signal):
+            self.breach_since = o.now if self.breach_since is None else self.breach_since
+            self.last_breach = o.now
+        else:
+            self.breach_since = None
+        if o.training_size != self.allotment:  # a resize under way: hysteresis, nothing new
+            return None
+        lend = self.policy.lend_when
+        unplaced = o.replicas_wanted > o.replicas_running and o.free_devices < 1
+        if (self.policy.priority == "serving" and self.breach_since is not None and unplaced
+                and o.now - max(self.breach_since, self.last_decision) >= lend.for_s
+                and self.allotment > self.min_workers):
+            return self._decide(o.now, "lend", -1, f"{lend.signal} {o.signal:.3g} over {lend.above:g} for "
+                                f"{o.now - self.breach_since:.0f} s, {o.replicas_wanted - o.replicas_running} "
+                                f"replica(s) waiting for a device")
+        calm_since = max(self.last_breach, self.last_decision)
+        if (self.lent and o.free_devices >= 1 and o.replicas_wanted <= o.replicas_running
+                and self.breach_since is None and o.now - calm_since >= self.policy.cool_down_s
+                and self.allotment < self.max_workers):
+            return self._decide(o.now, "return", +1, f"{lend.signal} within {lend.above:g} for "
+                                f"{o.now - calm_since:.0f} s and a device free")
+        return None
+
+    def _decide(self, now: float, kind: str, change: int, reason: str) -> Decision:
+        before = self.allotment
+        self.allotment += change
+        self.lent -= change
+        self.last_decision = now
+        return Decision(kind, before, self.allotment, reason)

@@ -1,0 +1,192 @@
+"""The elastic pool (`shardyard pool`): the arbiter's decisions on their own (no Ray), the pool
+spec's checks, and one whole episode on a local Ray instance whose 3 devices are a custom
+resource: serving load rises past the SLO, the run lends a worker (checkpoint, restart at 1),
+Serve places its second replica on the freed device; load falls, Serve lets the replica go,
+the run takes the device back (restart at 2). The episode is the benchmark's
+(benchmarks/pool_episode.py), driven by the run's own events.
+
+Checked: the decisions and their order in the run's log and the app's metrics; each restart from
+the checkpoint the resize took (nothing recomputed); no request failed; every sample used
+exactly once across every lend and return; the final weights equal single-process training to
+the same step (plain SGD, no clipping: a wrong gradient scale at any world size would show).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pool_episode import SHAPES, episode_job, run_episode
+from shardyard.checkpoint.events import read_events
+from shardyard.checkpoint.loaders import find_latest, load_model
+from shardyard.data.ledger import audit
+from shardyard.models import build_model
+from shardyard.parallel import single_process
+from shardyard.pool.arbiter import training_size
+from shardyard.pool.command import at_size
+from shardyard.pool.load import LoadBook, ReplicaLoad
+from shardyard.pool.policy import Arbitration, Observation
+from shardyard.pool.spec import Policy, load_pool
+from shardyard.spec import SpecError
+from test_strategies import steps
+
+ROOT = Path(__file__).resolve().parents[1]
+POOL = ROOT / "jobs" / "configs" / "pool.yaml"
+SHARDYARD = str(Path(sys.executable).with_name("shardyard"))
+
+POLICY = Policy.model_validate({"lend_when": {"signal": "queue_length", "above": 3, "for_s": 5}, "cool_down_s": 20})
+
+
+def seen(t: float, signal: float | None, running: int = 1, wanted: int = 1, free: float = 0, size: int | None = 2):
+    return Observation(t, signal, running, wanted, free, size)
+
+
+def test_a_breach_lends_one_device_once_it_has_lasted_and_serve_waits_for_a_device() -> None:
+    a = Arbitration(POLICY, min_workers=1, max_workers=3, start_workers=3)
+    assert a.observe(seen(0, 9, wanted=2, size=3)) is None          # breach begins
+    assert a.observe(seen(4, 9, wanted=2, size=3)) is None          # not for 5 s yet
+    lend = a.observe(seen(5, 9, wanted=2, size=3))
+    assert (lend.kind, lend.from_workers, lend.to_workers) == ("lend", 3, 2) and a.allotment == 2
+    assert a.observe(seen(6, 9, wanted=2, size=3)) is None          # the run is still at 3: resizing
+    assert a.observe(seen(8, 9, wanted=2, size=2)) is None          # 5 s from the decision, not the breach
+    second = a.observe(seen(10, 9, wanted=2, size=2))
+    assert (second.kind, second.to_workers) == ("lend", 1)
+    assert a.observe(seen(30, 9, wanted=2, size=1)) is None         # never below min_workers
+
+
+@pytest.mark.parametrize("why_not", ["serve_has_all_it_wants", "a_device_is_free", "priority_training", "flapping"])
+def test_no_lend(why_not: str) -> None:
+    policy = POLICY.model_copy(update={"priority": "training"}) if why_not == "priority_training" else POLICY
+    a = Arbitration(policy, min_workers=1, max_workers=2, start_workers=2)
+    for t in range(30):
+        signal = (9 if t % 2 else 1) if why_not == "flapping" else 9  # over the bound every other second
+        wanted = 1 if why_not == "serve_has_all_it_wants" else 2
+        free = 1 if why_not == "a_device_is_free" else 0
+        assert a.observe(seen(t, signal, wanted=wanted, free=free)) is None
+    assert a.allotment == 2
+
+
+def test_a_device_goes_back_after_the_cool_down_once_serve_lets_it_go() -> None:
+    a = Arbitration(POLICY, min_workers=1, max_workers=2, start_workers=2)
+    a.observe(seen(0, 9, wanted=2))
+    assert a.observe(seen(5, 9, wanted=2)).kind == "lend"
+    a.observe(seen(10, 9, running=2, wanted=2, size=1))             # the lent replica serves
+    a.observe(seen(12, 1, running=2, wanted=2, size=1))             # load falls; last breach at 10
+    assert a.observe(seen(29, 1, running=2, wanted=2, size=1)) is None  # Serve keeps the replica: no device free
+    assert a.observe(seen(29, 1, running=1, wanted=1, free=1, size=1)) is None  # 19 s of calm, not 20
+    back = a.observe(seen(30, 1, running=1, wanted=1, free=1, size=1))
+    assert (back.kind, back.from_workers, back.to_workers, a.lent) == ("return", 1, 2, 0)
+    assert a.observe(seen(60, 1, running=1, wanted=1, free=1, size=2)) is None  # nothing lent: nothing to take
+
+
+def test_a_breach_during_the_cool_down_starts_it_again() -> None:
+    a = Arbitration(POLICY, min_workers=1, max_workers=2, start_workers=2)
+    a.observe(seen(0, 9, wanted=2))
+    a.observe(seen(5, 9, wanted=2))
+    a.observe(seen(10, 1, running=1, wanted=1, free=1, size=1))
+    a.observe(seen(25, 9, running=1, wanted=1, free=1, size=1))     # a spike: the cool-down restarts
+    assert a.observe(seen(40, 1, running=1, wanted=1, free=1, size=1)) is None
+    assert a.observe(seen(45, 1, running=1, wanted=1, free=1, size=1)).kind == "return"
+
+
+def test_the_signals_from_replica_reports() -> None:
+    book = LoadBook(ttft_window_s=10)
+    book.report("a", ReplicaLoad(4, 6, 30, 40, [0.1] * 9 + [2.0]), now=100)
+    book.report("b", ReplicaLoad(2, 0, 10, 40, [0.2] * 10), now=101)
+    assert book.signal("queue_length", 101) == 6.0                  # (10 + 2) / 2 replicas
+    assert book.signal("kv_occupancy", 101) == 0.5
+    assert book.signal("ttft_p90_ms", 101) == pytest.approx(200)    # 18 of 20 samples at most 0.2 s
+    assert book.signal("queue_length", 105.5) == 2.0               # a is silent for 5.5 s: gone
+    assert book.signal("ttft_p90_ms", 112) is None                  # every sample older than the window
+    assert LoadBook(10).signal("queue_length", 0) is None
+
+
+def test_the_run_size_from_its_events() -> None:
+    events = [{"event": "launch"}, {"event": "start", "world_size": 2}]
+    assert training_size(events) is None                            # not stepping yet
+    events.append({"event": "first_step"})
+    assert training_size(events) == 2
+    events.append({"event": "preempted"})
+    assert training_size(events) is None
+    events += [{"event": "launch"}, {"event": "start", "world_size": 1}, {"event": "first_step"}]
+    assert training_size(events) == 1
+
+
+@pytest.mark.parametrize("override, message", [
+    ("training.set=[scaling.num_workers=2]", "set scaling.min_workers and scaling.max_workers"),
+    ("serving.args.max_replicas=null", "serving.args.max_replicas"),
+    ("serving.args.max_replicas=1", "must be above num_replicas"),
+    ("pool.units=2", "cannot hold training's min_workers (1) and serving's num_replicas (2)"),
+    ("serving.args.num_replicass=1", "unknown key(s) num_replicass"),
+    ("serving.args.num_shards=2", "serving.args.num_shards"),
+    ("serving.args.checkpoint=/elsewhere", "the pool serves its own run"),
+    ("pool.resource=CPU", "pool.resource 'CPU'"),
+    ("policy.lend_when.signal=p99", "policy.lend_when.signal"),
+    ("policy.cooldown_s=3", "policy.cooldown_s"),
+])
+def test_a_bad_pool_spec_is_refused_naming_the_key(override: str, message: str) -> None:
+    extra = ["serving.args.num_replicas=2", "serving.args.max_replicas=3"] if override.startswith("pool.units") else []
+    with pytest.raises(SpecError) as err:
+        load_pool(str(POOL), [*extra, override])
+    assert message in str(err.value)
+
+
+def test_the_pool_command_refuses_a_bad_spec_before_starting_anything(tmp_path: Path) -> None:
+    done = subprocess.run([SHARDYARD, "pool", str(POOL), "--set", "training.set=[scaling.num_workers=2]"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "the pool lends an elastic run's workers" in done.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_each_resize_is_a_fixed_size_launch_of_the_same_run() -> None:
+    _, job = load_pool(str(POOL))
+    one = at_size(job, 1)
+    assert (one.scaling.num_workers, one.scaling.min_workers, one.scaling.max_workers) == (1, None, None)
+    assert one.scaling.resources_per_worker["device"] == 1.0 and one.run.name == job.run.name
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(420)
+def test_an_episode_lends_under_load_and_takes_back_after_losing_nothing(tmp_path: Path) -> None:
+    episode = run_episode(tmp_path, "episode", SHAPES["tiny"], port=free_port(), calm_s=0, lent_s=0)
+    run_dir = episode["run_dir"]
+    assert episode["exit_code"] == 143, episode["log"].read_text()[-3000:]  # stopped by SIGTERM, checkpointed
+    events = read_events(run_dir)
+    decisions = [e["event"] for e in events if e["event"] in ("lend", "lend_serving", "return", "return_training")]
+    assert decisions == ["lend", "lend_serving", "return", "return_training"], events
+    starts = [e for e in events if e["event"] == "start"]
+    assert [e["world_size"] for e in starts] == [2, 1, 2], starts
+    stops = [e["step"] for e in events if e["event"] == "preempted"]
+    assert [e["restored_step"] for e in starts[1:]] == stops[:2]  # a checkpoint at once: nothing recomputed
+    assert all(r["status"] == 200 for r in episode["requests"]), [r for r in episode["requests"] if r["status"] != 200]
+    assert "ray_shardyard_pool_lends" in episode["metrics"] and "ray_shardyard_pool_returns" in episode["metrics"]
+    assert json.loads((run_dir / "pool" / "timeline.json").read_text())
+
+    final = stops[-1]
+    report = audit(run_dir, 192)
+    assert report.steps == final and report.exact, report
+    assert sorted(set(report.world_sizes)) == [1, 2]
+    _, job = load_pool(str(POOL), [f"training.set={json.dumps(episode_job(tmp_path, 'episode', SHAPES['tiny']))}"])
+    oracle_spec = at_size(job, 1).model_copy(deep=True)
+    oracle_spec.batch.micro_batch_size = oracle_spec.batch.global_batch_size
+    torch.manual_seed(oracle_spec.run.seed)
+    oracle = single_process(oracle_spec, build_model(oracle_spec.model), torch.device("cpu"))
+    steps(oracle, oracle_spec, 0, final)
+    trained = load_model(find_latest(run_dir)).state_dict()
+    for name, value in oracle.model.state_dict().items():
+        torch.testing.assert_close(trained[name], value, rtol=0, atol=1e-5, msg=name)
+
