@@ -9,7 +9,7 @@ Measured: time to lend (the breach's start to the new replica serving, from the 
 same time), request latency per phase (calm, peak, after) and failed requests (any answer but
 200). The load generator's clients each send one completion at a time.
 
-    python benchmarks/pool_episode.py [--shapes tiny small] [--out docs/images/pool_episode.png]
+    python benchmarks/pool_episode.py [--shapes tiny small] [--out docs/images/pool_episode.png] [--pool-only]
 
 Each run prints a table, writes benchmarks/results/pool_episode.json and plots the first shape's
 episode (load, replicas, training workers and throughput over time).
@@ -268,6 +268,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "images" / "pool_episode.png")
+    parser.add_argument("--pool-only", action="store_true", help="one episode of the pool, without the static "
+                        "split beside it (the first shape; about 2 minutes here)")
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -275,6 +277,9 @@ def main() -> None:
             pooled = run_episode(Path(tmp), f"pool_{shape}", SHAPES[shape])
             if shape == args.shapes[0]:
                 plot(pooled, args.out, f"one episode of the pool ({shape} GPT, 3 devices)")
+            if args.pool_only:
+                print_table("pool episode", [{"shape": shape, **figures(pooled)}])
+                return
             p = pooled["phases"]
             schedule = {"calm": p["peak"] - p["calm"], "peak": p["after"] - p["peak"], "lent": p["lent"] - p["peak"],
                         "after": p["end"] - p["after"]}
