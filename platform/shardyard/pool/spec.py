@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shardyard.spec import JobSpec, SpecError, load_spec, read_yaml, validate
+from shardyard.spec import JobSpec, SpecError, explain_errors, load_spec, read_yaml, validate
 
 SIGNALS = ("queue_length", "ttft_p90_ms", "kv_occupancy")
 
@@ -108,12 +108,7 @@ def with_devices(job: JobSpec, devices: Devices) -> JobSpec:
 
 def serving_args(pool: PoolSpec, job: JobSpec) -> dict[str, Any]:
     """The app's arguments: the run's directory, followed; each replica holding one device."""
-    from shardyard.serve.config import ServeConfig
-
     args = dict(pool.serving.args)
-    unknown = sorted(set(args) - set(ServeConfig.model_fields) - {"tensor_parallel_size", "max_num_seqs"})
-    if unknown:
-        raise SpecError(f"serving.args: unknown key(s) {', '.join(unknown)} (see `shardyard schema --serve`)")
     run_dir = str(Path(job.checkpoint.storage_path) / job.run.name)
     if "checkpoint" in args and Path(args["checkpoint"]).expanduser().resolve() != Path(run_dir).resolve():
         raise SpecError(f"serving.args.checkpoint: the pool serves its own run ({run_dir}); leave checkpoint out")
@@ -128,7 +123,23 @@ def serving_args(pool: PoolSpec, job: JobSpec) -> dict[str, Any]:
     args["follow"] = True
     if pool.pool.resource != "GPU":
         args["device_resources"] = {pool.pool.resource: 1.0}
+    check_serving(args)
     return args
+
+
+def check_serving(args: dict[str, Any]) -> None:
+    """Every key and value of the app checked now. The app's whole check (the model it serves,
+    its tokenizer) needs a checkpoint: a run that has none yet gets it when the pool deploys the
+    app, once training has committed one."""
+    from pydantic import ValidationError
+
+    from shardyard.serve.config import ServeConfig
+
+    try:
+        ServeConfig.model_validate(args)
+    except ValidationError as err:
+        if not all(not e["loc"] and "no checkpoint at" in e["msg"] for e in err.errors()):
+            raise SpecError(explain_errors(err, ServeConfig, "invalid serving.args")) from None
 
 
 def load_pool(path: str, overrides: list[str] | tuple[str, ...] = ()) -> tuple[PoolSpec, JobSpec]:
