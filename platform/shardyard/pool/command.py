@@ -18,6 +18,7 @@ import math
 import os
 import sys
 import threading
+import time
 from typing import Any
 
 import ray
@@ -120,9 +121,10 @@ class Pool:
 
     def train(self) -> int:
         """Launch the run at its allotted size until it ends; each resize is a checkpoint and a launch."""
+        began_at = None  # the first launch began with the command; each relaunch, when it is asked for
         while True:
             try:
-                launch(at_size(self.job, self.size))
+                launch(at_size(self.job, self.size), began_at=began_at)
                 return exit_codes.DONE
             except Preempted as err:
                 with self.lock:
@@ -131,7 +133,7 @@ class Pool:
                         print(f"shardyard pool: {self.serving_error or err}", file=sys.stderr, flush=True)
                         return exit_codes.GAVE_UP if self.serving_error else exit_codes.PREEMPTED
                     print(f"shardyard pool: training resumes at {allotted} workers (from {self.size})", flush=True)
-                    self.size, self.resize_asked = allotted, False
+                    self.size, self.resize_asked, began_at = allotted, False, time.time()
             except RunGaveUp as err:
                 print(f"shardyard: {err}", file=sys.stderr, flush=True)
                 return exit_codes.GAVE_UP

@@ -328,11 +328,12 @@ def torch_config(spec: JobSpec) -> TorchConfig | None:
     return TorchftConfig(lighthouse_kwargs={"min_replicas": 1, "join_timeout_ms": STRAGGLER_JOIN_TIMEOUT_MS})
 
 
-def launch(spec: JobSpec, attach_to_running: bool = False, take_over: bool = False) -> RunResult:
+def launch(spec: JobSpec, attach_to_running: bool = False, take_over: bool = False,
+           began_at: float | None = None) -> RunResult:
     """Train `spec` to its end (resuming its newest good checkpoint), holding the run's lease
     throughout: a second launch of the same run is refused (`take_over`: see checkpoint/lease.py)."""
     with RunLease(spec.run_uri, spec.run.name, ttl_s=spec.checkpoint.lease_ttl_s).held(take_over) as lease:
-        return _launch(spec, attach_to_running, lease)
+        return _launch(spec, attach_to_running, lease, began_at)
 
 
 @contextmanager
@@ -399,7 +400,7 @@ def _launch_parameter_servers(spec: JobSpec, lease: RunLease) -> RunResult:
     return result
 
 
-def _launch(spec: JobSpec, attach_to_running: bool, lease: RunLease) -> RunResult:
+def _launch(spec: JobSpec, attach_to_running: bool, lease: RunLease, began_at: float | None) -> RunResult:
     stop_if_terminated()
     preflight(spec)
     stop_if_terminated()
@@ -420,7 +421,7 @@ def _launch(spec: JobSpec, attach_to_running: bool, lease: RunLease) -> RunResul
         torch_config=torch_config(spec),
         train_loop_config={"spec": spec.model_dump(mode="json"), "progress_bar": sys.stdout.isatty(),
                            "launch_id": launch_id, "lease_generation": lease.generation, "lease_id": lease.id,
-                           "use_gpu": scaling.use_gpu, "startup": driver_marks(ray_started_at, ray_start_s),
+                           "use_gpu": scaling.use_gpu, "startup": driver_marks(ray_started_at, ray_start_s, began_at),
                            **fault_injection},
         scaling_config=scaling,
         run_config=RunConfig(

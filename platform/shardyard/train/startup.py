@@ -22,11 +22,12 @@ PHASES = {"command_s": "command", "ray_start_s": "Ray", "worker_start_s": "worke
           "verify_s": "verify", "load_s": "load", "first_step_s": "first step"}
 
 
-def driver_marks(ray_started_at: float, ray_start_s: float) -> dict[str, float]:
+def driver_marks(ray_started_at: float, ray_start_s: float, began_at: float | None = None) -> dict[str, float]:
     """What the driver knows, for the workers: when the command started (`command_s`: its imports,
     the spec, the lease and the preflight, up to starting Ray at `ray_started_at`), how long Ray
-    took, and when the worker group was asked for (now)."""
-    command_at = psutil.Process().create_time()
+    took, and when the worker group was asked for (now). `began_at`: when this launch began, where
+    it is not the process's start (the pool relaunching its run at another size)."""
+    command_at = psutil.Process().create_time() if began_at is None else began_at
     return {"command_at": command_at, "command_s": ray_started_at - command_at, "ray_start_s": ray_start_s,
             "fit_at": time.time()}
 
