@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 
 from pool_episode import SHAPES, episode_job, run_episode
@@ -30,7 +31,7 @@ from shardyard.data.ledger import audit
 from shardyard.models import build_model
 from shardyard.parallel import single_process
 from shardyard.pool.arbiter import training_size
-from shardyard.pool.command import at_size
+from shardyard.pool.command import at_size, connect
 from shardyard.pool.load import LoadBook, ReplicaLoad
 from shardyard.pool.policy import Arbitration, Observation
 from shardyard.pool.spec import Policy, load_pool
@@ -145,6 +146,16 @@ def test_the_pool_command_refuses_a_bad_spec_before_starting_anything(tmp_path: 
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "the pool lends an elastic run's workers" in done.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_where_the_devices_come_from_is_checked_before_ray_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # nothing listens: a refusal must come first
+    with pytest.raises(SpecError, match="leave pool.units out"):
+        connect(*load_pool(str(POOL)))
+    monkeypatch.delenv("RAY_ADDRESS")
+    with pytest.raises(SpecError, match="pool.resource GPU: a local Ray instance pools the GPUs of a cluster"):
+        connect(*load_pool(str(POOL), ["pool.resource=GPU", "pool.units=null"]))
+    assert not ray.is_initialized()
 
 
 def test_each_resize_is_a_fixed_size_launch_of_the_same_run() -> None:

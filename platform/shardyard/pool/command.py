@@ -53,6 +53,9 @@ def connect(pool: PoolSpec, job: JobSpec) -> float:
     small machine, as `shardyard train` is). Returns the devices the pool has."""
     devices = pool.pool
     if os.environ.get("RAY_ADDRESS"):
+        if devices.units is not None:
+            raise SpecError(f"pool.units: on a cluster (RAY_ADDRESS) the pool is every {devices.resource} its nodes "
+                            "carry; leave pool.units out")
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=QUIET)
         return ray.cluster_resources().get(devices.resource, 0.0)
     if devices.resource == "GPU":
@@ -77,8 +80,12 @@ class Pool:
                             f"({job.scaling.min_workers}) beside serving's num_replicas ({replicas})")
         self.storage = RunStorage(job.run_uri)
         self.name = arbiter_name(job.run.name)
-        self.arbiter = RemoteArbiter.options(name=self.name, namespace=ARBITER_NAMESPACE).remote(
-            pool.model_dump(mode="json"), job.run_uri, job.scaling.min_workers, job.scaling.max_workers, self.size)
+        try:
+            self.arbiter = RemoteArbiter.options(name=self.name, namespace=ARBITER_NAMESPACE).remote(
+                pool.model_dump(mode="json"), job.run_uri, job.scaling.min_workers, job.scaling.max_workers, self.size)
+        except ValueError:  # the name is taken: another pool of this run is on the cluster
+            raise SpecError(f"a pool for run '{job.run.name}' is already running on this cluster "
+                            f"(its arbiter, '{self.name}')") from None
         self.lock = threading.Lock()
         self.resize_asked = False
         self.ended = threading.Event()
