@@ -15,16 +15,19 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
 import ray
 import torch
 
-from pool_episode import SHAPES, episode_job, run_episode
+from fake_cluster import wait_for
+from pool_episode import SHAPES, episode_job, run_episode, served, stop
 from shardyard.checkpoint.events import read_events
 from shardyard.checkpoint.loaders import find_latest, load_model
 from shardyard.data.ledger import audit
@@ -169,6 +172,34 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_readmes_pool_command_trains_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
+    """`shardyard pool jobs/configs/pool.yaml` as README gives it (the port aside): README's model
+    trains on the byte corpus, the app serves text from its first checkpoint, SIGTERM checkpoints
+    the run and ends the pool."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    log = tmp_path / "pool.log"
+    pool = subprocess.Popen([SHARDYARD, "pool", str(POOL), "--set", f"serving.port={port}"], cwd=tmp_path, env=env,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: served(port) or pool.poll() is not None, 240, "the app never served")
+        assert pool.poll() is None, log.read_text()[-3000:]
+        body = json.dumps({"prompt": "import ", "max_tokens": 8}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            assert json.loads(answer.read())["choices"][0]["text"]
+        assert stop(pool, log) == 143, log.read_text()[-3000:]
+    finally:
+        if pool.poll() is None:
+            os.killpg(pool.pid, signal.SIGKILL)
+    run_dir = tmp_path / "runs" / "gpt_pool"
+    assert [e["event"] for e in read_events(run_dir)][-1] == "preempted"
+    assert "shardyard pool: no device changed hands" in log.read_text()
 
 
 @pytest.mark.ray
