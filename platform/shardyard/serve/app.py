@@ -151,7 +151,11 @@ class ModelServer:
         served = self.answering.served
         arbiter = None
         if self.config.report_load_to is not None:
-            arbiter = ray.get_actor(self.config.report_load_to, namespace=ARBITER_NAMESPACE)
+            try:
+                arbiter = ray.get_actor(self.config.report_load_to, namespace=ARBITER_NAMESPACE)
+            except ValueError:  # no such actor: the gauges are still published
+                print(f"shardyard: no pool arbiter named {self.config.report_load_to!r}: this replica's load "
+                      f"goes to its metrics only", flush=True)
         while True:
             if self.rollout is not None:  # what this replica's answers cost, for the canary's verdict
                 tallies = {weights: replace(tally) for weights, tally in self.answering.tally.items()}
