@@ -40,6 +40,7 @@ from shardyard.train.metrics import read_metrics
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "jobs" / "configs" / "pool.yaml"
 SHARDYARD = str(Path(sys.executable).with_name("shardyard"))
+GLOBAL_BATCH = 48  # the episode job's; 4 steps an epoch of its 192 samples
 SHAPES = {  # the GPT's layers and width, trained and served
     "tiny": ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32"],
     "small": ["model.n_layer=4", "model.n_head=4", "model.n_embd=128", "model.block_size=64"],
@@ -84,7 +85,7 @@ def episode_job(storage: Path, name: str, shape: list[str]) -> list[str]:
     """The pool's training job: trained until stopped, on synthetic data (an epoch of 4 steps, so
     the sample ledger sees many), with plain SGD (what the test's oracle can check exactly)."""
     return [f"run.name={name}", f"checkpoint.storage_path={storage}", "run.steps=100000", "data.name=synthetic",
-            "data.num_samples=192", "batch.global_batch_size=48", "batch.micro_batch_size=8",
+            "data.num_samples=192", f"batch.global_batch_size={GLOBAL_BATCH}", "batch.micro_batch_size=8",
             "checkpoint.every_n_steps=20", "checkpoint.keep=3", "run.log_every=10", "run.sample_ledger=true",
             "optim.name=sgd", "optim.grad_clip=0", "optim.schedule=constant", "optim.lr=0.02",
             "scaling.num_workers=null", "scaling.min_workers=1", "scaling.max_workers=2",
@@ -200,7 +201,7 @@ def percentile(values: list[float], q: float) -> float | None:
 def samples_between(run_dir: Path, t0: float, t1: float) -> int:
     """Samples trained between two times (the metrics log's rows: one every log_every steps)."""
     rows = [r for r in read_metrics(run_dir) if t0 <= r["time"] <= t1]
-    return (max(r["step"] for r in rows) - min(r["step"] for r in rows)) * 48 if len(rows) > 1 else 0
+    return (max(r["step"] for r in rows) - min(r["step"] for r in rows)) * GLOBAL_BATCH if len(rows) > 1 else 0
 
 
 def figures(episode: dict[str, Any]) -> dict[str, Any]:

@@ -117,8 +117,8 @@ class ServeConfig(BaseModel):
     look_back_period_s: float = Field(30.0, gt=0, description="autoscaling: the window Serve averages each "
                                       "replica's requests in flight over (Serve's setting)")
     device_resources: dict[str, float] = Field(
-        default_factory=dict, description="custom Ray resources each device reserves beside its CPUs (and GPU): "
-        "each shard's bundle, or the replica's own when it decodes in its process (a pool's devices)")
+        default_factory=dict, description="custom Ray resources a replica that decodes in its own process "
+        "(num_shards 1) reserves beside its CPUs (and GPU): a pool's device")
     report_load_to: str | None = Field(None, min_length=1, description="the pool arbiter (a named Ray actor) "
                                        "each replica reports its engine's load to every second; set by "
                                        "`shardyard pool`")
