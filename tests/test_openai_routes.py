@@ -7,6 +7,7 @@ app."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -104,25 +105,77 @@ def test_each_mistake_gets_its_status_and_reason(app: str) -> None:
     assert status == 403 and "admin routes are off" in reason
 
 
-@pytest.mark.timeout(60)
-def test_streams_that_arrive_together_count_against_the_replicas_limit_until_they_end(answering: Answering) -> None:
-    """Three streamed requests of 3 choices each arrive before any of their streams starts: the
-    third does not fit beside the other two (the limit is 8 choices), and each stream's choices
-    are given back when its response ends, whether or not it ever streamed."""
-    body = oa.CompletionRequest(prompt=PROMPT, max_tokens=4, n=3, stream=True)
-    prompts = [answering.prompt_tokens(PROMPT, 4)]
+def asgi_call(response: Any, sent: list[dict], block_after_chunks: int | None = None) -> Any:
+    """`response` called as Serve's ASGI server calls it: `sent` gathers what it sends; with
+    `block_after_chunks`, the client stops reading once that many body chunks arrived (its send
+    waits for ever, as a socket whose reader went away does until the task is cancelled)."""
+    never = asyncio.Event()
 
-    async def arrive_together() -> None:
-        responses = [await answer(answering, prompts, body, chat=False) for _ in range(2)]
+    async def receive() -> dict:
+        await never.wait()  # the client never says it left: Serve cancels the task instead
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+        chunks = sum(m["type"] == "http.response.body" for m in sent)
+        if block_after_chunks is not None and chunks >= block_after_chunks:
+            await never.wait()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "method": "POST", "path": "/v1/completions",
+             "headers": []}
+    return response(scope, receive, send)
+
+
+@pytest.mark.timeout(60)
+def test_streams_give_their_choices_back_however_their_responses_end(answering: Answering) -> None:
+    """Three streamed requests of 3 choices each arrive before any of their streams starts: the
+    third does not fit beside the other two (the limit is 8 choices). Each stream's choices come
+    back when its response ends, however it ends: its ASGI task cancelled before the first chunk
+    or mid-stream (Serve cancels a request's task when its client disconnects), timed out, never
+    called at all, or sent whole; and a stream cut off mid-way stops its decoders."""
+    body = oa.CompletionRequest(prompt=PROMPT, max_tokens=64, n=3, stream=True)
+    prompts = [answering.prompt_tokens(PROMPT, 64)]
+
+    async def ends() -> None:
+        first, second = [await answer(answering, prompts, body, chat=False) for _ in range(2)]
         assert answering.choices.in_flight == 6
         with pytest.raises(ClientError) as busy:
             await answer(answering, prompts, body, chat=False)
         assert busy.value.status == 503
-        for response in responses:  # their clients left before the streams started
-            await response.background()
+
+        sent: list[dict] = []
+        task = asyncio.ensure_future(asgi_call(first, sent))
+        await asyncio.sleep(0)  # the response has started and waits for its first tokens
+        task.cancel()  # before its first chunk
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert answering.choices.in_flight == 3
+        assert not any(m["type"] == "http.response.body" and m.get("body") for m in sent)
+
+        task = asyncio.ensure_future(asgi_call(second, sent, block_after_chunks=2))
+        while sum(m["type"] == "http.response.body" for m in sent) < 2:
+            await asyncio.sleep(0.01)
+        task.cancel()  # mid-stream, its client no longer reading
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert answering.choices.in_flight == 0
+        assert second.body_iterator.ag_frame is None  # closed: its decoders were abandoned
+
+        timed_out = await answer(answering, prompts, body, chat=False)
+        with pytest.raises(asyncio.TimeoutError):  # Serve's request_timeout_s, as wait_for does it
+            await asyncio.wait_for(asgi_call(timed_out, [], block_after_chunks=1), 0.5)
         assert answering.choices.in_flight == 0
 
-    asyncio.run(arrive_together())
+        await answer(answering, prompts, body, chat=False)  # returned, never called, dropped
+        gc.collect()
+        assert answering.choices.in_flight == 0
+
+        whole: list[dict] = []
+        await asgi_call(await answer(answering, prompts, body, chat=False), whole)
+        assert whole[-1]["type"] == "http.response.body" and b"[DONE]" in b"".join(
+            m.get("body", b"") for m in whole)
+        assert answering.choices.in_flight == 0
+
+    asyncio.run(ends())
 
 
 @pytest.mark.timeout(120)

@@ -220,16 +220,18 @@ def test_a_replicas_limit_counts_choices_not_requests() -> None:
     from shardyard.serve.guard import ChoiceLimit, ClientError
 
     limit = ChoiceLimit(8)
-    limit.take(8)  # an idle replica takes a request up to its limit
+    whole = limit.take(8)  # an idle replica takes a request up to its limit
     with pytest.raises(ClientError) as busy:
         limit.take(1)
     assert busy.value.status == 503 and busy.value.retry_after_s == 1 and "8 choices in flight" in busy.value.reason
-    limit.give_back(8)
+    whole.give_back()
+    whole.give_back()  # a second path ending the same request returns nothing more
+    assert limit.in_flight == 0
     limit.take(5)
-    limit.take(3)
+    three = limit.take(3)
     with pytest.raises(ClientError):
         limit.take(2)  # 5 + 3 in flight: two more would be 10
-    limit.give_back(3)
+    three.give_back()
     limit.take(2)
     assert limit.in_flight == 7
     limit.take(1)

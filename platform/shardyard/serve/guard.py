@@ -82,15 +82,28 @@ class ChoiceLimit:
     def __init__(self, limit: int) -> None:
         self.limit, self.in_flight = limit, 0
 
-    def take(self, choices: int) -> None:
-        """Count a request's choices in, or refuse it (503) if they do not fit now."""
+    def take(self, choices: int) -> Held:
+        """Count a request's choices in, or refuse it (503) if they do not fit now; what is taken
+        is given back once through the returned `Held`, however the request ends."""
         if self.in_flight and self.in_flight + choices > self.limit:
             raise ClientError(503, f"busy: {self.in_flight} choices in flight and this request adds {choices}; "
                                    f"the limit is {self.limit}", retry_after_s=1)
         self.in_flight += choices
+        return Held(self, choices)
 
-    def give_back(self, choices: int) -> None:
-        self.in_flight -= choices
+
+class Held:
+    """One request's share of a ChoiceLimit. `give_back` may be called from every place a request
+    can end (its answer, its stream's end, a cancelled ASGI task, the response never being sent):
+    only the first call counts, so no path leaks the share and none returns it twice."""
+
+    def __init__(self, limit: ChoiceLimit, choices: int) -> None:
+        self._limit, self.choices = limit, choices
+
+    def give_back(self) -> None:
+        if self._limit is not None:
+            self._limit.in_flight -= self.choices
+            self._limit = None
 
 
 def error_response(status: int, reason: str, field: str | None = None, code: str | None = None) -> JSONResponse:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -30,7 +31,7 @@ from typing import Annotated, Any
 import torch
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
+from starlette.types import Receive, Scope, Send
 from pydantic import BaseModel, ConfigDict, Field
 
 from shardyard.checkpoint.published import Published
@@ -39,7 +40,7 @@ from shardyard.serve.backend import EngineBackend, Generation
 from shardyard.serve.choices import ChoiceText
 from shardyard.serve.config import ServeConfig
 from shardyard.serve.generation import Completion
-from shardyard.serve.guard import ChoiceLimit, ClientError, error_response
+from shardyard.serve.guard import ChoiceLimit, ClientError, Held, error_response
 from shardyard.serve.rollout import Tally
 from shardyard.serve.scheduler import LostTwice
 from shardyard.serve.shards import SHARD_LOST
@@ -200,12 +201,10 @@ async def answer(a: Answering, prompts: list[list[int]], body: oa.CompletionRequ
     id_ = oa.completion_id(chat)
     requests = a.completions(prompts, body)
     prompt_tokens = sum(len(p) for p in prompts)
-    a.choices.take(len(requests))
-    if body.stream:  # counted from now until the response ends, however it ends: the background task
-        options = body.stream_options or oa.StreamOptions()  # runs even if the client leaves before it starts
-        return StreamingResponse(_stream(a, requests, body.stop, chat, id_, options, prompt_tokens),
-                                 media_type="text/event-stream",
-                                 background=BackgroundTask(a.choices.give_back, len(requests)))
+    held = a.choices.take(len(requests))
+    if body.stream:
+        options = body.stream_options or oa.StreamOptions()
+        return HeldStream(_stream(a, requests, body.stop, chat, id_, options, prompt_tokens), held)
     gens: list[Generation] = []
     started = time.perf_counter()
     try:
@@ -223,11 +222,32 @@ async def answer(a: Answering, prompts: list[list[int]], body: oa.CompletionRequ
     finally:  # answered, timed out or disconnected: its decoder stops computing it
         for gen in gens:
             gen.abandon()
-        a.choices.give_back(len(requests))
+        held.give_back()
     out = [oa.choice(i, c.text(), c.finish_reason, chat, logprobs=c.logprobs()) for i, c in enumerate(choices)]
     used = oa.usage(prompt_tokens, sum(len(r.tokens) for r in requests))
     a.record(gens[0].weights(), time.perf_counter() - started, ok=True)
     return oa.body(id_, a.cfg.model_id, gens[0].weights(), out, chat, usage=used)
+
+
+class HeldStream(StreamingResponse):
+    """A stream whose request's choices count against the replica's limit until its response
+    ends, however it ends: sent whole, its client gone (Serve cancels the request's task, and
+    Starlette then never runs a background task), timed out, or never sent at all (cancelled
+    between the route's return and the response's start: the finalizer gives the share back)."""
+
+    def __init__(self, content: AsyncIterator[str], held: Held) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self._held = held
+        weakref.finalize(self, held.give_back)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:  # also on CancelledError, which is how a disconnect reaches this task
+            self._held.give_back()
+            # A stream cancelled while suspended at a chunk is closed here, so its decoders stop
+            # (its own `finally` abandons them); closing a finished one does nothing.
+            await self.body_iterator.aclose()
 
 
 async def _collect(gen: Generation, choice: ChoiceText) -> None:
