@@ -260,14 +260,16 @@ def conditionless_bucket(monkeypatch: pytest.MonkeyPatch) -> Iterator[Bucket]:
 
 
 @contextmanager
-def served_by_uvicorn(app: Any) -> Iterator[str]:
-    """`app` (ASGI) on a real socket, served by uvicorn on a thread of this process: its base URL."""
+def served_by_uvicorn(app: Any, root_path: str = "") -> Iterator[str]:
+    """`app` (ASGI) on a real socket, served by uvicorn on a thread of this process (behind a proxy
+    that mounts it at `root_path`, when given): its base URL."""
     import threading
 
     import uvicorn
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical",
+                                            root_path=root_path))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import requests
 
@@ -40,9 +41,11 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @contextmanager
-def served(answering: Answering, admin: Admin, token: str | None, admin_token: str | None = None) -> Iterator[str]:
+def served(answering: Answering, admin: Admin, token: str | None, admin_token: str | None = None,
+           root_path: str = "") -> Iterator[str]:
     """The routes over `answering`, behind the guard, on a real socket: their base URL."""
-    with served_by_uvicorn(http_app(GuardSettings(16_384, token, admin_token=admin_token), answering, admin)) as url:
+    with served_by_uvicorn(http_app(GuardSettings(16_384, token, admin_token=admin_token), answering, admin),
+                           root_path) as url:
         yield url
 
 
@@ -202,3 +205,34 @@ def test_an_operator_promotes_with_the_admin_token_and_a_client_cannot(run_dir: 
     with served(answering, Admin(None), TOKEN, ADMIN_TOKEN) as url:
         status, reason = error_of(requests.post(f"{url}/admin/rollback", headers=ADMIN, timeout=30))
         assert status == 409 and "follow: true" in reason
+
+
+@pytest.mark.timeout(60)
+def test_the_admin_routes_take_the_operators_token_whatever_the_apps_root_path(
+        answering: Answering, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `root_path` "/" the guard once stripped "/" from "/admin/rollback", took it for a
+    client's route and let the clients' token run it. The guard now judges the route the router
+    matched, and the admin routes check the operator's token themselves too."""
+    for root_path in ("/api", ""):  # uvicorn puts root_path in front of the request's path, as a proxy does
+        with served(answering, Admin(None), TOKEN, ADMIN_TOKEN, root_path) as url:
+            refused = requests.post(f"{url}/admin/rollback", headers=AUTH, timeout=30)
+            assert error_of(refused) == (401, "missing or wrong admin token (Authorization: Bearer <admin token>)")
+            allowed = requests.post(f"{url}/admin/rollback", headers=ADMIN, timeout=30)
+            assert error_of(allowed)[0] == 409  # the operator reaches the route (this app follows no run)
+            assert requests.get(f"{url}/v1/models", headers=AUTH, timeout=30).status_code == 200
+
+    async def root_slash(headers: dict[str, str]) -> httpx.Response:
+        """The scope an ASGI server gives with root_path "/" and the path left whole."""
+        app = http_app(GuardSettings(16_384, TOKEN, admin_token=ADMIN_TOKEN), answering, Admin(None))
+        transport = httpx.ASGITransport(app=app, root_path="/")
+        async with httpx.AsyncClient(transport=transport, base_url="http://replica") as client:
+            return await client.post("/admin/rollback", headers=headers)
+    assert asyncio.run(root_slash(AUTH)).status_code == 401
+    assert asyncio.run(root_slash(ADMIN)).status_code == 409
+
+    from shardyard.serve import guard
+
+    monkeypatch.setattr(guard, "routed_path", lambda scope: "/v1/models")  # a guard that misreads every path
+    with served(answering, Admin(None), TOKEN, ADMIN_TOKEN) as url:
+        refused = requests.post(f"{url}/admin/rollback", headers=AUTH, timeout=30)
+        assert error_of(refused) == (401, "missing or wrong admin token (Authorization: Bearer <admin token>)")

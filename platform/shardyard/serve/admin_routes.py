@@ -5,7 +5,7 @@
 
 Both change what every client is answered with, so they take the operator's token alone (the
 app's `admin_token_env` or `admin_token_file`), never the clients': the guard checks it before the
-body is read, and answers 403 where the app has none (off by default). The work is the weight
+body is read (on the route the router matched), the routes again themselves, and answers 403 where the app has none (off by default). The work is the weight
 follower's (serve/weight_follower.py); these routes only speak HTTP for it.
 """
 
@@ -40,8 +40,16 @@ def follower(request: Request) -> WeightFollower:
     return admin.follower
 
 
+def operator_only(request: Request) -> None:
+    """The operator's token, checked by the routes themselves as well as by the guard: a path
+    the guard and the router ever read differently still reaches no admin route without it."""
+    refusal = request.app.state.guard.operator_refusal(request.scope)
+    if refusal is not None:
+        raise ClientError(*refusal, code="invalid_api_key" if refusal[0] == 401 else None)
+
+
 Follower = Annotated[WeightFollower, Depends(follower)]
-router = APIRouter()
+router = APIRouter(dependencies=[Depends(operator_only)])
 
 
 @router.post("/admin/rollback")

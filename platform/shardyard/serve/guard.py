@@ -66,6 +66,15 @@ class GuardSettings:
     def __post_init__(self) -> None:
         self._expected = {t: f"Bearer {t}".encode() for t in (self.token, self.admin_token) if t is not None}
 
+    def operator_refusal(self, scope: Scope) -> tuple[int, str] | None:
+        """Why an admin route refuses this request (status, reason), or None: it carries the
+        operator's token."""
+        if self.admin_token is None:
+            return 403, "the admin routes are off: the app needs an operator's token (admin_token_env or admin_token_file)"
+        if not self.authorized(scope, self.admin_token):
+            return 401, "missing or wrong admin token (Authorization: Bearer <admin token>)"
+        return None
+
     def authorized(self, scope: Scope, token: str | None) -> bool:
         if token is None:
             return True
@@ -110,6 +119,18 @@ def error_response(status: int, reason: str, field: str | None = None, code: str
     return JSONResponse(error_body(status, reason, field, code), status_code=status)
 
 
+def routed_path(scope: Scope) -> str:
+    """The path the app's router matches: `root_path` is stripped only where it ends at a "/"
+    boundary of the path (Starlette's rule; a bare removeprefix made "/admin/x" under root_path
+    "/" into "admin/x", which the guard took for a client's route while the router ran the admin
+    route)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if not root or not path.startswith(root):
+        return path
+    rest = path[len(root):]
+    return rest if rest == "" or rest.startswith("/") else path
+
+
 def route_label(scope: Scope) -> str:
     """The template of the route the request matched (Starlette records it in the scope)."""
     route = scope.get("route")
@@ -147,14 +168,11 @@ class RequestGuard:
     async def _admit(self, scope: Scope, receive: Receive,
                      settings: GuardSettings) -> tuple[JSONResponse | None, Receive | None]:
         """A refusal, or a receive that replays the body read within the limit."""
-        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        path = routed_path(scope)
         if path.startswith(ADMIN_PREFIX):
-            if settings.admin_token is None:
-                return error_response(403, "the admin routes are off: the app needs an operator's token "
-                                           "(admin_token_env or admin_token_file)"), receive
-            if not settings.authorized(scope, settings.admin_token):
-                return error_response(401, "missing or wrong admin token (Authorization: Bearer <admin token>)",
-                                      code="invalid_api_key"), receive
+            refusal = settings.operator_refusal(scope)
+            if refusal is not None:
+                return error_response(*refusal, code="invalid_api_key" if refusal[0] == 401 else None), receive
         elif not (scope["method"] == "GET" and path in OPEN_PATHS) and not settings.authorized(scope, settings.token):
             return error_response(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
                                   code="invalid_api_key"), receive
