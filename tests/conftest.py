@@ -259,6 +259,13 @@ def conditionless_bucket(monkeypatch: pytest.MonkeyPatch) -> Iterator[Bucket]:
         yield made
 
 
+def private_file(path: Path, text: str) -> Path:
+    """A file only this user may read and write (mode 600), as token files must be."""
+    path.write_text(text)
+    path.chmod(0o600)
+    return path
+
+
 @contextmanager
 def served_by_uvicorn(app: Any, root_path: str = "") -> Iterator[str]:
     """`app` (ASGI) on a real socket, served by uvicorn on a thread of this process (behind a proxy

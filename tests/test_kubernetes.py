@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import re
 from pathlib import Path
 
@@ -101,7 +102,7 @@ def test_every_rayservice_pod_takes_http_through_the_ingress_with_a_header_deadl
     cluster = manifest("rayservice.yaml")["spec"]["rayClusterConfig"]
     for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
         for container in group["template"]["spec"]["containers"]:
-            env = {e["name"]: e["value"] for e in container.get("env", [])}
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
             assert env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1", container["name"]
             assert env.get("RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S") == deadline, container["name"]
 
@@ -121,10 +122,17 @@ def test_the_rayservice_serves_a_serve_config_the_app_accepts_for_the_rayjobs_ru
     assert app["args"]["checkpoint"] == f"{job_runs}/gpt_ddp"  # the run the RayJob trains
     run_dir = tmp_path / "gpt_ddp"
     run_distributed(save_default_job_checkpoint, 1, str(run_dir))  # one rank writes it as two would, smaller
-    token = tmp_path / "api-key"
-    token.write_text("secret\n")
-    # The volume's and the Secret's paths, as they are here.
-    config = parse_config({**app["args"], "checkpoint": str(run_dir), "bearer_token_file": str(token)})
+    # The volume's path as it is here; the Secret as every pod's environment has it.
+    pods = manifest("rayservice.yaml")["spec"]["rayClusterConfig"]
+    for group in [pods["headGroupSpec"], *pods["workerGroupSpecs"]]:
+        (container,) = group["template"]["spec"]["containers"]
+        secret = {e["name"]: e.get("valueFrom") for e in container["env"]}[app["args"]["bearer_token_env"]]
+        assert secret == {"secretKeyRef": {"name": "shardyard-api-key", "key": "api-key"}}
+    os.environ[app["args"]["bearer_token_env"]] = "a-secret-of-this-test"
+    try:
+        config = parse_config({**app["args"], "checkpoint": str(run_dir)})
+    finally:
+        del os.environ[app["args"]["bearer_token_env"]]
     assert config.num_shards == 2 and config.sharding == "pipeline" and app["import_path"] == "serve_apps.gpt:app"
 
 

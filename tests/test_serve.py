@@ -27,6 +27,7 @@ from shardyard.checkpoint.layout import read_spec
 from shardyard.checkpoint.loaders import find_latest, load_model
 from shardyard.checkpoint.record import step_of
 from test_strategies import job, train, with_storage
+from conftest import private_file
 
 STRATEGIES = ("ddp", "fsdp", "zero2")
 
@@ -149,7 +150,7 @@ def test_adaptive_batching_picks_the_fastest_size_within_the_target_and_backs_of
 
 # ----------------------------------------------------------------------------- HTTP
 
-TOKEN = "s3cret"
+TOKEN = "s3cret-of-this-test"
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 
 
@@ -239,7 +240,7 @@ def test_a_hugging_face_model_directory_is_served_as_it_is(ray_cluster, tmp_path
 
 def server_args(checkpoints: dict[str, Path], request_timeout_s: float = 2.0) -> dict:
     token_file = checkpoints["ddp"].parents[2] / "token"  # the token is never a deployment argument
-    token_file.write_text(TOKEN + "\n")
+    private_file(token_file, TOKEN + "\n")
     return {"checkpoint": str(checkpoints["ddp"]), "num_shards": 2, "cpus_per_shard": 0.25,
             "batching": "fixed", "max_batch_size": 8,
             "batch_wait_timeout_s": 0.05, "max_queued_requests": 16, "request_timeout_s": request_timeout_s,

@@ -17,13 +17,14 @@ import psutil
 import pytest
 import requests
 
-from conftest import ray_files_of_their_own, user_environment
+from conftest import private_file, ray_files_of_their_own, user_environment
 from shardyard.cli import main
 from shardyard.localdist import free_port, run_distributed
 from shardyard.spec import SpecError
 from test_serve_run import save_default_job_checkpoint
 
 SHARDYARD = str(Path(sys.executable).with_name("shardyard"))
+SECRET = "a-token-of-this-test-only"  # from the environment: never on the command line
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +76,7 @@ def test_the_operators_token_file_is_the_admin_token(run_dir: Path, tmp_path: Pa
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
-    (tmp_path / "admin").write_text("s3cret-of-the-operator\n")
+    private_file(tmp_path / "admin", "s3cret-of-the-operator\n")
     config = serve_config(parser.parse_args([str(run_dir), "--admin-token-file", str(tmp_path / "admin")]))
     assert parse_config(config).admin_token == "s3cret-of-the-operator" and "s3cret" not in str(config)
     assert parse_config(serve_config(parser.parse_args([str(run_dir)]))).admin_token is None
@@ -103,8 +104,12 @@ def test_decode_steps_compile_on_gpus_unless_enforce_eager_says_otherwise(run_di
 @pytest.mark.timeout(60)
 def test_bad_serve_arguments_are_a_message_and_status_2(run_dir: Path, monkeypatch, capsys, tmp_path: Path) -> None:
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
-    assert main(["serve", str(run_dir), "--api-key", "k"]) == 2  # refused before Ray is touched
+    assert main(["serve", str(run_dir), "--api-key", "k" * 32]) == 2  # never on the command line, seen in ps
+    assert "every user of this machine reads it" in capsys.readouterr().err
+    monkeypatch.setenv("SHARDYARD_API_KEY", "k" * 32)
+    assert main(["serve", str(run_dir)]) == 2  # refused before Ray is touched: a cluster's replicas lack it
     assert "--api-key-file" in capsys.readouterr().err
+    monkeypatch.delenv("SHARDYARD_API_KEY")
     with pytest.raises(SystemExit):
         main(["serve", str(run_dir), "--api-key", "k", "--api-key-file", "f"])  # argparse: one or the other
     with pytest.raises(SystemExit):
@@ -127,10 +132,9 @@ def test_shardyard_serve_answers_with_vllms_flags_on_a_two_core_machine(run_dir:
     url = f"http://127.0.0.1:{port}"
     with ray_files_of_their_own() as ray_tmp:
         proc = subprocess.Popen([SHARDYARD, "serve", str(run_dir), "--port", str(port), "--served-model-name", "tiny",
-                                 "--max-num-seqs", "4", "--api-key", "secret", "--set", "max_tokens_limit=32",
-                                 "--header-timeout", "2"],
+                                 "--max-num-seqs", "4", "--set", "max_tokens_limit=32", "--header-timeout", "2"],
                                 start_new_session=True, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                env=user_environment(ray_tmp))
+                                env={**user_environment(ray_tmp), "SHARDYARD_API_KEY": SECRET})
         try:
             deadline = time.monotonic() + 240
             while True:
@@ -143,14 +147,14 @@ def test_shardyard_serve_answers_with_vllms_flags_on_a_two_core_machine(run_dir:
                 time.sleep(2)
             from openai import AuthenticationError, OpenAI
 
-            client = OpenAI(base_url=f"{url}/v1", api_key="secret")
+            client = OpenAI(base_url=f"{url}/v1", api_key=SECRET)
             assert [m.id for m in client.models.list().data] == ["tiny"]
             answer = client.completions.create(model="tiny", prompt="def ", max_tokens=6, temperature=0)
             assert answer.usage.completion_tokens == 6
             with pytest.raises(AuthenticationError):
                 OpenAI(base_url=f"{url}/v1", api_key="wrong").completions.create(model="tiny", prompt="x", max_tokens=1)
             too_many = requests.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 33},
-                                     headers={"Authorization": "Bearer secret"}, timeout=30)
+                                     headers={"Authorization": f"Bearer {SECRET}"}, timeout=30)
             assert too_many.status_code == 422  # --set reached the config
             with socket.create_connection(("127.0.0.1", port)) as slow:  # half a request's headers, then silence
                 slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")

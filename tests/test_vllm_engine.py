@@ -21,6 +21,7 @@ import requests
 pytest.importorskip("vllm", reason="engine: vllm needs vLLM in this interpreter's environment "
                                    "(benchmarks/make_vllm_env.sh makes one with shardyard in it; run pytest with its python)")
 
+from conftest import private_file  # noqa: E402
 from followed_run import PROMPT, alone, commit  # noqa: E402
 from shardyard.checkpoint.record import checkpoint_name  # noqa: E402
 from test_vllm_client import bench, default_job_run, model_directory, serve_port, serving  # noqa: E402,F401 - fixtures
@@ -40,7 +41,7 @@ def test_vllm_decodes_a_model_directory_as_transformers_does_behind_the_guard(se
 
     directory = model_directory(tmp_path / "llama", hidden=256, layers=2, heads=4, context=256,
                                 initializer_range=0.3)  # head_dim 64: what vLLM's CPU attention takes
-    (tmp_path / "token").write_text(TOKEN)
+    private_file(tmp_path / "token", TOKEN)
     url = serving("vllm", {"checkpoint": str(directory), "engine": "vllm", "model_id": "llama",
                            "bearer_token_file": str(tmp_path / "token"), "max_batch_size": 4, "cpus_per_shard": 1.0})
     assert requests.get(f"{url}/healthz", timeout=30).json()["engine"] == "vllm"
@@ -112,8 +113,8 @@ def test_vllm_follows_a_run_through_the_gate(serving, tmp_path: Path) -> None:
     run_dir = tmp_path / "llama_fsdp"
     first = alone(commit_llama(run_dir, 10))
     wanted = alone(commit_llama(tmp_path / "elsewhere" / "llama_fsdp", 20))  # step 20's weights, drawn from seed 20
-    (tmp_path / "token").write_text(TOKEN)
-    (tmp_path / "admin_token").write_text("the-operators-own")
+    private_file(tmp_path / "token", TOKEN)
+    private_file(tmp_path / "admin_token", "the-operators-own")
     url = serving("follow", {"checkpoint": str(run_dir), "engine": "vllm", "bearer_token_file": str(tmp_path / "token"),
                              "admin_token_file": str(tmp_path / "admin_token"), "max_batch_size": 4,
                              "cpus_per_shard": 1.0, "follow_interval_s": 0.5,

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from conftest import private_file
 from followed_run import PROMPT, alone, alone_cached, commit
 from shardyard.checkpoint.events import METRICS_FILE, JsonLines
 from shardyard.checkpoint.loaders import find_latest
@@ -99,7 +100,7 @@ def start_app(base: str, name: str, run_dir: Path, token_file: Path, **args) -> 
     from shardyard.serve.app import build_app
 
     admin_token_file = token_file.with_name("admin_token")  # the operator's, beside the clients'
-    admin_token_file.write_text(ADMIN_TOKEN)
+    private_file(admin_token_file, ADMIN_TOKEN)
     serve.run(build_app({"checkpoint": str(run_dir), "follow_interval_s": 0.5, "request_timeout_s": 120,
                          "bearer_token_file": str(token_file), "admin_token_file": str(admin_token_file), **args}),
               name=name, route_prefix=f"/{name}")
@@ -113,7 +114,7 @@ def followed(serve_base: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
     root = tmp_path_factory.mktemp("follow")
     run_dir = root / "gpt_ddp"
     commit(run_dir, 10)
-    (root / "token").write_text(TOKEN)
+    private_file(root / "token", TOKEN)
     url = start_app(serve_base, "followed", run_dir, root / "token", num_shards=2, cpus_per_shard=0.5,
                     max_batch_size=4, max_tokens_limit=2000)
     yield Followed(url, run_dir, "followed", 10)
@@ -155,7 +156,7 @@ def test_static_batches_follow_the_run_swapping_between_batches(serve_base: str,
 
     run_dir = tmp_path / "gpt_ddp"
     commit(run_dir, 10, overrides=())
-    (tmp_path / "token").write_text(TOKEN)
+    private_file(tmp_path / "token", TOKEN)
     url = start_app(serve_base, "static", run_dir, tmp_path / "token", num_shards=1, cpus_per_shard=0.5,
                     batching="fixed", max_batch_size=4)
     client = StreamingClient(url)
@@ -186,7 +187,7 @@ def test_a_golden_prompt_regression_is_refused(serve_base: str, tmp_path: Path) 
 
     run_dir = tmp_path / "gpt_ddp"
     commit(run_dir, 10, seed=0, overrides=())
-    (tmp_path / "token").write_text(TOKEN)
+    private_file(tmp_path / "token", TOKEN)
     url = start_app(serve_base, "golden", run_dir, tmp_path / "token", num_shards=1, cpus_per_shard=0.5, max_batch_size=4,
                     golden_prompts=[{"prompt": PROMPT, "max_tokens": 12}, {"prompt": "import os\n", "max_tokens": 8}])
     try:
@@ -283,7 +284,7 @@ def test_a_canary_serves_a_checkpoint_on_one_replica_before_all_and_refuses_one_
 
     run_dir = tmp_path / "gpt_ddp"
     commit(run_dir, 10, overrides=())
-    (tmp_path / "token").write_text(TOKEN)
+    private_file(tmp_path / "token", TOKEN)
     url = start_app(serve_base, "canary", run_dir, tmp_path / "token", num_replicas=2, num_shards=1,
                     cpus_per_shard=0.25, max_batch_size=4, canary_fraction=0.5, canary_window_s=2,
                     canary_min_requests=6)

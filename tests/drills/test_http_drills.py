@@ -16,12 +16,12 @@ import pytest
 import requests
 from fastapi import FastAPI, Request
 
-from conftest import served_by_uvicorn
+from conftest import private_file, served_by_uvicorn
 from shardyard.serve.openai_routes import PredictRequest
 from shardyard.serve.guard import GuardSettings, install
 from shardyard.spec import SpecError
 
-TOKEN = "s3cret-token"
+TOKEN = "s3cret-token-of-the-drills"
 LIMIT = 1024
 BODY_TIMEOUT_S = 2.0
 
@@ -167,7 +167,7 @@ def test_the_bearer_token_never_travels_in_deployment_arguments_and_is_never_emp
     from test_run_drills import job, write_checkpoint
 
     write_checkpoint(job(tmp_path))
-    (tmp_path / "token").write_text(TOKEN + "\n")
+    private_file(tmp_path / "token", TOKEN + "\n")
     cfg = parse_config({"checkpoint": str(tmp_path / "run"), "bearer_token_file": str(tmp_path / "token")})
     assert cfg.bearer_token == TOKEN and TOKEN not in json.dumps(cfg.model_dump())  # what Serve is given
     assert cfg.admin_token is None  # the admin routes are off unless an operator's token is given
@@ -184,6 +184,18 @@ def test_the_bearer_token_never_travels_in_deployment_arguments_and_is_never_emp
         read_token("SHARDYARD_NO_SUCH_VARIABLE", None, "bearer_token")
     with pytest.raises(ValueError, match="cannot read"):
         read_token(None, str(tmp_path / "missing"), "bearer_token")
+    for mode in (0o644, 0o640, 0o604, 0o620):  # readable or writable by the group or by everyone
+        (tmp_path / "token").chmod(mode)
+        with pytest.raises(ValueError, match=f"can be read or written by other users \\(mode {mode:03o}\\); "
+                                             f"make it private: chmod 600"):
+            read_token(None, str(tmp_path / "token"), "admin_token")
+    (tmp_path / "token").chmod(0o400)
+    assert read_token(None, str(tmp_path / "token"), "bearer_token") == TOKEN
+    private_file(tmp_path / "short", "x\n")
+    monkeypatch.setenv("SHARDYARD_SHORT_TOKEN", "fifteen-chars..")
+    for env, file in ((None, str(tmp_path / "short")), ("SHARDYARD_SHORT_TOKEN", None)):
+        with pytest.raises(ValueError, match="a token needs at least 16"):
+            read_token(env, file, "admin_token")
 
 
 def trickle(url: str, declared: int) -> socket.socket:

@@ -3,7 +3,8 @@ serve_apps/config.yaml` runs) on this machine's Ray, or on the cluster RAY_ADDRE
 vLLM's flag names where they mean the same thing. Ctrl-C stops it.
 
     shardyard serve runs/gpt_ddp
-    shardyard serve ./my-llama --tensor-parallel-size 2 --max-num-seqs 32 --api-key-file /etc/token
+    shardyard serve ./my-llama --tensor-parallel-size 2 --max-num-seqs 32 --api-key-file ~/.shardyard/serve_token
+    SHARDYARD_API_KEY=... shardyard serve runs/gpt_ddp     # the token from the environment
     shardyard serve runs/llama_fsdp --served-model-name llama --port 8080 --set max_tokens_limit=512
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 from shardyard.serve.ingress import DEFAULT_HEADER_TIMEOUT_S
 from shardyard.spec import SpecError, apply_override
 
-API_KEY_ENV = "SHARDYARD_API_KEY"  # where --api-key travels to the replicas of a Ray started here
+API_KEY_ENV = "SHARDYARD_API_KEY"  # the token from the environment (inherited by the replicas of a Ray started here)
 APP_NAME = "shardyard"
 
 
@@ -39,8 +40,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", default=None,
                         help="every pass eager (default: decode steps compiled on GPUs, eager on CPUs)")
     key = parser.add_mutually_exclusive_group()
-    key.add_argument("--api-key", help="the bearer token requests need (on a cluster, use --api-key-file)")
-    key.add_argument("--api-key-file", help="a file holding it, at that path on every node")
+    # Kept only to refuse it with the way to do it: a token on the command line is in `ps` for every user.
+    key.add_argument("--api-key", help=argparse.SUPPRESS)
+    key.add_argument("--api-key-file", help="a file holding the bearer token requests need (only you may read it: "
+                     f"chmod 600), at that path on every node; or set {API_KEY_ENV} (on this machine's Ray only)")
     parser.add_argument("--admin-token-file", help="a file holding the operator's token, the only one /admin/rollback "
                         "and /admin/promote take (without it they are off)")
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
@@ -69,14 +72,17 @@ def serve_config(args: argparse.Namespace) -> dict[str, Any]:
                  "enforce_eager"):
         if getattr(args, flag) is not None:
             config[flag] = getattr(args, flag)
+    if args.api_key is not None:
+        raise SpecError(f"--api-key puts the token in the process list, where every user of this machine reads it; "
+                        f"put it in a file only you can read (--api-key-file FILE, chmod 600) or in the environment "
+                        f"variable {API_KEY_ENV}")
     if args.api_key_file:
         config["bearer_token_file"] = os.path.abspath(args.api_key_file)
-    elif args.api_key:
+    elif os.environ.get(API_KEY_ENV):
         if os.environ.get("RAY_ADDRESS"):  # a cluster's replicas do not get this process's environment
-            raise SpecError("--api-key reaches the replicas of a Ray started here only; on a cluster "
+            raise SpecError(f"{API_KEY_ENV} reaches the replicas of a Ray started here only; on a cluster "
                             "(RAY_ADDRESS is set) use --api-key-file with a path every node has")
-        os.environ[API_KEY_ENV] = args.api_key  # inherited by the local Ray's workers, not shown by Serve
-        config["bearer_token_env"] = API_KEY_ENV
+        config["bearer_token_env"] = API_KEY_ENV  # inherited by the local Ray's workers, not shown by Serve
     if args.admin_token_file:
         config["admin_token_file"] = os.path.abspath(args.admin_token_file)
     for item in args.overrides:

@@ -4,6 +4,7 @@ file's `args:`. Validated strictly (Serve's own schema would drop a misspelled k
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any, Literal
 
@@ -357,9 +358,14 @@ def check_vocabulary(model: Any, tokenizer: Any) -> None:
                          f"(a model trained on synthetic token ids cannot serve text)")
 
 
+MIN_TOKEN_CHARS = 16  # `openssl rand -hex 32` makes 64; a short token is guessed
+
+
 def read_token(env: str | None, file: str | None, name: str) -> str | None:
     """The token `name` from its variable or file (surrounding whitespace dropped); one that is
-    missing or empty is an error, never "no auth"."""
+    missing, empty or shorter than MIN_TOKEN_CHARS is an error, never "no auth". A file others
+    can read or write is refused, as ssh refuses such a private key: any local user could take
+    the token, or put theirs in its place."""
     if env and file:
         raise ValueError(f"give {name}_env or {name}_file, not both")
     if env:
@@ -367,14 +373,22 @@ def read_token(env: str | None, file: str | None, name: str) -> str | None:
             raise ValueError(f"{name}_env: the environment variable {env} is not set")
         token, where = os.environ[env].strip(), f"the environment variable {env}"
     elif file:
+        path = Path(file).expanduser()
         try:
-            token, where = Path(file).expanduser().read_text().strip(), f"the file {file}"
+            mode = path.stat().st_mode
+            token, where = path.read_text().strip(), f"the file {file}"
         except OSError as err:
             raise ValueError(f"{name}_file: cannot read {file}: {err.strerror}") from None
+        if mode & 0o077:
+            raise ValueError(f"{name}_file: {file} can be read or written by other users (mode "
+                             f"{stat.S_IMODE(mode):03o}); make it private: chmod 600 {file}")
     else:
         return None
     if not token:
         raise ValueError(f"{name}: {where} is empty (an empty token would let every request in)")
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ValueError(f"{name}: {where} holds {len(token)} characters; a token needs at least "
+                         f"{MIN_TOKEN_CHARS} (make one with: openssl rand -hex 32)")
     return token
 
 
