@@ -22,8 +22,8 @@ from shardyard.checkpoint.layout import TrainState
 from shardyard.checkpoint.lease import LeaseFence, LeaseLost, RunLease, StoreCannotFence, identity
 from shardyard.checkpoint.manager import CheckpointManager
 from shardyard.checkpoint.reader_holds import HOLDS_DIR, CheckpointHold, HoldWatch, live_holds
-from shardyard.checkpoint.record import (COMMIT_FILE, BadCheckpoint, CommitRefused, make_record, newest_good,
-                                         read_record, write_record)
+from shardyard.checkpoint.record import (COMMIT_FILE, BadCheckpoint, CommitRefused, attempt_name, commit,
+                                         make_record, newest_good, read_record)
 from shardyard.checkpoint.store import RunStorage
 from shardyard.models import build_model
 from shardyard.parallel import single_process
@@ -76,9 +76,10 @@ def test_a_stale_writers_commit_landing_after_a_takeover_is_never_restored_or_ke
     spec = spec_for(str(tmp_path))
     a_lease = RunLease(spec.run_uri, "run", ttl_s=30)
     a_lease.acquire()
-    # Steps 2 and 4 check the fence three times each (before writing, before committing, before
-    # pruning); step 6's second check (before its commit) passes, then A pauses.
-    pause = Pause(at=8)
+    # Steps 2 and 4 check the fence twice each (before writing, before committing; pruning checks
+    # before each removal, and with keep 5 there is none); step 6's second check (before its
+    # commit) passes, then A pauses.
+    pause = Pause(at=6)
     fence = PausingFence(spec.run_uri, a_lease.generation, a_lease.id, pause)
     a_engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
     a = CheckpointManager(spec.run_uri, keep=5, fence=fence)
@@ -118,9 +119,9 @@ def test_a_stale_writers_commit_landing_after_a_takeover_is_never_restored_or_ke
 
 
 @pytest.mark.drill(outcome="refused", lost="nothing")
-def test_a_commit_is_made_only_if_absent_and_a_stale_record_in_its_place_is_replaced(tmp_path: Path) -> None:
-    """The record is created exclusively: a live launch's record there refuses the commit; a stale
-    writer's record there is replaced by the holder's."""
+def test_a_commit_is_made_only_if_absent_and_a_stale_record_in_its_place_is_set_aside(tmp_path: Path) -> None:
+    """A save is renamed into place only while its name is free: a live launch's commit there
+    refuses it (and stays whole); a stale writer's commit there is set aside and replaced."""
     spec = spec_for(str(tmp_path))
     engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
     old = RunLease(spec.run_uri, "run", ttl_s=30)
@@ -128,16 +129,22 @@ def test_a_commit_is_made_only_if_absent_and_a_stale_record_in_its_place_is_repl
     CheckpointManager(spec.run_uri, keep=5, fence=old.fence()).save(engine, TrainState(2, 16, 1), spec)
     storage = RunStorage(spec.run_uri)
     record = read_record(storage, "checkpoint_step_00000002")
+    again = attempt_name("checkpoint_step_00000002", old.generation)
+    storage.write_bytes(b"{}", again, "spec.json")
     with pytest.raises(CommitRefused, match="generation 1"):
-        write_record(storage, "checkpoint_step_00000002", {**record, "time": 0.0})
+        commit(storage, again, "checkpoint_step_00000002", {**record, "time": 0.0})
+    assert read_record(storage, "checkpoint_step_00000002") == record  # untouched
     new = RunLease(spec.run_uri, "run", ttl_s=30)
     new.acquire(take_over=True)  # from step 2
     storage.write_bytes(b"{}", "checkpoint_step_00000004", "spec.json")
     stale = make_record(4, 1, "dcp", {"spec.json": {"size": 2, "crc32c": 0}}, 0.0, generation=old.generation)
     storage.write_bytes(json.dumps(stale).encode(), "checkpoint_step_00000004", COMMIT_FILE)
     mine = {**stale, "generation": new.generation, "time": 1.0}
-    write_record(storage, "checkpoint_step_00000004", mine)
+    written = attempt_name("checkpoint_step_00000004", new.generation)
+    storage.write_bytes(b"{}", written, "spec.json")
+    commit(storage, written, "checkpoint_step_00000004", mine)
     assert json.loads(storage.read_bytes("checkpoint_step_00000004", COMMIT_FILE)) == mine
+    assert not storage.exists(written) and not any(".stale-" in n for n in storage.list())
     new.release()
     old.release()
 

@@ -38,16 +38,21 @@ from shardyard.checkpoint.layout import SPEC_FILE, STATE_FILE, TrainState, store
 from shardyard.checkpoint.lease import LeaseFence, LeaseLost
 from shardyard.checkpoint.reader_holds import HoldWatch, holding, live_holds
 from shardyard.checkpoint.record import (
+    COMMIT_FILE,
     BadCheckpoint,
     CommitRefused,
     FileEntry,
+    attempt_generation,
+    attempt_name,
     checkpoint_name,
+    commit,
     committed,
     entry,
+    files_at,
     make_record,
     newest_good,
     read_record,
-    write_record,
+    step_of,
 )
 from shardyard.checkpoint.store import RunStorage
 from shardyard.checkpoint.verified_reads import check_entry
@@ -101,7 +106,7 @@ class CheckpointManager:
         self.spec = spec
         self._holds = HoldWatch()  # what this pruner has seen of readers' holds, by its own clock
         self._group: dist.ProcessGroup | None = None
-        self._pending: tuple[str, Written, dict[str, Any], dict[str, FileEntry]] | None = None
+        self._pending: tuple[str, str, Written, dict[str, Any], dict[str, FileEntry]] | None = None
         # The last restore's phases on this rank: choosing a good checkpoint (rank 0 reads the
         # records and checks each file's size and checksum) and loading it.
         self.restore_timings: dict[str, float] = {}
@@ -118,14 +123,15 @@ class CheckpointManager:
         if self.writer:
             self._fenced_everywhere()
         if rank() == 0 and self.writer:
-            self._delete_uncommitted()
-        failed: list[str] = []
+            self._delete_older_saves()
+            self._clear_unrecorded()
+        failed: list[str] = []  # found bad: while choosing (rank 0) or while loading (every rank)
         self.restore_timings = {"verify_s": 0.0, "load_s": 0.0}
         while True:
             choosing = time.perf_counter()
             chosen: list[str | None] = [None]
             if rank() == 0:
-                found = newest_good(self.storage, passing_over=failed,
+                found = newest_good(self.storage, passing_over=failed, found_bad=failed,
                                     checksums=lambda record: record["format"] != DCPFormat.name)
                 chosen[0] = found[0] if found else None
             if dist.is_initialized():
@@ -146,7 +152,7 @@ class CheckpointManager:
             finally:
                 self.restore_timings["load_s"] += time.perf_counter() - loading
         if rank() == 0 and self.writer:
-            self._set_aside_bad(after=chosen[0])
+            self._set_aside_bad(failed, after=chosen[0])
         return state
 
     def load(self, engine: Engine, name: str) -> TrainState:
@@ -157,12 +163,13 @@ class CheckpointManager:
         record = read_record(self.storage, name)
         if record is None:
             raise BadCheckpoint(f"checkpoint {self.storage.url(name)} is not committed")
-        meta = torch.load(io.BytesIO(self._read_checked(name, record, STATE_FILE)), weights_only=True)
-        stored = stored_spec(self._read_checked(name, record, SPEC_FILE))
+        where = files_at(name, record)
+        meta = torch.load(io.BytesIO(self._read_checked(where, record, STATE_FILE)), weights_only=True)
+        stored = stored_spec(self._read_checked(where, record, SPEC_FILE))
         if self.spec is not None:  # the launched model: never a factory named by the stored file
             stored = stored.model_copy(update={"model": self.spec.model})
         with single_process_io():
-            FORMATS[engine.checkpoint_format].load(engine, self.storage, name, record, stored, self.load_optimizer)
+            FORMATS[engine.checkpoint_format].load(engine, self.storage, where, record, stored, self.load_optimizer)
         scheduler_state = meta.pop("scheduler")
         for scheduler in engine.schedulers:
             # The schedule resumes at its step, with this spec's optim.lr (the stored base rate
@@ -203,27 +210,31 @@ class CheckpointManager:
         fmt = FORMATS[engine.checkpoint_format]
         own: dict[str, FileEntry] = {}
         self._fenced_everywhere()
+        # Written under a name no other save uses and renamed into place at commit: a save never
+        # deletes or overwrites a directory another launch (or group) may have committed.
+        written_to: list[str] = [attempt_name(name, self._writing_generation())]
+        if dist.is_initialized():
+            dist.broadcast_object_list(written_to, src=0)
+        at = written_to[0]
         if rank() == 0:
-            # Left by a write that a failure cut short: the step is written again from scratch.
-            self.storage.delete(name)
             spec_json = spec.model_dump_json(indent=2).encode()
-            self.storage.write_bytes(spec_json, name, SPEC_FILE)
+            self.storage.write_bytes(spec_json, at, SPEC_FILE)
             own[SPEC_FILE] = entry(spec_json)
-        barrier()  # no rank writes into the directory before it is fresh
+        barrier()  # the directory exists before any rank writes into it
         group = None
         if self.asynchronous and fmt.name == DCPFormat.name and dist.is_initialized():
             if self._group is None:
                 self._group = dist.new_group(backend="gloo")
             group = self._group
         with single_process_io():
-            written = fmt.save(engine, self.storage, name, group)
+            written = fmt.save(engine, self.storage, at, group)
         if rank() == 0:
             buffer = io.BytesIO()
             torch.save({**asdict(state), "scheduler": engine.schedulers[0].state_dict()}, buffer)
-            self.storage.write_bytes(buffer.getvalue(), name, STATE_FILE)
+            self.storage.write_bytes(buffer.getvalue(), at, STATE_FILE)
             own[STATE_FILE] = entry(buffer.getvalue())
         record = {"step": state.step, "world_size": world_size(), "format": fmt.name}
-        self._pending = (name, written, record, own)
+        self._pending = (name, at, written, record, own)
         if written.future is None:
             self.wait()
 
@@ -232,12 +243,12 @@ class CheckpointManager:
         gather every rank's file list, commit it, prune."""
         if self._pending is None:
             return
-        name, written, record, own = self._pending
+        name, at, written, record, own = self._pending
         self._pending = None
         if written.future is None:
             barrier()  # every rank's state is written
         else:
-            with storage_errors(self.storage.url(name)):  # a background write's error surfaces here
+            with storage_errors(self.storage.url(at)):  # a background write's error surfaces here
                 written.future.result()
         files = {**written.files(), **own}
         everyone: list[dict[str, FileEntry]] | None = [{}] * world_size() if rank() == 0 else None
@@ -250,12 +261,13 @@ class CheckpointManager:
         if rank() == 0:
             listed = {path: item for part in everyone for path, item in part.items()}
             try:
-                write_record(self.storage, name, make_record(record["step"], record["world_size"], record["format"],
-                                                             listed, time.time(), self._writing_generation()))
-            except CommitRefused as err:  # another launch committed this step: it holds the run
+                commit(self.storage, at, name, make_record(record["step"], record["world_size"], record["format"],
+                                                           listed, time.time(), self._writing_generation()),
+                       fence=self._fence_here)
+            except (CommitRefused, LeaseLost) as err:  # another launch committed this step: it holds the run
                 refused[0] = str(err)
             else:
-                self._prune(newest=name)
+                self._prune()
         if dist.is_initialized():
             dist.broadcast_object_list(refused, src=0)
         if refused[0] is not None:
@@ -287,44 +299,115 @@ class CheckpointManager:
 
     # -- pruning
 
-    def _prune(self, newest: str) -> None:
-        """Keep the newest `keep` committed checkpoints; drop older ones and every uncommitted
-        directory older than `newest` (crashed writes). Only names the run writes are touched,
-        the newest committed checkpoint never, and nothing while this launch does not hold the run."""
+    def _fence_here(self) -> None:
+        """Rank 0's own check, right before each rename or delete (LeaseLost once another launch
+        holds the run): a launch paused between two of them acts on nothing after a takeover."""
         if self.fence is not None:
-            try:
-                self.fence()
-            except LeaseLost as err:
-                log.error("not pruning: %s", err)
-                return
-        kept = [name for name, _ in committed(self.storage)]  # newest first
-        names = self.storage.checkpoint_names()
-        uncommitted = [n for n in names if n < newest and n not in kept]
-        for name in kept[max(self.keep, 1):] + uncommitted:
-            holders = live_holds(self.storage, name, self._holds)
-            if holders:  # pruned at a later commit, once its readers are done
-                print(f"shardyard: keeping {self.storage.url(name)} for now: read by "
-                      + ", ".join(f"host {h['host']} pid {h['pid']}" for h in holders), flush=True)
-                continue
-            self.storage.delete(name)
+            self.fence()
 
-    def _set_aside_bad(self, after: str | None) -> None:
-        """Committed checkpoints newer than the one restored failed verification: renamed out of
-        the run's names (`<name>.bad`, kept for a look), so this run writes those steps afresh."""
-        for name in self.storage.checkpoint_names():
-            if after is None or name > after:
-                log.warning("setting aside %s, which failed verification, as %s.bad", self.storage.url(name), name)
-                self.storage.fs.mv(self.storage.path(name), self.storage.path(f"{name}.bad"), recursive=True)
+    def _prune(self) -> None:
+        """Keep the newest `keep` committed checkpoints and drop older ones, each renamed out of
+        the run's names in one step and then deleted; the newest never, none a reader holds, and
+        each only while this launch holds the run (checked right before it). Below the newest,
+        damaged records and stale writers' commits go too; everything else is left alone."""
+        try:
+            self._delete_older_saves()
+            lineage = Lineage.of(self.storage)
+            kept = [name for name, _ in committed(self.storage, lineage)]  # newest first
+            for name in self.storage.checkpoint_names():  # damaged or stale ones below the newest
+                if name not in kept and kept and step_of(name) < step_of(kept[0]) and self._bad(name, lineage):
+                    self._clear(name, "damaged")
+            for name in kept[max(self.keep, 1):]:
+                holders = live_holds(self.storage, name, self._holds)
+                if holders:  # pruned at a later commit, once its readers are done
+                    print(f"shardyard: keeping {self.storage.url(name)} for now: read by "
+                          + ", ".join(f"host {h['host']} pid {h['pid']}" for h in holders), flush=True)
+                    continue
+                self._fence_here()
+                self._remove(name)
+        except LeaseLost as err:
+            log.error("not pruning: %s", err)
 
-    def _committed(self, name: str, lineage: Lineage | None = None) -> bool:
+    def _remove(self, name: str) -> None:
+        """A committed checkpoint gone: out of the run's names at once (locally a rename; on an
+        object store its record first), then its files."""
+        if not self.storage.remote:
+            self.storage.delete(self.storage.set_aside(name, "pruned"))
+            return
+        record = read_record(self.storage, name)
+        self.storage.delete(name, COMMIT_FILE)
+        if record is not None and files_at(name, record) != name:
+            self.storage.delete(files_at(name, record))
+        self.storage.delete(name)
+
+    def _set_aside_bad(self, bad: list[str], after: str | None) -> None:
+        """Checkpoints newer than the one restored that this restore found bad (a file missing or
+        corrupted): renamed out of the run's names (`<name>.bad-<random>`, kept for a look), so
+        this run writes those steps afresh. Only those: a checkpoint committed since this launch
+        chose (by a launch that took the run over meanwhile) is never touched, and each rename is
+        fence-checked right before it."""
+        newer = [n for n in bad if after is None or step_of(n) > step_of(after)]
+        try:
+            for name in newer:
+                self._fence_here()
+                aside = self.storage.set_aside(name, "bad")
+                log.warning("set aside %s, which failed verification, as %s", self.storage.url(name), aside)
+        except LeaseLost as err:
+            log.error("not setting aside bad checkpoints: %s", err)
+
+    def _bad(self, name: str, lineage: Lineage) -> bool:
+        """Whether `name`'s record is there and can never count: damaged, or made stale by a
+        later generation this launch's lease knows of."""
+        try:
+            read_record(self.storage, name, lineage)
+        except BadCheckpoint:
+            return self.storage.exists(name, COMMIT_FILE)
+        return False
+
+    def _committed(self, name: str) -> bool:
         """Whether `name` has a valid commit record (a bad one is named once, by `newest_good`)."""
         try:
-            return read_record(self.storage, name, lineage) is not None
+            return read_record(self.storage, name) is not None
         except BadCheckpoint:
             return False
 
-    def _delete_uncommitted(self) -> None:
-        lineage = Lineage.of(self.storage)  # the lease read once, not once a checkpoint
-        for name in self.storage.checkpoint_names():
-            if not self._committed(name, lineage):
+    def _clear_unrecorded(self) -> None:
+        """Checkpoint names holding no record file at all (a write an older version made in place
+        and a crash cut short): cleared, so this run writes those steps afresh. A commit arrives
+        by a rename that brings its record along, so such a directory is never one being
+        committed. Local storage only: an object store's names hold records alone."""
+        if self.storage.remote:
+            return
+        try:
+            for name in self.storage.checkpoint_names():
+                if not self.storage.exists(name, COMMIT_FILE):
+                    self._clear(name, "partial")
+        except LeaseLost as err:
+            log.error("not clearing partial checkpoints: %s", err)
+
+    def _clear(self, name: str, why: str) -> None:
+        """Remove checkpoint `name`, judged no commit: renamed aside in one step (fence-checked
+        right before), then deleted; put back instead if what was moved holds a valid record (a
+        commit landed on the name between the judging and the move)."""
+        self._fence_here()
+        if self.storage.remote:
+            self.storage.delete(name)
+            return
+        aside = self.storage.set_aside(name, why)
+        try:
+            valid = read_record(self.storage, aside, step=step_of(name)) is not None
+        except BadCheckpoint:
+            valid = False
+        if valid:
+            self.storage.place(aside, name)
+        else:
+            self.storage.delete(aside)
+
+    def _delete_older_saves(self) -> None:
+        """Saves of earlier lease generations that never committed (a crash, a launch taken over):
+        their directories are no checkpoint. A save of this or a later generation is left alone,
+        since it may still commit."""
+        for name in self.storage.list():
+            generation = attempt_generation(name)
+            if generation is not None and generation < self._writing_generation():
                 self.storage.delete(name)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 from collections.abc import Callable, Collection, Iterator
 from pathlib import PurePosixPath
 from typing import Any
@@ -92,28 +93,76 @@ class CommitRefused(Exception):
     """Another launch's record already commits this checkpoint and is not stale."""
 
 
-def write_record(storage: RunStorage, name: str, record: dict[str, Any]) -> None:
-    """Commit: every file of the checkpoint is made durable first, then the record, created only
-    if no record has its name (durably). A stale writer's record found there (one that landed
-    after this launch took the run over) is removed and the commit made again; any other raises
-    CommitRefused."""
-    storage.sync(name)
-    data = json.dumps(record).encode()
+ATTEMPT_MARK = ".attempt-"  # `<name>.attempt-<generation>-<random>`: one save's own directory
+
+
+def attempt_name(name: str, generation: int) -> str:
+    """Where one save of checkpoint `name` is written: a directory no other save ever uses, so no
+    writer deletes or overwrites another's files, whatever their timing."""
+    return f"{name}{ATTEMPT_MARK}{generation}-{secrets.token_hex(6)}"
+
+
+def attempt_generation(directory: str) -> int | None:
+    """The lease generation of the save that writes `directory` (None: not a save's directory)."""
+    base, mark, rest = directory.partition(ATTEMPT_MARK)
+    generation = rest.split("-", 1)[0]
+    return int(generation) if mark and CHECKPOINT_NAME.match(base) and generation.isdigit() else None
+
+
+def files_at(name: str, record: dict[str, Any]) -> str:
+    """The directory that holds the files `record` lists: the checkpoint's own (renamed into place
+    at commit) or, on an object store, the save's directory the record names."""
+    return record.get("files_at", name)
+
+
+def commit(storage: RunStorage, written: str, name: str, record: dict[str, Any],
+           fence: Callable[[], None] = lambda: None) -> None:
+    """Commit the checkpoint written under `written` (attempt_name) as `name`: its files made
+    durable, then the record. Locally the record goes into `written`, which is renamed to `name`
+    in one step, refused while `name` holds anything; on an object store the record is created
+    at `name` only if none is there, naming `written` as where its files are. A valid record
+    already at `name` raises CommitRefused. What else holds the name (a stale writer's commit, a
+    write an older version cut short) is set aside first, `fence` checked right before; and if
+    what was moved turns out valid after all (committed between the look and the move), it is put
+    back and the commit refused: no valid commit is ever removed."""
+    storage.sync(written)
+    if storage.remote:
+        data = json.dumps({**record, "files_at": written}).encode()
+        claim = lambda: storage.create_exclusive(data, name, COMMIT_FILE)  # noqa: E731
+    else:
+        storage.write_bytes(json.dumps(record).encode(), written, COMMIT_FILE)
+        claim = lambda: storage.place(written, name)  # noqa: E731
     for _ in range(3):
-        if storage.create_exclusive(data, name, COMMIT_FILE):
+        if claim():
             return
+        _refuse_if_valid(storage, name)
+        fence()
+        if storage.remote:  # the record alone claims the name there; its files stay where they are
+            storage.delete(name, COMMIT_FILE)
+            continue
+        aside = storage.set_aside(name, "stale")
         try:
-            there = read_record(storage, name)
-        except BadCheckpoint:  # torn or stale: not a commit
-            there = None
-        if there is not None:
-            raise CommitRefused(f"{storage.url(name, COMMIT_FILE)} was committed by lease generation "
-                                f"{there.get('generation', 0)} meanwhile; this launch's commit is refused")
-        storage.delete(name, COMMIT_FILE)
-    raise CommitRefused(f"{storage.url(name, COMMIT_FILE)} keeps being made by another writer")
+            _refuse_if_valid(storage, aside, step_of(name))
+        except CommitRefused:
+            storage.place(aside, name)  # committed meanwhile: back where it was
+            raise
+        storage.delete(aside)
+    raise CommitRefused(f"{storage.url(name)} keeps being made by another writer")
 
 
-def read_record(storage: RunStorage, name: str, lineage: Lineage | None = None) -> dict[str, Any] | None:
+def _refuse_if_valid(storage: RunStorage, directory: str, step: int | None = None) -> None:
+    """CommitRefused if `directory` holds a valid commit record (of `step`: its own by default)."""
+    try:
+        there = read_record(storage, directory, step=step)
+    except BadCheckpoint:  # torn, or a stale writer's: not a commit
+        return
+    if there is not None:
+        raise CommitRefused(f"{storage.url(directory, COMMIT_FILE)} was committed by lease generation "
+                            f"{there.get('generation', 0)} meanwhile; this launch's commit is refused")
+
+
+def read_record(storage: RunStorage, name: str, lineage: Lineage | None = None,
+                step: int | None = None) -> dict[str, Any] | None:
     """The commit record of checkpoint `name`; None while it has none (not committed).
     Raises BadCheckpoint for a record that exists but cannot be trusted, or that a stale writer
     made (judged by `lineage`, the run's lease generations; read now if not given)."""
@@ -128,15 +177,17 @@ def read_record(storage: RunStorage, name: str, lineage: Lineage | None = None) 
         record = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise BadCheckpoint(f"{where} is not a valid commit record (torn or overwritten)") from None
-    problem = record_problem(record, step_of(name)) or (lineage or Lineage.of(storage)).stale(record)
+    problem = (record_problem(record, step_of(name) if step is None else step, name)
+               or (lineage or Lineage.of(storage)).stale(record))
     if problem:
         raise BadCheckpoint(f"{where} {problem}")
     return record
 
 
-def record_problem(record: Any, step: int) -> str | None:
+def record_problem(record: Any, step: int, name: str | None = None) -> str | None:
     """What makes a JSON-valid record untrustworthy for the checkpoint of `step` (None: nothing):
-    a missing or mistyped field, another step, no file list, a file named outside the checkpoint."""
+    a missing or mistyped field, another step, no file list, a file named outside the checkpoint,
+    files said to be anywhere but a save's directory of this checkpoint (`name`)."""
     if not isinstance(record, dict) or not {"step", "world_size", "format"} <= record.keys():
         return "lacks the step, world size or format of its checkpoint"
     if not all(_is_int(record.get(key, 0)) for key in ("step", "world_size", "generation")) \
@@ -144,6 +195,10 @@ def record_problem(record: Any, step: int) -> str | None:
         return "holds a step, world size, generation or format of the wrong type (not written by shardyard)"
     if record["step"] != step:
         return f"records step {record['step']}, not the step its directory names"
+    at = record.get("files_at")
+    if at is not None and not (isinstance(at, str) and "/" not in at and attempt_generation(at) is not None
+                               and (name is None or at.partition(ATTEMPT_MARK)[0] == name)):
+        return f"says its files are in {at!r}, not a save's directory of this checkpoint"
     files = record.get("files")
     if not isinstance(files, dict) or not files:
         return "lists no files (a record from before files were listed, or cut short): nothing can be verified"
@@ -163,15 +218,16 @@ def _is_int(value: Any) -> bool:
 def verify(storage: RunStorage, name: str, record: dict[str, Any], checksums: bool = True) -> None:
     """Every file the record lists is there with its size and (`checksums`: read whole) its
     checksum; raises BadCheckpoint naming the first that is not."""
+    directory = files_at(name, record)
     for relative, expected in record["files"].items():
-        where = storage.url(name, relative)
+        where = storage.url(directory, relative)
         try:
-            size = storage.size(name, relative)
+            size = storage.size(directory, relative)
         except FileNotFoundError:
             raise BadCheckpoint(f"{where} is missing") from None
         check_file(where, expected, size)
         if checksums:
-            check_file(where, expected, size, file_entry(storage, name, relative)["crc32c"])
+            check_file(where, expected, size, file_entry(storage, directory, relative)["crc32c"])
 
 
 def check_file(where: str, expected: FileEntry, size: int, checksum: int | None = None) -> None:
@@ -199,11 +255,13 @@ def committed(storage: RunStorage, lineage: Lineage | None = None) -> Iterator[t
 
 
 def newest_good(storage: RunStorage, check_files: bool = True, passing_over: Collection[str] = (),
-                checksums: Callable[[dict[str, Any]], bool] = lambda record: True) -> tuple[str, dict[str, Any]] | None:
+                checksums: Callable[[dict[str, Any]], bool] = lambda record: True,
+                found_bad: list[str] | None = None) -> tuple[str, dict[str, Any]] | None:
     """The newest checkpoint whose record is valid and (`check_files`) whose files match it, not
-    one of `passing_over`; each one passed over is named in a warning. `checksums(record)`: whether
-    to read a checkpoint's files here for their checksums (not where the loader checks them as it
-    reads; their presence and sizes are checked either way). None when the run has none."""
+    one of `passing_over`; each one passed over is named in a warning, and those whose files do
+    not match their record are added to `found_bad`. `checksums(record)`: whether to read a
+    checkpoint's files here for their checksums (not where the loader checks them as it reads;
+    their presence and sizes are checked either way). None when the run has none."""
     for name, record in committed(storage):
         if name in passing_over:
             continue
@@ -212,6 +270,8 @@ def newest_good(storage: RunStorage, check_files: bool = True, passing_over: Col
                 verify(storage, name, record, checksums(record))
             except BadCheckpoint as err:
                 log.warning("skipping checkpoint %s: %s; falling back to an older one", storage.url(name), err)
+                if found_bad is not None:
+                    found_bad.append(name)
                 continue
         return name, record
     return None

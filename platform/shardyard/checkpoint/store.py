@@ -9,6 +9,7 @@ the one atomic primitive the run lease needs: a file made only if no file has it
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -131,6 +132,34 @@ class RunStorage:
                 fsync_path(os.path.join(directory, name))
             fsync_path(directory)
         fsync_path(os.path.dirname(top))
+
+    def place(self, source: str, name: str) -> bool:
+        """Rename directory `source` to `name` only if nothing holds that name: True if it did.
+        Locally one rename(2), which refuses a directory that has files (and replaces an empty
+        one); an object store has no such rename, so `name` is claimed by its commit record alone
+        (record.py) and the files stay where they were written."""
+        if self.remote:
+            raise NotImplementedError("an object store has no atomic rename")
+        try:
+            os.rename(self.path(source), self.path(name))
+        except OSError as err:
+            if err.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                return False
+            raise
+        fsync_path(self.root)
+        return True
+
+    def set_aside(self, name: str, why: str) -> str:
+        """Move `name` out of the run's names in one step (`<name>.<why>-<random>`) and return
+        where it went: a reader or a crash never sees it half gone, and what moved can be read
+        again where it is now (it may not be what the caller judged before the move)."""
+        aside = f"{name}.{why}-{secrets.token_hex(4)}"
+        if self.remote:
+            self.fs.mv(self.path(name), self.path(aside), recursive=True)
+        else:
+            os.rename(self.path(name), self.path(aside))
+            fsync_path(self.root)
+        return aside
 
     def delete(self, *parts: str) -> None:
         if self.exists(*parts):
