@@ -87,5 +87,5 @@ def fenced_run(rank: int, world: int, storage: str) -> str:
 
 def test_a_write_in_flight_when_the_lease_is_lost_is_never_committed(tmp_path: Path) -> None:
     assert run_distributed(fenced_run, 2, str(tmp_path)) == ["another launch holds the run"] * 2
-    assert (tmp_path / "run" / checkpoint_name(2)).exists()  # written, in part or whole
-    assert not (tmp_path / "run" / checkpoint_name(2) / COMMIT_FILE).exists()
+    assert list((tmp_path / "run").glob(f"{checkpoint_name(2)}.attempt-*"))  # written, in part or whole
+    assert not (tmp_path / "run" / checkpoint_name(2)).exists()  # never renamed into place: not committed

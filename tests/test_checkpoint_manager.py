@@ -214,3 +214,22 @@ def test_deepspeed_loads_the_zero_files_that_were_checked_not_ones_swapped_after
         loaded = torch.load(zero / shared.name, weights_only=False)  # as DeepSpeed loads its files
     assert not marker.exists()
     assert loaded["w"].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.timeout(60)
+def test_nine_digit_steps_are_compared_as_numbers(tmp_path: Path) -> None:
+    """Step 100,000,000 is the first with nine digits: compared as names, every eight-digit step
+    from 2 up sorted after it, and a restore of it set aside every older good checkpoint as bad."""
+    spec = spec_for(tmp_path)
+    engine = engine_for(spec)
+    manager = CheckpointManager(spec.run_uri, keep=3)
+    for step in (99_999_990, 100_000_000):
+        manager.save(engine, TrainState(step, 8 * step, 1), spec)
+    run = tmp_path / "run"
+    assert manager.restore(engine_for(spec)).step == 100_000_000
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("checkpoint_step_")) == [
+        "checkpoint_step_100000000", "checkpoint_step_99999990"]
+    manager.save(engine, TrainState(100_000_010, 8, 1), spec)
+    manager.save(engine, TrainState(100_000_020, 8, 1), spec)  # keep 3: the eight-digit one goes
+    assert [p.name for p in sorted(run.glob("checkpoint_step_*"))] == [
+        "checkpoint_step_100000000", "checkpoint_step_100000010", "checkpoint_step_100000020"]

@@ -3,6 +3,7 @@ summary line, and a bad spec as a message with exit status 2. No Ray."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,18 @@ def test_a_cluster_recorded_on_this_machine_is_attached_to_only_while_it_answers
         listening.listen()
         address = f"127.0.0.1:{listening.getsockname()[1]}"
         record.write_text(address)
+        assert running_cluster() == address
+        # A record another user could have written (Ray's folder is writable by everyone) is
+        # never followed: it could name a GCS of theirs, which would get this user's Ray token.
+        for path, change in ((record.parent, lambda: record.parent.chmod(0o777)),
+                             (record, lambda: record.chmod(0o666)),
+                             (record, lambda: os.chown(record, 65534, -1))):
+            change()
+            assert running_cluster() is None
+            assert f"not attaching to the Ray cluster recorded in {record}: {path}" in capsys.readouterr().err
+            record.parent.chmod(0o755)
+            record.chmod(0o644)
+            os.chown(record, os.getuid(), -1)
         assert running_cluster() == address
     assert running_cluster() is None  # closed: gone, and said so
     assert "does not answer" in capsys.readouterr().err

@@ -55,11 +55,29 @@ def cluster_record() -> Path:
     return Path(temp) / "ray" / "ray_current_cluster"
 
 
+def untrusted(path: Path) -> str | None:
+    """Why `path` may have been written by another user (None: it cannot): it is not this user's,
+    or the group or others may write it."""
+    info = path.stat()
+    if info.st_uid != os.getuid():
+        return f"{path} belongs to another user"
+    if info.st_mode & 0o022:
+        return f"{path} can be written by other users"
+    return None
+
+
 def running_cluster() -> str | None:
     """The address in `cluster_record` if its GCS takes a connection; None if there is no record,
-    or its cluster is gone: one killed without `ray stop` leaves its record, and `ray.init()`
-    then waits for it without end."""
+    or its cluster is gone (one killed without `ray stop` leaves its record, and `ray.init()`
+    then waits for it without end), or another user could have written the record: Ray makes its
+    folder writable by everyone, and a record pointing at a GCS of theirs would receive this
+    user's Ray token and send back what the driver unpickles. Such a cluster is joined by
+    RAY_ADDRESS only."""
     record = cluster_record()
+    if record.exists() and (why := untrusted(record.parent) or untrusted(record)):
+        print(f"shardyard: not attaching to the Ray cluster recorded in {record}: {why}, so the record may "
+              f"point at anyone's; to join that cluster, set RAY_ADDRESS to its address", file=sys.stderr, flush=True)
+        return None
     try:
         address = record.read_text().strip()
         host, _, port = address.rpartition(":")

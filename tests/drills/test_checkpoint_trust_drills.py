@@ -321,7 +321,7 @@ def outside_entry(tmp_path: Path) -> tuple[str, dict[str, int]]:
 
 
 @pytest.mark.drill(outcome="recovered", lost="the damaged checkpoint only")
-@pytest.mark.parametrize("damage", ["wrong_types", "file_outside", "no_file_list"])
+@pytest.mark.parametrize("damage", ["wrong_types", "file_outside", "linked_folder", "no_file_list"])
 def test_a_record_that_parses_but_cannot_be_trusted_falls_back_with_a_reason(tmp_path: Path, damage: str,
                                                                               caplog) -> None:
     """JSON-valid records no commit wrote: fields of the wrong type, a file named outside the
@@ -335,14 +335,20 @@ def test_a_record_that_parses_but_cannot_be_trusted_falls_back_with_a_reason(tmp
     elif damage == "file_outside":
         name, given = outside_entry(tmp_path)
         record["files"][name] = given
+    elif damage == "linked_folder":  # a name inside the checkpoint, a folder elsewhere behind it
+        _, given = outside_entry(tmp_path)
+        (path.parent / "linked").symlink_to(tmp_path)
+        record["files"]["linked/outside.txt"] = given
     else:
         record["version"] = 1
         del record["files"]
     path.write_text(json.dumps(record))
     assert find_latest(run).name == "checkpoint_step_00000002"
     reason = {"wrong_types": "of the wrong type", "file_outside": "names a file outside its checkpoint",
+              "linked_folder": "leads outside its checkpoint through a symbolic link",
               "no_file_list": "lists no files"}[damage]
-    assert reason in caplog.text and str(path) in caplog.text
+    named = path.parent / "linked" / "outside.txt" if damage == "linked_folder" else path
+    assert reason in caplog.text and str(named) in caplog.text
     spec = spec_for(tmp_path)
     engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
     assert CheckpointManager(spec.run_uri, keep=3).restore(engine).step == 2

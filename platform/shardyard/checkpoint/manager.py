@@ -38,6 +38,7 @@ from shardyard.checkpoint.layout import SPEC_FILE, STATE_FILE, TrainState, store
 from shardyard.checkpoint.lease import LeaseFence, LeaseLost
 from shardyard.checkpoint.reader_holds import HoldWatch, holding, live_holds
 from shardyard.checkpoint.record import (
+    ATTEMPT_MARK,
     COMMIT_FILE,
     BadCheckpoint,
     CommitRefused,
@@ -409,5 +410,17 @@ class CheckpointManager:
         since it may still commit."""
         for name in self.storage.list():
             generation = attempt_generation(name)
-            if generation is not None and generation < self._writing_generation():
+            if generation is not None and generation < self._writing_generation() and not self._named_by_record(name):
                 self.storage.delete(name)
+
+    def _named_by_record(self, save: str) -> bool:
+        """Whether a commit record says its files are in `save` (on an object store a committed
+        checkpoint's files stay in the save's directory)."""
+        if not self.storage.remote:
+            return False
+        name = save.partition(ATTEMPT_MARK)[0]
+        try:
+            record = read_record(self.storage, name)
+        except BadCheckpoint:  # a stale or damaged record: its files are no checkpoint's
+            return False
+        return record is not None and files_at(name, record) == save

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 from collections.abc import Callable, Collection, Iterator
 from pathlib import PurePosixPath
@@ -219,8 +220,13 @@ def verify(storage: RunStorage, name: str, record: dict[str, Any], checksums: bo
     """Every file the record lists is there with its size and (`checksums`: read whole) its
     checksum; raises BadCheckpoint naming the first that is not."""
     directory = files_at(name, record)
+    root = None if storage.remote else os.path.realpath(storage.path(directory))
     for relative, expected in record["files"].items():
         where = storage.url(directory, relative)
+        # Resolved, not only read as a name: a symbolic link inside the checkpoint (to a folder of
+        # another run, say) passes any check of the name and reads files from elsewhere.
+        if root is not None and not os.path.realpath(storage.path(directory, relative)).startswith(root + os.sep):
+            raise BadCheckpoint(f"{where} leads outside its checkpoint through a symbolic link")
         try:
             size = storage.size(directory, relative)
         except FileNotFoundError:
