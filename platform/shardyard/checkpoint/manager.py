@@ -199,18 +199,20 @@ class CheckpointManager:
             return
         self.wait()
         name = checkpoint_name(state.step)
+        # First: a launch that lost the run stops here, whatever storage holds for this step (a
+        # stale launch finding the new holder's commit of it must not skip it and train on).
+        self._fenced_everywhere()
         already: list[bool] = [False]
         if rank() == 0:
-            already[0] = self._committed(name)
+            already[0] = self._committed(name, self._writing_generation())
         if dist.is_initialized():
             dist.broadcast_object_list(already, src=0)
         if already[0]:
-            # This step's state is in storage already (an earlier attempt committed it): deleting
-            # it to write it again would lose it to a crash in between.
+            # This launch committed this step already (an earlier worker group of it did): its
+            # state is in storage, and writing it again would gain nothing.
             return
         fmt = FORMATS[engine.checkpoint_format]
         own: dict[str, FileEntry] = {}
-        self._fenced_everywhere()
         # Written under a name no other save uses and renamed into place at commit: a save never
         # deletes or overwrites a directory another launch (or group) may have committed.
         written_to: list[str] = [attempt_name(name, self._writing_generation())]
@@ -365,12 +367,14 @@ class CheckpointManager:
             return self.storage.exists(name, COMMIT_FILE)
         return False
 
-    def _committed(self, name: str) -> bool:
-        """Whether `name` has a valid commit record (a bad one is named once, by `newest_good`)."""
+    def _committed(self, name: str, generation: int) -> bool:
+        """Whether `name` has a valid commit record of lease generation `generation` (a bad one is
+        named once, by `newest_good`)."""
         try:
-            return read_record(self.storage, name) is not None
+            record = read_record(self.storage, name)
         except BadCheckpoint:
             return False
+        return record is not None and record.get("generation", 0) == generation
 
     def _clear_unrecorded(self) -> None:
         """Checkpoint names holding no record file at all (a write an older version made in place
