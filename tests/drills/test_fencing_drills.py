@@ -22,7 +22,7 @@ from shardyard.checkpoint.layout import TrainState
 from shardyard.checkpoint.lease import LeaseFence, LeaseLost, RunLease, StoreCannotFence, identity
 from shardyard.checkpoint.manager import CheckpointManager
 from shardyard.checkpoint.reader_holds import HOLDS_DIR, CheckpointHold, HoldWatch, live_holds
-from shardyard.checkpoint.record import (COMMIT_FILE, BadCheckpoint, CommitRefused, attempt_name, commit,
+from shardyard.checkpoint.record import (COMMIT_FILE, BadCheckpoint, CommitRefused, attempt_name, commit, committed,
                                          make_record, newest_good, read_record)
 from shardyard.checkpoint.store import RunStorage
 from shardyard.models import build_model
@@ -80,7 +80,7 @@ def test_a_stale_writers_commit_landing_after_a_takeover_is_never_restored_or_ke
     # before each removal, and with keep 5 there is none); step 6's second check (before its
     # commit) passes, then A pauses.
     pause = Pause(at=6)
-    fence = PausingFence(spec.run_uri, a_lease.generation, a_lease.id, pause)
+    fence = PausingFence(spec.run_uri, a_lease.generation, a_lease.id, pause=pause)
     a_engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
     a = CheckpointManager(spec.run_uri, keep=5, fence=fence)
     for step in (2, 4):
@@ -147,6 +147,58 @@ def test_a_commit_is_made_only_if_absent_and_a_stale_record_in_its_place_is_set_
     assert not storage.exists(written) and not any(".stale-" in n for n in storage.list())
     new.release()
     old.release()
+
+
+@pytest.mark.drill(outcome="refused with a message", lost="nothing")
+def test_a_run_whose_lease_files_are_lost_keeps_its_checkpoints_and_is_taken_only_when_told(tmp_path: Path) -> None:
+    """lease/ cleared (to unstick a lease, left out of a copy, an object-store lifecycle rule):
+    the next launch once took generation 1 and deleted every checkpoint of a later generation.
+    Now its records are a lineage the lease does not know: kept, the launch refused until it is
+    told to take the run over, and then a generation above all of them. A stale writer's commit
+    is still judged stale from the records alone, and one checkpoint copied out of its run loads."""
+    import shutil
+
+    from shardyard.checkpoint.lease import LineageUnknown
+    from shardyard.checkpoint.loaders import find_latest, load_model
+
+    spec = spec_for(str(tmp_path))
+    engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
+    first = RunLease(spec.run_uri, "run", ttl_s=30)
+    first.acquire()
+    CheckpointManager(spec.run_uri, keep=5, fence=first.fence()).save(engine, TrainState(2, 16, 1), spec)
+    first.release()
+    second = RunLease(spec.run_uri, "run", ttl_s=30)
+    second.acquire()  # from step 2, generation 2
+    CheckpointManager(spec.run_uri, keep=5, fence=second.fence()).save(engine, TrainState(4, 32, 1), spec)
+    run = Path(spec.run_uri)
+    # The first launch's late commit of step 6 (it started from nothing; the second from step 2).
+    shutil.copytree(run / "checkpoint_step_00000004", run / "checkpoint_step_00000006")
+    late = json.loads((run / "checkpoint_step_00000006" / COMMIT_FILE).read_text())
+    (run / "checkpoint_step_00000006" / COMMIT_FILE).write_text(json.dumps({**late, "step": 6, "generation": 1,
+                                                                           "base_step": -1}))
+    second.release()
+    shutil.rmtree(run / LEASE_DIR)
+    storage = RunStorage(spec.run_uri)
+    assert newest_good(storage)[0] == "checkpoint_step_00000004"  # step 6 stale, by step 4's record alone
+
+    with pytest.raises(LineageUnknown, match="name lease generation 2, but its lease files .* go up to 0 only"):
+        RunLease(spec.run_uri, "run", ttl_s=30).acquire()
+    assert sorted(p.name for p in run.glob("checkpoint_step_*")) == [
+        "checkpoint_step_00000002", "checkpoint_step_00000004", "checkpoint_step_00000006"]  # nothing deleted
+    third = RunLease(spec.run_uri, "run", ttl_s=30)
+    third.acquire(take_over=True)
+    assert (third.generation, third.base_step) == (3, 4)
+    manager = CheckpointManager(spec.run_uri, keep=2, fence=third.fence())
+    assert manager.restore(single_process(spec, build_model(spec.model), torch.device("cpu"))).step == 4
+    manager.save(engine, TrainState(8, 64, 1), spec)
+    assert [name for name, _ in committed(storage)] == ["checkpoint_step_00000008", "checkpoint_step_00000004"]
+    third.release()
+
+    copied = tmp_path / "elsewhere" / "run"
+    copied.mkdir(parents=True)
+    shutil.copytree(run / "checkpoint_step_00000008", copied / "checkpoint_step_00000008")  # as serving advises
+    assert find_latest(copied).name == "checkpoint_step_00000008"
+    load_model(copied / "checkpoint_step_00000008")
 
 
 # ----------------------------------------------------------------------------- two holders

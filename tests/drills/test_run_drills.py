@@ -399,8 +399,9 @@ def test_an_asynchronous_checkpoint_that_cannot_be_written_fails_the_run_with_th
               checkpoint={"every_n_steps": 2, "async_write": True, "storage_path": f"fulldisk://{tmp_path}"},
               run={"steps": 6})
     errors = run_distributed(train_on_full_disk, 2, raw)
-    assert all(e.startswith(f"CheckpointWriteError: checkpoint fulldisk://{tmp_path}/run/{FULL_AT} could not be "
-                            "written") and "OSError: [Errno 28] No space left on device" in e for e in errors), errors
+    assert all(e.startswith(f"CheckpointWriteError: checkpoint fulldisk://{tmp_path}/run/{FULL_AT}.attempt-")
+               and "could not be written" in e and "OSError: [Errno 28] No space left on device" in e
+               for e in errors), errors
     storage = RunStorage(str(tmp_path / "run"))
     assert newest_name(storage) == "checkpoint_step_00000002"
     assert read_record(storage, FULL_AT) is None

@@ -15,11 +15,18 @@ A checkpoint of generation g at a step above ceiling[g] was committed after a la
 started from an older one: restore, pruning, serving and export treat it as not committed. The
 newest lease record holds the whole map, so older lease files can be removed. A record without
 a generation (written before generations were recorded) counts as generation 0.
+
+Each commit record also carries its writer's base step, so the records alone state the same
+ceilings: a run whose `lease/` was lost (cleared, left out of a copy) or a checkpoint copied out
+of its run is judged from them. A record of a generation above the newest lease's is of a lineage
+this run's lease does not know: it counts (nothing says it is stale), and a launch is refused the
+run until it is told to take it over (lease.py).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from shardyard.checkpoint.store import RunStorage
@@ -56,19 +63,31 @@ class Lineage:
     def of(cls, storage: RunStorage) -> Lineage:
         return cls(current_lease(storage))
 
-    def after_taking(self, generation: int, base_step: int) -> dict[str, int]:
+    def after_taking(self, generation: int, base_step: int, also: Iterable[int] = ()) -> dict[str, int]:
         """The ceilings a lease taken at `generation` records, the run's newest checkpoint being
-        at `base_step` (-1: none): every earlier generation's, lowered to `base_step`."""
+        at `base_step` (-1: none): every earlier generation's (and those of `also`, generations
+        only records name), lowered to `base_step`."""
         ceilings = {g: min(step, base_step) for g, step in self.ceilings.items()}
-        for g in {0, self.generation}:
+        for g in {0, self.generation, *also}:
             ceilings[g] = min(ceilings.get(g, base_step), base_step)
         return {str(g): step for g, step in sorted(ceilings.items()) if g < generation}
 
+    def with_records(self, records: Iterable[dict[str, Any]]) -> Lineage:
+        """This lineage with the ceilings the commit records state (each names its generation and
+        the base step its launch started from)."""
+        merged = Lineage(None)
+        merged.generation, merged.ceilings = self.generation, dict(self.ceilings)
+        for record in records:
+            base, generation = record.get("base_step"), record.get("generation", 0)
+            if isinstance(base, int) and not isinstance(base, bool):
+                for earlier in range(generation):
+                    merged.ceilings[earlier] = min(merged.ceilings.get(earlier, base), base)
+        return merged
+
     def stale(self, record: dict[str, Any]) -> str | None:
-        """Why the checkpoint `record` commits is not part of the run's history (None: it is)."""
+        """Why the checkpoint `record` commits is not part of the run's history (None: it is, or
+        nothing known says otherwise)."""
         generation = record.get("generation", 0)
-        if generation > self.generation:
-            return f"names lease generation {generation}, which never held the run (newest: {self.generation})"
         ceiling = self.ceilings.get(generation)
         if ceiling is not None and record["step"] > ceiling:
             return (f"was committed by lease generation {generation} after a later launch had taken the run over "

@@ -48,7 +48,7 @@ from typing import Any
 import psutil
 
 from shardyard.checkpoint.generations import LEASE_DIR, Lineage, current_lease
-from shardyard.checkpoint.record import newest_name, step_of
+from shardyard.checkpoint.record import newest_name, record_generations, step_of
 from shardyard.checkpoint.store import RunStorage
 from shardyard.spec import SpecError
 
@@ -64,6 +64,11 @@ class LeaseHeld(SpecError):
 
 class LeaseLost(RuntimeError):
     """This launch's lease was taken over (or could not be renewed): it stops, committing nothing."""
+
+
+class LineageUnknown(SpecError):
+    """The run's checkpoints name lease generations its lease files do not know (lease/ was
+    cleared or not copied): taken over only when the user says so (the CLI exits 2)."""
 
 
 class StoreCannotFence(SpecError):
@@ -133,6 +138,7 @@ class LeaseFence:
     run_uri: str
     generation: int
     holder: str
+    base_step: int = -1  # the step this launch started from, written into its commit records
 
     @cached_property
     def storage(self) -> RunStorage:
@@ -214,12 +220,23 @@ class RunLease:
             log.warning("taking over run '%s' from a launch that is gone (host %s, pid %s)",
                         self.run_name, held["host"], held["pid"])
         probe_exclusive_create(self.storage)
-        self.generation = (held["generation"] if held else 0) + 1
+        leased = held["generation"] if held else 0
+        younger = sorted({g for g in record_generations(self.storage) if g > leased})
+        if younger and not take_over:
+            raise LineageUnknown(
+                f"run '{self.run_name}': its checkpoints name lease generation {younger[-1]}, but its lease files "
+                f"in {self.storage.url(LEASE_DIR)} go up to {leased} only (the folder was cleared, or not copied "
+                f"with the checkpoints): nothing was deleted. If no other launch trains this run, launch with "
+                f"--take-over to continue from its newest checkpoint")
+        if younger:
+            log.warning("run '%s': taking it over past lease generation %d, which only its checkpoints name",
+                        self.run_name, younger[-1])
+        self.generation = max([leased, *younger]) + 1
         # The newest checkpoint now is where this launch's history starts: one of an earlier
         # launch committed after this moment is a stale writer's (generations.py).
         newest = newest_name(self.storage, check_files=False)
         self.base_step = step_of(newest) if newest else -1
-        self.ceilings = Lineage(held).after_taking(self.generation, self.base_step)
+        self.ceilings = Lineage(held).after_taking(self.generation, self.base_step, also=younger)
         self._made = self.storage.create_exclusive(self._record(), LEASE_DIR, self._file())
         if not self._made or (current_lease(self.storage) or {}).get("id") != self.id:
             raise LeaseHeld(f"run '{self.run_name}' was taken by another launch at the same moment "
@@ -231,7 +248,7 @@ class RunLease:
         self._renewing = renewer(self.ttl_s / 3, self._renew, f"renew-lease-{self.run_name}")
 
     def fence(self) -> LeaseFence:
-        return LeaseFence(self.storage.uri, self.generation, self.id)
+        return LeaseFence(self.storage.uri, self.generation, self.id, self.base_step)
 
     def check(self) -> None:
         self.fence()()

@@ -85,9 +85,14 @@ def file_entry(storage: RunStorage, *parts: str) -> FileEntry:
 
 
 def make_record(step: int, world_size: int, fmt: str, files: dict[str, FileEntry], time: float,
-                generation: int = 0) -> dict[str, Any]:
-    return {"version": RECORD_VERSION, "step": step, "world_size": world_size, "format": fmt,
-            "generation": generation, "time": time, "files": dict(sorted(files.items()))}
+                generation: int = 0, base_step: int | None = None) -> dict[str, Any]:
+    """`base_step`: the step the writing launch started from (-1: none), so that the records
+    alone state which commits a later launch made stale (generations.py)."""
+    record = {"version": RECORD_VERSION, "step": step, "world_size": world_size, "format": fmt,
+              "generation": generation, "time": time, "files": dict(sorted(files.items()))}
+    if base_step is not None:
+        record["base_step"] = base_step
+    return record
 
 
 class CommitRefused(Exception):
@@ -163,7 +168,7 @@ def _refuse_if_valid(storage: RunStorage, directory: str, step: int | None = Non
 
 
 def read_record(storage: RunStorage, name: str, lineage: Lineage | None = None,
-                step: int | None = None) -> dict[str, Any] | None:
+                step: int | None = None, judged: bool = True) -> dict[str, Any] | None:
     """The commit record of checkpoint `name`; None while it has none (not committed).
     Raises BadCheckpoint for a record that exists but cannot be trusted, or that a stale writer
     made (judged by `lineage`, the run's lease generations; read now if not given)."""
@@ -178,8 +183,9 @@ def read_record(storage: RunStorage, name: str, lineage: Lineage | None = None,
         record = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise BadCheckpoint(f"{where} is not a valid commit record (torn or overwritten)") from None
-    problem = (record_problem(record, step_of(name) if step is None else step, name)
-               or (lineage or Lineage.of(storage)).stale(record))
+    problem = record_problem(record, step_of(name) if step is None else step, name)
+    if problem is None and judged:  # `judged`: whether a stale writer's record is refused here too
+        problem = (lineage or Lineage.of(storage)).stale(record)
     if problem:
         raise BadCheckpoint(f"{where} {problem}")
     return record
@@ -249,15 +255,23 @@ def committed(storage: RunStorage, lineage: Lineage | None = None) -> Iterator[t
     """(name, record) of each checkpoint with a readable commit record, newest first; a bad
     record, or a stale writer's (by `lineage`, read now if not given), is skipped with a warning
     naming it."""
-    lineage = lineage or Lineage.of(storage)
+    found = []
     for name in reversed(storage.checkpoint_names()):
         try:
-            record = read_record(storage, name, lineage)
+            record = read_record(storage, name, judged=False)
         except BadCheckpoint as err:
             log.warning("skipping checkpoint %s: %s", storage.url(name), err)
             continue
         if record is not None:
-            yield name, record
+            found.append((name, record))
+    # The lease's lineage and what the records state of it: enough without lease files too.
+    lineage = (lineage or Lineage.of(storage)).with_records(record for _, record in found)
+    for name, record in found:
+        problem = lineage.stale(record)
+        if problem:
+            log.warning("skipping checkpoint %s: %s %s", storage.url(name), storage.url(name, COMMIT_FILE), problem)
+            continue
+        yield name, record
 
 
 def newest_good(storage: RunStorage, check_files: bool = True, passing_over: Collection[str] = (),
@@ -281,6 +295,19 @@ def newest_good(storage: RunStorage, check_files: bool = True, passing_over: Col
                 continue
         return name, record
     return None
+
+
+def record_generations(storage: RunStorage) -> set[int]:
+    """The lease generations the run's readable commit records name."""
+    generations = set()
+    for name in storage.checkpoint_names():
+        try:
+            record = read_record(storage, name, judged=False)
+        except BadCheckpoint:
+            continue
+        if record is not None:
+            generations.add(record.get("generation", 0))
+    return generations
 
 
 def newest_name(storage: RunStorage, check_files: bool = True) -> str | None:

@@ -74,7 +74,7 @@ def train_worker(config: dict[str, Any]) -> None:
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     launch_id = config["launch_id"]
-    fence = LeaseFence(spec.run_uri, config["lease_generation"], config["lease_id"])
+    fence = LeaseFence(spec.run_uri, config["lease_generation"], config["lease_id"], config["lease_base_step"])
     try:
         fence()
     except LeaseLost as err:  # a group restarted after its launch lost the run: it starts nothing
@@ -421,6 +421,7 @@ def _launch(spec: JobSpec, attach_to_running: bool, lease: RunLease, began_at: f
         torch_config=torch_config(spec),
         train_loop_config={"spec": spec.model_dump(mode="json"), "progress_bar": sys.stdout.isatty(),
                            "launch_id": launch_id, "lease_generation": lease.generation, "lease_id": lease.id,
+                           "lease_base_step": lease.base_step,
                            "use_gpu": scaling.use_gpu, "startup": driver_marks(ray_started_at, ray_start_s, began_at),
                            **fault_injection},
         scaling_config=scaling,
