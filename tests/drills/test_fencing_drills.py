@@ -214,6 +214,22 @@ def test_a_store_that_lets_a_second_create_through_is_refused_by_name(conditionl
 
 
 @pytest.mark.drill(outcome="refused", lost="nothing")
+def test_a_store_whose_create_is_check_then_write_is_refused() -> None:
+    """fsspec's default exclusive create checks that the name is absent, then writes: one create
+    after the other (the probe) is refused, but two launches racing through it both take
+    generation 1. Only stores with one atomic create are accepted."""
+    import fsspec
+
+    memory = fsspec.filesystem("memory")
+    memory.pipe_file("/runs/probe", b"{}", mode="create")
+    with pytest.raises(FileExistsError):  # a sequential probe would pass it
+        memory.pipe_file("/runs/probe", b"{}", mode="create")
+    with pytest.raises(StoreCannotFence, match="no atomic create-if-absent"):
+        RunLease("memory://runs/run", "run", ttl_s=3).acquire()
+    assert not memory.exists("/runs/run/lease")
+
+
+@pytest.mark.drill(outcome="refused", lost="nothing")
 def test_the_fence_compares_the_holders_id_not_only_its_generation(tmp_path: Path) -> None:
     """Two launches at one generation (what a store without exclusive create allows): the one whose
     id the record does not hold is fenced off."""

@@ -153,8 +153,21 @@ class LeaseFence:
                             f"held (now: {by}); it stops and commits nothing more")
 
 
+# Object stores whose "create only if absent" is one atomic request (s3fs sends `If-None-Match: *`).
+# fsspec's own default checks whether the name exists and then writes: two launches racing
+# through it both succeed, and a probe made one create after the other cannot tell.
+ATOMIC_CREATE = {"s3", "s3a"}
+
+
 def probe_exclusive_create(storage: RunStorage) -> None:
-    """Refuse a store whose exclusive create lets a second create of one name through."""
+    """Refuse a store whose exclusive create is not one atomic request, or lets a second create
+    of one name through (an S3-compatible store that ignores If-None-Match)."""
+    protocols = storage.fs.protocol if isinstance(storage.fs.protocol, tuple) else (storage.fs.protocol,)
+    if storage.remote and not ATOMIC_CREATE & set(protocols):
+        raise StoreCannotFence(
+            f"the run's storage {storage.url()} has no atomic create-if-absent that shardyard knows (its "
+            f"filesystem checks, then writes: two launches could both hold the run). Use a local or shared file "
+            f"system, or an S3-compatible store with conditional writes (s3://)")
     name = f"probe-{uuid.uuid4().hex}"
     try:
         first = storage.create_exclusive(b"{}", LEASE_DIR, name)
