@@ -382,6 +382,40 @@ def test_sigterm_before_training_stops_the_launch_and_releases_the_lease(tmp_pat
     assert held is not None and held["released"]
 
 
+@pytest.mark.drill(outcome="recovered", lost="nothing")
+def test_a_sigterm_just_before_training_begins_is_acted_on_and_its_notice_outlasts_a_storage_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGTERM after the launch's last safe point but before the preemption handler was
+    installed was recorded by the early handler and dropped: the run trained until SIGKILL. And
+    one failed write of the notice ended the thread that writes it. Now the handler, once
+    installed, acts on a SIGTERM already recorded, and the notice is written once storage answers."""
+    import os
+    import signal
+
+    from shardyard.train.early_sigterm import sigterm_before_training
+    from shardyard.train.launcher import preemption_notice
+    from shardyard.train.step_guard import PREEMPT_FILE
+
+    spec = spec_for(str(tmp_path))
+    storage = RunStorage(spec.run_uri)
+    writes = RunStorage.write_bytes
+    failures = iter([OSError("the store is down for a moment")] * 2)
+
+    def flaky(self, data, *parts):
+        if parts == (PREEMPT_FILE,) and (failure := next(failures, None)) is not None:
+            raise failure
+        return writes(self, data, *parts)
+    monkeypatch.setattr(RunStorage, "write_bytes", flaky)
+    with sigterm_before_training():
+        os.kill(os.getpid(), signal.SIGTERM)  # after the last safe point: only recorded
+        with preemption_notice(spec) as heard:
+            assert heard.wait(10), "the SIGTERM recorded before the handler was dropped"
+            deadline = time.monotonic() + 10
+            while not storage.exists(PREEMPT_FILE):
+                assert time.monotonic() < deadline, "the notice was never written after a storage error"
+                time.sleep(0.05)
+
+
 def test_each_outcome_has_its_own_exit_code() -> None:
     from shardyard import exit_codes
 

@@ -25,6 +25,12 @@ def _record(signum: int, frame: Any) -> None:
     _TERMINATED.set()
 
 
+def terminated() -> bool:
+    """Whether a SIGTERM arrived since the launch began (for the handler that takes over from
+    this one: a signal that landed between the last safe point and its install is not lost)."""
+    return _TERMINATED.is_set()
+
+
 def stop_if_terminated() -> None:
     """A safe point: raise StoppedBeforeTraining if SIGTERM arrived since the launch began."""
     if _TERMINATED.is_set():

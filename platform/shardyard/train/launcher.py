@@ -34,7 +34,7 @@ from shardyard.data.corpus import corpus_files
 from shardyard.data.shards import TOKENIZER_DIR, open_split, read_index, tokenizer_files, validation_source
 from shardyard import exit_codes
 from shardyard.cluster import connect_ray
-from shardyard.train.early_sigterm import sigterm_handler_kept, stop_if_terminated
+from shardyard.train.early_sigterm import sigterm_handler_kept, stop_if_terminated, terminated
 from shardyard.runtime import select_device
 from shardyard.spec import ZERO_STAGES, JobSpec, SpecError, parse_spec
 from shardyard.train.callbacks import (
@@ -358,10 +358,19 @@ def preemption_notice(spec: JobSpec) -> Iterator[threading.Event]:
             return
         heard.set()
         timeout = spec.checkpoint.preempt_timeout_s
+        deadline = time.monotonic() + timeout
         print(f"shardyard: SIGTERM: checkpointing run '{spec.run.name}' at the next step boundary, then "
               f"stopping (at most {timeout:g} s)", file=sys.stderr, flush=True)
-        storage.write_bytes(str(time.time()).encode(), PREEMPT_FILE)
-        if not ended.wait(timeout):
+        while time.monotonic() < deadline:  # storage that fails now may answer in a moment
+            try:
+                storage.write_bytes(str(time.time()).encode(), PREEMPT_FILE)
+                break
+            except OSError as err:
+                print(f"shardyard: cannot write the preemption notice {storage.url(PREEMPT_FILE)} ({err}); "
+                      f"retrying", file=sys.stderr, flush=True)
+                if ended.wait(1.0):
+                    return
+        if not ended.wait(max(0.0, deadline - time.monotonic())):
             print(f"shardyard: no checkpoint committed within checkpoint.preempt_timeout_s ({timeout:g} s); "
                   f"stopping: a new launch resumes from the last committed one", file=sys.stderr, flush=True)
             os._exit(exit_codes.PREEMPT_TIMED_OUT)
@@ -369,6 +378,8 @@ def preemption_notice(spec: JobSpec) -> Iterator[threading.Event]:
     watcher = threading.Thread(target=act_on_notice, name="shardyard-preemption-notice", daemon=True)
     watcher.start()
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: notices.put(time.time()))
+    if terminated():  # heard by the handler before this one, after the launch's last look at it
+        notices.put(time.time())
     try:
         yield heard
     finally:
