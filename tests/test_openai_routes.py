@@ -236,3 +236,18 @@ def test_the_admin_routes_take_the_operators_token_whatever_the_apps_root_path(
     with served(answering, Admin(None), TOKEN, ADMIN_TOKEN) as url:
         refused = requests.post(f"{url}/admin/rollback", headers=AUTH, timeout=30)
         assert error_of(refused) == (401, "missing or wrong admin token (Authorization: Bearer <admin token>)")
+
+
+@pytest.mark.timeout(60)
+def test_refused_steps_name_no_server_paths(answering: Answering, app: str) -> None:
+    """/v1/models tells clients why a checkpoint was refused, without the server's paths."""
+    run = "/srv/teams/secret-project/runs/gpt_ddp"
+    answering.served.refused[30] = (f"checkpoint {run}/checkpoint_step_00000030 failed verification: "
+                                    f"{run}/checkpoint_step_00000030/__0_0.distcp does not match its checksum "
+                                    f"(corrupted); see s3://bucket/private/notes.txt")
+    try:
+        reason = requests.get(f"{app}/v1/models", timeout=10).json()["data"][0]["refused_steps"]["30"]
+    finally:
+        del answering.served.refused[30]
+    assert reason == ("checkpoint checkpoint_step_00000030 failed verification: checkpoint_step_00000030/__0_0.distcp "
+                      "does not match its checksum (corrupted); see notes.txt")

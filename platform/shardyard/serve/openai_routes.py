@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
@@ -35,6 +36,7 @@ from starlette.types import Receive, Scope, Send
 from pydantic import BaseModel, ConfigDict, Field
 
 from shardyard.checkpoint.published import Published
+from shardyard.checkpoint.store import DIR_PREFIX
 from shardyard.serve import openai_api as oa
 from shardyard.serve.backend import EngineBackend, Generation
 from shardyard.serve.choices import ChoiceText
@@ -160,10 +162,25 @@ async def models(a: Replica) -> dict[str, Any]:
     return {"object": "list", "data": [{"id": a.cfg.model_id, "object": "model", "created": a.started,
                                         "owned_by": "shardyard", "max_model_len": a.context or None,
                                         "served_step": served.step, "candidate_step": served.candidate_step,
-                                        "refused_steps": {str(k): v for k, v in served.refused.items()},
+                                        "refused_steps": {str(k): without_paths(v) for k, v in served.refused.items()},
                                         "served_from": ("object store" if isinstance(served.sources[-1], Published)
                                                         else "storage"),
                                         "system_fingerprint": served.fingerprint}]}
+
+
+# A path or URI in a refusal's reason: from a word's start, up to white space, a quote or punctuation.
+_LOCATION = re.compile(r"(?<![\w.])(?:[a-z][a-z0-9+.-]*://|/)[^\s'\"(),;]+")
+
+
+def without_paths(reason: str) -> str:
+    """A refusal's reason as clients may read it: each path on the server cut to what it names in
+    the run (from the checkpoint's directory on), or to its last part. The whole reason stays in
+    the replica's log."""
+    def short(found: re.Match[str]) -> str:
+        location = found.group(0)
+        at = location.find(DIR_PREFIX)
+        return location[at:] if at >= 0 else location.rstrip("/").rsplit("/", 1)[-1]
+    return _LOCATION.sub(short, reason)
 
 
 @router.post("/v1/predict")
