@@ -119,6 +119,48 @@ def test_a_stale_writers_commit_landing_after_a_takeover_is_never_restored_or_ke
 
 
 @pytest.mark.drill(outcome="refused", lost="nothing")
+def test_a_worker_group_given_up_on_is_fenced_off_and_its_late_commit_is_stale(tmp_path: Path) -> None:
+    """One launch, two worker groups: Ray Train gave up on the first (a node cut off from Ray but
+    not from storage) and started a second, under the same lease generation. The first passes its
+    fence for step 4's commit and pauses; the second starts from step 2; the first's record lands.
+    The second restores step 2 (not 4) and writes its own step 4 (not skipping it as committed),
+    and the first is fenced off at its next check."""
+    spec = spec_for(str(tmp_path))
+    lease = RunLease(spec.run_uri, "run", ttl_s=30)
+    lease.acquire()
+    first_group = lease.fence().for_new_group()
+    pause = Pause(at=4)  # save 2 checks twice (before writing, before committing); save 4's second
+    fence = PausingFence(spec.run_uri, lease.generation, lease.id, lease.base_step, first_group.attempt, pause=pause)
+    engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
+    first = CheckpointManager(spec.run_uri, keep=5, fence=fence)
+    first.save(engine, TrainState(2, 16, 1), spec)
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            p.add_(1.0)  # the first group's step 4: weights the second never computes
+    saving = threading.Thread(target=first.save, args=(engine, TrainState(4, 32, 1), spec))
+    saving.start()
+    assert pause.paused.wait(60), "the first group never reached its commit"
+    second_group = lease.fence().for_new_group()
+    assert (first_group.attempt, second_group.attempt) == (1, 2)
+    pause.resume.set()
+    saving.join(60)
+    storage = RunStorage(spec.run_uri)
+    assert json.loads(storage.read_bytes("checkpoint_step_00000004", COMMIT_FILE))["attempt"] == 1  # it landed
+    with pytest.raises(BadCheckpoint, match="worker group 1 of lease generation 1 after a later group"):
+        read_record(storage, "checkpoint_step_00000004")
+    with pytest.raises(LeaseLost, match="worker group 2 of this launch has started"):
+        fence()
+
+    second = CheckpointManager(spec.run_uri, keep=5, fence=second_group)
+    restored_engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
+    assert second.restore(restored_engine).step == 2
+    second.save(restored_engine, TrainState(4, 32, 1), spec)  # not skipped as "committed already"
+    name, record = newest_good(storage)
+    assert (name, record["attempt"]) == ("checkpoint_step_00000004", 2)
+    lease.release()
+
+
+@pytest.mark.drill(outcome="refused", lost="nothing")
 def test_a_commit_is_made_only_if_absent_and_a_stale_record_in_its_place_is_set_aside(tmp_path: Path) -> None:
     """A save is renamed into place only while its name is free: a live launch's commit there
     refuses it (and stays whole); a stale writer's commit there is set aside and replaced."""

@@ -41,6 +41,24 @@ def read_json(storage: RunStorage, *parts: str) -> dict[str, Any] | None:
         return None
 
 
+ATTEMPT_INFIX = ".attempt-"  # lease/<generation:08d>.attempt-<k:06d>.json: one per worker group
+
+
+def attempt_file(generation: int, attempt: int) -> str:
+    return f"{generation:08d}{ATTEMPT_INFIX}{attempt:06d}.json"
+
+
+def attempts(storage: RunStorage) -> dict[int, dict[int, int]]:
+    """Each generation's worker-group attempts and the step each started from."""
+    found: dict[int, dict[int, int]] = {}
+    for name in storage.list(LEASE_DIR):
+        generation, infix, rest = name.partition(ATTEMPT_INFIX)
+        if infix and generation.isdigit() and rest.endswith(".json") and rest[:-5].isdigit():
+            record = read_json(storage, LEASE_DIR, name) or {}
+            found.setdefault(int(generation), {})[int(rest[:-5])] = int(record.get("base_step", -1))
+    return found
+
+
 def current_lease(storage: RunStorage) -> dict[str, Any] | None:
     """The record of the highest lease generation, or None if the run was never leased."""
     names = [n for n in storage.list(LEASE_DIR) if n.endswith(".json") and n[:-5].isdigit()]
@@ -55,13 +73,16 @@ def current_lease(storage: RunStorage) -> dict[str, Any] | None:
 class Lineage:
     """The ceilings of the run's lease generations, as its newest lease record states them."""
 
-    def __init__(self, lease: dict[str, Any] | None) -> None:
+    def __init__(self, lease: dict[str, Any] | None, groups: dict[int, dict[int, int]] | None = None) -> None:
         self.generation = int(lease["generation"]) if lease else 0
         self.ceilings = {int(g): int(step) for g, step in (lease or {}).get("ceilings", {}).items()}
+        # Within a generation, each worker group's attempt and the step it started from: a
+        # group Ray Train gave up on that still runs commits under its launch's generation too.
+        self.groups = groups or {}
 
     @classmethod
     def of(cls, storage: RunStorage) -> Lineage:
-        return cls(current_lease(storage))
+        return cls(current_lease(storage), attempts(storage))
 
     def after_taking(self, generation: int, base_step: int, also: Iterable[int] = ()) -> dict[str, int]:
         """The ceilings a lease taken at `generation` records, the run's newest checkpoint being
@@ -75,7 +96,7 @@ class Lineage:
     def with_records(self, records: Iterable[dict[str, Any]]) -> Lineage:
         """This lineage with the ceilings the commit records state (each names its generation and
         the base step its launch started from)."""
-        merged = Lineage(None)
+        merged = Lineage(None, self.groups)
         merged.generation, merged.ceilings = self.generation, dict(self.ceilings)
         for record in records:
             base, generation = record.get("base_step"), record.get("generation", 0)
@@ -88,6 +109,12 @@ class Lineage:
         """Why the checkpoint `record` commits is not part of the run's history (None: it is, or
         nothing known says otherwise)."""
         generation = record.get("generation", 0)
+        attempt = record.get("attempt")
+        if isinstance(attempt, int):
+            later = [base for a, base in self.groups.get(generation, {}).items() if a > attempt]
+            if later and record["step"] > min(later):
+                return (f"was committed by worker group {attempt} of lease generation {generation} after a later "
+                        f"group of that launch had started from step {min(later)} (a stale group's commit)")
         ceiling = self.ceilings.get(generation)
         if ceiling is not None and record["step"] > ceiling:
             return (f"was committed by lease generation {generation} after a later launch had taken the run over "

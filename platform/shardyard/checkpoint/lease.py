@@ -40,14 +40,14 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from shardyard.checkpoint.generations import LEASE_DIR, Lineage, current_lease
+from shardyard.checkpoint.generations import LEASE_DIR, Lineage, attempt_file, attempts, current_lease
 from shardyard.checkpoint.record import newest_name, record_generations, step_of
 from shardyard.checkpoint.store import RunStorage
 from shardyard.spec import SpecError
@@ -139,6 +139,7 @@ class LeaseFence:
     generation: int
     holder: str
     base_step: int = -1  # the step this launch started from, written into its commit records
+    attempt: int | None = None  # this worker group's, within the launch (None: the launch's driver)
 
     @cached_property
     def storage(self) -> RunStorage:
@@ -151,6 +152,22 @@ class LeaseFence:
             by = f"host {held['host']}, pid {held['pid']}, generation {held['generation']}" if held else "nobody"
             raise LeaseLost(f"run {self.run_uri}: this launch's lease (generation {self.generation}) is no longer "
                             f"held (now: {by}); it stops and commits nothing more")
+        if self.attempt is not None:
+            newest = max(attempts(self.storage).get(self.generation, {self.attempt: -1}))
+            if newest != self.attempt:
+                raise LeaseLost(f"run {self.run_uri}: worker group {newest} of this launch has started since this "
+                                f"group ({self.attempt}) did; this group stops and commits nothing more")
+
+    def for_new_group(self) -> LeaseFence:
+        """This launch's fence for a worker group starting now: its attempt, one above every
+        earlier group's, made exclusively with the step it starts from (the newest checkpoint)."""
+        newest = newest_name(self.storage, check_files=False)
+        base = step_of(newest) if newest else -1
+        while True:
+            attempt = max(attempts(self.storage).get(self.generation, {0: -1})) + 1
+            record = json.dumps({"generation": self.generation, "attempt": attempt, "base_step": base}).encode()
+            if self.storage.create_exclusive(record, LEASE_DIR, attempt_file(self.generation, attempt)):
+                return replace(self, attempt=attempt)
 
 
 # Object stores whose "create only if absent" is one atomic request (s3fs sends `If-None-Match: *`).
@@ -254,8 +271,9 @@ class RunLease:
         if not self._made or (current_lease(self.storage) or {}).get("id") != self.id:
             raise LeaseHeld(f"run '{self.run_name}' was taken by another launch at the same moment "
                             f"(lease generation {self.generation}); this launch starts nothing")
-        for name in self.storage.list(LEASE_DIR):
-            if name[:-5].isdigit() and int(name[:-5]) <= self.generation - KEEP_GENERATIONS:
+        for name in self.storage.list(LEASE_DIR):  # a generation's lease file and its groups' attempts
+            generation = name.partition(".")[0]
+            if generation.isdigit() and int(generation) <= self.generation - KEEP_GENERATIONS:
                 self.storage.delete(LEASE_DIR, name)
         self._last_renewed = time.monotonic()
         self._renewing = renewer(self.ttl_s / 3, self._renew, f"renew-lease-{self.run_name}")

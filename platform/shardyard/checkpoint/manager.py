@@ -105,6 +105,7 @@ class CheckpointManager:
         # local tool, a test driving ranks itself) commits as the run's current holder would.
         self.generation = fence.generation if fence is not None else None
         self.base_step = fence.base_step if fence is not None else None  # into each record
+        self.attempt = fence.attempt if fence is not None else None
         self.spec = spec
         self._holds = HoldWatch()  # what this pruner has seen of readers' holds, by its own clock
         self._group: dist.ProcessGroup | None = None
@@ -267,7 +268,7 @@ class CheckpointManager:
             try:
                 commit(self.storage, at, name, make_record(record["step"], record["world_size"], record["format"],
                                                            listed, time.time(), self._writing_generation(),
-                                                           self.base_step),
+                                                           self.base_step, self.attempt),
                        fence=self._fence_here)
             except (CommitRefused, LeaseLost) as err:  # another launch committed this step: it holds the run
                 refused[0] = str(err)

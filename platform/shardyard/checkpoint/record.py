@@ -85,13 +85,15 @@ def file_entry(storage: RunStorage, *parts: str) -> FileEntry:
 
 
 def make_record(step: int, world_size: int, fmt: str, files: dict[str, FileEntry], time: float,
-                generation: int = 0, base_step: int | None = None) -> dict[str, Any]:
+                generation: int = 0, base_step: int | None = None, attempt: int | None = None) -> dict[str, Any]:
     """`base_step`: the step the writing launch started from (-1: none), so that the records
-    alone state which commits a later launch made stale (generations.py)."""
+    alone state which commits a later launch made stale; `attempt`: the worker group of that
+    launch which wrote it (generations.py)."""
     record = {"version": RECORD_VERSION, "step": step, "world_size": world_size, "format": fmt,
               "generation": generation, "time": time, "files": dict(sorted(files.items()))}
-    if base_step is not None:
-        record["base_step"] = base_step
+    for key, value in (("base_step", base_step), ("attempt", attempt)):
+        if value is not None:
+            record[key] = value
     return record
 
 

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import ray
+import torch.distributed as dist
 from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig, UserCallback
 from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -87,6 +88,13 @@ def train_worker(config: dict[str, Any]) -> None:
             log_event(spec.run_uri, "gave_up", launch=config["launch_id"], reason=reason)
         return
     hot = spec.scaling.recovery == "hot"
+    if not hot:  # hot-recovery replicas are no one group: they keep the launch's fence
+        # This worker group's own attempt: a group Ray Train gave up on that still runs (a node cut
+        # off from Ray but not from storage) is fenced off, and its late commits are stale.
+        group_fence: list[LeaseFence] = [fence.for_new_group() if rank == 0 else fence]
+        if dist.is_initialized():
+            dist.broadcast_object_list(group_fence, src=0)
+        fence = group_fence[0]
     callbacks: list[Callback] = [RunEvents(), StartupPhases(launch_id, config["startup"], entered_at)]
     if spec.run.sample_ledger:
         # Hot-recovery replicas are not one group, and replacements join a running step
