@@ -111,3 +111,15 @@ def test_only_the_two_newest_published_versions_stay_referenced_however_many_are
     assert [s.step if isinstance(s, Published) else s.name for s in state.promoted] == [checkpoint_name(11), 29, 30]
     assert [ref() is not None for ref in alive].count(True) == 2  # 28 versions let go: Ray frees them
     assert rollback_target(state.promoted, 30, {}).step == 29
+
+
+def test_a_publish_of_a_launch_that_lost_the_run_never_replaces_the_new_holders() -> None:
+    """A launch taken over publishes until it notices (its next lease look): its trajectory,
+    discarded, went further than the new holder's first steps. The newer generation's weights
+    stay, at any step; the old one's are refused however far they got."""
+    state = AppWeightsState()
+    state.put(Published("gpt_ddp", 10, GPTSpec(), [], generation=2))
+    state.put(Published("gpt_ddp", 40, GPTSpec(), [], generation=1))  # the stale launch, further on
+    assert (state.published.generation, state.published.step) == (2, 10)
+    state.put(Published("gpt_ddp", 12, GPTSpec(), [], generation=2))
+    assert state.published.step == 12

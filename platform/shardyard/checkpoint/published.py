@@ -31,6 +31,7 @@ class Published:
     step: int
     model: GPTSpec | HFSpec
     refs: list[ray.ObjectRef]  # one: the state dict (in a list, so that it travels as a reference)
+    generation: int = 0  # the lease generation of the launch that published it: a newer one wins
     time: float = field(default_factory=time.time)
 
     @property

@@ -71,9 +71,13 @@ class AppWeightsState:
     serving: dict[str, tuple[str, float]] = field(default_factory=dict)  # replica -> (fingerprint, last look)
 
     def put(self, published: Published) -> None:
-        """Keep `published` if it is newer than what is here (its reference keeps the weights alive)."""
+        """Keep `published` if it is newer than what is here (its reference keeps the weights
+        alive): of a later launch of the run, or a later step of the same one. A launch that lost
+        the run and publishes before it notices is of an older generation: refused, however far
+        its discarded trajectory got."""
         newest = self.published
-        if newest is None or published.run != newest.run or published.step > newest.step:
+        if newest is None or published.run != newest.run or \
+                (published.generation, published.step) > (newest.generation, newest.step):
             self.published = published
 
     def look(self, replica: str, fingerprint: str, now: float) -> View:

@@ -15,6 +15,7 @@ import time
 import ray
 from ray import serve
 
+from shardyard.checkpoint.lease import LeaseLost
 from shardyard.checkpoint.published import APP_WEIGHTS, Published
 from shardyard.train.trainer import Callback, Trainer
 
@@ -34,9 +35,17 @@ class WeightsPublisher(Callback):
         if trainer.rank != 0:
             return
         started = time.perf_counter()
+        fence = trainer.guard.fence
+        try:  # fenced as a commit is: a launch that lost the run publishes nothing more
+            if fence is not None:
+                fence()
+        except (LeaseLost, OSError) as err:
+            print(f"shardyard: not publishing step {step}: {err}", flush=True)
+            return
         try:
             app_weights = serve.get_deployment_handle(APP_WEIGHTS, app_name=self.app)
-            published = Published(trainer.spec.run.name, step, trainer.spec.model, [ray.put(state)])
+            published = Published(trainer.spec.run.name, step, trainer.spec.model, [ray.put(state)],
+                                  generation=getattr(fence, "generation", 0))
             app_weights.put.remote(published).result(timeout_s=PUT_TIMEOUT_S)
         except Exception as err:  # noqa: BLE001 - serving's trouble must not stop training
             if not self.reported:
