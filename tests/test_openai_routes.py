@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -108,7 +109,8 @@ def test_each_mistake_gets_its_status_and_reason(app: str) -> None:
     assert status == 403 and "admin routes are off" in reason
 
 
-def asgi_call(response: Any, sent: list[dict], block_after_chunks: int | None = None) -> Any:
+def asgi_call(response: Any, sent: list[dict], block_after_chunks: int | None = None,
+              read_every_s: float = 0.0) -> Any:
     """`response` called as Serve's ASGI server calls it: `sent` gathers what it sends; with
     `block_after_chunks`, the client stops reading once that many body chunks arrived (its send
     waits for ever, as a socket whose reader went away does until the task is cancelled)."""
@@ -120,6 +122,7 @@ def asgi_call(response: Any, sent: list[dict], block_after_chunks: int | None = 
 
     async def send(message: dict) -> None:
         sent.append(message)
+        await asyncio.sleep(read_every_s)  # a client that reads one chunk every so often
         chunks = sum(m["type"] == "http.response.body" for m in sent)
         if block_after_chunks is not None and chunks >= block_after_chunks:
             await never.wait()
@@ -251,3 +254,25 @@ def test_refused_steps_name_no_server_paths(answering: Answering, app: str) -> N
         del answering.served.refused[30]
     assert reason == ("checkpoint checkpoint_step_00000030 failed verification: checkpoint_step_00000030/__0_0.distcp "
                       "does not match its checksum (corrupted); see notes.txt")
+
+
+@pytest.mark.timeout(60)
+def test_a_streams_latency_is_timed_to_its_last_token_not_to_the_clients_reading(run_dir: Path) -> None:
+    """The canary compares the weights' latencies: a client that reads a stream slowly made the
+    candidate's look as slow as it liked (a checkpoint refused for good), or the baseline's."""
+    follower, _ = follower_of(run_dir)  # an engine of its own, driven from this test's event loop
+    answering = Answering(follower.cfg, "gpt", 2048, 256, follower.gate.engine, follower.served, lambda: "")
+    body = oa.CompletionRequest(prompt=PROMPT, max_tokens=8, stream=True)
+    prompts = [answering.prompt_tokens(PROMPT, 8)]
+
+    async def slow_reader() -> float:
+        response = await answer(answering, prompts, body, chat=False)
+        started = time.perf_counter()
+        await asgi_call(response, [], read_every_s=0.4)
+        return time.perf_counter() - started
+    try:
+        read_for = asyncio.run(slow_reader())
+    finally:
+        follower.gate.engine.close()
+    ((weights, tally),) = answering.tally.items()
+    assert tally.answered == 1 and read_for > 1.0 and tally.seconds < read_for / 3, (tally, read_for)

@@ -316,7 +316,8 @@ async def _stream(a: Answering, requests: list[Completion], stops: list[str], ch
                 yield chunk(index, piece + choice.finish(), choice.finish_reason)
             else:  # empty while a character is incomplete: the client still sees its tokens arrive
                 yield chunk(index, piece)
-        a.record(gens[0].weights(), time.perf_counter() - started, ok=True)
+        # Timed to the engine's last token: a client cannot sway the canary by how it reads.
+        a.record(gens[0].weights(), streams.decoded_at() - started, ok=True)
         if options.include_usage:
             used = oa.usage(prompt_tokens, sum(len(r.tokens) for r in requests))
             yield _event(oa.body(id_, model, gens[0].weights(), [], chat, chunk=True, usage=used))

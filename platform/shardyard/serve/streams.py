@@ -22,19 +22,28 @@ class Interleaved:
         self.queue: asyncio.Queue[tuple[int, int | BaseException | None]] = asyncio.Queue()
         self.tasks = [asyncio.get_running_loop().create_task(self._pump(i, s)) for i, s in enumerate(streams)]
         self.open = set(range(len(streams)))
+        # When each choice's decoding ended (perf_counter), as the engine finished it: not when the
+        # client read its last chunk, which a client reading slowly would make as late as it likes.
+        self.ended_at: dict[int, float] = {}
 
     async def _pump(self, index: int, stream: AsyncIterator[int]) -> None:
         try:
             async for token in stream:
                 self.queue.put_nowait((index, token))
+            self.ended_at[index] = time.perf_counter()
             self.queue.put_nowait((index, END))
         except Exception as err:  # noqa: BLE001 - handed to the reader, which raises it
             self.queue.put_nowait((index, err))
 
     def drop(self, index: int) -> None:
         """Stop reading choice `index` (a stop string ended it)."""
+        self.ended_at.setdefault(index, time.perf_counter())
         self.open.discard(index)
         self.tasks[index].cancel()
+
+    def decoded_at(self) -> float:
+        """When the last choice's decoding ended (every choice has ended)."""
+        return max(self.ended_at.values())
 
     def close(self) -> None:
         for task in self.tasks:
