@@ -104,3 +104,17 @@ def test_a_cluster_recorded_on_this_machine_is_attached_to_only_while_it_answers
         assert running_cluster() == address
     assert running_cluster() is None  # closed: gone, and said so
     assert "does not answer" in capsys.readouterr().err
+
+
+def test_the_ray_token_file_of_a_local_instance_is_made_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray writes ~/.ray/auth_token at the umask: readable by every local user where home
+    directories can be entered, and the token runs jobs as its owner."""
+    from shardyard.cluster import keep_ray_token_private
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    token = tmp_path / ".ray" / "auth_token"
+    token.parent.mkdir()
+    token.write_text("a-token")
+    token.chmod(0o644)
+    keep_ray_token_private()
+    assert token.stat().st_mode & 0o777 == 0o600

@@ -276,3 +276,19 @@ def test_a_streams_latency_is_timed_to_its_last_token_not_to_the_clients_reading
         follower.gate.engine.close()
     ((weights, tally),) = answering.tally.items()
     assert tally.answered == 1 and read_for > 1.0 and tally.seconds < read_for / 3, (tally, read_for)
+
+
+@pytest.mark.timeout(60)
+def test_a_flood_of_unauthenticated_health_checks_is_bounded_and_clients_with_the_token_pass(
+        answering: Answering) -> None:
+    """64 clients flooding the open /healthz without a token took the CPU authenticated requests
+    needed. Past a burst, unauthenticated health checks get 429; with the token they pass."""
+    with served(answering, Admin(None), TOKEN) as url:
+        with requests.Session() as session:
+            codes = [session.get(f"{url}/healthz", timeout=10).status_code for _ in range(80)]
+            assert codes[:40] == [200] * 40 and codes.count(429) >= 20, codes
+            limited = session.get(f"{url}/healthz", timeout=10)
+            if limited.status_code == 429:
+                assert limited.headers["Retry-After"] == "1" and "without a token" in error_of(limited)[1]
+            assert session.get(f"{url}/healthz", headers=AUTH, timeout=10).status_code == 200
+            assert session.get(f"{url}/v1/models", headers=AUTH, timeout=10).status_code == 200

@@ -32,9 +32,20 @@ def connect_ray(min_cpus: float, attach_to_running: bool = False) -> bool:
     # 2-core laptop. With the dashboard: Ray Train's placement-group cleaner asks the State API,
     # which the dashboard serves, about its controller every second, and without it warned each
     # time; its cost was not measurable (benchmarks/ddp_overhead.py, docs/benchmarks.md).
+    keep_ray_token_private()
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(min_cpus)), include_dashboard=True,
              runtime_env=QUIET)
+    keep_ray_token_private()  # Ray makes it at the umask when there was none
     return False
+
+
+def keep_ray_token_private() -> None:
+    """Ray's token file (`~/.ray/auth_token`, which it writes at the umask) readable by this user
+    alone: where home directories can be entered, anyone who reads it runs jobs as this user on
+    every Ray instance this user starts."""
+    token = Path.home() / ".ray" / "auth_token"
+    if token.is_file() and token.stat().st_uid == os.getuid() and token.stat().st_mode & 0o077:
+        token.chmod(0o600)
 
 
 def address_to_join() -> str:

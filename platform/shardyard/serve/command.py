@@ -100,7 +100,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from shardyard.cluster import address_to_join
+    from shardyard.cluster import address_to_join, keep_ray_token_private
     from shardyard.serve.app import build_app
     from shardyard.serve.ingress import haproxy_ingress
     from shardyard.serve.port_holder import claim
@@ -114,7 +114,11 @@ def run_serve(args: argparse.Namespace) -> int:
     with ExitStack() as instance:
         if own:
             instance.enter_context(haproxy_ingress(args.header_timeout))
+        if own:
+            keep_ray_token_private()
         ray.init(address=address, log_to_driver=True)
+        if own:
+            keep_ray_token_private()  # Ray makes it at the umask when there was none
         instance.callback(ray.shutdown)
         try:
             app = build_app(config)

@@ -1,8 +1,8 @@
 """What every HTTP request meets before the app's routes see it, and how every error leaves.
 
 - Auth first: a request without the bearer token is refused (401) before its body is read, the
-  token compared in constant time. `GET /healthz` stays open for load balancers; `/metrics` needs
-  the token like everything else (Prometheus sends one with `authorization: credentials_file`).
+  token compared in constant time. `GET /healthz` stays open for load balancers, at a bounded
+  rate without a token (429 past it); `/metrics` needs the token like everything else (Prometheus sends one with `authorization: credentials_file`).
   The admin routes (`/admin/...`) take the operator's token alone, never the clients': 403 where
   the app has none (they are off), 401 for any other token.
 - Then size and time: a Content-Length over the limit is refused (413) before the body is read,
@@ -61,10 +61,28 @@ class GuardSettings:
     count_error: Callable[[int, str], None] = lambda status, route: None
     on_request: Callable[[], None] = lambda: None  # e.g. start the replica's metrics publisher
     admin_token: str | None = None  # None: the admin routes are off
+    # The open routes (GET /healthz without a token): requests a second, and the burst allowed. A
+    # load balancer asks a few times a second at most; a flood beyond gets 429 before it costs
+    # the replica's CPU that authenticated requests need.
+    open_per_s: float = 20.0
+    open_burst: int = 40
     _expected: dict[str, bytes] = field(init=False, repr=False)  # each token's header, made once
+    _open_bucket: tuple[float, float] = field(init=False, repr=False)  # (tokens left, when counted)
 
     def __post_init__(self) -> None:
         self._expected = {t: f"Bearer {t}".encode() for t in (self.token, self.admin_token) if t is not None}
+        self._open_bucket = (float(self.open_burst), time.monotonic())
+
+    def take_open(self) -> bool:
+        """Count one unauthenticated request to an open route: False once the bucket is empty."""
+        tokens, then = self._open_bucket
+        now = time.monotonic()
+        tokens = min(float(self.open_burst), tokens + (now - then) * self.open_per_s)
+        if tokens < 1.0:
+            self._open_bucket = (tokens, now)
+            return False
+        self._open_bucket = (tokens - 1.0, now)
+        return True
 
     def operator_refusal(self, scope: Scope) -> tuple[int, str] | None:
         """Why an admin route refuses this request (status, reason), or None: it carries the
@@ -173,9 +191,15 @@ class RequestGuard:
             refusal = settings.operator_refusal(scope)
             if refusal is not None:
                 return error_response(*refusal, code="invalid_api_key" if refusal[0] == 401 else None), receive
-        elif not (scope["method"] == "GET" and path in OPEN_PATHS) and not settings.authorized(scope, settings.token):
-            return error_response(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
-                                  code="invalid_api_key"), receive
+        elif not settings.authorized(scope, settings.token):
+            if not (scope["method"] == "GET" and path in OPEN_PATHS):
+                return error_response(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
+                                      code="invalid_api_key"), receive
+            if not settings.take_open():
+                refusal = error_response(429, f"over {settings.open_per_s:g} requests a second to {path} without a "
+                                              f"token; send the bearer token to be let through")
+                refusal.headers["Retry-After"] = "1"
+                return refusal, receive
         limit = settings.max_body_bytes
         declared = next((value for name, value in scope["headers"] if name == b"content-length"), None)
         if declared is not None and int(declared) > limit:  # the HTTP server has checked it is a number
