@@ -233,3 +233,38 @@ def test_nine_digit_steps_are_compared_as_numbers(tmp_path: Path) -> None:
     manager.save(engine, TrainState(100_000_020, 8, 1), spec)  # keep 3: the eight-digit one goes
     assert [p.name for p in sorted(run.glob("checkpoint_step_*"))] == [
         "checkpoint_step_100000000", "checkpoint_step_100000010", "checkpoint_step_100000020"]
+
+
+@pytest.mark.timeout(60)
+def test_export_and_serving_hand_deepspeed_the_checked_zero_files_too(tmp_path: Path, monkeypatch) -> None:
+    """Training's restore loaded a private copy of the ZeRO files it checked, but export and the
+    serving shards scanned the live directory and let DeepSpeed open it again: a file swapped
+    after the scan ran its code. Every path now loads the checked copy."""
+    import pickle
+
+    from shardyard.checkpoint import loaders, zero_format
+    from shardyard.checkpoint.record import entry, make_record
+
+    spec = spec_for(tmp_path)
+    checkpoint = tmp_path / "run" / "checkpoint_step_00000002"
+    shared = checkpoint / "zero" / "mp_rank_00_model_states.pt"
+    shared.parent.mkdir(parents=True)
+    torch.save({"w": torch.ones(2)}, shared)
+    (checkpoint / "spec.json").write_text(spec.model_dump_json())
+    files = {"spec.json": entry((checkpoint / "spec.json").read_bytes()), "zero/mp_rank_00_model_states.pt":
+             entry(shared.read_bytes())}
+    (checkpoint / COMMIT_FILE).write_text(json.dumps(make_record(2, 1, "deepspeed", files, 0.0)))
+    marker, check = tmp_path / "code_ran", zero_format.check_zero_files
+
+    def checked_then_swapped(directory: Path) -> None:
+        check(directory)
+        shared.write_bytes(pickle.dumps(_RunsCode(str(marker))))  # the attacker, just after the check
+
+    monkeypatch.setattr(zero_format, "check_zero_files", checked_then_swapped)
+    monkeypatch.setattr(loaders, "check_zero_files", checked_then_swapped, raising=False)  # where it was called
+    for load in (lambda: loaders.load_model(checkpoint, verify=False),
+                 lambda: loaders.load_model_part(checkpoint, lambda model: model, torch.device("cpu"))):
+        torch.save({"w": torch.ones(2)}, shared)
+        with pytest.raises(Exception):  # not a whole DeepSpeed checkpoint: DeepSpeed refuses the copy
+            load()
+        assert not marker.exists()

@@ -14,11 +14,10 @@ from torch import nn
 
 from shardyard.checkpoint.collective import single_process_io
 from shardyard.checkpoint.dcp_io import read_dcp
-from shardyard.checkpoint.layout import ZERO_DIR, is_hf_directory, read_spec, trusted
+from shardyard.checkpoint.layout import is_hf_directory, read_spec, trusted
 from shardyard.checkpoint.record import BadCheckpoint, newest_good, read_record, verify
-from shardyard.checkpoint.safe_load import check_zero_files
 from shardyard.checkpoint.store import RunStorage
-from shardyard.checkpoint.zero_format import DeepSpeedFormat, parameter_names
+from shardyard.checkpoint.zero_format import DeepSpeedFormat, local_zero_files, parameter_names
 from shardyard.models import build_model, give_storage, materialise
 from shardyard.models.initial_weights import copy_local
 from shardyard.spec import CustomSpec, JobSpec
@@ -86,8 +85,8 @@ def load_model(checkpoint_dir: str | Path, trust_factory: str | None = None, ver
     if record["format"] == ZERO_FORMAT:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        check_zero_files(checkpoint_dir / ZERO_DIR)
-        state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=ZERO_DIR)
+        with local_zero_files(*_split(checkpoint_dir.absolute())) as zero:  # the checked bytes, not the live files
+            state = get_fp32_state_dict_from_zero_checkpoint(str(zero.parent), tag=zero.name)
         # DeepSpeed saves a tied weight once, under one of its names; any other gap is an error.
         every = dict(model.named_parameters(remove_duplicate=False))
         aliases = set(every) - set(dict(model.named_parameters()))
@@ -145,14 +144,16 @@ def _fill_from_zero(piece: nn.Module, checkpoint_dir: Path, stored: JobSpec) -> 
     model held them whole on every training rank too.)"""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    check_zero_files(checkpoint_dir / ZERO_DIR)
-    lazy = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=ZERO_DIR, lazy_mode=True)
     aliases = parameter_names(stored)  # DeepSpeed saves a tied weight once, under one of its names
-    for name, target in piece.state_dict(keep_vars=True).items():
-        saved_as = next((n for n in aliases.get(name, [name]) if n in lazy), None)
-        if saved_as is None:
-            raise KeyError(f"ZeRO checkpoint {checkpoint_dir} holds no '{name}'")
-        copy_local(target, lazy[saved_as].contiguous())
+    # DeepSpeed unpickles its files unrestricted: it reads a private copy that was checked, never
+    # the run's live files, which a writer of the run could swap after a check.
+    with local_zero_files(*_split(checkpoint_dir.absolute())) as zero:
+        lazy = get_fp32_state_dict_from_zero_checkpoint(str(zero.parent), tag=zero.name, lazy_mode=True)
+        for name, target in piece.state_dict(keep_vars=True).items():
+            saved_as = next((n for n in aliases.get(name, [name]) if n in lazy), None)
+            if saved_as is None:
+                raise KeyError(f"ZeRO checkpoint {checkpoint_dir} holds no '{name}'")
+            copy_local(target, lazy[saved_as].contiguous())
 
 
 def export_safetensors(checkpoint_dir: str | Path, out: str | Path, trust_factory: str | None = None) -> Path:
