@@ -44,7 +44,9 @@ ROOT = Path(__file__).resolve().parents[1]
 POOL = ROOT / "jobs" / "configs" / "pool.yaml"
 SHARDYARD = str(Path(sys.executable).with_name("shardyard"))
 
-POLICY = Policy.model_validate({"lend_when": {"signal": "queue_length", "above": 3, "for_s": 5}, "cool_down_s": 20})
+# The mechanics alone: no resize cost, dwell or budget (the flapping test has them).
+POLICY = Policy.model_validate({"lend_when": {"signal": "queue_length", "above": 3, "for_s": 5}, "cool_down_s": 20,
+                                "resize_cost_s": 0, "min_dwell_s": 0})
 
 
 def seen(t: float, signal: float | None, running: int = 1, wanted: int = 1, free: float = 0, size: int | None = 2):
@@ -59,9 +61,10 @@ def test_a_breach_lends_one_device_once_it_has_lasted_and_serve_waits_for_a_devi
     assert (lend.kind, lend.from_workers, lend.to_workers) == ("lend", 3, 2) and a.allotment == 2
     assert a.observe(seen(6, 9, wanted=2, size=3)) is None          # the run is still at 3: resizing
     assert a.observe(seen(8, 9, wanted=2, size=2)) is None          # 5 s from the decision, not the breach
-    second = a.observe(seen(10, 9, wanted=2, size=2))
+    assert a.observe(seen(10, 9, wanted=2, size=2)) is None         # the hour's second lend waits twice as long
+    second = a.observe(seen(15, 9, wanted=2, size=2))
     assert (second.kind, second.to_workers) == ("lend", 1)
-    assert a.observe(seen(30, 9, wanted=2, size=1)) is None         # never below min_workers
+    assert a.observe(seen(40, 9, wanted=2, size=1)) is None         # never below min_workers
 
 
 @pytest.mark.parametrize("why_not", ["serve_has_all_it_wants", "a_device_is_free", "priority_training", "flapping"])
@@ -233,3 +236,41 @@ def test_an_episode_lends_under_load_and_takes_back_after_losing_nothing(tmp_pat
     for name, value in oracle.model.state_dict().items():
         torch.testing.assert_close(trained[name], value, rtol=0, atol=1e-5, msg=name)
 
+
+
+def flapping_hour(policy: Policy, burst_s: float, restart_s: float = 20.0) -> tuple[int, float]:
+    """An hour of one token holder bursting `burst_s` whenever the run is back at full size, through
+    the real policy; Serve as the pool sees it (the burst's replica waits for a device, and is let
+    go 10 s after the burst), a resize taking `restart_s`. The resizes, and the share of the hour
+    training spent restarting."""
+    a = Arbitration(policy, min_workers=1, max_workers=2, start_workers=2)
+    size, restart_until, burst_until, calm_since, resizes, restarting = 2, 0.0, -1.0, 0.0, 0, 0.0
+    for now in range(3600):
+        if now >= restart_until and size != a.allotment:
+            size = a.allotment
+        running = size != a.allotment or now < restart_until
+        if not running and size == 2 and now > burst_until + 10:
+            burst_until = now + burst_s  # back at full size: burst again
+        bursting = now < burst_until
+        calm_since = now if bursting else calm_since
+        wanted = 2 if bursting or now - calm_since < 10 else 1
+        replicas = 1 + (a.lent if not running else 0)
+        free = 1 if a.lent and wanted == 1 else 0
+        signal = 2 * policy.lend_when.above if bursting else 0.0
+        decision = a.observe(Observation(now, signal, min(replicas, wanted), wanted, free,
+                                         None if running else size))
+        if decision is not None:
+            resizes += 1
+            restart_until = now + restart_s
+        restarting += running
+    return resizes, restarting / 3600
+
+
+def test_one_client_bursting_cannot_flap_the_run() -> None:
+    """jobs/configs/pool.yaml's policy, an attacker bursting 6 s whenever the run is back at full
+    size: 108 resizes an hour before (training restarting 87% of it). A burst shorter than a
+    resize costs moves nothing; longer ones are held to the budget, backed off, and dwell."""
+    policy = load_pool(str(POOL))[0].policy
+    assert flapping_hour(policy, burst_s=6) == (0, 0.0)
+    resizes, restarting = flapping_hour(policy, burst_s=30)  # long enough to lend, again and again
+    assert 0 < resizes <= 2 * policy.max_lends_per_hour and restarting < 0.15, (resizes, restarting)

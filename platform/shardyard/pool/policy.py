@@ -8,6 +8,11 @@ return needs: a device is lent; one is free (Serve let a replica go); the signal
 for `cool_down_s` since the last breach and since the last decision; Serve wants no replica it
 lacks. Nothing is decided while the run is restarting at a new size. Serving's own min_replicas
 are never touched: the arbiter takes back only devices Serve has released.
+
+Flapping is bounded, since every lend and return restarts training: a lend waits for a breach
+of at least `resize_cost_s` (a shorter burst is cheaper to serve through than to resize for),
+doubled for each lend in the last hour; at most `max_lends_per_hour`; and the run stays at each
+size for `min_dwell_s`.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class Arbitration:
         self.breach_since: float | None = None
         self.last_breach = -math.inf
         self.last_decision = -math.inf
+        self.lends: list[float] = []  # when each lend was decided
 
     def breached(self, signal: float | None) -> bool:
         return signal is not None and signal > self.policy.lend_when.above
@@ -58,17 +64,22 @@ class Arbitration:
             self.breach_since = None
         if o.training_size != self.allotment:  # a resize under way: hysteresis, nothing new
             return None
-        lend = self.policy.lend_when
+        lend, policy = self.policy.lend_when, self.policy
         unplaced = o.replicas_wanted > o.replicas_running and o.free_devices < 1
-        if (self.policy.priority == "serving" and self.breach_since is not None and unplaced
-                and o.now - max(self.breach_since, self.last_decision) >= lend.for_s
+        dwelt = o.now - self.last_decision >= policy.min_dwell_s
+        recent = [t for t in self.lends if o.now - t < 3600]
+        required = max(lend.for_s, policy.resize_cost_s) * 2 ** len(recent)  # backs off as lends repeat
+        if (policy.priority == "serving" and self.breach_since is not None and unplaced and dwelt
+                and len(recent) < policy.max_lends_per_hour
+                and o.now - max(self.breach_since, self.last_decision) >= required
                 and self.allotment > self.min_workers):
+            self.lends = [*recent, o.now]
             return self._decide(o.now, "lend", -1, f"{lend.signal} {o.signal:.3g} over {lend.above:g} for "
                                 f"{o.now - self.breach_since:.0f} s, {o.replicas_wanted - o.replicas_running} "
                                 f"replica(s) waiting for a device")
         calm_since = max(self.last_breach, self.last_decision)
-        if (self.lent and o.free_devices >= 1 and o.replicas_wanted <= o.replicas_running
-                and self.breach_since is None and o.now - calm_since >= self.policy.cool_down_s
+        if (self.lent and o.free_devices >= 1 and o.replicas_wanted <= o.replicas_running and dwelt
+                and self.breach_since is None and o.now - calm_since >= policy.cool_down_s
                 and self.allotment < self.max_workers):
             return self._decide(o.now, "return", +1, f"{lend.signal} within {lend.above:g} for "
                                 f"{o.now - calm_since:.0f} s and a device free")

@@ -68,6 +68,14 @@ class Policy(Strict):
     cool_down_s: float = Field(60.0, ge=0, description="a device goes back to training only after the SLO held "
                                "this long, since the last breach and the last lend, and Serve let the replica go")
     poll_interval_s: float = Field(1.0, gt=0, description="how often the arbiter looks")
+    resize_cost_s: float = Field(20.0, ge=0, description="what one resize costs training (a worker group's "
+                                 "restart): a lend waits for a breach at least this long, so a burst shorter "
+                                 "than a resize never moves a device")
+    min_dwell_s: float = Field(60.0, ge=0, description="after a lend or a return, the run stays at its size at "
+                               "least this long")
+    max_lends_per_hour: int = Field(6, ge=1, description="the budget: at most this many lends in any hour (each "
+                                    "costs two resizes); and each lend in the last hour doubles the breach the "
+                                    "next one waits for")
 
 
 class PoolSpec(Strict):
