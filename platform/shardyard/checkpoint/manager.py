@@ -104,8 +104,9 @@ class CheckpointManager:
         # Written into each record: the launch's lease generation. A manager without a fence (a
         # local tool, a test driving ranks itself) commits as the run's current holder would.
         self.generation = fence.generation if fence is not None else None
-        self.base_step = fence.base_step if fence is not None else None  # into each record
-        self.attempt = fence.attempt if fence is not None else None
+        # Into each record, where the fence names them (a bare callable fence names neither).
+        self.base_step = getattr(fence, "base_step", None)
+        self.attempt = getattr(fence, "attempt", None)
         self.spec = spec
         self._holds = HoldWatch()  # what this pruner has seen of readers' holds, by its own clock
         self._group: dist.ProcessGroup | None = None
