@@ -160,6 +160,25 @@ def test_a_worker_group_given_up_on_is_fenced_off_and_its_late_commit_is_stale(t
     lease.release()
 
 
+@pytest.mark.drill(outcome="recovered", lost="the steps since the last commit")
+def test_a_save_cut_short_is_cleared_by_the_next_worker_group_and_a_newer_groups_is_left(tmp_path: Path) -> None:
+    """A worker killed mid-save leaves that save's directory; the group Ray Train starts next
+    clears it as it restores, and leaves alone a save of a group newer than itself."""
+    spec = spec_for(str(tmp_path))
+    lease = RunLease(spec.run_uri, "run", ttl_s=30)
+    lease.acquire()
+    first, second = lease.fence().for_new_group(), lease.fence().for_new_group()
+    storage = RunStorage(spec.run_uri)
+    cut_short = attempt_name("checkpoint_step_00000004", lease.generation, first.attempt)
+    newer = attempt_name("checkpoint_step_00000004", lease.generation, second.attempt + 1)
+    for save in (cut_short, newer):
+        storage.write_bytes(b"{}", save, "spec.json")
+    engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
+    assert CheckpointManager(spec.run_uri, keep=5, fence=second).restore(engine) is None
+    assert not storage.exists(cut_short) and storage.exists(newer)
+    lease.release()
+
+
 @pytest.mark.drill(outcome="refused", lost="nothing")
 def test_a_commit_is_made_only_if_absent_and_a_stale_record_in_its_place_is_set_aside(tmp_path: Path) -> None:
     """A save is renamed into place only while its name is free: a live launch's commit there

@@ -9,6 +9,8 @@ import asyncio
 import pytest
 import torch
 
+from shardyard.checkpoint.record import step_of
+from shardyard.checkpoint.store import RunStorage
 from shardyard.models import build_model
 from shardyard.serve.sampling import Sampling, choose_rows
 from shardyard.serve.generation import Completion, encode, generate
@@ -80,7 +82,7 @@ def test_a_request_that_fails_in_a_shared_step_fails_alone() -> None:
 
 
 def checkpoints(storage) -> list[int]:
-    return sorted(int(p.name.rsplit("_", 1)[1]) for p in (storage / "run").glob("checkpoint_step_*"))
+    return sorted(step_of(name) for name in RunStorage(str(storage / "run")).checkpoint_names())  # not saves in flight
 
 
 @pytest.mark.ray

@@ -218,7 +218,7 @@ class CheckpointManager:
         own: dict[str, FileEntry] = {}
         # Written under a name no other save uses and renamed into place at commit: a save never
         # deletes or overwrites a directory another launch (or group) may have committed.
-        written_to: list[str] = [attempt_name(name, self._writing_generation())]
+        written_to: list[str] = [attempt_name(name, self._writing_generation(), self.attempt)]
         if dist.is_initialized():
             dist.broadcast_object_list(written_to, src=0)
         at = written_to[0]
@@ -413,12 +413,13 @@ class CheckpointManager:
             self.storage.delete(aside)
 
     def _delete_older_saves(self) -> None:
-        """Saves of earlier lease generations that never committed (a crash, a launch taken over):
-        their directories are no checkpoint. A save of this or a later generation is left alone,
-        since it may still commit."""
+        """Saves of earlier lease generations, or earlier worker groups of this launch, that never
+        committed (a crash, a launch taken over): their directories are no checkpoint. A save of
+        this group or a later one is left alone, since it may still commit."""
+        ours = (self._writing_generation(), self.attempt or 0)
         for name in self.storage.list():
-            generation = attempt_generation(name)
-            if generation is not None and generation < self._writing_generation() and not self._named_by_record(name):
+            writer = attempt_generation(name)
+            if writer is not None and writer < ours and not self._named_by_record(name):
                 self.storage.delete(name)
 
     def _named_by_record(self, save: str) -> bool:

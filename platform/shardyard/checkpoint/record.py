@@ -101,20 +101,23 @@ class CommitRefused(Exception):
     """Another launch's record already commits this checkpoint and is not stale."""
 
 
-ATTEMPT_MARK = ".attempt-"  # `<name>.attempt-<generation>-<random>`: one save's own directory
+ATTEMPT_MARK = ".attempt-"  # `<name>.attempt-<generation>-<worker group>-<random>`: one save's own directory
 
 
-def attempt_name(name: str, generation: int) -> str:
+def attempt_name(name: str, generation: int, group: int | None = None) -> str:
     """Where one save of checkpoint `name` is written: a directory no other save ever uses, so no
     writer deletes or overwrites another's files, whatever their timing."""
-    return f"{name}{ATTEMPT_MARK}{generation}-{secrets.token_hex(6)}"
+    return f"{name}{ATTEMPT_MARK}{generation}-{group or 0}-{secrets.token_hex(6)}"
 
 
-def attempt_generation(directory: str) -> int | None:
-    """The lease generation of the save that writes `directory` (None: not a save's directory)."""
+def attempt_generation(directory: str) -> tuple[int, int] | None:
+    """The lease generation and worker group of the save that writes `directory` (None: not a
+    save's directory)."""
     base, mark, rest = directory.partition(ATTEMPT_MARK)
-    generation = rest.split("-", 1)[0]
-    return int(generation) if mark and CHECKPOINT_NAME.match(base) and generation.isdigit() else None
+    parts = rest.split("-")
+    if not (mark and CHECKPOINT_NAME.match(base) and len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit()):
+        return None
+    return int(parts[0]), int(parts[1])
 
 
 def files_at(name: str, record: dict[str, Any]) -> str:
