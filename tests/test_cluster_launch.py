@@ -74,9 +74,10 @@ class Client:
     def serve_token(self) -> str:
         """The serving API's token, made as the cluster configs say (`ray up` copies it to every node)."""
         path = self.home / ".shardyard" / "serve_token"
-        if not path.exists():
+        if not path.exists():  # as `umask 077 && openssl rand -hex 32 > ...` makes it: only its owner reads it
             path.parent.mkdir()
             path.write_text(os.urandom(32).hex() + "\n")
+            path.chmod(0o600)
         return path.read_text().strip()
 
 
