@@ -605,7 +605,7 @@ def test_serve_config_mistakes_are_named_before_anything_starts(ray_cluster, tmp
         parse_config({"checkpoint": "s3://bucket/runs/gpt_ddp"})
     with pytest.raises(SpecError, match="unknown key 'num_shard'"):
         parse_config({"num_shard": 2})
-    (tmp_path / "empty_token").write_text("\n")
+    private_file(tmp_path / "empty_token", "\n")
     with pytest.raises(SpecError, match="is empty"):  # refused, not read as "no auth"
         parse_config({"checkpoint": trained, "bearer_token_file": str(tmp_path / "empty_token")})
     with pytest.raises(SpecError, match=r"max_kv_tokens \(8\) is below one context window \(16 tokens\)"):
