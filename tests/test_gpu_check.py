@@ -18,9 +18,9 @@ from conftest import REPO, ray_files_of_their_own, user_environment
 def device_check(out: Path, stages: str, ray_tmp: str | None = None) -> dict:
     """The one call, limited to `stages`; their results, checked to have run or been skipped."""
     env = user_environment(ray_tmp) if ray_tmp else dict(os.environ)
-    done = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--stages", stages, "--budget", "110"], cwd=REPO,
+    done = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--stages", stages, "--budget", "250"], cwd=REPO,
                           env={**env, "OUT": str(out), "PYTHON": sys.executable},
-                          capture_output=True, text=True, timeout=115)
+                          capture_output=True, text=True, timeout=260)
     log = (out / "log.txt").read_text() if (out / "log.txt").exists() else ""
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + log[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -30,7 +30,7 @@ def device_check(out: Path, stages: str, ray_tmp: str | None = None) -> dict:
     return summary["stages"]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_the_plain_loop_serving_and_gpu_test_stages_run_here(tmp_path: Path) -> None:
     stages = device_check(tmp_path, "peak,loop,serving,pytest_gpu,train_float8")
     assert stages["peak"]["status"] == "skipped: needs a GPU"
@@ -42,7 +42,7 @@ def test_the_plain_loop_serving_and_gpu_test_stages_run_here(tmp_path: Path) -> 
 
 
 @pytest.mark.ray
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_the_training_stages_run_shardyard_train_eager_and_compiled(tmp_path: Path) -> None:
     with ray_files_of_their_own() as ray_tmp:
         stages = device_check(tmp_path, "train,train_compiled", ray_tmp)
@@ -51,7 +51,7 @@ def test_the_training_stages_run_shardyard_train_eager_and_compiled(tmp_path: Pa
 
 
 @pytest.mark.ray
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_the_relaunch_is_timed_in_phases(tmp_path: Path) -> None:
     with ray_files_of_their_own() as ray_tmp:
         stages = device_check(tmp_path, "relaunch", ray_tmp)
@@ -63,7 +63,7 @@ def test_the_relaunch_is_timed_in_phases(tmp_path: Path) -> None:
 
 
 @pytest.mark.ray
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_the_readme_stage_runs_readmes_default_job(tmp_path: Path) -> None:
     with ray_files_of_their_own() as ray_tmp:
         stages = device_check(tmp_path, "readme", ray_tmp)
