@@ -54,6 +54,7 @@ from shardyard.checkpoint.record import (
     newest_good,
     read_record,
     step_of,
+    valid_record,
 )
 from shardyard.checkpoint.store import RunStorage
 from shardyard.checkpoint.verified_reads import check_entry
@@ -374,10 +375,7 @@ class CheckpointManager:
     def _committed(self, name: str, generation: int) -> bool:
         """Whether `name` has a valid commit record of lease generation `generation` (a bad one is
         named once, by `newest_good`)."""
-        try:
-            record = read_record(self.storage, name)
-        except BadCheckpoint:
-            return False
+        record = valid_record(self.storage, name)
         return record is not None and record.get("generation", 0) == generation
 
     def _clear_unrecorded(self) -> None:
@@ -403,11 +401,7 @@ class CheckpointManager:
             self.storage.delete(name)
             return
         aside = self.storage.set_aside(name, why)
-        try:
-            valid = read_record(self.storage, aside, step=step_of(name)) is not None
-        except BadCheckpoint:
-            valid = False
-        if valid:
+        if valid_record(self.storage, aside, step_of(name)) is not None:
             self.storage.place(aside, name)
         else:
             self.storage.delete(aside)
@@ -428,8 +422,5 @@ class CheckpointManager:
         if not self.storage.remote:
             return False
         name = save.partition(ATTEMPT_MARK)[0]
-        try:
-            record = read_record(self.storage, name)
-        except BadCheckpoint:  # a stale or damaged record: its files are no checkpoint's
-            return False
+        record = valid_record(self.storage, name)  # a stale or damaged record's files are no checkpoint's
         return record is not None and files_at(name, record) == save

@@ -161,12 +161,19 @@ def commit(storage: RunStorage, written: str, name: str, record: dict[str, Any],
     raise CommitRefused(f"{storage.url(name)} keeps being made by another writer")
 
 
+def valid_record(storage: RunStorage, directory: str, step: int | None = None,
+                 judged: bool = True) -> dict[str, Any] | None:
+    """`read_record`, with a record that cannot be trusted (torn, or a stale writer's when
+    `judged`) read as none."""
+    try:
+        return read_record(storage, directory, step=step, judged=judged)
+    except BadCheckpoint:
+        return None
+
+
 def _refuse_if_valid(storage: RunStorage, directory: str, step: int | None = None) -> None:
     """CommitRefused if `directory` holds a valid commit record (of `step`: its own by default)."""
-    try:
-        there = read_record(storage, directory, step=step)
-    except BadCheckpoint:  # torn, or a stale writer's: not a commit
-        return
+    there = valid_record(storage, directory, step)
     if there is not None:
         raise CommitRefused(f"{storage.url(directory, COMMIT_FILE)} was committed by lease generation "
                             f"{there.get('generation', 0)} meanwhile; this launch's commit is refused")
@@ -304,15 +311,8 @@ def newest_good(storage: RunStorage, check_files: bool = True, passing_over: Col
 
 def record_generations(storage: RunStorage) -> set[int]:
     """The lease generations the run's readable commit records name."""
-    generations = set()
-    for name in storage.checkpoint_names():
-        try:
-            record = read_record(storage, name, judged=False)
-        except BadCheckpoint:
-            continue
-        if record is not None:
-            generations.add(record.get("generation", 0))
-    return generations
+    records = (valid_record(storage, name, judged=False) for name in storage.checkpoint_names())
+    return {record.get("generation", 0) for record in records if record is not None}
 
 
 def newest_name(storage: RunStorage, check_files: bool = True) -> str | None:

@@ -136,10 +136,10 @@ class RunStorage:
     def place(self, source: str, name: str) -> bool:
         """Rename directory `source` to `name` only if nothing holds that name: True if it did.
         Locally one rename(2), which refuses a directory that has files (and replaces an empty
-        one); an object store has no such rename, so `name` is claimed by its commit record alone
-        (record.py) and the files stay where they were written."""
+        one). Local storage only: an object store has no such rename, so there `name` is claimed
+        by its commit record alone (record.py) and every caller takes that branch instead."""
         if self.remote:
-            raise NotImplementedError("an object store has no atomic rename")
+            raise ValueError(f"{self.url()}: place() is for local storage; an object store is committed by its record")
         try:
             os.rename(self.path(source), self.path(name))
         except OSError as err:
