@@ -288,3 +288,25 @@ def served_by_uvicorn(app: Any, root_path: str = "") -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@contextmanager
+def trickled_bodies(url: str, path: str, token: str, count: int, declared: int = 1024) -> Iterator[list[Any]]:
+    """`count` slowloris clients: each sends a POST's whole head with the token, then one byte of
+    the body it declared, then nothing. The open sockets, closed on leaving."""
+    import socket
+    from urllib.parse import urlsplit
+
+    where = urlsplit(url)
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.create_connection((where.hostname, where.port), timeout=30)
+            sock.sendall(f"POST {where.path.rstrip('/')}{path} HTTP/1.1\r\nHost: {where.hostname}\r\n"
+                         f"Authorization: Bearer {token}\r\n"
+                         f"Content-Type: application/json\r\nContent-Length: {declared}\r\n\r\n{{".encode())
+            sockets.append(sock)
+        yield sockets
+    finally:
+        for sock in sockets:
+            sock.close()

@@ -27,7 +27,7 @@ from shardyard.checkpoint.layout import read_spec
 from shardyard.checkpoint.loaders import find_latest, load_model
 from shardyard.checkpoint.record import step_of
 from test_strategies import job, train, with_storage
-from conftest import private_file
+from conftest import trickled_bodies, private_file
 
 STRATEGIES = ("ddp", "fsdp", "zero2")
 
@@ -244,7 +244,7 @@ def server_args(checkpoints: dict[str, Path], request_timeout_s: float = 2.0) ->
     return {"checkpoint": str(checkpoints["ddp"]), "num_shards": 2, "cpus_per_shard": 0.25,
             "batching": "fixed", "max_batch_size": 8,
             "batch_wait_timeout_s": 0.05, "max_queued_requests": 16, "request_timeout_s": request_timeout_s,
-            "max_body_bytes": 2048, "max_tokens_limit": 2048,
+            "max_body_bytes": 2048, "max_tokens_limit": 2048, "body_timeout_s": 120,
             "bearer_token_file": str(token_file)}
 
 
@@ -377,6 +377,19 @@ def test_every_bad_input_gets_its_status_and_the_server_keeps_serving(server) ->
     assert requests.get(f"{server}/healthz").json()["status"] == "ok"
 
 
+@pytest.mark.timeout(180)
+def test_bodies_trickled_over_many_connections_hold_no_slot_an_ordinary_request_needs(server) -> None:
+    """200 connections send a completion's head and one byte of its body, then nothing, through
+    Serve's proxy (`shardyard serve`'s HAProxy: test_serve_command). The app's engine takes 16
+    choices and queues 16 more; Serve counts a request from its first byte, so the trickled bodies
+    once filled its slots and an ordinary request got 503 at once. Now the replica holds all 200
+    as bodies still arriving and answers the ordinary request meanwhile."""
+    with trickled_bodies(server, "/v1/completions", TOKEN, 200):
+        metric(server, "ray_shardyard_pending_bodies", "test_app", lambda n: n >= 200)
+        answer = complete(server, prompt="still served?", max_tokens=3)
+        assert answer.status_code == 200, answer.text
+
+
 @pytest.mark.timeout(300)
 def test_killed_shard_under_load_is_rebuilt_and_later_requests_succeed(ray_cluster, server) -> None:
     from ray.util.state import list_actors
@@ -424,7 +437,7 @@ def engine_server(server, default_job_checkpoint):
 
 
 @pytest.mark.timeout(240)
-def test_the_openai_client_completes_chats_and_streams_against_the_engine(engine_server,
+def test_the_openai_client_completes_chats_and_streams_against_the_engine(engine_server, server,
                                                                          default_job_checkpoint) -> None:
     from openai import AsyncOpenAI, BadRequestError, NotFoundError, OpenAI
 
@@ -450,6 +463,10 @@ def test_the_openai_client_completes_chats_and_streams_against_the_engine(engine
     listed = requests.get(f"{engine_server}/v1/models", timeout=30).json()["data"][0]
     assert (listed["served_step"], listed["system_fingerprint"]) == (step, fingerprint)
     metric(engine_server, "ray_shardyard_served_step", "engine_app", lambda n: n == step)
+    # Each app's /metrics holds its own series alone, though one export holds both apps'.
+    theirs = {url: requests.get(f"{url}/metrics", headers=HEADERS, timeout=30).text for url in (engine_server, server)}
+    assert 'application="engine_app"' in theirs[engine_server] and 'application="test_app"' not in theirs[engine_server]
+    assert 'application="test_app"' in theirs[server] and 'application="engine_app"' not in theirs[server]
     refused = requests.post(f"{engine_server}/admin/rollback", timeout=30)  # an app without an operator's token
     assert refused.status_code == 403 and "admin routes are off" in refused.json()["error"]["message"]
     # A stop string ends the text before it, with finish_reason "stop", streamed or not.

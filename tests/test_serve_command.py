@@ -17,7 +17,7 @@ import psutil
 import pytest
 import requests
 
-from conftest import private_file, ray_files_of_their_own, user_environment
+from conftest import private_file, ray_files_of_their_own, trickled_bodies, user_environment
 from shardyard.cli import main
 from shardyard.localdist import free_port, run_distributed
 from shardyard.spec import SpecError
@@ -153,9 +153,17 @@ def test_shardyard_serve_answers_with_vllms_flags_on_a_two_core_machine(run_dir:
             assert answer.usage.completion_tokens == 6
             with pytest.raises(AuthenticationError):
                 OpenAI(base_url=f"{url}/v1", api_key="wrong").completions.create(model="tiny", prompt="x", max_tokens=1)
+            listening = {c.laddr for p in haproxy_of(ray_tmp) for c in p.net_connections("tcp")
+                         if c.status == psutil.CONN_LISTEN}
+            assert ("127.0.0.1", port) in listening  # and its stats page and exporter on loopback alone:
+            assert {ip for ip, _ in listening} == {"127.0.0.1"}, listening  # Ray's template binds them on *
             too_many = requests.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 33},
                                      headers={"Authorization": f"Bearer {SECRET}"}, timeout=30)
             assert too_many.status_code == 422  # --set reached the config
+            with trickled_bodies(url, "/v1/completions", SECRET, 200):  # bodies begun, then silence
+                ordinary = requests.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                                         headers={"Authorization": f"Bearer {SECRET}"}, timeout=30)
+                assert ordinary.status_code == 200, ordinary.text  # before: 503 (Serve's slots were theirs)
             with socket.create_connection(("127.0.0.1", port)) as slow:  # half a request's headers, then silence
                 slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
                 slow.settimeout(60)
@@ -249,3 +257,15 @@ def test_an_haproxy_orphan_of_a_killed_serve_is_stopped_and_any_other_holder_is_
         taken.listen()
         reason = claim("127.0.0.1", port)
         assert reason is not None and f"pid {os.getpid()}" in reason and "stop it" in reason
+
+
+@pytest.mark.timeout(30)
+def test_haproxys_stats_page_and_exporter_are_bound_to_loopback_and_nothing_else_changes() -> None:
+    from shardyard.serve.haproxy_loopback import bind_to_loopback
+
+    config = ("frontend prometheus\n    bind :9101\n    mode http\n"
+              "frontend http_frontend\n    bind 0.0.0.0:8000\n"
+              "listen stats\n  bind *:8404\n  stats enable\n")
+    assert bind_to_loopback(config) == ("frontend prometheus\n    bind 127.0.0.1:9101\n    mode http\n"
+                                        "frontend http_frontend\n    bind 0.0.0.0:8000\n"
+                                        "listen stats\n  bind 127.0.0.1:8404\n  stats enable\n")

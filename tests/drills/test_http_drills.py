@@ -6,6 +6,7 @@ each counted by route template."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
@@ -16,7 +17,7 @@ import pytest
 import requests
 from fastapi import FastAPI, Request
 
-from conftest import private_file, served_by_uvicorn
+from conftest import private_file, served_by_uvicorn, trickled_bodies
 from shardyard.serve.openai_routes import PredictRequest
 from shardyard.serve.guard import GuardSettings, install
 from shardyard.spec import SpecError
@@ -24,6 +25,7 @@ from shardyard.spec import SpecError
 TOKEN = "s3cret-token-of-the-drills"
 LIMIT = 1024
 BODY_TIMEOUT_S = 2.0
+PENDING_BODIES = 50
 
 
 class App:
@@ -33,7 +35,8 @@ class App:
         self.bodies: list[bytes] = []
         self.errors: list[tuple[int, str]] = []
         self.api = FastAPI()
-        install(self.api, GuardSettings(LIMIT, TOKEN, BODY_TIMEOUT_S, lambda status, route: self.errors.append((status, route))))
+        install(self.api, GuardSettings(LIMIT, TOKEN, BODY_TIMEOUT_S, lambda status, route: self.errors.append((status, route)),
+                                        max_pending_bodies=PENDING_BODIES))
 
         @self.api.post("/v1/echo")
         async def echo(request: Request) -> dict:
@@ -198,55 +201,68 @@ def test_the_bearer_token_never_travels_in_deployment_arguments_and_is_never_emp
             read_token(env, file, "admin_token")
 
 
-def trickle(url: str, declared: int) -> socket.socket:
-    """A slowloris client: a POST's whole head with the token, then one byte of its body."""
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)), timeout=30)
-    sock.sendall(f"POST /v1/echo HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {TOKEN}\r\n"
-                 f"Content-Length: {declared}\r\n\r\nx".encode())
-    return sock
-
-
-@pytest.mark.drill(outcome="408 after the body deadline; others served meanwhile", lost="nothing")
+@pytest.mark.drill(outcome="408 for the oldest bodies past the bound and after the body deadline; "
+                           "others served meanwhile", lost="nothing")
 @pytest.mark.timeout(60)
-def test_bodies_trickled_by_many_clients_get_408_and_hold_nothing_after_the_deadline(app) -> None:
-    """200 connections each send a head and one byte of a declared 1 KB body, then nothing: each
-    is answered 408 once the body deadline passes, and an ordinary request sent meanwhile is
-    served at once (without the deadline the connections were held for good)."""
+def test_bodies_trickled_by_many_clients_get_408_and_never_hold_an_ordinary_requests_place(app) -> None:
+    """200 connections each send a head and one byte of a declared 1 KB body, then nothing, with
+    50 bodies let arrive at once: each connection past the 50 ends the oldest one's wait (408), the
+    last 50 get 408 once the body deadline passes, and an ordinary request sent meanwhile is served
+    at once: it takes the oldest trickler's place, not the other way round."""
     app, url = app
-    slow = [trickle(url, LIMIT) for _ in range(200)]
-    try:
+    with trickled_bodies(url, "/v1/echo", TOKEN, 200, LIMIT) as slow:
         started = time.monotonic()
         assert requests.post(f"{url}/v1/echo", data=b"{}", headers=AUTH, timeout=10).json() == {"bytes": 2}
         answers = [read_answer(sock) for sock in slow]
-        assert all(a.startswith(b"HTTP/1.1 408") and b"not received within" in a for a in answers), answers[0]
+        assert all(a.startswith(b"HTTP/1.1 408") for a in answers), answers[0]
+        displaced = [a for a in answers if b"newer requests were sending theirs" in a]
+        assert len(displaced) == 200 + 1 - PENDING_BODIES, len(displaced)
+        assert sum(b"not received within" in a for a in answers) == PENDING_BODIES - 1
         assert time.monotonic() - started < BODY_TIMEOUT_S + 20
-        assert b"x" not in app.bodies  # no trickled body reached the route
-    finally:
-        for sock in slow:
-            sock.close()
+        assert b"{" not in app.bodies  # no trickled body reached the route
 
 
 @pytest.mark.timeout(30)
-def test_a_replicas_limit_counts_choices_not_requests() -> None:
+def test_a_replicas_limit_counts_choices_and_queues_requests_in_order() -> None:
+    """The engine's slots, counted in choices: a request that does not fit waits its turn in
+    order (never overtaken by a smaller one that would fit), among at most `max_waiting`, for
+    `max_wait_s` at most; a request cancelled while waiting, or just as its turn came, leaks
+    nothing."""
     from shardyard.serve.guard import ChoiceLimit, ClientError
 
-    limit = ChoiceLimit(8)
-    whole = limit.take(8)  # an idle replica takes a request up to its limit
-    with pytest.raises(ClientError) as busy:
-        limit.take(1)
-    assert busy.value.status == 503 and busy.value.retry_after_s == 1 and "8 choices in flight" in busy.value.reason
-    whole.give_back()
-    whole.give_back()  # a second path ending the same request returns nothing more
-    assert limit.in_flight == 0
-    limit.take(5)
-    three = limit.take(3)
-    with pytest.raises(ClientError):
-        limit.take(2)  # 5 + 3 in flight: two more would be 10
-    three.give_back()
-    limit.take(2)
-    assert limit.in_flight == 7
-    limit.take(1)
-    with pytest.raises(ClientError):
-        limit.take(1)
-    assert limit.in_flight == 8
+    async def drill() -> None:
+        limit = ChoiceLimit(8, max_waiting=2, max_wait_s=0.3)
+        whole = await limit.take(8)  # an idle replica takes a request up to its limit
+        five = asyncio.ensure_future(limit.take(5))
+        one = asyncio.ensure_future(limit.take(1))
+        await asyncio.sleep(0.01)
+        assert limit.waiting == 2 and not five.done() and not one.done()
+        with pytest.raises(ClientError) as busy:
+            await limit.take(1)
+        assert busy.value.status == 503 and busy.value.retry_after_s == 1
+        assert "8 choices in flight" in busy.value.reason and "2 requests wait already" in busy.value.reason
+        whole.give_back()
+        whole.give_back()  # a second path ending the same request returns nothing more
+        taken_five, taken_one = await five, await one
+        assert limit.in_flight == 6
+        three = asyncio.ensure_future(limit.take(3))  # 6 + 3 > 8: waits
+        two = asyncio.ensure_future(limit.take(2))  # would fit, but comes after the three
+        await asyncio.sleep(0.01)
+        assert not two.done()
+        three.cancel()  # its client left while it waited: the two behind it gets in
+        await asyncio.sleep(0.01)
+        assert two.done() and limit.in_flight == 8 and limit.waiting == 0
+        with pytest.raises(ClientError) as waited:
+            await limit.take(1)  # nobody gives back within max_wait_s
+        assert "waited 0.3 s" in waited.value.reason and limit.waiting == 0
+        late = asyncio.ensure_future(limit.take(5))
+        await asyncio.sleep(0.01)
+        taken_five.give_back()  # its turn comes ...
+        late.cancel()  # ... and its client leaves before it runs: the share goes straight back
+        with pytest.raises(asyncio.CancelledError):
+            await late
+        for held in (taken_one, two.result()):
+            held.give_back()
+        assert limit.in_flight == 0 and limit.waiting == 0
+
+    asyncio.run(drill())

@@ -12,13 +12,14 @@ composes what a replica is made of and hands Ray Serve its hooks:
 - the task that keeps the replica's gauges current (serve/metrics.py).
 
 Every mistake a client can make gets a 4xx in OpenAI's error shape with a reason (the routes'
-modules list them); a full queue is answered 503 with Retry-After by Serve itself
-(`max_queued_requests`), and so is a request whose choices do not fit beside those the replica is
-answering (its concurrency counts choices, not requests).
+modules list them). A request whose body is whole waits in the replica's queue until its choices
+fit beside those the replica is answering (its concurrency counts choices, not requests); a full
+queue (`max_queued_requests`) or a wait past `request_timeout_s` is answered 503 with Retry-After.
 """
 
 import asyncio
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -102,10 +103,12 @@ class ModelServer:
             await app_weights.promote.remote(Path(cfg.checkpoint))
         self.config, self.rollout, self.replica = cfg, rollout, replica
         self.metrics = ServingMetrics()
+        scrape = partial(scrape_cluster, serve.get_replica_context().app_name)
         headers = header_deadline_s()
         print("shardyard: request headers " + (f"not received within {headers} s get 408 (Serve's HAProxy ingress)"
               if headers else "have no receive deadline here (Serve's default proxy: see docs/serving.md)"), flush=True)
         self._tasks: list[asyncio.Task] = []
+        self.guard: GuardSettings | None = None  # made with the HTTP app
         spec = read_spec(cfg.checkpoint).model
         served = served_at_start(cfg)
         self.engine: EngineBackend | None = None
@@ -115,20 +118,21 @@ class ModelServer:
             # gate let through, never a newer checkpoint unchecked); else the checkpoint as given.
             self.engine = start_engine(cfg, cfg.checkpoint if cfg.follow else cfg.source, spec, self.metrics)
             self.answering = Answering(cfg, spec.name, spec.block_size, spec.vocab_size, self.engine, served,
-                                       scrape_cluster)
+                                       scrape)
             if app_weights is not None:
                 gate = WeightGate(cfg, self.engine, served, self.metrics)
                 self.follower = WeightFollower(cfg, gate, Remote(app_weights),
                                                None if rollout is None else Remote(rollout), replica, self.metrics)
         else:  # the MLP: small, served whole by the replica
-            self.answering = Answering(cfg, spec.name, 0, 0, None, served, scrape_cluster,
+            self.answering = Answering(cfg, spec.name, 0, 0, None, served, scrape,
                                        mlp=load_model(cfg.checkpoint, cfg.trust_factory).eval(), in_dim=spec.in_dim)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """The replica's HTTP app, over its own parts (Serve calls this once the replica is made)."""
         cfg = self.config
         guard = GuardSettings(cfg.max_body_bytes, cfg.bearer_token, cfg.body_timeout_s, self.metrics.count_error,
-                              self.start_tasks, cfg.admin_token)
+                              self.start_tasks, cfg.admin_token, max_pending_bodies=cfg.max_pending_bodies)
+        self.guard = guard
         return http_app(guard, self.answering, Admin(self.follower))
 
     def __del__(self) -> None:
@@ -161,6 +165,7 @@ class ModelServer:
                 tallies = {weights: replace(tally) for weights, tally in self.answering.tally.items()}
                 await self.rollout.report.remote(self.replica, served.fingerprint, tallies)
             self.metrics.served_step.set(-1 if served.step is None else served.step)
+            self.metrics.admission(len(self.guard.pending_bodies) if self.guard else 0, self.answering.choices.waiting)
             if self.engine is not None:
                 self.engine.report(self.metrics)
             if arbiter is not None and self.metrics.load is not None:
@@ -195,8 +200,10 @@ def build_app(args: dict[str, Any]) -> "serve.Application":
     cfg = parse_config(args)
     generates = isinstance(read_spec(cfg.checkpoint).model, LANGUAGE_MODELS)
     options: dict[str, Any] = dict(
-        max_ongoing_requests=cfg.concurrency,
-        max_queued_requests=cfg.max_queued_requests,
+        max_ongoing_requests=cfg.request_slots,
+        # Serve's router queues every request it has not yet placed, a burst's included while it
+        # asks the replicas their load: the queue that counts is the replica's (ChoiceLimit).
+        max_queued_requests=cfg.request_slots,
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=1),
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
         ray_actor_options={"num_cpus": REPLICA_CPUS},

@@ -7,8 +7,11 @@
   the app has none (they are off), 401 for any other token.
 - Then size and time: a Content-Length over the limit is refused (413) before the body is read,
   a body sent in chunks (no Content-Length) is read only up to the limit, and a body not received
-  whole within the deadline gets 408: a client that trickles its body (slowloris) holds one of the
-  replica's request slots for that long at most.
+  whole within the deadline gets 408. Bodies still arriving are bounded apart from the engine's
+  slots: Serve's request slots outnumber what the engine takes, and once `max_pending_bodies`
+  bodies are arriving at once a new request ends the oldest one's wait (408). So clients that
+  trickle bodies (slowloris) never hold the slot an ordinary request needs: the engine's slots
+  (ChoiceLimit) are taken only once a body is whole.
 - Every error, whichever layer makes it (a route's ClientError, FastAPI's parsing, Starlette's 404
   and 405, an unhandled exception), leaves in OpenAI's error shape and is counted by status and
   route template: never by the raw path, which a client chooses, so random paths add no series.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,12 +70,15 @@ class GuardSettings:
     # the replica's CPU that authenticated requests need.
     open_per_s: float = 20.0
     open_burst: int = 40
+    max_pending_bodies: int = 256  # requests sending their bodies at once; beyond, the oldest gets 408
+    pending_bodies: PendingBodies = field(init=False, repr=False)
     _expected: dict[str, bytes] = field(init=False, repr=False)  # each token's header, made once
     _open_bucket: tuple[float, float] = field(init=False, repr=False)  # (tokens left, when counted)
 
     def __post_init__(self) -> None:
         self._expected = {t: f"Bearer {t}".encode() for t in (self.token, self.admin_token) if t is not None}
         self._open_bucket = (float(self.open_burst), time.monotonic())
+        self.pending_bodies = PendingBodies(self.max_pending_bodies)
 
     def take_open(self) -> bool:
         """Count one unauthenticated request to an open route: False once the bucket is empty."""
@@ -104,19 +111,67 @@ class ChoiceLimit:
     """A replica's concurrency counted in choices (prompts times n), not HTTP requests as Serve
     counts them: one request carrying many prompts would otherwise take the replica from everyone
     else. A request is let in while the replica is idle, or while its choices fit beside those in
-    flight; else it gets 503 with Retry-After, as Serve's own queue limit answers."""
+    flight; else it waits its turn (first come, first served) among at most `max_waiting`, for
+    `max_wait_s` at most. Past either it gets 503 with Retry-After, as Serve's own queue answers.
+    The queue is here, after the guard has the body, and not in Serve's: Serve counts a request
+    against its limit from its first byte, so there a client that never finishes its body would
+    hold a slot that the engine's requests need."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, max_waiting: int = 0, max_wait_s: float = 30.0) -> None:
         self.limit, self.in_flight = limit, 0
+        self.max_waiting, self.max_wait_s = max_waiting, max_wait_s
+        self._waiting: deque[tuple[int, asyncio.Future[Held]]] = deque()
 
-    def take(self, choices: int) -> Held:
-        """Count a request's choices in, or refuse it (503) if they do not fit now; what is taken
-        is given back once through the returned `Held`, however the request ends."""
-        if self.in_flight and self.in_flight + choices > self.limit:
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def _fits(self, choices: int) -> bool:
+        return not self.in_flight or self.in_flight + choices <= self.limit
+
+    async def take(self, choices: int) -> Held:
+        """Count a request's choices in once they fit, or refuse it (503); what is taken is given
+        back once through the returned `Held`, however the request ends."""
+        if not self._waiting and self._fits(choices):
+            return self._hold(choices)
+        if len(self._waiting) >= self.max_waiting:
             raise ClientError(503, f"busy: {self.in_flight} choices in flight and this request adds {choices}; "
+                                   f"the limit is {self.limit}, and {len(self._waiting)} requests wait already",
+                              retry_after_s=1)
+        entry = (choices, asyncio.get_running_loop().create_future())
+        self._waiting.append(entry)
+        try:
+            await asyncio.wait((entry[1],), timeout=self.max_wait_s)
+        except BaseException:  # cancelled (its client left) while waiting or just as its turn came
+            self._withdraw(entry)
+            raise
+        if not entry[1].done():
+            self._withdraw(entry)
+            raise ClientError(503, f"busy: waited {self.max_wait_s:g} s for room for {choices} choices; "
                                    f"the limit is {self.limit}", retry_after_s=1)
+        return entry[1].result()
+
+    def _hold(self, choices: int) -> Held:
         self.in_flight += choices
         return Held(self, choices)
+
+    def _withdraw(self, entry: tuple[int, asyncio.Future[Held]]) -> None:
+        if entry[1].done():  # its turn had come: give the share straight back
+            entry[1].result().give_back()
+        else:
+            self._waiting.remove(entry)
+            entry[1].cancel()
+            self._let_in()  # it may have been the head that did not fit
+
+    def _let_in(self) -> None:
+        """Hand turns to the waiting requests, in order, while the head fits."""
+        while self._waiting and self._fits(self._waiting[0][0]):
+            choices, turn = self._waiting.popleft()
+            turn.set_result(self._hold(choices))
+
+    def _give_back(self, choices: int) -> None:
+        self.in_flight -= choices
+        self._let_in()
 
 
 class Held:
@@ -129,8 +184,44 @@ class Held:
 
     def give_back(self) -> None:
         if self._limit is not None:
-            self._limit.in_flight -= self.choices
-            self._limit = None
+            limit, self._limit = self._limit, None
+            limit._give_back(self.choices)
+
+
+class PendingBody:
+    """One request whose body is arriving: the receive it waits on, and whether a newer request
+    took its place."""
+
+    def __init__(self) -> None:
+        self.receiving: asyncio.Future[Message] | None = None
+        self.displaced = False
+
+
+class PendingBodies:
+    """The requests whose bodies are arriving, oldest first, `limit` at most: one more ends the
+    oldest's wait. A client trickling bodies over many connections thus takes back its own oldest
+    place, never an ordinary request's, whose body is whole within milliseconds of its head."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._arriving: dict[PendingBody, None] = {}  # insertion order: oldest first
+
+    def __len__(self) -> int:
+        return len(self._arriving)
+
+    def enter(self) -> PendingBody:
+        while len(self._arriving) >= self.limit:
+            oldest = next(iter(self._arriving))
+            del self._arriving[oldest]
+            oldest.displaced = True
+            if oldest.receiving is not None:
+                oldest.receiving.cancel()
+        body = PendingBody()
+        self._arriving[body] = None
+        return body
+
+    def leave(self, body: PendingBody) -> None:
+        self._arriving.pop(body, None)
 
 
 def error_response(status: int, reason: str, field: str | None = None, code: str | None = None) -> JSONResponse:
@@ -204,23 +295,16 @@ class RequestGuard:
         declared = next((value for name, value in scope["headers"] if name == b"content-length"), None)
         if declared is not None and int(declared) > limit:  # the HTTP server has checked it is a number
             return error_response(413, f"request body is {int(declared)} bytes; the limit is {limit}"), receive
-        chunks, size, more = [], 0, True
-        deadline = time.monotonic() + settings.body_timeout_s
-        while more:
-            try:
-                message = await asyncio.wait_for(receive(), deadline - time.monotonic())
-            except asyncio.TimeoutError:
-                return error_response(408, f"the request body was not received within {settings.body_timeout_s:g} s",
-                                      code="body_timeout"), receive
-            if message["type"] == "http.disconnect":
-                return None, None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                return error_response(413, f"request body is over {limit} bytes; the limit is {limit}"), receive
-            chunks.append(chunk)
-            more = message.get("more_body", False)
-        body, replayed = b"".join(chunks), False
+        pending = settings.pending_bodies.enter()
+        try:
+            refusal, body = await self._read_body(receive, settings, pending)
+        finally:
+            settings.pending_bodies.leave(pending)
+        if refusal is not None:
+            return refusal, receive
+        if body is None:  # the client left
+            return None, None
+        replayed = False
 
         async def replay() -> Message:
             nonlocal replayed
@@ -230,6 +314,36 @@ class RequestGuard:
             return {"type": "http.request", "body": body, "more_body": False}
 
         return None, replay
+
+    @staticmethod
+    async def _read_body(receive: Receive, settings: GuardSettings,
+                         pending: PendingBody) -> tuple[JSONResponse | None, bytes | None]:
+        """The whole body (None: the client left), or why it is refused."""
+        limit, timeout_s = settings.max_body_bytes, settings.body_timeout_s
+        chunks, size, more = [], 0, True
+        deadline = time.monotonic() + timeout_s
+        while more:
+            pending.receiving = asyncio.ensure_future(receive())
+            try:
+                message = await asyncio.wait_for(pending.receiving, deadline - time.monotonic())
+            except asyncio.TimeoutError:
+                return error_response(408, f"the request body was not received within {timeout_s:g} s",
+                                      code="body_timeout"), None
+            except asyncio.CancelledError:
+                if not pending.displaced or asyncio.current_task().cancelling():
+                    raise  # the request itself is being cancelled
+                return error_response(408, f"the request body was not received whole while "
+                                           f"{settings.max_pending_bodies} newer requests were sending theirs",
+                                      code="body_timeout"), None
+            if message["type"] == "http.disconnect":
+                return None, None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return error_response(413, f"request body is over {limit} bytes; the limit is {limit}"), None
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        return None, b"".join(chunks)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:

@@ -12,8 +12,9 @@ HAProxy also forwards to the replica's own HTTP server, one hop fewer than throu
 actor (Serve's direct ingress).
 
 What Ray's template does that a user should know: it binds a read-only stats page and a Prometheus
-exporter on every interface (here on free ports, so two instances on a machine do not collide),
-and its admin socket is mode 666, so its files go in a directory of this user's alone.
+exporter on every interface; here they are bound to the loopback interface (serve/haproxy_loopback.py)
+on free ports, so two instances on a machine do not collide. Its admin socket is mode 666, so its
+files go in a directory of this user's alone.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from shardyard.serve import haproxy_loopback as loopback
 
 ENABLE = "RAY_SERVE_ENABLE_HA_PROXY"
 CLIENT_TIMEOUT = "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S"
@@ -62,7 +65,7 @@ def quiet_free_port(taken: set[int] = frozenset()) -> int:
             continue
         with socket.socket() as probe:
             try:
-                probe.bind(("0.0.0.0", port))  # HAProxy binds every interface
+                probe.bind(("0.0.0.0", port))  # free on every interface: the strictest probe
             except OSError:
                 continue
         return port
@@ -78,7 +81,7 @@ def haproxy_environment(header_timeout_s: int, files: str) -> dict[str, str]:
             # (at 30 s, Ctrl-C took 36 s to stop the command instead of 7).
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(MIN_DRAINING_PERIOD_S),
             "RAY_SERVE_HAPROXY_STATS_PORT": str(stats), "RAY_SERVE_HAPROXY_METRICS_PORT": str(quiet_free_port({stats})),
-            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": files,
+            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": files, loopback.BINARY: loopback.script(files),
             **{variable: os.path.join(files, name) for variable, name in FILES.items()}}
 
 

@@ -6,9 +6,9 @@ every app (a registry inside the replica would show whichever replica the proxy 
 already exports request counts, latency by route and status, its queue and its 503s
 (`ray_serve_*`); these are what only the app sees: the decoding itself.
 
-`GET /metrics` on the app answers with the `ray_serve_*` and `ray_shardyard_*` series of every
-live node's export endpoint (Prometheus text), so a user without a Prometheus server still sees
-them all. The agents publish every few seconds: a value appears there a little after it happened.
+`GET /metrics` on the app answers with its own `ray_serve_*` and `ray_shardyard_*` series (those
+labelled with its application) from every live node's export endpoint (Prometheus text), so a
+user without a Prometheus server still sees them all, and nobody another app's. The agents publish every few seconds: a value appears there a little after it happened.
 """
 
 from __future__ import annotations
@@ -68,6 +68,10 @@ class ServingMetrics:
         # an unhandled exception answered 500) included; the route is a template, never a raw path.
         self.errors = metrics.Counter("shardyard_http_errors", "error responses by status and route",
                                       tag_keys=("status", "route"))
+        # Before the engine: requests still sending their bodies, and those whole and waiting for
+        # the engine's slots (the replica's queue, which Serve's own queue series do not count).
+        self.pending_bodies = metrics.Gauge("shardyard_pending_bodies", "requests still sending their bodies")
+        self.queued = metrics.Gauge("shardyard_queued_requests", "requests waiting for room in the engine")
         self._engine_tokens = 0
         # What the engine reported last, as a pool's arbiter reads it (pool/load.py's ReplicaLoad).
         self.load: dict[str, Any] | None = None
@@ -84,6 +88,10 @@ class ServingMetrics:
     def batch_finished(self, elapsed: float) -> None:
         self.compute.observe(elapsed)
         self.batch_busy.inc(max(elapsed, 1e-9))
+
+    def admission(self, pending_bodies: int, queued: int) -> None:
+        self.pending_bodies.set(pending_bodies)
+        self.queued.set(queued)
 
     def count_error(self, status: int, route: str) -> None:
         self.errors.inc(tags={"status": str(status), "route": route})
@@ -110,8 +118,9 @@ class ServingMetrics:
                      "kv_blocks": stats.cache_blocks, "ttft_s": ttft}
 
 
-def scrape_cluster(timeout_s: float = 5.0) -> str:
-    """The Serve and shardyard series of every live node's metrics export endpoint."""
+def scrape_cluster(app: str, timeout_s: float = 5.0) -> str:
+    """This application's Serve and shardyard series from every live node's metrics export endpoint
+    (each node's export holds every application's: another app's are not this app's clients' to read)."""
     lines: list[str] = []
     for node in ray.nodes():
         port = node.get("MetricsExportPort")
@@ -119,11 +128,21 @@ def scrape_cluster(timeout_s: float = 5.0) -> str:
             continue
         try:
             with urllib.request.urlopen(f"http://{node['NodeManagerAddress']}:{port}/metrics", timeout=timeout_s) as r:
-                text = r.read().decode()
+                lines += r.read().decode().splitlines()
         except OSError:  # a node going away: the others still answer
             continue
-        for line in text.splitlines():
-            name = line.split(" ", 3)[2] if line.startswith("# ") and len(line.split(" ")) > 2 else line
-            if name.startswith(EXPORTED_PREFIXES):
-                lines.append(line)
-    return "\n".join(lines) + "\n"
+    return "\n".join(series_of(app, lines)) + "\n"
+
+
+def series_of(app: str, lines: list[str]) -> list[str]:
+    """The samples (Prometheus text) labelled with `app` of the exported prefixes, with the HELP
+    and TYPE lines of their metrics."""
+    label = f'application="{app}"'
+    kept = {line for line in lines if line.startswith(EXPORTED_PREFIXES) and label in line.partition("} ")[0]}
+    names = {line.partition("{")[0] for line in kept}
+
+    def describes(line: str) -> bool:  # "# HELP <name> ..." or "# TYPE <name> <kind>" (a histogram's too)
+        words = line.split(" ", 3)
+        return len(words) > 2 and any(n == words[2] or n.startswith(words[2] + "_") for n in names)
+
+    return [line for line in lines if line in kept or (line.startswith("# ") and describes(line))]

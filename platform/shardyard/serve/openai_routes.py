@@ -68,14 +68,14 @@ class Answering:
     vocabulary: int
     engine: EngineBackend | None
     served: Served
-    scrape: Callable[[], str]  # every node's metrics text
+    scrape: Callable[[], str]  # this app's series from every node's metrics export
     mlp: torch.nn.Module | None = None
     in_dim: int = 0
     started: int = field(default_factory=lambda: int(time.time()))
     tally: dict[str, Tally] = field(default_factory=dict)  # requests answered, by the weights that answered them
 
     def __post_init__(self) -> None:
-        self.choices = ChoiceLimit(self.cfg.concurrency)
+        self.choices = ChoiceLimit(self.cfg.concurrency, self.cfg.max_queued_requests, self.cfg.request_timeout_s)
         self.codec, self.stop_token = self.cfg.codec, self.cfg.stop_token
         self._scrape, self._scrape_lock = (float("-inf"), ""), asyncio.Lock()
 
@@ -204,7 +204,7 @@ async def healthz(a: Replica) -> Response:
 
 @router.get("/metrics")
 async def metrics_text(a: Replica) -> Response:
-    """Every replica's series (and Serve's own), from every node's metrics export endpoint."""
+    """This app's series, every replica's (and Serve's own for the app), from every node's export."""
     return Response(await a.metrics_text(), media_type="text/plain; version=0.0.4")
 
 
@@ -218,7 +218,7 @@ async def answer(a: Answering, prompts: list[list[int]], body: oa.CompletionRequ
     id_ = oa.completion_id(chat)
     requests = a.completions(prompts, body)
     prompt_tokens = sum(len(p) for p in prompts)
-    held = a.choices.take(len(requests))
+    held = await a.choices.take(len(requests))
     if body.stream:
         options = body.stream_options or oa.StreamOptions()
         return HeldStream(_stream(a, requests, body.stop, chat, id_, options, prompt_tokens), held)
