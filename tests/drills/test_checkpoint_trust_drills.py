@@ -355,6 +355,27 @@ def test_a_record_that_parses_but_cannot_be_trusted_falls_back_with_a_reason(tmp
     assert CheckpointManager(spec.run_uri, keep=3).restore(engine).step == 2
 
 
+@pytest.mark.drill(outcome="refused", lost="nothing")
+def test_a_file_swapped_after_serving_verified_the_checkpoint_is_refused_as_it_is_read(tmp_path: Path) -> None:
+    """Serving verifies the checkpoint it picks (`servable`), then its shards read it; a writer of
+    the run who swaps a file in between (another checkpoint's weights: valid, only not these)
+    must not have them served. Every read is checked against the record that was judged."""
+    from shardyard.checkpoint.loaders import load_model, load_model_part, servable
+    from shardyard.checkpoint.record import BadCheckpoint
+
+    run, _ = two_checkpoints(tmp_path)
+    chosen = servable(run)
+    assert chosen.name == "checkpoint_step_00000004"
+    swapped = sorted(chosen.glob("*.distcp"))
+    assert swapped
+    for data in swapped:
+        data.write_bytes((run / "checkpoint_step_00000002" / data.name).read_bytes())
+    for load in (lambda: load_model(chosen, verify=False),  # the MLP's replica, `shardyard export`
+                 lambda: load_model_part(chosen, lambda model: model, torch.device("cpu"))):  # a shard
+        with pytest.raises(BadCheckpoint, match=swapped[0].name):
+            load()
+
+
 @pytest.mark.drill(outcome="recovered", lost="nothing")
 def test_steps_of_nine_digits_and_more_are_checkpoints_like_any_other(tmp_path: Path) -> None:
     """A long run (or one resumed with a large step) passes 99,999,999: its checkpoints' names

@@ -96,8 +96,8 @@ def load_model(checkpoint_dir: str | Path, trust_factory: str | None = None, ver
                            f"{sorted(set(result.missing_keys) - aliases)}, unexpected {result.unexpected_keys}")
         return model
     state = {f"model.{k}": v for k, v in model.state_dict().items()}
-    with single_process_io():
-        read_dcp(state, checkpoint_dir, no_dist=True)
+    with single_process_io():  # each file checked as read against the record judged above
+        read_dcp(state, checkpoint_dir, no_dist=True, expected=record["files"])
     model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
     return model
 
@@ -127,11 +127,13 @@ def load_model_part(checkpoint_dir: str | Path, part: Callable[[nn.Module], nn.M
         _fill_from_zero(piece, checkpoint_dir, stored)
         return piece
     state = {f"model.{k}": v for k, v in piece.state_dict().items()}
+    # Each file is checked as it is read against the record read above: a file swapped after
+    # `servable` verified the checkpoint is refused, not served.
     if collective:
-        read_dcp(state, checkpoint_dir)
+        read_dcp(state, checkpoint_dir, expected=record["files"])
     else:
         with single_process_io():
-            read_dcp(state, checkpoint_dir, no_dist=True)
+            read_dcp(state, checkpoint_dir, no_dist=True, expected=record["files"])
     piece.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
     return piece
 
