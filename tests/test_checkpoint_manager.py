@@ -268,3 +268,30 @@ def test_export_and_serving_hand_deepspeed_the_checked_zero_files_too(tmp_path: 
         with pytest.raises(Exception):  # not a whole DeepSpeed checkpoint: DeepSpeed refuses the copy
             load()
         assert not marker.exists()
+
+
+def zero_save_recording_flushes(rank: int, world: int, storage: str) -> list[str]:
+    """Train ZeRO-2 to its first checkpoint; the names of the files this rank flushed to disk."""
+    from shardyard.checkpoint import store
+    from test_strategies import job, train, with_storage
+
+    flushed: list[str] = []
+    real = store.fsync_path
+
+    def recorded(path: str) -> None:
+        flushed.append(os.path.basename(path))
+        real(path)
+
+    store.fsync_path = recorded
+    train(rank, world, with_storage(job({"strategy": "zero2"}, world, 4), Path(storage), steps=2))
+    return flushed
+
+
+@pytest.mark.timeout(240)
+def test_every_rank_flushes_its_own_zero_partition_before_the_commit(tmp_path: Path) -> None:
+    """DeepSpeed writes each rank's partition on that rank's node; rank 0's flush at commit
+    reaches its own node's writes only (a file system shared by nodes). Each rank flushes its own."""
+    from shardyard.localdist import run_distributed
+
+    for rank, flushed in enumerate(run_distributed(zero_save_recording_flushes, 2, str(tmp_path))):
+        assert f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" in flushed, (rank, flushed)

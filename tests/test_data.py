@@ -214,6 +214,47 @@ def test_shards_whose_tokenizer_outgrows_the_model_are_refused_before_training(t
                                    "eval.every_n_steps=5", f"checkpoint.storage_path={tmp_path}/runs"]))
 
 
+@pytest.mark.timeout(60)
+def test_a_runs_tokenizer_is_adopted_whole_and_judged_by_every_file(tmp_path: Path) -> None:
+    """The run keeps its data's tokenizer: written whole (never a folder half full for serving to
+    read), judged by every file's digest (not by tokenizer.json alone), a launch cut off part way
+    completed by the next; an index that sends the read to another folder is refused."""
+    from shardyard.spec import SpecError, load_spec
+    from shardyard.train.launcher import ADOPTED, adopt_tokenizer
+
+    def prepared(name: str, config: str, folder: str = "tokenizer") -> Path:
+        data = tmp_path / name
+        (data / "tokenizer").mkdir(parents=True)
+        writer = SplitWriter(data, "train", np.dtype("<u2"), shard_tokens=1024)
+        writer.add(np.arange(3000, dtype=np.uint32) % 256)
+        write_index(data, np.dtype("<u2"), 256, {"train": writer.close()}, tokenizer={"kind": "hf", "dir": folder})
+        (data / "tokenizer" / "tokenizer.json").write_text('{"model": "bpe"}')
+        (data / "tokenizer" / "tokenizer_config.json").write_text(config)
+        return data
+
+    def spec_of(data: Path, run: str):
+        return load_spec(None, ["data.name=shards", f"data.path={data}", f"run.name={run}",
+                                f"checkpoint.storage_path={tmp_path}/runs"])
+
+    data, other = prepared("data", '{"eos": "<e>"}'), prepared("other", '{"eos": "</s>"}')
+    adopt_tokenizer(spec_of(data, "first"))
+    kept = tmp_path / "runs" / "first"
+    assert sorted(p.name for p in kept.iterdir()) == ["tokenizer"]  # nothing left aside
+    assert sorted(p.name for p in (kept / "tokenizer").iterdir()) == [ADOPTED, "tokenizer.json", "tokenizer_config.json"]
+    adopt_tokenizer(spec_of(data, "first"))  # the same data again: nothing to do
+    with pytest.raises(SpecError, match="was tokenized with another"):  # the same tokenizer.json, not the same tokenizer
+        adopt_tokenizer(spec_of(other, "first"))
+
+    cut = tmp_path / "runs" / "cut" / "tokenizer"  # a launch stopped after its first file
+    cut.mkdir(parents=True)
+    (cut / "tokenizer.json").write_text('{"model": "bpe"}')
+    adopt_tokenizer(spec_of(data, "cut"))
+    assert (cut / "tokenizer_config.json").read_text() == '{"eos": "<e>"}' and (cut / ADOPTED).is_file()
+
+    with pytest.raises(SpecError, match="names the tokenizer's folder '../data/tokenizer'"):
+        adopt_tokenizer(spec_of(prepared("elsewhere", "{}", folder="../data/tokenizer"), "third"))
+
+
 # ----------------------------------------------------------------------------- with Ray Data
 
 

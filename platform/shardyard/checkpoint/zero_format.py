@@ -130,6 +130,11 @@ class DeepSpeedFormat:
         url = storage.url(name)
         with storage_errors(url), _writable_local(RunStorage(url)) as local:  # the local copy goes either way
             engine.ds.save_checkpoint(str(local), tag=ZERO_DIR, client_state={UNIVERSAL_CHECKPOINT_INFO: info})
+        if not storage.remote:
+            # Every rank flushes what it can see before the commit's barrier: on a file system
+            # shared by nodes, rank 0's flush at commit reaches its own node's writes only, and
+            # each rank's partition file was written on that rank's node.
+            RunStorage(url).sync(ZERO_DIR)
 
         def files() -> dict[str, FileEntry]:
             if rank() != 0:

@@ -222,5 +222,8 @@ def tokenizer_files(path: str) -> dict[str, bytes]:
     directory = index.get("tokenizer", {}).get("dir")
     if directory is None:
         return {}
+    if directory != TOKENIZER_DIR:  # prepare writes it there; an index may not send the read elsewhere
+        raise ShardIndexError(f"{path.rstrip('/')}/{INDEX_FILE} names the tokenizer's folder {directory!r}; "
+                              f"prepared data keeps it in {TOKENIZER_DIR!r}: prepare the data again")
     fs, _, (root,) = fsspec.get_fs_token_paths(f"{path.rstrip('/')}/{directory}")
     return {Path(f).name: fs.cat_file(f) for f in fs.ls(root, detail=False)}

@@ -15,8 +15,11 @@ checkpoint at the next step boundary and stop (`<run>/PREEMPT`); the driver then
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import queue
+import secrets
 import signal
 import sys
 import threading
@@ -214,19 +217,47 @@ def check_shards(spec: JobSpec) -> None:
     adopt_tokenizer(spec)
 
 
+ADOPTED = "ADOPTED.json"  # in the run's tokenizer/: each adopted file's digest
+
+
 def adopt_tokenizer(spec: JobSpec) -> None:
     """The data's tokenizer goes into the run directory (`tokenizer/`) at the run's first launch:
     serving and exports find it there, wherever the data goes later. A later launch on data of
-    another tokenizer is refused: the model's ids would mean other text."""
-    files = tokenizer_files(spec.data.path)
-    storage = RunStorage(spec.run_uri)
-    if storage.exists(TOKENIZER_DIR, "tokenizer.json"):
-        if storage.read_bytes(TOKENIZER_DIR, "tokenizer.json") != files.get("tokenizer.json"):
-            raise SpecError(f"run '{spec.run.name}' was trained with the tokenizer in {storage.url(TOKENIZER_DIR)}; "
-                            f"data.path {spec.data.path!r} was tokenized with another: use another run.name")
+    another tokenizer is refused: the model's ids would mean other text.
+
+    The run has adopted a tokenizer once `tokenizer/ADOPTED.json` lists every file's digest; it is
+    written last (locally the folder appears whole: it is written aside and renamed into place),
+    so a launch cut off part way is completed by the next, never taken for adopted."""
+    try:
+        files = tokenizer_files(spec.data.path)
+    except ValueError as err:  # ShardIndexError: an index that names another folder
+        raise SpecError(f"data.path {spec.data.path!r}: {err}") from None
+    if not files:
         return
+    storage = RunStorage(spec.run_uri)
+    digests = {name: hashlib.sha256(data).hexdigest() for name, data in sorted(files.items())}
+    refusal = SpecError(f"run '{spec.run.name}' was trained with the tokenizer in {storage.url(TOKENIZER_DIR)}; "
+                        f"data.path {spec.data.path!r} was tokenized with another: use another run.name")
+    manifest = json.dumps(digests, indent=1).encode()
+    if storage.exists(TOKENIZER_DIR, ADOPTED):
+        if json.loads(storage.read_bytes(TOKENIZER_DIR, ADOPTED)) != digests:
+            raise refusal
+        return
+    if storage.exists(TOKENIZER_DIR, "tokenizer.json"):  # adopted before the list was kept, or cut short
+        if storage.read_bytes(TOKENIZER_DIR, "tokenizer.json") != files.get("tokenizer.json"):
+            raise refusal
+    elif not storage.remote and not storage.exists(TOKENIZER_DIR):
+        aside = f"{TOKENIZER_DIR}.adopting-{secrets.token_hex(4)}"
+        for name, data in {**files, ADOPTED: manifest}.items():
+            storage.write_bytes(data, aside, name)
+        if storage.place(aside, TOKENIZER_DIR):
+            return
+        storage.delete(aside)  # another launch placed one meanwhile: judged below like any other
+        return adopt_tokenizer(spec)
     for name, data in files.items():
         storage.write_bytes(data, TOKENIZER_DIR, name)
+    if not storage.create_exclusive(manifest, TOKENIZER_DIR, ADOPTED):
+        adopt_tokenizer(spec)  # another launch listed its files first: theirs must be these
 
 
 # What a resumed run may not change: the stored weights, or the stored data position (a place in
