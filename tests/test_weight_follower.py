@@ -130,3 +130,22 @@ def test_a_checkpoint_that_answers_a_golden_prompt_otherwise_is_refused_and_undo
         assert served.step == 30 and await answer(follower) == expected
 
     run_closing(follower.gate.engine, scenario)
+
+
+@pytest.mark.timeout(120)
+def test_a_publish_of_a_launch_that_lost_the_run_is_passed_over_for_the_new_holders_checkpoint(tmp_path: Path) -> None:
+    """A launch taken over (generation 1) publishes once more, at step 40, before its next lease
+    look; the new holder (generation 2) commits step 20. The follower serves the new holder's
+    checkpoint, never the discarded trajectory's weights, however far they got."""
+    from shardyard.checkpoint.lease import RunLease
+    from shardyard.checkpoint.published import Published
+
+    run = tmp_path / "gpt_ddp"
+    commit(run, 10)
+    follower, app_weights = follower_of(run)
+    RunLease(str(run), run.name).acquire()  # generation 1, which then loses the run
+    RunLease(str(run), run.name).acquire(take_over=True)  # generation 2
+    commit(run, 20)
+    app_weights.put(Published(run.name, 40, read_spec(run / checkpoint_name(10)).model, [], generation=1))
+    run_closing(follower.gate.engine, follower.look)
+    assert follower.served.step == 20

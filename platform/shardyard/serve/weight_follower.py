@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 
+from shardyard.checkpoint.generations import current_lease
 from shardyard.checkpoint.loaders import committed_record
 from shardyard.checkpoint.published import Published
 from shardyard.checkpoint.record import BadCheckpoint, checkpoint_name, newest_good, step_of
@@ -137,8 +138,13 @@ class WeightFollower:
         if found is not None:
             options.append((step_of(found[0].name), 0, found[0], found[1].get("time")))
         published = view.published
-        if published is not None and published.run == self.served.run_name and published.step not in self.unreachable:
+        if published is not None and published.run == self.served.run_name and published.step not in self.unreachable \
+                and published.generation >= await asyncio.to_thread(self._newest_generation):
             options.append((published.step, 1, published, published.time))
+        # (A publish of an older generation than the run's newest lease came from a launch that
+        # had lost the run and published once more before its next lease look: a trajectory the
+        # new holder discarded. AppWeights keeps the newer generation's publish over it; until the
+        # new holder publishes, the follower passes it over here.)
         options = [o for o in options if o[0] > self.follow_after and o[0] not in self.served.refused]
         if not options:
             return None
@@ -153,6 +159,11 @@ class WeightFollower:
         print(f"shardyard: step {step} refused after its canary: {reason}", flush=True)
         if self.served.step == step and len(self.served.sources) > 1:
             await self.gate.serve(self.served.sources[-2], operator=True)
+
+    def _newest_generation(self) -> int:
+        """The run's newest lease generation (0: never leased)."""
+        lease = current_lease(RunStorage(self.cfg.source))
+        return lease["generation"] if lease else 0
 
     def _newest_committed(self) -> tuple[Path, dict[str, Any]] | None:
         """The run's newest checkpoint with a valid commit record, and the record. Its files are
