@@ -22,7 +22,7 @@ from shardyard.checkpoint.layout import TrainState
 from shardyard.checkpoint.lease import LeaseFence, LeaseLost, RunLease, StoreCannotFence, identity
 from shardyard.checkpoint.manager import CheckpointManager
 from shardyard.checkpoint.reader_holds import HOLDS_DIR, CheckpointHold, HoldWatch, live_holds
-from shardyard.checkpoint.record import (COMMIT_FILE, BadCheckpoint, CommitRefused, attempt_name, commit, committed,
+from shardyard.checkpoint.record import (COMMIT_FILE, BadCheckpoint, CommitRefused, attempt_name, commit, committed, entry,
                                          make_record, newest_good, read_record)
 from shardyard.checkpoint.store import RunStorage
 from shardyard.models import build_model
@@ -208,6 +208,43 @@ def test_a_commit_is_made_only_if_absent_and_a_stale_record_in_its_place_is_set_
     assert not storage.exists(written) and not any(".stale-" in n for n in storage.list())
     new.release()
     old.release()
+
+
+@pytest.mark.drill(outcome="committed beside, never replaced", lost="nothing")
+def test_on_an_object_store_no_commit_deletes_another_writers_record(bucket) -> None:
+    """An object store has no rename and no compare-and-delete. A holder (generation 2) finds a
+    stale writer's record (generation 1) at step 4's name; a third launch (generation 3) takes the
+    run and commits step 4 while the holder is between its judgement and its write. Replacing the
+    stale record (delete, then create) deleted the third launch's commit too; each writer's record
+    now has a key of its own, nothing is deleted, and the newest writer's record is the one read."""
+    storage = RunStorage("s3://bucket/runs/run")
+    leases = [RunLease(storage.url(), "run", ttl_s=30) for _ in range(3)]
+    leases[0].acquire()
+    leases[1].acquire(take_over=True)  # from no checkpoint: generation 1's step 4 will be stale
+    name = "checkpoint_step_00000004"
+
+    def save_of(generation: int) -> tuple[str, str, dict]:
+        """A save's directory, the checkpoint's name, and the record a commit of it makes."""
+        written = attempt_name(name, generation)
+        storage.write_bytes(b"{}", written, "spec.json")
+        return written, name, make_record(4, 1, "dcp", {"spec.json": entry(b"{}")}, float(generation),
+                                    generation=generation, base_step=-1)
+
+    commit(storage, *save_of(1))  # the stale writer's late commit
+    third = []
+
+    def third_launch_commits_meanwhile() -> None:  # the holder's fence check, just before its write
+        leases[2].acquire(take_over=True)
+        commit(storage, *save_of(3))
+        third.append(read_record(storage, name))
+
+    commit(storage, *save_of(2), fence=third_launch_commits_meanwhile)
+    assert third and third[0]["generation"] == 3
+    assert read_record(storage, name)["generation"] == 3  # the third's commit stands
+    assert sorted(key for key in storage.list(name) if key.startswith(COMMIT_FILE)) == [
+        f"{COMMIT_FILE}.{g:08d}-000000" for g in (1, 2, 3)]
+    for lease in leases:
+        lease.release()
 
 
 @pytest.mark.drill(outcome="refused with a message", lost="nothing")

@@ -50,9 +50,12 @@ from shardyard.checkpoint.record import (
     committed,
     entry,
     files_at,
+    has_record,
     make_record,
     newest_good,
     read_record,
+    record_keys,
+    saves_named,
     step_of,
     valid_record,
 )
@@ -338,14 +341,15 @@ class CheckpointManager:
 
     def _remove(self, name: str) -> None:
         """A committed checkpoint gone: out of the run's names at once (locally a rename; on an
-        object store its record first), then its files."""
+        object store its records first), then its files."""
         if not self.storage.remote:
             self.storage.delete(self.storage.set_aside(name, "pruned"))
             return
-        record = read_record(self.storage, name)
-        self.storage.delete(name, COMMIT_FILE)
-        if record is not None and files_at(name, record) != name:
-            self.storage.delete(files_at(name, record))
+        saves = saves_named(self.storage, name)
+        for key in record_keys(self.storage, name):  # out of the run's names first
+            self.storage.delete(name, key)
+        for save in saves:
+            self.storage.delete(save)
         self.storage.delete(name)
 
     def _set_aside_bad(self, bad: list[str], after: str | None) -> None:
@@ -369,7 +373,7 @@ class CheckpointManager:
         try:
             read_record(self.storage, name, lineage)
         except BadCheckpoint:
-            return self.storage.exists(name, COMMIT_FILE)
+            return has_record(self.storage, name)
         return False
 
     def _committed(self, name: str, generation: int) -> bool:

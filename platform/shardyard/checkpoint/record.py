@@ -14,6 +14,11 @@ names each bad one in a warning and falls back to the next older. A record that 
 A record also names the lease generation of the launch that wrote it: a stale writer's commit,
 landing after another launch took the run over, is no part of the run (generations.py), and the
 record is made only if none has its name yet, so it never replaces the new holder's.
+
+On an object store (no rename, no compare-and-delete) each writer's record has a key of its own,
+`COMMITTED.<generation>-<attempt>`, made only if absent: no commit deletes or replaces another's
+record, whatever the timing, and readers take the valid record of the newest writer (a stale
+writer is always an older generation or worker group than the one it lost the run to).
 """
 
 from __future__ import annotations
@@ -126,31 +131,63 @@ def files_at(name: str, record: dict[str, Any]) -> str:
     return record.get("files_at", name)
 
 
+def record_key(record: dict[str, Any]) -> str:
+    """A record's key on an object store: its writer's own (generation, worker group)."""
+    return f"{COMMIT_FILE}.{record.get('generation', 0):08d}-{record.get('attempt') or 0:06d}"
+
+
+def record_keys(storage: RunStorage, name: str) -> list[str]:
+    """The record files checkpoint `name` may hold: `COMMITTED` on a file system; on an object
+    store each writer's key (and `COMMITTED`, as earlier versions made it there)."""
+    if not storage.remote:
+        return [COMMIT_FILE]
+    return [key for key in storage.list(name) if key == COMMIT_FILE or key.startswith(COMMIT_FILE + ".")]
+
+
+def has_record(storage: RunStorage, name: str) -> bool:
+    """Whether `name` holds any record file, valid or not."""
+    return storage.exists(name, COMMIT_FILE) if not storage.remote else bool(record_keys(storage, name))
+
+
+def saves_named(storage: RunStorage, name: str) -> set[str]:
+    """The save directories `name`'s records on an object store name as where their files are,
+    whatever the records' worth (for removing the checkpoint whole)."""
+    saves = set()
+    for key in record_keys(storage, name):
+        try:
+            record = json.loads(storage.read_bytes(name, key))
+        except (FileNotFoundError, ValueError):
+            continue
+        if isinstance(record, dict) and isinstance(record.get("files_at"), str) and "/" not in record["files_at"] \
+                and attempt_generation(record["files_at"]) is not None:
+            saves.add(record["files_at"])
+    return saves
+
+
 def commit(storage: RunStorage, written: str, name: str, record: dict[str, Any],
            fence: Callable[[], None] = lambda: None) -> None:
     """Commit the checkpoint written under `written` (attempt_name) as `name`: its files made
     durable, then the record. Locally the record goes into `written`, which is renamed to `name`
     in one step, refused while `name` holds anything; on an object store the record is created
-    at `name` only if none is there, naming `written` as where its files are. A valid record
-    already at `name` raises CommitRefused. What else holds the name (a stale writer's commit, a
-    write an older version cut short) is set aside first, `fence` checked right before; and if
-    what was moved turns out valid after all (committed between the look and the move), it is put
-    back and the commit refused: no valid commit is ever removed."""
+    under this writer's own key at `name`, naming `written` as where its files are, beside any
+    other writer's (nothing there is ever deleted). A valid record already at `name` raises
+    CommitRefused. Locally, what else holds the name (a stale writer's commit, a write an older
+    version cut short) is set aside first, `fence` checked right before; and if what was moved
+    turns out valid after all (committed between the look and the move), it is put back and the
+    commit refused: no valid commit is ever removed."""
     storage.sync(written)
     if storage.remote:
-        data = json.dumps({**record, "files_at": written}).encode()
-        claim = lambda: storage.create_exclusive(data, name, COMMIT_FILE)  # noqa: E731
-    else:
-        storage.write_bytes(json.dumps(record).encode(), written, COMMIT_FILE)
-        claim = lambda: storage.place(written, name)  # noqa: E731
+        _refuse_if_valid(storage, name)
+        fence()
+        if not storage.create_exclusive(json.dumps({**record, "files_at": written}).encode(), name, record_key(record)):
+            raise CommitRefused(f"{storage.url(name, record_key(record))} was made by this writer already")
+        return
+    storage.write_bytes(json.dumps(record).encode(), written, COMMIT_FILE)
     for _ in range(3):
-        if claim():
+        if storage.place(written, name):
             return
         _refuse_if_valid(storage, name)
         fence()
-        if storage.remote:  # the record alone claims the name there; its files stay where they are
-            storage.delete(name, COMMIT_FILE)
-            continue
         aside = storage.set_aside(name, "stale")
         try:
             _refuse_if_valid(storage, aside, step_of(name))
@@ -181,26 +218,38 @@ def _refuse_if_valid(storage: RunStorage, directory: str, step: int | None = Non
 
 def read_record(storage: RunStorage, name: str, lineage: Lineage | None = None,
                 step: int | None = None, judged: bool = True) -> dict[str, Any] | None:
-    """The commit record of checkpoint `name`; None while it has none (not committed).
-    Raises BadCheckpoint for a record that exists but cannot be trusted, or that a stale writer
-    made (judged by `lineage`, the run's lease generations; read now if not given)."""
-    try:
-        data = storage.read_bytes(name, COMMIT_FILE)
-    except FileNotFoundError:
-        return None
-    where = storage.url(name, COMMIT_FILE)
-    if not data.strip():
-        raise BadCheckpoint(f"{where} is empty (a commit cut off before its data reached the disk)")
-    try:
-        record = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise BadCheckpoint(f"{where} is not a valid commit record (torn or overwritten)") from None
-    problem = record_problem(record, step_of(name) if step is None else step, name)
-    if problem is None and judged:  # `judged`: whether a stale writer's record is refused here too
-        problem = (lineage or Lineage.of(storage)).stale(record)
-    if problem:
-        raise BadCheckpoint(f"{where} {problem}")
-    return record
+    """The commit record of checkpoint `name` (on an object store, the newest writer's valid one);
+    None while it has none (not committed). Raises BadCheckpoint for a record that exists but
+    cannot be trusted, or that a stale writer made (judged by `lineage`, the run's lease
+    generations; read now if not given)."""
+    found, problems = [], []
+    for key in record_keys(storage, name):
+        try:
+            data = storage.read_bytes(name, key)
+        except FileNotFoundError:
+            continue
+        where = storage.url(name, key)
+        if not data.strip():
+            problems.append(f"{where} is empty (a commit cut off before its data reached the disk)")
+            continue
+        try:
+            record = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            problems.append(f"{where} is not a valid commit record (torn or overwritten)")
+            continue
+        problem = record_problem(record, step_of(name) if step is None else step, name)
+        if problem is None and judged:  # `judged`: whether a stale writer's record is refused here too
+            lineage = lineage or Lineage.of(storage)
+            problem = lineage.stale(record)
+        if problem:
+            problems.append(f"{where} {problem}")
+        else:
+            found.append(record)
+    if found:
+        return max(found, key=lambda r: (r.get("generation", 0), r.get("attempt") or 0))
+    if problems:
+        raise BadCheckpoint(problems[-1])
+    return None
 
 
 def record_problem(record: Any, step: int, name: str | None = None) -> str | None:
