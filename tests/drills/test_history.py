@@ -1,17 +1,18 @@
 """A history test in Jepsen's manner: several launches of one run on one store, a nemesis that
-pauses (SIGSTOP/SIGCONT), kills, takes over and shifts clocks, and a checker over the history
-they recorded.
+pauses (SIGSTOP/SIGCONT), kills, takes over, shifts clocks and starts newer worker groups of a
+launch beside a paused one (a zombie group), and a checker over the history they recorded.
 
-Each launch (`LAUNCH`, a process of its own) takes the run's lease, restores the newest
-checkpoint and then, step after step, changes its weights by a rule that depends on its lease
-generation (so a state tells which launches computed it), records the state's digest, commits a
+Each launch (`LAUNCH`, a process of its own) takes the run's lease and its first worker group's
+attempt (a newer group of the launch takes the next attempt), restores the newest checkpoint and
+then, step after step, changes its weights by a rule that depends on its lease generation and
+attempt (so a state tells which group computed it), records the state's digest, commits a
 checkpoint and reads back what landed. Every fence check is recorded with where it was made
 (save, restore), so the nemesis can stop a launch right after one passed. Every line of the
 history goes to one file, appended whole, so the lines are in the order they happened. The
 checker judges by that order alone:
 
-1. a commit of generation g is the run's history if it was logged before any later generation
-   began taking the run, or if every later generation started at or above its step: no later
+1. a commit of writer w (a generation's worker group) is the run's history if it was logged
+   before any later writer began, or if every later writer started at or above its step: no later
    judgement (a deletion, a restore that skipped it) can make it stale after the fact;
 2. a launch starts from at least the newest such commit logged before it began (no committed
    progress is lost), and restores exactly a state some launch computed for that step, whose
@@ -58,15 +59,20 @@ if shift:  # this launch's wall clock runs `shift` seconds off the others'
     real_time = time.time
     time.time = lambda: real_time() + shift
 
+from shardyard.checkpoint.generations import attempts, current_lease
 from shardyard.checkpoint.layout import TrainState
 from shardyard.checkpoint.lease import LeaseFence, LeaseLost, RunLease
 from shardyard.checkpoint.manager import CheckpointManager
 from shardyard.checkpoint.record import checkpoint_name
+from shardyard.checkpoint.store import RunStorage
 from shardyard.models import build_model
 from shardyard.parallel import single_process
 from shardyard.spec import SpecError, parse_spec
 
-storage_path, history, take_over = sys.argv[1], sys.argv[2], sys.argv[3] == "take-over"
+# "wait" or "take-over": a launch (the lease, then its first worker group); "group": a newer worker
+# group of the launch holding the run (Ray Train gave up on the group before and started
+# another, while the old one still runs: a zombie, cut off from Ray but not from storage).
+storage_path, history, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 spec = parse_spec(json.loads(sys.argv[4]) | {"checkpoint": {"storage_path": storage_path, "keep": 3}})
 
 
@@ -112,38 +118,46 @@ def digest(engine):
     return h.hexdigest()[:16]
 
 
-lease = RunLease(spec.run_uri, "run", ttl_s=1.0)
 note(event="acquiring")
-try:
-    lease.acquire(take_over)
-except SpecError as err:
-    note(event="refused", reason=str(err))
-    sys.exit(2)
-gen = lease.generation
-note(event="acquired", gen=gen, base=lease.base_step)
+if mode == "group":
+    held = current_lease(RunStorage(spec.run_uri))
+    gen, holder = held["generation"], held["id"]
+else:
+    lease = RunLease(spec.run_uri, "run", ttl_s=1.0)
+    try:
+        lease.acquire(mode == "take-over")
+    except SpecError as err:
+        note(event="refused", reason=str(err))
+        sys.exit(2)
+    gen, holder = lease.generation, lease.id
+fence = SlowFence(spec.run_uri, gen, holder).for_new_group()
+attempt = fence.attempt
+note(event="acquired", gen=gen, attempt=attempt, base=attempts(RunStorage(spec.run_uri))[gen][attempt])
 engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
-manager = CheckpointManager(spec.run_uri, keep=3, fence=SlowFence(spec.run_uri, gen, lease.id), spec=spec)
+manager = CheckpointManager(spec.run_uri, keep=3, fence=fence, spec=spec)
+step = 0
 try:
     restored = manager.restore(engine)
     step = restored.step if restored else 0
-    note(event="restore", gen=gen, step=step, digest=digest(engine))
+    note(event="restore", gen=gen, attempt=attempt, step=step, digest=digest(engine))
     while True:
         step += 1
-        with torch.no_grad():
+        with torch.no_grad():  # the rule names its writer: a state tells who computed it
             for p in engine.model.parameters():
-                p.mul_(0.999).add_(0.001 * gen)
-        note(event="compute", gen=gen, step=step, digest=digest(engine))
+                p.mul_(0.999).add_(0.001 * gen + 0.0001 * attempt)
+        note(event="compute", gen=gen, attempt=attempt, step=step, digest=digest(engine))
         manager.save(engine, TrainState(step, 8 * step, 1), spec)
         landed = single_process(spec, build_model(spec.model), torch.device("cpu"))
         CheckpointManager(spec.run_uri, keep=3, spec=spec).load(landed, checkpoint_name(step))
-        note(event="committed", gen=gen, step=step, landed=digest(landed))
+        note(event="committed", gen=gen, attempt=attempt, step=step, landed=digest(landed))
 except Exception as err:
-    # Fenced off (LeaseLost), or a write the new holder's clean-up cut short (it deletes what no
-    # record commits): either way this launch no longer holds the run, which its fence confirms.
+    # Fenced off (LeaseLost: another launch holds the run, or a newer group of this one started),
+    # or a write the new holder's clean-up cut short (it deletes what no record commits): either
+    # way this group no longer writes for the run, which its fence confirms.
     try:
-        lease.check()
+        fence()
     except LeaseLost:
-        note(event="lost", gen=gen, step=step, error=type(err).__name__)
+        note(event="lost", gen=gen, attempt=attempt, step=step, error=type(err).__name__)
         sys.exit(3)
     raise
 """
@@ -165,10 +179,12 @@ class History:
     def rows(self) -> list[dict]:
         return [json.loads(line) for line in self.file.read_text().splitlines() if line.strip()]
 
-    def launch(self, take_over: bool = False, clock_shift_s: float = 0.0) -> subprocess.Popen:
+    def launch(self, take_over: bool = False, clock_shift_s: float = 0.0, group: bool = False) -> subprocess.Popen:
+        """A launch of the run (`group`: a newer worker group of the launch holding it)."""
         env = {**os.environ, "CLOCK_SHIFT_S": str(clock_shift_s)}
-        process = subprocess.Popen([sys.executable, "-c", LAUNCH, self.storage_path, str(self.file),
-                                    "take-over" if take_over else "wait", json.dumps(MODEL)], env=env)
+        mode = "group" if group else "take-over" if take_over else "wait"
+        process = subprocess.Popen([sys.executable, "-c", LAUNCH, self.storage_path, str(self.file), mode,
+                                    json.dumps(MODEL)], env=env)
         self.launches.append(process)
         return process
 
@@ -207,8 +223,18 @@ def nemesis(history: History, operations: int, seed: int) -> None:
     holder = history.launch()
     history.commits_by(holder, 2)
     for _ in range(operations):
-        fault = rng.choice(["pause", "pause", "pause-then-kill-taker", "kill", "take-over", "take-over"])
+        fault = rng.choice(["pause", "pause", "pause-then-kill-taker", "kill", "take-over", "take-over",
+                            "zombie-group"])
         shift = rng.choice([0.0, -600.0, 600.0])  # the next launch's clock: behind, right, ahead
+        if fault == "zombie-group":  # a newer group of the holder's launch starts; the old one is thawed after
+            history.stop_at_fence(holder, rng.choice(["save", "commit"]))
+            group = history.launch(group=True)
+            history.commits_by(group, 1)
+            holder.send_signal(signal.SIGCONT)
+            assert holder.wait(30) == 3, "a worker group a newer group of its launch replaced wrote on"
+            holder = group
+            history.commits_by(holder, 1)
+            continue
         if fault.startswith("pause"):  # frozen past its lease: the next launch waits out the TTL and takes over
             history.stop_at_fence(holder, rng.choice(["save", "commit", "commit"]))
             taker = history.launch(clock_shift_s=shift)
@@ -272,18 +298,37 @@ def a_stale_restore_after_the_takers_commits(history: History) -> None:
     history.stop_all()
 
 
-def check(history: History, storage: RunStorage) -> None:
-    """The checker of the module's docstring, over the rows in the order they were logged."""
-    rows = history.rows()
-    computed = {(r["gen"], r["step"]): r["digest"] for r in rows if r["event"] == "compute"}
-    writers = {(r["step"], r["digest"]): r["gen"] for r in rows if r["event"] == "compute"}
-    gen_of = {r["pid"]: r["gen"] for r in rows if r["event"] == "acquired"}
-    bases: dict[int, int] = {}  # generation -> the step it started from, as they acquired
-    history_commits: set[tuple[int, int]] = set()  # (generation, step): the run's history
+def a_zombie_group_thawed_after_the_newer_groups_commit(history: History) -> None:
+    """The holder's worker group passes its fence for its next save and is stopped; a newer group
+    of the same launch starts (Ray Train gave up on the first) and commits that very step; the
+    old group is thawed (the version before took the newer group's commit for its own, since the
+    generation matched, skipped its save and trained on from a state it had not committed)."""
+    holder = history.launch()
+    history.commits_by(holder, 2)
+    history.stop_at_fence(holder, "save")
+    group = history.launch(group=True)
+    history.commits_by(group, 1)
+    holder.send_signal(signal.SIGCONT)
+    assert holder.wait(60) == 3  # its commit refused: the newer group's stands
+    history.commits_by(group, 1)
+    group.kill()
+    history.commits_by(history.launch(), 1)
+    history.stop_all()
 
-    def started_above(gen: int, step: int) -> bool:
-        """No generation after `gen` (so far) started below `step`."""
-        return all(base >= step for later, base in bases.items() if later > gen)
+
+def check(history: History, storage: RunStorage) -> None:
+    """The checker of the module's docstring, over the rows in the order they were logged. A
+    writer is a worker group: (lease generation, attempt), later ones ordered after earlier ones."""
+    rows = history.rows()
+    computed = {(r["gen"], r["attempt"], r["step"]): r["digest"] for r in rows if r["event"] == "compute"}
+    writers = {(r["step"], r["digest"]): (r["gen"], r["attempt"]) for r in rows if r["event"] == "compute"}
+    writer_of = {r["pid"]: (r["gen"], r["attempt"]) for r in rows if r["event"] == "acquired"}
+    bases: dict[tuple[int, int], int] = {}  # writer -> the step it started from, as they began
+    history_commits: set[tuple[int, int, int]] = set()  # (generation, attempt, step): the run's history
+
+    def started_above(writer: tuple[int, int], step: int) -> bool:
+        """No writer after `writer` (so far) started below `step`."""
+        return all(base >= step for later, base in bases.items() if later > writer)
 
     newest, floors, restores = 0, {}, 0
     for row in rows:
@@ -291,40 +336,42 @@ def check(history: History, storage: RunStorage) -> None:
         if event == "acquiring":
             floors[row["pid"]] = newest
         elif event == "acquired":
-            bases[row["gen"]] = max(row["base"], 0)
+            bases[(row["gen"], row["attempt"])] = max(row["base"], 0)
         elif event == "committed":
-            key = (row["gen"], row["step"])
+            writer, key = (row["gen"], row["attempt"]), (row["gen"], row["attempt"], row["step"])
             assert row["landed"] == computed[key], \
-                f"generation {key[0]}'s commit of step {key[1]} landed holding a state it never computed"
-            # Logged before any later generation began: history, whatever happens to it later.
-            # Logged after: history only if no later generation started below it.
-            if not any(later > key[0] for later in bases) or started_above(*key):
+                f"group {writer}'s commit of step {key[2]} landed holding a state it never computed"
+            # Logged before any later writer began: history, whatever happens to it later.
+            # Logged after: history only if no later writer started below it.
+            if not any(later > writer for later in bases) or started_above(writer, row["step"]):
                 history_commits.add(key)
-                newest = max(newest, key[1])
+                newest = max(newest, row["step"])
         elif event == "restore":
             restores += 1
-            gen, base = row["gen"], bases[gen_of[row["pid"]]]
+            writer, base = (row["gen"], row["attempt"]), bases[writer_of[row["pid"]]]
             assert row["step"] == base >= floors[row["pid"]], (
-                f"generation {gen} started from step {base} and restored {row['step']}; step "
+                f"group {writer} started from step {base} and restored {row['step']}; step "
                 f"{floors[row['pid']]} was committed before it began")
             if row["step"] == 0:
                 continue
-            writer = writers.get((row["step"], row["digest"]))
-            assert writer is not None, f"generation {gen} restored a state of step {row['step']} no launch computed"
-            if (writer, row["step"]) not in history_commits and started_above(writer, row["step"]):
-                history_commits.add((writer, row["step"]))  # committed, then killed before it was logged
-            assert (writer, row["step"]) in history_commits, \
-                f"generation {gen} restored step {row['step']} from generation {writer}'s stale commit"
+            source = writers.get((row["step"], row["digest"]))
+            assert source is not None, f"group {writer} restored a state of step {row['step']} no launch computed"
+            if (*source, row["step"]) not in history_commits and started_above(source, row["step"]):
+                history_commits.add((*source, row["step"]))  # committed, then killed before it was logged
+            assert (*source, row["step"]) in history_commits, \
+                f"group {writer} restored step {row['step']} from group {source}'s stale commit"
     assert restores >= 3
     at_end = list(committed(storage))
     assert at_end, "the run ends with no checkpoint"
     spec = parse_spec(MODEL | {"checkpoint": {"storage_path": "unused", "keep": 3}})
     for name, record in at_end:
-        key = (record.get("generation", 0), step_of(name))
-        assert key in history_commits or started_above(*key), f"{name} is a stale writer's commit and still counts"
+        writer = (record.get("generation", 0), record.get("attempt") or 0)
+        key = (*writer, step_of(name))
+        assert key in history_commits or started_above(writer, key[2]), \
+            f"{name} is a stale writer's commit and still counts"
         engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
         CheckpointManager(storage.uri, keep=3, spec=spec).load(engine, name)
-        assert digest(engine) == computed.get(key), f"{name} (generation {key[0]}) holds a state its writer never computed"
+        assert digest(engine) == computed.get(key), f"{name} (group {writer}) holds a state its writer never computed"
 
 
 def digest(engine) -> str:
@@ -348,7 +395,7 @@ def test_a_history_of_pauses_kills_takeovers_and_clock_shifts_on_local_storage(t
 def test_a_history_on_an_s3_server_with_conditional_writes(tmp_path: Path, bucket: Bucket) -> None:
     history = History(tmp_path, "s3://bucket/runs")
     try:
-        nemesis(history, operations=3, seed=7)
+        nemesis(history, operations=3, seed=14)  # a pause, a zombie group, a pause then the taker killed
     finally:
         history.stop_all()
     check(history, RunStorage("s3://bucket/runs/run"))
@@ -368,7 +415,8 @@ def test_a_history_on_an_s3_server_without_conditional_writes_never_starts(tmp_p
 
 
 @pytest.mark.drill(outcome="recovered", lost="nothing")
-@pytest.mark.parametrize("schedule", [a_stale_save_after_the_takers_commit, a_stale_restore_after_the_takers_commits])
+@pytest.mark.parametrize("schedule", [a_stale_save_after_the_takers_commit, a_stale_restore_after_the_takers_commits,
+                                      a_zombie_group_thawed_after_the_newer_groups_commit])
 def test_a_stale_launch_thawed_after_a_takers_commits_loses_none_of_them(tmp_path: Path, schedule) -> None:
     history = History(tmp_path, str(tmp_path / "runs"))
     try:

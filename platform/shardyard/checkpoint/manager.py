@@ -211,7 +211,7 @@ class CheckpointManager:
         self._fenced_everywhere()
         already: list[bool] = [False]
         if rank() == 0:
-            already[0] = self._committed(name, self._writing_generation())
+            already[0] = self._committed_by_us(name)
         if dist.is_initialized():
             dist.broadcast_object_list(already, src=0)
         if already[0]:
@@ -376,11 +376,13 @@ class CheckpointManager:
             return has_record(self.storage, name)
         return False
 
-    def _committed(self, name: str, generation: int) -> bool:
-        """Whether `name` has a valid commit record of lease generation `generation` (a bad one is
-        named once, by `newest_good`)."""
+    def _committed_by_us(self, name: str) -> bool:
+        """Whether `name` has a valid commit record of this launch by this worker group or an
+        earlier one (a bad one is named once, by `newest_good`). A later group's is not: a group
+        that finds one is a zombie, paused after its fence check, and its own commit is refused."""
         record = valid_record(self.storage, name)
-        return record is not None and record.get("generation", 0) == generation
+        return record is not None and record.get("generation", 0) == self._writing_generation() \
+            and (record.get("attempt") or 0) <= (self.attempt or 0)
 
     def _clear_unrecorded(self) -> None:
         """Checkpoint names holding no record file at all (a write an older version made in place
