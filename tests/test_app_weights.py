@@ -123,3 +123,7 @@ def test_a_publish_of_a_launch_that_lost_the_run_never_replaces_the_new_holders(
     assert (state.published.generation, state.published.step) == (2, 10)
     state.put(Published("gpt_ddp", 12, GPTSpec(), [], generation=2))
     assert state.published.step == 12
+    # Within a launch, a newer worker group (Ray Train gave up on the first) wins the same way.
+    state.put(Published("gpt_ddp", 11, GPTSpec(), [], generation=2, attempt=2))
+    state.put(Published("gpt_ddp", 13, GPTSpec(), [], generation=2, attempt=1))  # the zombie group, on
+    assert (state.published.writer, state.published.step) == ((2, 2), 11)

@@ -41,10 +41,13 @@ import pytest
 import torch
 
 from shardyard.checkpoint.manager import CheckpointManager
+from shardyard.checkpoint.published import Published
 from shardyard.checkpoint.record import committed, step_of
 from shardyard.checkpoint.store import RunStorage
 from shardyard.models import build_model
 from shardyard.parallel import single_process
+from shardyard.serve.app_weights import AppWeightsState
+from shardyard.serve.weight_follower import follows_publish
 from shardyard.spec import parse_spec
 from conftest import Bucket
 
@@ -85,7 +88,8 @@ class SlowFence(LeaseFence):
         super().__call__()
         frame, where = sys._getframe(1), "other"
         while frame is not None and where == "other":
-            where = {"save": "save", "wait": "commit", "restore": "restore"}.get(frame.f_code.co_name, where)
+            where = {"save": "save", "wait": "commit", "restore": "restore",
+                     "publish": "publish"}.get(frame.f_code.co_name, where)
             frame = frame.f_back
         note(event="fenced", gen=gen, where=where)
         time.sleep(0.1)
@@ -109,6 +113,13 @@ CheckpointManager.load = slow_load
 def note(**row):
     with open(history, "a") as f:  # one write of a whole line: the lines keep their order
         f.write(json.dumps({"pid": os.getpid(), **row}) + "\n")
+
+
+def publish(step):
+    # As training publishes to a serving app (train/publish.py): fenced right before, and named
+    # by its writer; the app's part (AppWeights) is replayed by the checker from these rows.
+    fence()
+    note(event="published", gen=gen, attempt=attempt, step=step, digest=digest(engine))
 
 
 def digest(engine):
@@ -146,6 +157,7 @@ try:
             for p in engine.model.parameters():
                 p.mul_(0.999).add_(0.001 * gen + 0.0001 * attempt)
         note(event="compute", gen=gen, attempt=attempt, step=step, digest=digest(engine))
+        publish(step)  # before the commit, as a run publishing between checkpoints does
         manager.save(engine, TrainState(step, 8 * step, 1), spec)
         landed = single_process(spec, build_model(spec.model), torch.device("cpu"))
         CheckpointManager(spec.run_uri, keep=3, spec=spec).load(landed, checkpoint_name(step))
@@ -236,7 +248,7 @@ def nemesis(history: History, operations: int, seed: int) -> None:
             history.commits_by(holder, 1)
             continue
         if fault.startswith("pause"):  # frozen past its lease: the next launch waits out the TTL and takes over
-            history.stop_at_fence(holder, rng.choice(["save", "commit", "commit"]))
+            history.stop_at_fence(holder, rng.choice(["save", "commit", "commit", "publish"]))
             taker = history.launch(clock_shift_s=shift)
             history.commits_by(taker, 1)
             holder.send_signal(signal.SIGCONT)  # thawed: a write its last fence check let through happens now
@@ -316,6 +328,25 @@ def a_zombie_group_thawed_after_the_newer_groups_commit(history: History) -> Non
     history.stop_all()
 
 
+def a_stale_publish_before_the_takers_first(history: History) -> None:
+    """The holder passes its fence to publish a step and is stopped; a taker takes the run over
+    from the step before (so the holder's step is a discarded trajectory) and is stopped at its
+    own first publish; the holder is thawed and publishes: the app takes it (it is newer than the
+    holder's earlier publishes), and no follower may serve it."""
+    holder = history.launch()
+    history.commits_by(holder, 2)
+    history.stop_at_fence(holder, "publish")
+    taker = history.launch()
+    history.stop_at_fence(taker, "publish")
+    holder.send_signal(signal.SIGCONT)
+    assert holder.wait(60) == 3  # published, then fenced off at its commit
+    taker.send_signal(signal.SIGCONT)
+    history.commits_by(taker, 1)
+    taker.kill()
+    history.commits_by(history.launch(), 1)
+    history.stop_all()
+
+
 def check(history: History, storage: RunStorage) -> None:
     """The checker of the module's docstring, over the rows in the order they were logged. A
     writer is a worker group: (lease generation, attempt), later ones ordered after earlier ones."""
@@ -331,12 +362,25 @@ def check(history: History, storage: RunStorage) -> None:
         return all(base >= step for later, base in bases.items() if later > writer)
 
     newest, floors, restores = 0, {}, 0
+    app, stale_publishes, publishes = AppWeightsState(), set(), 0  # the serving app, as the publishes reach it
+    model = parse_spec(MODEL).model
     for row in rows:
         event = row["event"]
         if event == "acquiring":
             floors[row["pid"]] = newest
         elif event == "acquired":
             bases[(row["gen"], row["attempt"])] = max(row["base"], 0)
+        elif event == "published":
+            publishes += 1
+            writer = (row["gen"], row["attempt"])
+            assert row["digest"] == computed[(*writer, row["step"])]
+            if any(later > writer for later in bases):  # published after it had lost the run
+                stale_publishes.add((*writer, row["step"]))
+            app.put(Published("run", row["step"], model, [], generation=writer[0], attempt=writer[1]))
+        shown = app.published  # what a follower looking now would serve of it
+        if shown is not None and follows_publish(shown, "run", max(bases, default=(0, 0))):
+            assert (*shown.writer, shown.step) not in stale_publishes, \
+                f"a follower would serve step {shown.step} published by {shown.writer} after it had lost the run"
         elif event == "committed":
             writer, key = (row["gen"], row["attempt"]), (row["gen"], row["attempt"], row["step"])
             assert row["landed"] == computed[key], \
@@ -360,7 +404,7 @@ def check(history: History, storage: RunStorage) -> None:
                 history_commits.add((*source, row["step"]))  # committed, then killed before it was logged
             assert (*source, row["step"]) in history_commits, \
                 f"group {writer} restored step {row['step']} from group {source}'s stale commit"
-    assert restores >= 3
+    assert restores >= 3 and publishes >= 3
     at_end = list(committed(storage))
     assert at_end, "the run ends with no checkpoint"
     spec = parse_spec(MODEL | {"checkpoint": {"storage_path": "unused", "keep": 3}})
@@ -395,7 +439,7 @@ def test_a_history_of_pauses_kills_takeovers_and_clock_shifts_on_local_storage(t
 def test_a_history_on_an_s3_server_with_conditional_writes(tmp_path: Path, bucket: Bucket) -> None:
     history = History(tmp_path, "s3://bucket/runs")
     try:
-        nemesis(history, operations=3, seed=14)  # a pause, a zombie group, a pause then the taker killed
+        nemesis(history, operations=3, seed=52)  # paused at a publish, a zombie group, a pause
     finally:
         history.stop_all()
     check(history, RunStorage("s3://bucket/runs/run"))
@@ -416,7 +460,8 @@ def test_a_history_on_an_s3_server_without_conditional_writes_never_starts(tmp_p
 
 @pytest.mark.drill(outcome="recovered", lost="nothing")
 @pytest.mark.parametrize("schedule", [a_stale_save_after_the_takers_commit, a_stale_restore_after_the_takers_commits,
-                                      a_zombie_group_thawed_after_the_newer_groups_commit])
+                                      a_zombie_group_thawed_after_the_newer_groups_commit,
+                                      a_stale_publish_before_the_takers_first])
 def test_a_stale_launch_thawed_after_a_takers_commits_loses_none_of_them(tmp_path: Path, schedule) -> None:
     history = History(tmp_path, str(tmp_path / "runs"))
     try:

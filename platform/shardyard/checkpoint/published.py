@@ -32,7 +32,13 @@ class Published:
     model: GPTSpec | HFSpec
     refs: list[ray.ObjectRef]  # one: the state dict (in a list, so that it travels as a reference)
     generation: int = 0  # the lease generation of the launch that published it: a newer one wins
+    attempt: int = 0  # and the worker group of that launch (a newer group wins within a generation)
     time: float = field(default_factory=time.time)
+
+    @property
+    def writer(self) -> tuple[int, int]:
+        """Who published it: (lease generation, worker group), later writers ordered after."""
+        return self.generation, self.attempt
 
     @property
     def name(self) -> str:

@@ -72,12 +72,12 @@ class AppWeightsState:
 
     def put(self, published: Published) -> None:
         """Keep `published` if it is newer than what is here (its reference keeps the weights
-        alive): of a later launch of the run, or a later step of the same one. A launch that lost
-        the run and publishes before it notices is of an older generation: refused, however far
-        its discarded trajectory got."""
+        alive): of a later launch of the run (or worker group of it), or a later step of the same
+        one. A launch (or group) that lost the run and publishes before it notices is an older
+        writer: refused, however far its discarded trajectory got."""
         newest = self.published
         if newest is None or published.run != newest.run or \
-                (published.generation, published.step) > (newest.generation, newest.step):
+                (*published.writer, published.step) > (*newest.writer, newest.step):
             self.published = published
 
     def look(self, replica: str, fingerprint: str, now: float) -> View:

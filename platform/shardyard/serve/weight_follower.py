@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from shardyard.checkpoint.generations import current_lease
+from shardyard.checkpoint.generations import attempts, current_lease
 from shardyard.checkpoint.loaders import committed_record
 from shardyard.checkpoint.published import Published
 from shardyard.checkpoint.record import BadCheckpoint, checkpoint_name, newest_good, step_of
@@ -31,6 +31,15 @@ from shardyard.serve.weight_gate import WeightGate
 
 # How long an operator's call waits for every replica to serve the weights it chose before answering.
 PIN_WAIT_S = 60.0
+
+
+def follows_publish(published: Published, run_name: str, newest_writer: tuple[int, int]) -> bool:
+    """Whether a follower of run `run_name` may serve `published`, the run's newest writer being
+    `newest_writer` (lease generation, worker group). An older writer's publish came from a launch
+    (or group) that had lost the run and published once more before its next fence check: a
+    trajectory the new holder discarded. AppWeights keeps a newer writer's publish over it; until
+    the new holder publishes, followers pass it over."""
+    return published.run == run_name and published.writer >= newest_writer
 
 
 class OperatorRefused(Exception):
@@ -138,13 +147,9 @@ class WeightFollower:
         if found is not None:
             options.append((step_of(found[0].name), 0, found[0], found[1].get("time")))
         published = view.published
-        if published is not None and published.run == self.served.run_name and published.step not in self.unreachable \
-                and published.generation >= await asyncio.to_thread(self._newest_generation):
+        if published is not None and published.step not in self.unreachable and \
+                follows_publish(published, self.served.run_name, await asyncio.to_thread(self._newest_writer)):
             options.append((published.step, 1, published, published.time))
-        # (A publish of an older generation than the run's newest lease came from a launch that
-        # had lost the run and published once more before its next lease look: a trajectory the
-        # new holder discarded. AppWeights keeps the newer generation's publish over it; until the
-        # new holder publishes, the follower passes it over here.)
         options = [o for o in options if o[0] > self.follow_after and o[0] not in self.served.refused]
         if not options:
             return None
@@ -160,10 +165,13 @@ class WeightFollower:
         if self.served.step == step and len(self.served.sources) > 1:
             await self.gate.serve(self.served.sources[-2], operator=True)
 
-    def _newest_generation(self) -> int:
-        """The run's newest lease generation (0: never leased)."""
-        lease = current_lease(RunStorage(self.cfg.source))
-        return lease["generation"] if lease else 0
+    def _newest_writer(self) -> tuple[int, int]:
+        """The run's newest writer: its newest lease generation and that launch's newest worker
+        group ((0, 0): never leased)."""
+        storage = RunStorage(self.cfg.source)
+        lease = current_lease(storage)
+        generation = lease["generation"] if lease else 0
+        return generation, max(attempts(storage).get(generation, {0: -1}))
 
     def _newest_committed(self) -> tuple[Path, dict[str, Any]] | None:
         """The run's newest checkpoint with a valid commit record, and the record. Its files are

@@ -45,7 +45,7 @@ class WeightsPublisher(Callback):
         try:
             app_weights = serve.get_deployment_handle(APP_WEIGHTS, app_name=self.app)
             published = Published(trainer.spec.run.name, step, trainer.spec.model, [ray.put(state)],
-                                  generation=getattr(fence, "generation", 0))
+                                  generation=getattr(fence, "generation", 0), attempt=getattr(fence, "attempt", None) or 0)
             app_weights.put.remote(published).result(timeout_s=PUT_TIMEOUT_S)
         except Exception as err:  # noqa: BLE001 - serving's trouble must not stop training
             if not self.reported:
