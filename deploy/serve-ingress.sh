@@ -25,3 +25,9 @@ export RAY_SERVE_HAPROXY_CONFIG_FILE_LOC="$haproxy_files/haproxy.cfg"
 export RAY_SERVE_HAPROXY_SOCKET_PATH="$haproxy_files/admin.sock"
 export RAY_SERVE_HAPROXY_SERVER_STATE_FILE="$haproxy_files/server-state"
 export RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH="$haproxy_files/metrics.sock"
+
+# Ray's template binds HAProxy's stats page and Prometheus exporter on every interface: HAProxy
+# runs through shardyard's launcher, which binds those two to the loopback interface
+# (platform/shardyard/serve/haproxy_loopback.py). Scrape the exporter from the node itself.
+RAY_SERVE_HAPROXY_BINARY_PATH="$(python3 -m shardyard.serve.haproxy_loopback --write "$haproxy_files")" || return 1
+export RAY_SERVE_HAPROXY_BINARY_PATH

@@ -5,8 +5,9 @@ Why: Ray's template binds both on every interface (`bind *:<port>`, with no sett
 so any host that reaches the machine could read the stats page, which names every backend and
 replica address. Nothing of Ray's reads them over TCP (it talks to HAProxy through its sockets).
 Ray runs the binary named by RAY_SERVE_HAPROXY_BINARY_PATH as `<binary> -db -f <config> [-sf
-<pids>]`, for every start and reload; `script()` writes that binary: a shell line that runs this
-file, which rewrites the two sections' `bind` lines of the file after `-f` and then becomes the
+<pids>]`, for every start and reload; `script()` writes that binary (`python -m
+shardyard.serve.haproxy_loopback --write DIR` from a shell, as deploy/serve-ingress.sh does): a
+shell line that runs this file, which rewrites the two sections' `bind` lines of the file after `-f` and then becomes the
 real HAProxy (exec: the process Ray started is HAProxy's, as its reloads expect).
 """
 
@@ -71,4 +72,7 @@ def main(binary: str, args: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    if sys.argv[1] == "--write":  # deploy/serve-ingress.sh: `... --write DIR` prints the launcher's path
+        print(script(sys.argv[2]))
+    else:
+        main(sys.argv[1], sys.argv[2:])
