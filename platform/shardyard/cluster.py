@@ -8,6 +8,7 @@ import os
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 import ray
 
@@ -32,11 +33,16 @@ def connect_ray(min_cpus: float, attach_to_running: bool = False) -> bool:
     # 2-core laptop. With the dashboard: Ray Train's placement-group cleaner asks the State API,
     # which the dashboard serves, about its controller every second, and without it warned each
     # time; its cost was not measurable (benchmarks/ddp_overhead.py, docs/benchmarks.md).
-    keep_ray_token_private()
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(min_cpus)), include_dashboard=True,
-             runtime_env=QUIET)
-    keep_ray_token_private()  # Ray makes it at the umask when there was none
+    start_local_ray(num_cpus=max(os.cpu_count() or 1, math.ceil(min_cpus)))
     return False
+
+
+def start_local_ray(**options: Any) -> None:
+    """A new local Ray instance (`ray.init` options beside the dashboard and quiet logs), its token
+    file private before and after (Ray makes one at the umask when there was none)."""
+    keep_ray_token_private()
+    ray.init(address="local", include_dashboard=True, runtime_env=QUIET, **options)
+    keep_ray_token_private()
 
 
 def keep_ray_token_private() -> None:

@@ -28,7 +28,7 @@ from shardyard import exit_codes
 from shardyard.checkpoint.events import read_events
 from shardyard.checkpoint.record import newest_good
 from shardyard.checkpoint.store import RunStorage
-from shardyard.cluster import QUIET
+from shardyard.cluster import QUIET, start_local_ray
 from shardyard.pool.arbiter import RemoteArbiter, arbiter_name
 from shardyard.pool.spec import PoolSpec, load_pool
 from shardyard.serve.builtin_engine import REPLICA_CPUS
@@ -65,8 +65,8 @@ def connect(pool: PoolSpec, job: JobSpec) -> float:
         raise SpecError("pool.units: a local Ray instance started for the pool needs how many devices to make")
     replica = REPLICA_CPUS + pool.serving.args.get("cpus_per_shard", 1.0)
     per_device = max(job.scaling.resources_per_worker.get("CPU", 1.0), replica)
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(devices.units * per_device)),
-             resources={devices.resource: devices.units}, include_dashboard=True, runtime_env=QUIET)
+    start_local_ray(num_cpus=max(os.cpu_count() or 1, math.ceil(devices.units * per_device)),
+                    resources={devices.resource: devices.units})
     return float(devices.units)
 
 
