@@ -322,7 +322,14 @@ class RequestGuard:
         limit, timeout_s = settings.max_body_bytes, settings.body_timeout_s
         chunks, size, more = [], 0, True
         deadline = time.monotonic() + timeout_s
+        def displaced() -> JSONResponse:
+            return error_response(408, f"the request body was not received whole while "
+                                       f"{settings.max_pending_bodies} newer requests were sending theirs",
+                                  code="body_timeout")
+
         while more:
+            if pending.displaced:  # displaced between two of its chunks
+                return displaced(), None
             pending.receiving = asyncio.ensure_future(receive())
             try:
                 message = await asyncio.wait_for(pending.receiving, deadline - time.monotonic())
@@ -330,11 +337,9 @@ class RequestGuard:
                 return error_response(408, f"the request body was not received within {timeout_s:g} s",
                                       code="body_timeout"), None
             except asyncio.CancelledError:
-                if not pending.displaced or asyncio.current_task().cancelling():
-                    raise  # the request itself is being cancelled
-                return error_response(408, f"the request body was not received whole while "
-                                           f"{settings.max_pending_bodies} newer requests were sending theirs",
-                                      code="body_timeout"), None
+                if not pending.displaced or getattr(asyncio.current_task(), "cancelling", lambda: 0)():
+                    raise  # the request itself is being cancelled (Python 3.11 tells; 3.10 cannot)
+                return displaced(), None
             if message["type"] == "http.disconnect":
                 return None, None
             chunk = message.get("body", b"")
