@@ -181,8 +181,19 @@ class Held:
 
     def __init__(self, limit: ChoiceLimit, choices: int) -> None:
         self._limit, self.choices = limit, choices
+        self._loop = asyncio.get_running_loop()  # the limit's: its waiting turns are futures of it
 
     def give_back(self) -> None:
+        try:
+            here = asyncio.get_running_loop() is self._loop
+        except RuntimeError:  # no loop in this thread: a finalizer run by the garbage collector
+            here = False
+        if not here:  # the limit and its waiting turns are the loop's to change
+            try:
+                self._loop.call_soon_threadsafe(self.give_back)
+            except RuntimeError:  # the loop is closed: the replica is gone, and its limit with it
+                pass
+            return
         if self._limit is not None:
             limit, self._limit = self._limit, None
             limit._give_back(self.choices)
