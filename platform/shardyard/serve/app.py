@@ -199,11 +199,15 @@ def build_app(args: dict[str, Any]) -> "serve.Application":
     """The Serve application for `args` (ServeConfig keys), validated before anything starts."""
     cfg = parse_config(args)
     generates = isinstance(read_spec(cfg.checkpoint).model, LANGUAGE_MODELS)
+    slots = cfg.concurrency + cfg.max_queued_requests + cfg.max_pending_bodies
     options: dict[str, Any] = dict(
-        max_ongoing_requests=cfg.request_slots,
-        # Serve's router queues every request it has not yet placed, a burst's included while it
-        # asks the replicas their load: the queue that counts is the replica's (ChoiceLimit).
-        max_queued_requests=cfg.request_slots,
+        # Serve counts a request from its first byte: its slots cover the engine's choices, the
+        # replica's own queue (after the body is whole: ChoiceLimit) and every body still arriving
+        # (which displace each other past max_pending_bodies: guard.py), so trickled bodies never
+        # hold a slot a request whose body is in needs. Serve's router queues every request it has
+        # not placed yet (a burst's too, while it asks the replicas their load): as many again.
+        max_ongoing_requests=slots,
+        max_queued_requests=slots,
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=1),
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
         ray_actor_options={"num_cpus": REPLICA_CPUS},

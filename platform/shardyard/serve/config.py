@@ -134,9 +134,8 @@ class ServeConfig(BaseModel):
                                          "choice counts against the replica's concurrency like a request")
     body_timeout_s: float = Field(10.0, gt=0, description="a request body not received whole within this "
                                   "gets 408 (a client that trickles its body holds a slot no longer)")
-    max_pending_bodies: int = Field(256, ge=1, description="requests a replica lets send their bodies at "
-                                    "once; one more ends the oldest one's wait (408), so connections that "
-                                    "trickle bodies never hold the slots ordinary requests need")
+    max_pending_bodies: int = Field(256, ge=1, description="bodies a replica lets arrive at once; one more ends "
+                                    "the oldest one's wait (408): trickled bodies never hold an ordinary request's slot")
     bearer_token_env: str | None = Field(None, min_length=1, description="the environment variable that holds "
                                          "the token requests need (Authorization: Bearer <token>)")
     bearer_token_file: str | None = Field(None, min_length=1, description="or the file that holds it")
@@ -302,18 +301,9 @@ class ServeConfig(BaseModel):
 
     @property
     def concurrency(self) -> int:
-        """Choices a replica takes at once: Serve's `max_ongoing_requests` counts requests, and a
-        request with several prompts or n > 1 counts once per choice against this. Above one full
-        batch, since a replica waits on its batch."""
+        """Choices the engine takes at once (a request with several prompts or n > 1 counts once
+        per choice against this): above one full batch, since a replica waits on its batch."""
         return max(2 * self.max_batch_size, 8)
-
-    @property
-    def request_slots(self) -> int:
-        """Serve's `max_ongoing_requests`: Serve counts a request from its first byte, so its slots
-        cover the engine's, the queue before it (the replica's, after the body is whole) and every
-        body still arriving; clients trickling bodies then displace each other, never a request
-        whose body is in."""
-        return self.concurrency + self.max_queued_requests + self.max_pending_bodies
 
     @property
     def cache_blocks(self) -> int:
