@@ -228,8 +228,14 @@ def replicas_on(api: str, auth: dict[str, str], ip: str) -> set[str]:
 
 def haproxy_servers(head: Host) -> list[dict[str, str]]:
     """The servers HAProxy on the head forwards to, from its stats page (port 8404, Ray's default):
-    each one's name (`svname`) and the requests it has been sent (`stot`)."""
-    page = requests.get(f"http://{head.ip}:8404/stats;csv", timeout=30).text.lstrip("# ")
+    each one's name (`svname`) and the requests it has been sent (`stot`). deploy/serve-ingress.sh
+    binds the page to the head's loopback interface: it is read from inside the head's network,
+    and refused from the cluster's."""
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"http://{head.ip}:8404/stats;csv", timeout=30)
+    read = "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8404/stats;csv', timeout=30).read().decode())"
+    page = subprocess.run(["ip", "netns", "exec", head.name, sys.executable, "-c", read], capture_output=True,
+                          text=True, timeout=60, check=True).stdout.lstrip("# ")
     return [{key: row[key] for key in ("pxname", "svname", "stot")}
             for row in csv.DictReader(io.StringIO(page)) if row["svname"] not in ("FRONTEND", "BACKEND")]
 
