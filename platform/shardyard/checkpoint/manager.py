@@ -39,7 +39,6 @@ from shardyard.checkpoint.lease import LeaseFence, LeaseLost
 from shardyard.checkpoint.reader_holds import HoldWatch, holding, live_holds
 from shardyard.checkpoint.record import (
     ATTEMPT_MARK,
-    COMMIT_FILE,
     BadCheckpoint,
     CommitRefused,
     FileEntry,
@@ -393,7 +392,7 @@ class CheckpointManager:
             return
         try:
             for name in self.storage.checkpoint_names():
-                if not self.storage.exists(name, COMMIT_FILE):
+                if not has_record(self.storage, name):
                     self._clear(name, "partial")
         except LeaseLost as err:
             log.error("not clearing partial checkpoints: %s", err)

@@ -137,16 +137,15 @@ def record_key(record: dict[str, Any]) -> str:
 
 
 def record_keys(storage: RunStorage, name: str) -> list[str]:
-    """The record files checkpoint `name` may hold: `COMMITTED` on a file system; on an object
-    store each writer's key (and `COMMITTED`, as earlier versions made it there)."""
-    if not storage.remote:
-        return [COMMIT_FILE]
+    """The record files checkpoint `name` holds: `COMMITTED` (a file system's commit, or an
+    object store's from earlier versions) and each object-store writer's key, which a copy of
+    such a run on a file system (a sync of the bucket) holds too."""
     return [key for key in storage.list(name) if key == COMMIT_FILE or key.startswith(COMMIT_FILE + ".")]
 
 
 def has_record(storage: RunStorage, name: str) -> bool:
     """Whether `name` holds any record file, valid or not."""
-    return storage.exists(name, COMMIT_FILE) if not storage.remote else bool(record_keys(storage, name))
+    return bool(record_keys(storage, name))
 
 
 def saves_named(storage: RunStorage, name: str) -> set[str]:
