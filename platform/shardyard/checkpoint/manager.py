@@ -57,6 +57,7 @@ from shardyard.checkpoint.record import (
     saves_named,
     step_of,
     valid_record,
+    writer_of,
 )
 from shardyard.checkpoint.store import RunStorage
 from shardyard.checkpoint.verified_reads import check_entry
@@ -380,8 +381,10 @@ class CheckpointManager:
         earlier one (a bad one is named once, by `newest_good`). A later group's is not: a group
         that finds one is a zombie, paused after its fence check, and its own commit is refused."""
         record = valid_record(self.storage, name)
-        return record is not None and record.get("generation", 0) == self._writing_generation() \
-            and (record.get("attempt") or 0) <= (self.attempt or 0)
+        if record is None:
+            return False
+        generation, attempt = writer_of(record)
+        return generation == self._writing_generation() and attempt <= (self.attempt or 0)
 
     def _clear_unrecorded(self) -> None:
         """Checkpoint names holding no record file at all (a write an older version made in place

@@ -125,15 +125,29 @@ def attempt_generation(directory: str) -> tuple[int, int] | None:
     return int(parts[0]), int(parts[1])
 
 
+def is_save_of(directory: Any, name: str | None) -> bool:
+    """Whether `directory` is a save's directory (attempt_name) of checkpoint `name` (of any
+    checkpoint when None)."""
+    return isinstance(directory, str) and "/" not in directory and attempt_generation(directory) is not None \
+        and (name is None or directory.partition(ATTEMPT_MARK)[0] == name)
+
+
 def files_at(name: str, record: dict[str, Any]) -> str:
     """The directory that holds the files `record` lists: the checkpoint's own (renamed into place
     at commit) or, on an object store, the save's directory the record names."""
     return record.get("files_at", name)
 
 
+def writer_of(record: dict[str, Any]) -> tuple[int, int]:
+    """Who made `record`: its launch's lease generation and worker group (0: a launch's driver, or
+    a record from before groups were recorded); later writers compare greater."""
+    return record.get("generation", 0), record.get("attempt") or 0
+
+
 def record_key(record: dict[str, Any]) -> str:
-    """A record's key on an object store: its writer's own (generation, worker group)."""
-    return f"{COMMIT_FILE}.{record.get('generation', 0):08d}-{record.get('attempt') or 0:06d}"
+    """A record's key on an object store: its writer's own."""
+    generation, attempt = writer_of(record)
+    return f"{COMMIT_FILE}.{generation:08d}-{attempt:06d}"
 
 
 def record_keys(storage: RunStorage, name: str) -> list[str]:
@@ -157,8 +171,7 @@ def saves_named(storage: RunStorage, name: str) -> set[str]:
             record = json.loads(storage.read_bytes(name, key))
         except (FileNotFoundError, ValueError):
             continue
-        if isinstance(record, dict) and isinstance(record.get("files_at"), str) and "/" not in record["files_at"] \
-                and attempt_generation(record["files_at"]) is not None:
+        if isinstance(record, dict) and is_save_of(record.get("files_at"), name):
             saves.add(record["files_at"])
     return saves
 
@@ -245,7 +258,7 @@ def read_record(storage: RunStorage, name: str, lineage: Lineage | None = None,
         else:
             found.append(record)
     if found:
-        return max(found, key=lambda r: (r.get("generation", 0), r.get("attempt") or 0))
+        return max(found, key=writer_of)
     if problems:
         raise BadCheckpoint(problems[-1])
     return None
@@ -263,8 +276,7 @@ def record_problem(record: Any, step: int, name: str | None = None) -> str | Non
     if record["step"] != step:
         return f"records step {record['step']}, not the step its directory names"
     at = record.get("files_at")
-    if at is not None and not (isinstance(at, str) and "/" not in at and attempt_generation(at) is not None
-                               and (name is None or at.partition(ATTEMPT_MARK)[0] == name)):
+    if at is not None and not is_save_of(at, name):
         return f"says its files are in {at!r}, not a save's directory of this checkpoint"
     files = record.get("files")
     if not isinstance(files, dict) or not files:
