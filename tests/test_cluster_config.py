@@ -102,9 +102,11 @@ def test_every_node_takes_http_through_the_ingress_with_a_header_deadline(name: 
 
 
 def source_ingress(files: Path) -> subprocess.CompletedProcess:
+    """As on a node, where `python3` is the interpreter shardyard and Ray were installed into."""
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
     return subprocess.run(["bash", "-c", f". {REPO / 'deploy' / 'serve-ingress.sh'} && env"],
                           capture_output=True, text=True, timeout=30,
-                          env={"PATH": os.environ["PATH"], "SHARDYARD_HAPROXY_FILES": str(files)})
+                          env={"PATH": path, "SHARDYARD_HAPROXY_FILES": str(files)})
 
 
 def test_the_ingress_settings_keep_haproxys_files_private(tmp_path: Path) -> None:
