@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from ray import serve
 
-from shardyard.serve import openai_api as oa
+from shardyard.serve.http import openai_api as oa
 from shardyard.serve.generation import TextCodec, left_pad
 
 peer_api = FastAPI(title="generate-peer")

@@ -235,11 +235,11 @@ def serving(work: Path) -> dict[str, Any]:
     """Output tokens/s of the built-in engine and of transformers' `generate` on one model and load."""
     from transformers import AutoModelForCausalLM
 
-    from shardyard.serve.batching import prefill_budget
+    from shardyard.serve.engine.batching import prefill_budget
     from shardyard.serve.config import ServeConfig
-    from shardyard.serve.engine import DecodingEngine
+    from shardyard.serve.engine.decoding import DecodingEngine
     from shardyard.serve.generation import Completion
-    from shardyard.serve.local_model import LocalModel
+    from shardyard.serve.executor.local_model import LocalModel
     from shardyard.serve.sampling import Sampling
     from vllm_bench import model_directory
 

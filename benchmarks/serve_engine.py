@@ -117,7 +117,7 @@ def save_peer_model(out: Path) -> str:
 
 
 def application(app: str, checkpoint_dir: str, hf_dir: str) -> serve.Application:
-    from shardyard.serve.app import build_app
+    from shardyard.serve.app.deployment import build_app
 
     if app == "generate-peer":
         return peer_app(hf_dir, BASE["max_batch_size"])
@@ -157,7 +157,7 @@ def decode_steps(batch: int, repeats: int = 20) -> list[dict[str, Any]]:
     """One decode step at each context length: cached (the engine) and recomputed (static)."""
     from shardyard.models.gpt import GPT
     from shardyard.models.kv_cache import BLOCK_TOKENS, CacheStep, KVCache
-    from shardyard.serve.model_pass import run_model
+    from shardyard.serve.executor.model_pass import run_model
     from shardyard.spec import GPTSpec
 
     torch.manual_seed(0)

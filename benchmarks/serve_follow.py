@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--swaps", type=int, default=3)
     args = parser.parse_args()
-    from shardyard.serve.app import build_app
+    from shardyard.serve.app.deployment import build_app
 
     rows = []
     with local_serve() as (port, _), tempfile.TemporaryDirectory() as tmp:

@@ -194,7 +194,7 @@ def _ms(seconds: float | None) -> float | None:
 
 def sweep(name: str, args: dict[str, Any], checkpoint_dir: str, port: int, duration: float,
           concurrencies: list[int], overloads: list[float]) -> list[dict[str, Any]]:
-    from shardyard.serve.app import build_app
+    from shardyard.serve.app.deployment import build_app
 
     serve.run(build_app({"checkpoint": checkpoint_dir, **BASE, **args}), name=name, route_prefix=f"/{name}")
     base_url = f"http://127.0.0.1:{port}/{name}"
@@ -221,7 +221,7 @@ def sweep(name: str, args: dict[str, Any], checkpoint_dir: str, port: int, durat
 def hop_costs(checkpoint_dir: str, repeats: int = 20) -> list[dict[str, Any]]:
     """One forward pass (batch 1, 32 tokens) through N shards, outside HTTP: what a hop costs,
     with pipeline hops as Ray tasks passing object references and as a compiled graph."""
-    from shardyard.serve.shards import ShardedModel
+    from shardyard.serve.executor.shards import ShardedModel
 
     rows = []
     tokens = torch.zeros((1, 32), dtype=torch.long)

@@ -34,8 +34,8 @@ random load at each concurrency, and where its time goes: the model's decode pas
 passes, and the engine's own work (scheduling, sampling bookkeeping, streaming to callers) as
 the rest of the wall time. What separates its row from `shardyard`'s is the serving path.
 `shardyard-in-process-plain-linears`: the same with the linear weights unpacked (the BLAS's
-product instead of oneDNN's over packed weights, serve/packed_linear.py);
-`shardyard-in-process-compiled`: with its decode steps compiled (serve/compiled_decode.py), timed
+product instead of oneDNN's over packed weights, serve/executor/packed_linear.py);
+`shardyard-in-process-compiled`: with its decode steps compiled (serve/executor/compiled_decode.py), timed
 after one load that compiled them.
 """
 
@@ -144,8 +144,8 @@ def shardyard_rows(directory: Path, out: Path, concurrencies: list[int], prompts
     from ray import serve
 
     from shardyard.localdist import free_port
-    from shardyard.serve.app import build_app
-    from shardyard.serve.ingress import DEFAULT_HEADER_TIMEOUT_S, haproxy_ingress
+    from shardyard.serve.app.deployment import build_app
+    from shardyard.serve.app.ingress import DEFAULT_HEADER_TIMEOUT_S, haproxy_ingress
 
     # engine: vllm's KV cache on vLLM's CPU build: the GiB vllm_rows gives vLLM alone.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(VLLM_KV_GIB))
@@ -204,13 +204,13 @@ def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompt
 
     import torch
 
-    from shardyard.serve.builtin_engine import REPLICA_CPUS
-    from shardyard.serve.batching import prefill_budget
+    from shardyard.serve.engine.builtin import REPLICA_CPUS
+    from shardyard.serve.engine.batching import prefill_budget
     from shardyard.serve.config import ServeConfig
-    from shardyard.serve.engine import DecodingEngine
+    from shardyard.serve.engine.decoding import DecodingEngine
     from shardyard.serve.generation import Completion
-    from shardyard.serve.local_model import LocalModel
-    from shardyard.serve.packed_linear import ENV
+    from shardyard.serve.executor.local_model import LocalModel
+    from shardyard.serve.executor.packed_linear import ENV
     from shardyard.serve.sampling import Sampling
 
     cfg = ServeConfig(checkpoint=str(directory), max_batch_size=16, max_tokens_limit=256)

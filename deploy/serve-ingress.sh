@@ -28,6 +28,6 @@ export RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH="$haproxy_files/metrics.sock"
 
 # Ray's template binds HAProxy's stats page and Prometheus exporter on every interface: HAProxy
 # runs through shardyard's launcher, which binds those two to the loopback interface
-# (platform/shardyard/serve/haproxy_loopback.py). Scrape the exporter from the node itself.
-RAY_SERVE_HAPROXY_BINARY_PATH="$(python3 -m shardyard.serve.haproxy_loopback --write "$haproxy_files")" || return 1
+# (platform/shardyard/serve/app/haproxy_loopback.py). Scrape the exporter from the node itself.
+RAY_SERVE_HAPROXY_BINARY_PATH="$(python3 -m shardyard.serve.app.haproxy_loopback --write "$haproxy_files")" || return 1
 export RAY_SERVE_HAPROXY_BINARY_PATH

@@ -19,7 +19,7 @@ import ray
 from ray import serve
 
 try:
-    from shardyard.serve.app import build_app
+    from shardyard.serve.app.deployment import build_app
     from shardyard.spec import SpecError
 except ImportError:
     sys.exit("shardyard is not installed in this Python: run `pip install -e .` in the checkout")

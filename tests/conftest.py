@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from shardyard.localdist import free_port
-from shardyard.serve.model_thread import one_intra_op_thread
+from shardyard.serve.executor.model_thread import one_intra_op_thread
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))  # the tests share the benchmarks' cluster helpers

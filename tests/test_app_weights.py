@@ -11,7 +11,7 @@ import pytest
 from followed_run import commit
 from shardyard.checkpoint.published import Published
 from shardyard.checkpoint.record import checkpoint_name
-from shardyard.serve.app_weights import AppWeightsState, rollback_target, starting_checkpoint
+from shardyard.serve.follow.app_weights import AppWeightsState, rollback_target, starting_checkpoint
 from shardyard.serve.config import parse_config
 from shardyard.spec import GPTSpec
 
@@ -94,7 +94,7 @@ def test_only_the_two_newest_published_versions_stay_referenced_however_many_are
     import gc
     import weakref
 
-    from shardyard.serve.app_weights import with_few_published
+    from shardyard.serve.follow.app_weights import with_few_published
 
     state, served, alive = AppWeightsState(), [], []
     for step in range(1, 31):

@@ -1,4 +1,4 @@
-"""The built-in engine as an engine backend (serve/builtin_engine.py), without Ray or Serve: what
+"""The built-in engine as an engine backend (serve/engine/builtin.py), without Ray or Serve: what
 the routes and the weight gate ask of it (generate; stage, the drained window, swap, golden
 answers, swap back) over a model decoded in this process, by the continuous-batching engine and
 by static batches."""
@@ -17,13 +17,13 @@ from shardyard.checkpoint.layout import read_spec
 from shardyard.checkpoint.reader_holds import live_holds
 from shardyard.checkpoint.record import checkpoint_name
 from shardyard.checkpoint.store import RunStorage
-from shardyard.serve.backend import EngineBackend, WeightsRefused
-from shardyard.serve.builtin_engine import BuiltinEngine
+from shardyard.serve.engine.backend import EngineBackend, WeightsRefused
+from shardyard.serve.engine.builtin import BuiltinEngine
 from shardyard.serve.config import parse_config
 from shardyard.serve.generation import Completion, decode, encode
-from shardyard.serve.golden import GoldenPrompt
-from shardyard.serve.metrics import ServingMetrics
-from shardyard.serve.static_batches import Ticket
+from shardyard.serve.engine.golden import GoldenPrompt
+from shardyard.serve.engine.metrics import ServingMetrics
+from shardyard.serve.engine.static_batches import Ticket
 
 TOKENS = 12
 T = TypeVar("T")

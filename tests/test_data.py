@@ -308,7 +308,7 @@ def test_prepared_text_trains_validates_and_serves_with_its_tokenizer(ray_cluste
     from transformers import AutoTokenizer
 
     from shardyard.localdist import free_port
-    from shardyard.serve.app import build_app
+    from shardyard.serve.app.deployment import build_app
     from shardyard.spec import load_spec
     from shardyard.checkpoint.loaders import find_latest, load_model
     from shardyard.train.launcher import launch

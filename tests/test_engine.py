@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from shardyard.models.kv_cache import BLOCK_TOKENS, CacheStep, KVCache
-from shardyard.serve.engine import DecodingEngine, TokenBudget
-from shardyard.serve.local_model import LocalModel
+from shardyard.serve.engine.decoding import DecodingEngine, TokenBudget
+from shardyard.serve.executor.local_model import LocalModel
 from shardyard.serve.sampling import Sampling
 from shardyard.serve.generation import Completion, encode, generate
-from shardyard.serve.model_pass import Draws, model_output, run_model
+from shardyard.serve.executor.model_pass import Draws, model_output, run_model
 from shardyard.checkpoint.loaders import load_model
 from shardyard.localdist import run_distributed
 from test_serve import train_and_save
@@ -280,7 +280,7 @@ def test_the_engine_gives_each_request_its_tokens_alone(ddp_checkpoint: Path, ro
 
 @pytest.mark.timeout(120)
 def test_compiled_decode_steps_give_each_request_its_tokens_alone(ddp_checkpoint: Path) -> None:
-    """The one-shard model with its decode steps compiled (serve/compiled_decode.py: padded to a
+    """The one-shard model with its decode steps compiled (serve/executor/compiled_decode.py: padded to a
     power-of-two row count over a fixed cache): greedy and seeded requests joining and leaving get
     exactly their tokens decoded alone without a cache, and decode steps did run compiled (the
     iterations that also prefill run eagerly)."""
@@ -305,8 +305,8 @@ def served_compiled(local: LocalModel) -> list[list[int]]:
 def test_a_decode_step_that_fails_to_compile_runs_eagerly_and_says_so_once(ddp_checkpoint: Path, capsys) -> None:
     """oneDNN-packed weights, which PyTorch's compiler cannot lower: the first compiled step fails,
     is said once, and that step and every later one run eagerly, with the same logits."""
-    from shardyard.serve.compiled_decode import CompiledDecode
-    from shardyard.serve.packed_linear import pack_linears, packing_available
+    from shardyard.serve.executor.compiled_decode import CompiledDecode
+    from shardyard.serve.executor.packed_linear import pack_linears, packing_available
 
     if not packing_available():
         pytest.skip("oneDNN's packed linears are not in this build")
@@ -328,13 +328,13 @@ def test_a_decode_step_that_fails_to_compile_runs_eagerly_and_says_so_once(ddp_c
 
 @pytest.mark.timeout(120)
 def test_a_model_decoded_in_the_replicas_process_gives_each_request_its_tokens_alone(ddp_checkpoint: Path) -> None:
-    """One shard's worth of model served in the calling process (serve/local_model.py, what a
+    """One shard's worth of model served in the calling process (serve/executor/local_model.py, what a
     one-shard app uses): a run directory resolves to its newest checkpoint, held while served;
     its cached steps send only the last position's logits; the engine over it is exact, and hands
     every pass straight to the model's own thread (no thread of asyncio's in between)."""
     from shardyard.checkpoint.reader_holds import live_holds
     from shardyard.checkpoint.store import RunStorage
-    from shardyard.serve.local_model import LocalModel
+    from shardyard.serve.executor.local_model import LocalModel
 
     storage = RunStorage(str(ddp_checkpoint.parent))
 

@@ -66,7 +66,7 @@ def test_serving_shards_run_on_their_gpus(ray_cluster, tmp_path: Path, sharding:
     back to the CPU); tensor shards then talk over NCCL. Logits equal the CPU model's."""
     import ray
 
-    from shardyard.serve.shards import ShardedModel
+    from shardyard.serve.executor.shards import ShardedModel
 
     n = min(2, torch.cuda.device_count())
     run_distributed(save_default_job_checkpoint, 1, str(tmp_path / "run"))
@@ -85,12 +85,12 @@ def test_serving_shards_run_on_their_gpus(ray_cluster, tmp_path: Path, sharding:
 
 @pytest.mark.timeout(300)
 def test_a_model_decoded_in_the_replicas_process_on_the_gpu_gives_each_request_its_tokens_alone(tmp_path: Path) -> None:
-    """A one-shard app's model on the replica's GPU (serve/local_model.py with use_gpu): its passes
+    """A one-shard app's model on the replica's GPU (serve/executor/local_model.py with use_gpu): its passes
     run there, its picks come back to the CPU (where the draws' generators are), and the engine's
     greedy and seeded requests, decoded together through the KV cache, get the tokens each would get
     decoded alone by the same model on the GPU without a cache."""
-    from shardyard.serve.engine import DecodingEngine, TokenBudget
-    from shardyard.serve.local_model import LocalModel
+    from shardyard.serve.engine.decoding import DecodingEngine, TokenBudget
+    from shardyard.serve.executor.local_model import LocalModel
 
     run_distributed(train_and_save, 2, str(tmp_path), ("ddp",))
     run = tmp_path / "ddp" / "run"
@@ -111,7 +111,7 @@ def test_decode_steps_replayed_as_cuda_graphs_give_each_request_its_tokens_alone
     """The one-shard model on the GPU with its decode steps compiled and replayed as CUDA graphs
     (`reduce-overhead` over the fixed KV cache): greedy and seeded requests get the tokens each
     gets decoded alone without a cache, and the decode steps ran compiled."""
-    from shardyard.serve.local_model import LocalModel
+    from shardyard.serve.executor.local_model import LocalModel
     from test_engine import served_compiled
 
     run_distributed(train_and_save, 2, str(tmp_path), ("ddp",))
@@ -124,10 +124,10 @@ def test_decode_steps_replayed_as_cuda_graphs_give_each_request_its_tokens_alone
 
 @pytest.mark.timeout(300)
 def test_a_model_directory_served_on_the_gpu_with_dtype_auto_decodes_in_bfloat16(tmp_path: Path) -> None:
-    """`dtype: auto` on a GPU serves a float32 model directory in bfloat16 (serve/precision.py):
+    """`dtype: auto` on a GPU serves a float32 model directory in bfloat16 (serve/executor/precision.py):
     weights and KV cache in bfloat16 on the GPU, rows sampled there (one transfer of ids per pass),
     each greedy token the same bfloat16 model's pick without a cache, within bfloat16's rounding."""
-    from shardyard.serve.precision import serving_dtype
+    from shardyard.serve.executor.precision import serving_dtype
     from test_models import save_llama
     from test_precision import decodes_as_without_a_cache
 

@@ -109,20 +109,35 @@ def test_layers_point_down_checkpoint_below_train_and_serve_side_by_side_and_ray
     assert ray_train == {"shardyard.train.launcher"}, ray_train
 
 
+# serve/'s wings, each importing only those below it: the vocabulary every wing speaks (sampling,
+# generation), the executor that runs the model, the engine that decides what runs, the follower
+# that swaps weights, the HTTP surface, and the app that puts them together.
+WINGS = ["sampling", "generation", "executor", "engine", "follow", "http", "app"]
+
+
+def wing_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["shardyard", "serve"] and len(parts) > 2 and parts[2] in WINGS else None
+
+
 @pytest.mark.timeout(30)
-def test_serving_is_small_rooms_and_only_the_app_knows_which_engine_decodes() -> None:
-    """No module of serve/ is over 400 lines; the routes, the gate and the follower speak to the
-    engine backend's protocol only (none imports an engine), and the follower and the gate know no
-    HTTP (no FastAPI, no Serve): each is tested without Ray Serve."""
-    long = {p.name: n for p in (PACKAGE / "serve").glob("*.py") if (n := len(p.read_text().splitlines())) > 400}
+def test_serving_is_wings_of_small_rooms_that_point_down_and_only_the_app_knows_which_engine_decodes() -> None:
+    """No module of serve/ is over 400 lines; each wing imports only the wings below it; the
+    routes, the gate and the follower speak to the engine backend's protocol only (none imports
+    an engine), and the follower and the gate know no HTTP (no FastAPI, no Serve): each is tested
+    without Ray Serve."""
+    long = {str(p): n for p in (PACKAGE / "serve").rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
     assert not long, long
     graph = imports()
-    engines = {"shardyard.serve.builtin_engine", "shardyard.serve.vllm_engine", "shardyard.serve.engine",
-               "shardyard.serve.local_model", "shardyard.serve.static_batches"}
-    for name in ("openai_routes", "admin_routes", "weight_gate", "weight_follower"):
+    upward = sorted((name, used) for name, uses in graph.items() for used in uses
+                    if (a := wing_of(name)) and (b := wing_of(used)) and WINGS.index(b) > WINGS.index(a))
+    assert not upward, upward
+    engines = {"shardyard.serve.engine.builtin", "shardyard.serve.engine.vllm_engine", "shardyard.serve.engine.decoding",
+               "shardyard.serve.executor.local_model", "shardyard.serve.engine.static_batches"}
+    for name in ("http.openai_routes", "http.admin_routes", "follow.gate", "follow.follower"):
         assert not graph[f"shardyard.serve.{name}"] & engines, (name, graph[f"shardyard.serve.{name}"] & engines)
-    for name in ("weight_gate", "weight_follower", "backend"):
-        outside = external_imports(PACKAGE / "serve" / f"{name}.py")
+    for name in ("follow.gate", "follow.follower", "engine.backend"):
+        outside = external_imports(PACKAGE / "serve" / f"{name.replace('.', '/')}.py")
         assert not {m for m in outside if m.split(".")[0] in ("fastapi", "starlette") or m.startswith("ray.serve")}, name
 
 

@@ -1,5 +1,5 @@
 """A model decoded in the replica runs on one thread, whoever calls it, and staging other weights
-beside it takes no intra-op threads from it (serve/model_thread.py)."""
+beside it takes no intra-op threads from it (serve/executor/model_thread.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardyard.serve.model_thread import ModelThread, one_intra_op_thread
+from shardyard.serve.executor.model_thread import ModelThread, one_intra_op_thread
 
 
 @pytest.mark.timeout(60)
@@ -30,7 +30,7 @@ def test_staging_on_another_thread_leaves_the_model_thread_its_intra_op_threads(
 
 @pytest.mark.timeout(120)
 def test_a_model_in_the_replica_loads_and_decodes_on_its_own_thread_whoever_calls(tmp_path: Path) -> None:
-    from shardyard.serve.local_model import LocalModel
+    from shardyard.serve.executor.local_model import LocalModel
     from test_models import LLAMA, save_llama
 
     model = LocalModel(str(save_llama(tmp_path / "llama")))

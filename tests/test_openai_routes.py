@@ -1,4 +1,4 @@
-"""The HTTP surface (serve/openai_routes.py, serve/admin_routes.py) without Ray Serve: the routes
+"""The HTTP surface (serve/http/openai_routes.py, serve/http/admin_routes.py) without Ray Serve: the routes
 and the guard in a FastAPI app served by uvicorn on a real socket, over the built-in engine in
 this process; answers equal to the model's alone, streamed or whole, each mistake's status, the
 admin routes' rights and an operator's promotion. test_serve.py runs the same routes in the Serve
@@ -22,11 +22,11 @@ import requests
 from conftest import served_by_uvicorn
 from followed_run import PROMPT, alone, commit
 from shardyard.checkpoint.record import checkpoint_name
-from shardyard.serve.admin_routes import Admin
-from shardyard.serve import openai_api as oa
-from shardyard.serve.guard import ClientError, GuardSettings
-from shardyard.serve.http_surface import http_app
-from shardyard.serve.openai_routes import Answering, answer
+from shardyard.serve.http.admin_routes import Admin
+from shardyard.serve.http import openai_api as oa
+from shardyard.serve.http.guard import ClientError, GuardSettings
+from shardyard.serve.http.surface import http_app
+from shardyard.serve.http.openai_routes import Answering, answer
 from test_weight_follower import follower_of
 
 TOKEN, ADMIN_TOKEN = "client-token", "operator-token"
@@ -240,7 +240,7 @@ def test_the_admin_routes_take_the_operators_token_whatever_the_apps_root_path(
     assert asyncio.run(root_slash(AUTH)).status_code == 401
     assert asyncio.run(root_slash(ADMIN)).status_code == 409
 
-    from shardyard.serve import guard
+    from shardyard.serve.http import guard
 
     monkeypatch.setattr(guard, "routed_path", lambda scope: "/v1/models")  # a guard that misreads every path
     with served(answering, Admin(None), TOKEN, ADMIN_TOKEN) as url:

@@ -1,5 +1,5 @@
 """A model served on a CPU multiplies its linear layers through weights packed once for oneDNN
-(serve/packed_linear.py): the products equal the plain ones to rounding, the parameters are the
+(serve/executor/packed_linear.py): the products equal the plain ones to rounding, the parameters are the
 same objects under the same names, and a served model decodes the tokens the unpacked one does."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardyard.models.kv_cache import BLOCK_TOKENS, CacheStep
-from shardyard.serve.packed_linear import ENV, PackedLinear, pack_linears, packing_available
+from shardyard.serve.executor.packed_linear import ENV, PackedLinear, pack_linears, packing_available
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN linear operators")
 
@@ -70,7 +70,7 @@ def test_a_model_served_in_the_replica_is_packed_and_decodes_as_the_unpacked_one
     """LocalModel (a model decoded in the replica's process) packs its linears; its logits over a
     prompt and a batch of cached decode steps equal those of the same model unpacked
     (`SHARDYARD_PACKED_LINEAR=0`) to rounding, and greedy picks are the same."""
-    from shardyard.serve.local_model import LocalModel
+    from shardyard.serve.executor.local_model import LocalModel
     from test_models import LLAMA, save_llama
 
     torch.manual_seed(3)

@@ -106,8 +106,8 @@ def test_the_serving_estimate_is_what_a_bfloat16_replica_allocates(model: dict) 
     start for compiled decode steps (every lane whole, and a scratch lane)."""
     from shardyard.models.kv_cache import BLOCK_TOKENS, CacheStep, KVCache
     from shardyard.planner import serving_memory
-    from shardyard.serve.precision import cast_for_serving
-    from shardyard.serve.model_pass import run_model
+    from shardyard.serve.executor.precision import cast_for_serving
+    from shardyard.serve.executor.model_pass import run_model
 
     spec = parse_spec({"model": model}).model
     served = cast_for_serving(build_model(spec).eval(), torch.bfloat16)

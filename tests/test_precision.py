@@ -1,4 +1,4 @@
-"""Serving's dtype (serve/precision.py): what `auto` means where, the cast a model is loaded
+"""Serving's dtype (serve/executor/precision.py): what `auto` means where, the cast a model is loaded
 through, and the engine decoding a bfloat16 model exactly as that model decodes alone without a
 cache (the one dtype besides float32 a CPU runs well; float16 is a GPU's, in tests/test_gpu.py)."""
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from shardyard.checkpoint.loaders import load_model
-from shardyard.serve.engine import DecodingEngine, TokenBudget
-from shardyard.serve.local_model import LocalModel
-from shardyard.serve.precision import cast_for_serving, serving_dtype, stored_dtype
+from shardyard.serve.engine.decoding import DecodingEngine, TokenBudget
+from shardyard.serve.executor.local_model import LocalModel
+from shardyard.serve.executor.precision import cast_for_serving, serving_dtype, stored_dtype
 from test_engine import ddp_checkpoint, fresh, serve_all  # noqa: F401 - the fixture is used by name
 from test_models import save_llama
 
@@ -113,7 +113,7 @@ def decodes_as_without_a_cache(directory: str, dtype: torch.dtype, use_gpu: bool
 
 
 def test_bfloat16_on_a_cpu_that_emulates_it_is_named_the_slow_choice(tmp_path: Path, monkeypatch) -> None:
-    from shardyard.serve import precision
+    from shardyard.serve.executor import precision
 
     listing = "processor\t: 0\nflags\t\t: fpu sse2 avx2 {}\n\nprocessor\t: 1\nflags\t\t: fpu sse2 avx2 {}\n"
     for extra, native in (("avx512f avx512_bf16", True), ("amx_bf16 amx_tile", True), ("avx512f", False)):

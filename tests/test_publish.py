@@ -71,7 +71,7 @@ def test_published_weights_serve_resharded_with_the_training_models_logits(ray_c
                                                                            strategy: str, sharding: str) -> None:
     from ray import serve
 
-    from shardyard.serve.app import build_app
+    from shardyard.serve.app.deployment import build_app
 
     finished(train(ray_cluster, tmp_path, strategy, 4))  # a run to serve
     run_dir = tmp_path / strategy
@@ -116,7 +116,7 @@ def test_many_publishes_keep_the_object_stores_use_bounded(ray_cluster) -> None:
     from ray.util.state import list_objects
 
     from shardyard.checkpoint.published import Published
-    from shardyard.serve.app_weights import AppWeights
+    from shardyard.serve.follow.app_weights import AppWeights
     from shardyard.spec import GPTSpec
 
     size = 4 << 20

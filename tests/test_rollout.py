@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardyard.serve.rollout import CANARY, PROMOTE, REFUSE, WAIT, CanarySettings, CanaryTrials, Tally, verdict
+from shardyard.serve.follow.rollout import CANARY, PROMOTE, REFUSE, WAIT, CanarySettings, CanaryTrials, Tally, verdict
 
 SETTINGS = CanarySettings(fraction=0.25, window_s=10.0, min_requests=4, max_error_increase=0.01,
                           max_latency_ratio=1.5, latency_margin_s=0.05)

@@ -139,7 +139,7 @@ def test_rows_are_picked_together_and_a_nan_row_fails_alone() -> None:
 def test_stop_strings_count_only_from_min_tokens_on() -> None:
     """vLLM's rule: before `min_tokens` a stop string is text like any other; from there on the
     first one ends the choice, the text cut before it."""
-    from shardyard.serve.choices import ChoiceText
+    from shardyard.serve.http.choices import ChoiceText
     from shardyard.serve.generation import TextCodec, encode
 
     def served(min_tokens: int) -> tuple[str, str]:

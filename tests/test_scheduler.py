@@ -1,5 +1,5 @@
-"""The scheduler's side of decoding, alone: which KV cache blocks hold what (serve/kv_blocks.py)
-and what each iteration runs (serve/scheduler.py), driven by hand with made-up logits, no model.
+"""The scheduler's side of decoding, alone: which KV cache blocks hold what (serve/engine/kv_blocks.py)
+and what each iteration runs (serve/engine/scheduler.py), driven by hand with made-up logits, no model.
 Then prefix caching end to end: requests sharing a prompt prefix read its blocks and still get
 exactly the tokens each gets decoded alone. No Ray."""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from shardyard.serve.generation import Completion, generate
-from shardyard.serve.kv_blocks import BlockPool, block_hashes
+from shardyard.serve.engine.kv_blocks import BlockPool, block_hashes
 from shardyard.serve.sampling import Pick, Sampling
-from shardyard.serve.scheduler import Scheduler, Sequence, TokenBudget
+from shardyard.serve.engine.scheduler import Scheduler, Sequence, TokenBudget
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -168,7 +168,7 @@ def test_requests_sharing_a_prefix_read_its_blocks_and_get_their_tokens_alone() 
     expected = [generate(forward, [r], model.spec.block_size)[0] for r in requests()]
 
     async def serve(prefix_caching: bool) -> tuple[list[list[int]], float]:
-        from shardyard.serve.engine import DecodingEngine
+        from shardyard.serve.engine.decoding import DecodingEngine
 
         cached = CachedModel(model, rows=4)
         engine = DecodingEngine(cached.forward, 4, 96, cached.blocks, TokenBudget(256, 60.0, 0), cached.recover,

@@ -20,7 +20,7 @@ import requests
 import torch
 
 from shardyard.localdist import free_port, run_distributed
-from shardyard.serve.batching import AdaptiveBatchSize, calibrate
+from shardyard.serve.engine.batching import AdaptiveBatchSize, calibrate
 from shardyard.serve.sampling import Draw, Pick, Sampling, choose_rows
 from shardyard.serve.generation import Completion, decode, decode_steps, encode, generate, sampled_here
 from shardyard.checkpoint.layout import read_spec
@@ -62,7 +62,7 @@ def test_sharded_outputs_equal_unsharded(ray_cluster, checkpoints, sharding: str
                                          num_shards: int) -> None:
     import ray
 
-    from shardyard.serve.shards import ShardedModel
+    from shardyard.serve.executor.shards import ShardedModel
 
     tokens, pad = ragged_batch()
     whole = load_model(checkpoints[strategy]).eval()
@@ -96,8 +96,8 @@ def test_the_engine_over_sharded_caches_gives_each_request_its_tokens_alone(ray_
     """Each pipeline shard caches its own layers, each tensor shard its own heads: the engine over
     two shards gives every request what decoding it alone without a cache gives, even when the
     group is rebuilt mid-way behind its back (as Serve's health check does after a shard died)."""
-    from shardyard.serve.engine import DecodingEngine, TokenBudget
-    from shardyard.serve.shards import SHARD_LOST, CachesLost, ShardedModel
+    from shardyard.serve.engine.decoding import DecodingEngine, TokenBudget
+    from shardyard.serve.executor.shards import SHARD_LOST, CachesLost, ShardedModel
     from test_engine import alone, fresh, serve_all
 
     model = load_model(checkpoints["ddp"]).eval()
@@ -181,8 +181,8 @@ def test_a_hugging_face_model_is_served_sharded_and_decodes_as_transformers_does
     its own tensor-parallel plan, decoded by the engine through the KV cache (each pipeline shard
     caching its layers, each tensor shard its heads' share; 3 requests, 2 at once, so one waits
     for a row): every request gets, token for token, what `generate` gives its prompt alone."""
-    from shardyard.serve.engine import DecodingEngine, TokenBudget
-    from shardyard.serve.shards import SHARD_LOST, CachesLost, ShardedModel
+    from shardyard.serve.engine.decoding import DecodingEngine, TokenBudget
+    from shardyard.serve.executor.shards import SHARD_LOST, CachesLost, ShardedModel
 
     model = load_model(llama_checkpoint).eval()
     # 7 new tokens keep the longest prompt (9) within block_size 16, the context served.
@@ -215,7 +215,7 @@ def test_a_hugging_face_model_directory_is_served_as_it_is(ray_cluster, tmp_path
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from shardyard.serve.config import parse_config
-    from shardyard.serve.shards import ShardedModel
+    from shardyard.serve.executor.shards import ShardedModel
     from test_models import LLAMA, MIXTRAL
 
     torch.manual_seed(5)
@@ -268,7 +268,7 @@ def server(ray_cluster, checkpoints):
     """The app on a free port: 2 pipeline shards, small limits so every limit can be reached."""
     from ray import serve
 
-    from shardyard.serve.app import build_app
+    from shardyard.serve.app.deployment import build_app
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -427,7 +427,7 @@ def engine_server(server, default_job_checkpoint):
     the module's Serve instance: 2 pipeline shards of 0.25 CPU (both apps, 1 CPU each, fit 2 cores)."""
     from ray import serve
 
-    from shardyard.serve.app import build_app
+    from shardyard.serve.app.deployment import build_app
 
     serve.run(build_app({"checkpoint": str(default_job_checkpoint), "num_shards": 2, "cpus_per_shard": 0.25,
                          "max_batch_size": 4, "model_id": "tiny-gpt", "request_timeout_s": 60}),
@@ -601,7 +601,7 @@ def test_a_shard_killed_under_the_engine_is_rebuilt_without_a_500(ray_cluster, e
 def test_serve_config_mistakes_are_named_before_anything_starts(ray_cluster, tmp_path: Path, checkpoints) -> None:
     import ray
 
-    from shardyard.serve.app import build_app
+    from shardyard.serve.app.deployment import build_app
     from shardyard.serve.config import parse_config
     from shardyard.spec import SpecError
 
@@ -668,7 +668,7 @@ def test_shard_actors_hold_their_whole_bundle_gpu_included() -> None:
     without num_cpus it asks 1 CPU to be scheduled, which a 0.75 CPU bundle cannot give."""
     from ray.util.placement_group import PlacementGroup
 
-    from shardyard.serve.placement import bundle_actor_options, shard_bundle
+    from shardyard.serve.executor.placement import bundle_actor_options, shard_bundle
 
     on_gpu = bundle_actor_options(shard_bundle(True, 0.75), PlacementGroup.empty(), 2)
     assert (on_gpu["num_gpus"], on_gpu["num_cpus"]) == (1.0, 0.75)
@@ -683,7 +683,7 @@ def test_stopping_the_app_drains_requests_in_flight(server, checkpoints) -> None
     gracefully, and the requests it is decoding still get their answers."""
     from ray import serve
 
-    from shardyard.serve.app import build_app
+    from shardyard.serve.app.deployment import build_app
 
     # The app again with a request timeout far beyond the decoding time: only draining decides
     # the answers, however slow this machine decodes.
@@ -724,7 +724,7 @@ def test_a_hugging_face_model_answers_over_http(server, llama_checkpoint) -> Non
     takes the GPT's CPU beside the engine's app): the completion is transformers' greedy output."""
     from ray import serve
 
-    from shardyard.serve.app import build_app
+    from shardyard.serve.app.deployment import build_app
     from shardyard.spec import SpecError
 
     with pytest.raises(SpecError, match="cannot split 2 blocks into 3 pipeline shards"):

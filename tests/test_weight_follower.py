@@ -1,4 +1,4 @@
-"""The weight follower and its gate (serve/weight_follower.py, serve/weight_gate.py) without Ray
+"""The weight follower and its gate (serve/follow/follower.py, serve/follow/gate.py) without Ray
 Serve: a replica's follower over the built-in engine in this process, the app-wide AppWeights
 called here (in a served app, through its deployment handle), following a run as it commits;
 the operator's rollback and promotion as the admin routes call them. The same journeys over HTTP
@@ -16,13 +16,13 @@ from followed_run import PROMPT, alone, commit
 from test_builtin_engine import run_closing
 from shardyard.checkpoint.layout import read_spec
 from shardyard.checkpoint.record import checkpoint_name
-from shardyard.serve.app_weights import AppWeights
-from shardyard.serve.builtin_engine import BuiltinEngine
+from shardyard.serve.follow.app_weights import AppWeights
+from shardyard.serve.engine.builtin import BuiltinEngine
 from shardyard.serve.config import parse_config
 from shardyard.serve.generation import Completion, decode, encode
-from shardyard.serve.metrics import ServingMetrics
-from shardyard.serve.weight_follower import OperatorRefused, WeightFollower
-from shardyard.serve.weight_gate import WeightGate, served_at_start
+from shardyard.serve.engine.metrics import ServingMetrics
+from shardyard.serve.follow.follower import OperatorRefused, WeightFollower
+from shardyard.serve.follow.gate import WeightGate, served_at_start
 
 TOKENS = 12
 

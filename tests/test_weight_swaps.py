@@ -14,10 +14,10 @@ from followed_run import PROMPT, alone, commit
 from shardyard.checkpoint.reader_holds import live_holds
 from shardyard.checkpoint.record import checkpoint_name
 from shardyard.checkpoint.store import RunStorage
-from shardyard.serve.batching import BatchGate
+from shardyard.serve.engine.batching import BatchGate
 from shardyard.serve.generation import TextCodec
-from shardyard.serve.golden import GoldenPrompt, edit_distance, greedy_answers, regressions
-from shardyard.serve.local_model import LocalModel
+from shardyard.serve.engine.golden import GoldenPrompt, edit_distance, greedy_answers, regressions
+from shardyard.serve.executor.local_model import LocalModel
 from shardyard.spec import SpecError
 
 

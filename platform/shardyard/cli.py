@@ -20,7 +20,7 @@ from importlib.metadata import version
 import yaml
 
 from shardyard import exit_codes
-from shardyard.serve import command as serve_command
+from shardyard.serve.app import command as serve_command
 from shardyard.spec import JobSpec, SpecError, load_spec
 from shardyard.train.early_sigterm import StoppedBeforeTraining, sigterm_before_training
 

@@ -238,10 +238,10 @@ def recommend(spec: JobSpec, cluster: Cluster, shape: ModelShape | None = None
 @dataclass(frozen=True)
 class ServingMemory:
     """What one serving replica of a language model holds (split over its shards, if any), in its
-    serving dtype (serve/precision.py): the sizes the engine allocates."""
+    serving dtype (serve/executor/precision.py): the sizes the engine allocates."""
     dtype: torch.dtype
     weights: float      # the parameters
-    packed: float       # on CPUs: each linear's weight again, in oneDNN's layout (serve/packed_linear.py)
+    packed: float       # on CPUs: each linear's weight again, in oneDNN's layout (serve/executor/packed_linear.py)
     kv_tokens: int
     kv_cache: float     # the paged KV cache's blocks
     lanes: float        # at most: every running request's positions again (models/kv_cache.py)

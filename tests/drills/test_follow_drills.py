@@ -97,7 +97,7 @@ def serve_base(ray_cluster) -> Iterator[str]:
 def start_app(base: str, name: str, run_dir: Path, token_file: Path, **args) -> str:
     from ray import serve
 
-    from shardyard.serve.app import build_app
+    from shardyard.serve.app.deployment import build_app
 
     admin_token_file = token_file.with_name("admin_token")  # the operator's, beside the clients'
     private_file(admin_token_file, ADMIN_TOKEN)

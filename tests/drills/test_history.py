@@ -46,8 +46,8 @@ from shardyard.checkpoint.record import committed, step_of
 from shardyard.checkpoint.store import RunStorage
 from shardyard.models import build_model
 from shardyard.parallel import single_process
-from shardyard.serve.app_weights import AppWeightsState
-from shardyard.serve.weight_follower import follows_publish
+from shardyard.serve.follow.app_weights import AppWeightsState
+from shardyard.serve.follow.follower import follows_publish
 from shardyard.spec import parse_spec
 from conftest import Bucket
 

@@ -1,4 +1,4 @@
-"""HTTP drills: what a hostile or careless client sends, and what the app's guard (serve/guard.py)
+"""HTTP drills: what a hostile or careless client sends, and what the app's guard (serve/http/guard.py)
 must answer. The guard in front of a small FastAPI app served by uvicorn on a real socket, without
 Ray (test_serve.py runs the same guard in the Serve app): auth before the body is read, body
 limits before and while reading, one JSON error shape for every error, unhandled ones included,
@@ -18,8 +18,8 @@ import requests
 from fastapi import FastAPI, Request
 
 from conftest import private_file, served_by_uvicorn, trickled_bodies
-from shardyard.serve.openai_routes import PredictRequest
-from shardyard.serve.guard import GuardSettings, install
+from shardyard.serve.http.openai_routes import PredictRequest
+from shardyard.serve.http.guard import GuardSettings, install
 from shardyard.spec import SpecError
 
 TOKEN = "s3cret-token-of-the-drills"
@@ -228,7 +228,7 @@ def test_a_replicas_limit_counts_choices_and_queues_requests_in_order() -> None:
     order (never overtaken by a smaller one that would fit), among at most `max_waiting`, for
     `max_wait_s` at most; a request cancelled while waiting, or just as its turn came, leaks
     nothing."""
-    from shardyard.serve.guard import ChoiceLimit, ClientError
+    from shardyard.serve.http.guard import ChoiceLimit, ClientError
 
     async def drill() -> None:
         limit = ChoiceLimit(8, max_waiting=2, max_wait_s=0.3)

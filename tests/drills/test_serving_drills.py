@@ -95,7 +95,7 @@ def test_shards_served_from_a_run_directory_follow_it_past_pruning(ray_cluster, 
     prunes. A rebuild used to reload the served checkpoint, which training had pruned, and every
     rebuild (and new replica) failed."""
     from shardyard.parallel import single_process
-    from shardyard.serve.shards import ShardedModel
+    from shardyard.serve.executor.shards import ShardedModel
     from shardyard.spec import parse_spec
     from shardyard.checkpoint.manager import CheckpointManager
     from shardyard.checkpoint.layout import TrainState
@@ -153,7 +153,7 @@ def test_a_shard_group_that_finds_no_free_room_gives_up_and_leaves_no_pending_gr
     import ray
     from ray.util import placement_group, placement_group_table, remove_placement_group
 
-    from shardyard.serve.placement import place_shards
+    from shardyard.serve.executor.placement import place_shards
 
     node_cpus = max(node["Resources"].get("CPU", 0) for node in ray.nodes() if node["Alive"])
     neighbour = placement_group([{"CPU": 0.5}])  # another team's work on the node

@@ -20,7 +20,7 @@ from shardyard.models import build_model, give_storage
 from shardyard.models.initial_weights import copy_local
 from shardyard.spec import GPTSpec, HFSpec
 
-# The deployment of a serving app that takes published weights (serve/app_weights.py): training
+# The deployment of a serving app that takes published weights (serve/follow/app_weights.py): training
 # finds it by this name with serve.get_deployment_handle, knowing nothing else of serving.
 APP_WEIGHTS = "AppWeights"
 

@@ -8,7 +8,7 @@ order. A sequence takes blocks for what it may hold, not a whole context window,
 tokens (and every token before them) are the same in two sequences can be one block read by both
 (prefix caching).
 
-Who decides what: the scheduler owns the blocks (serve/kv_blocks.py: which are free, which hold
+Who decides what: the scheduler owns the blocks (serve/engine/kv_blocks.py: which are free, which hold
 what, which are shared) and every forward pass carries its decision as a `CacheStep`: each row's
 block table and how many of its tokens are cached already. A cache here is only the memory a
 step writes and reads as it is told, so every shard of a sharded model (pipeline: its layers;

@@ -29,7 +29,7 @@ from shardyard.pool.spec import PoolSpec
 
 # Serve's replica states that hold or wait for a device (STOPPING ones are on their way out).
 WANTED_STATES = ("RUNNING", "STARTING", "UPDATING", "RECOVERING", "PENDING_MIGRATION")
-SERVING_DEPLOYMENT = "ModelServer"  # the app's replicas that decode (serve/app.py); the others hold no device
+SERVING_DEPLOYMENT = "ModelServer"  # the app's replicas that decode (serve/app/deployment.py); the others hold no device
 
 
 def arbiter_name(run_name: str) -> str:

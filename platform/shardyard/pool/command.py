@@ -31,8 +31,8 @@ from shardyard.checkpoint.store import RunStorage
 from shardyard.cluster import QUIET, start_local_ray
 from shardyard.pool.arbiter import RemoteArbiter, arbiter_name
 from shardyard.pool.spec import PoolSpec, load_pool
-from shardyard.serve.builtin_engine import REPLICA_CPUS
-from shardyard.serve.metrics import ARBITER_NAMESPACE
+from shardyard.serve.engine.builtin import REPLICA_CPUS
+from shardyard.serve.engine.metrics import ARBITER_NAMESPACE
 from shardyard.spec import JobSpec, SpecError, parse_spec
 from shardyard.train.launcher import Preempted, RunGaveUp, launch
 from shardyard.train.step_guard import PREEMPT_FILE
@@ -99,7 +99,7 @@ class Pool:
         while newest_good(self.storage) is None:
             if self.ended.wait(1.0):
                 return
-        from shardyard.serve.app import build_app  # Serve's app imports the engines: only when serving
+        from shardyard.serve.app.deployment import build_app  # Serve's app imports the engines: only when serving
 
         s = self.pool.serving
         try:

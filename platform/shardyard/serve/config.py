@@ -13,11 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from shardyard.data.tokenizer import run_tokenizer
 from shardyard.models.kv_cache import BLOCK_TOKENS
 from shardyard.serve.generation import TextCodec
-from shardyard.serve.golden import GoldenPrompt
-from shardyard.serve.precision import DtypeName
-from shardyard.serve.rollout import CanarySettings
-from shardyard.serve.model_pass import supports_kv_cache
-from shardyard.serve.shards import sharding_problem
+from shardyard.serve.engine.golden import GoldenPrompt
+from shardyard.serve.executor.precision import DtypeName
+from shardyard.serve.follow.rollout import CanarySettings
+from shardyard.serve.executor.model_pass import supports_kv_cache
+from shardyard.serve.executor.shards import sharding_problem
 from shardyard.spec import LANGUAGE_MODELS, validate
 from shardyard.checkpoint.layout import is_hf_directory, read_spec
 from shardyard.checkpoint.loaders import servable

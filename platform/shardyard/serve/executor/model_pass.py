@@ -1,5 +1,5 @@
 """One forward pass of a served language model, wherever it runs (the replica's own process:
-serve/local_model.py; a shard actor: serve/shard_actors.py): the model on its tokens as the pass's
+serve/executor/local_model.py; a shard actor: serve/executor/shard_actors.py): the model on its tokens as the pass's
 `extra` says (left padding of ragged prompts, or a step of KV-cached decoding), and what leaves it
 (each row's pick, where the logits are, or the logits themselves).
 """

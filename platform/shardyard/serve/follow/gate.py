@@ -3,7 +3,7 @@ a validation loss worse than the served one's (as the run logged them; not for a
 choice), weights that are not finite (a diverged run), read beside the serving weights, or golden
 prompts answered otherwise than they must be (judged once swapped in, in the engine's drained
 window, before any client's request) are refused and counted; the others serve from the end of
-that window. Engine-neutral: it speaks to the engine backend only (serve/backend.py).
+that window. Engine-neutral: it speaks to the engine backend only (serve/engine/backend.py).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from pathlib import Path
 from shardyard.checkpoint.events import read_metrics, validation_loss_at
 from shardyard.checkpoint.published import Published, source_step
 from shardyard.checkpoint.record import BadCheckpoint
-from shardyard.serve.app_weights import Source, with_few_published
-from shardyard.serve.backend import EngineBackend, WeightsRefused
+from shardyard.serve.follow.app_weights import Source, with_few_published
+from shardyard.serve.engine.backend import EngineBackend, WeightsRefused
 from shardyard.serve.config import ServeConfig
-from shardyard.serve.golden import GoldenPrompt, regressions
-from shardyard.serve.metrics import ServingMetrics
+from shardyard.serve.engine.golden import GoldenPrompt, regressions
+from shardyard.serve.engine.metrics import ServingMetrics
 
 
 @dataclass

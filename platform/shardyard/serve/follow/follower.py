@@ -1,11 +1,11 @@
 """A replica following a training run: at each look it serves the run's newest checkpoint (or
 the weights the run published to the app, whichever is newer) through the gate
-(serve/weight_gate.py), asks the app's Rollout whether it serves it now (a canary), waits, or
+(serve/follow/gate.py), asks the app's Rollout whether it serves it now (a canary), waits, or
 refuses it, keeps the steps refused anywhere from being tried again, and applies the operator's
-pins. The app-wide record of what serves (AppWeights: serve/app_weights.py) and the Rollout are
+pins. The app-wide record of what serves (AppWeights: serve/follow/app_weights.py) and the Rollout are
 reached through objects whose methods are coroutines: Serve's deployment handles in the app
-(serve/app.py), the classes themselves in tests. No HTTP here: the admin routes
-(serve/admin_routes.py) call `rollback` and `promote`.
+(serve/app/deployment.py), the classes themselves in tests. No HTTP here: the admin routes
+(serve/http/admin_routes.py) call `rollback` and `promote`.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from shardyard.checkpoint.loaders import committed_record
 from shardyard.checkpoint.published import Published
 from shardyard.checkpoint.record import BadCheckpoint, checkpoint_name, newest_good, step_of
 from shardyard.checkpoint.store import RunStorage
-from shardyard.serve.app_weights import Pin, Source, View, rollback_target
-from shardyard.serve.backend import WeightsRefused
+from shardyard.serve.follow.app_weights import Pin, Source, View, rollback_target
+from shardyard.serve.engine.backend import WeightsRefused
 from shardyard.serve.config import ServeConfig
-from shardyard.serve.metrics import ServingMetrics
-from shardyard.serve.rollout import PROMOTE, REFUSE, WAIT
-from shardyard.serve.weight_gate import WeightGate
+from shardyard.serve.engine.metrics import ServingMetrics
+from shardyard.serve.follow.rollout import PROMOTE, REFUSE, WAIT
+from shardyard.serve.follow.gate import WeightGate
 
 # How long an operator's call waits for every replica to serve the weights it chose before answering.
 PIN_WAIT_S = 60.0

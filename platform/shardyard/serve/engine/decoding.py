@@ -1,6 +1,6 @@
 """A decoding engine per replica: continuous batching (iteration-level scheduling, as in Orca and
 vLLM) over a model that keeps a paged KV cache (models/kv_cache.py). The scheduler
-(serve/scheduler.py) decides what each iteration runs; the model's `forward` (a LocalModel or a
+(serve/engine/scheduler.py) decides what each iteration runs; the model's `forward` (a LocalModel or a
 ShardedModel: the executor) runs it off the event loop (a LocalModel on its own thread) and
 picks the ready requests' next tokens where the logits are (each request's Draw goes with the
 pass; only token ids come back); this engine hands the scheduler's passes to the executor and
@@ -24,9 +24,9 @@ import torch
 
 from shardyard.models.kv_cache import BLOCK_TOKENS, CacheStep
 from shardyard.serve.generation import Completion
-from shardyard.serve.kv_blocks import BlockPool
+from shardyard.serve.engine.kv_blocks import BlockPool
 from shardyard.serve.sampling import Draw, Outcome
-from shardyard.serve.scheduler import MIN_CHUNK, Pass, Scheduler, Sequence, TokenBudget
+from shardyard.serve.engine.scheduler import MIN_CHUNK, Pass, Scheduler, Sequence, TokenBudget
 
 # (token ids, what the pass does with the cache, each row's draw) -> each row's outcome (a pass
 # that only resets the caches goes without draws)

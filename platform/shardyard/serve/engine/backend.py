@@ -1,6 +1,6 @@
 """What the app asks of the engine that decodes for it, whichever it is: the built-in one (a
-model in the replica or a shard group: serve/builtin_engine.py) or vLLM (serve/vllm_engine.py).
-The routes only generate; the weight gate (serve/weight_gate.py) stages, swaps and judges; neither
+model in the replica or a shard group: serve/engine/builtin.py) or vLLM (serve/engine/vllm_engine.py).
+The routes only generate; the weight gate (serve/follow/gate.py) stages, swaps and judges; neither
 asks which engine it holds. As in Ray Serve LLM's `LLMServer` over its engine, or vLLM's API
 server over its engine client, the interface is what a caller needs, not how an engine works.
 
@@ -22,8 +22,8 @@ from typing import Protocol
 
 from shardyard.checkpoint.published import Published
 from shardyard.serve.generation import Completion
-from shardyard.serve.golden import GoldenPrompt
-from shardyard.serve.metrics import ServingMetrics
+from shardyard.serve.engine.golden import GoldenPrompt
+from shardyard.serve.engine.metrics import ServingMetrics
 
 
 class WeightsRefused(RuntimeError):

@@ -14,7 +14,7 @@ import socket
 
 import psutil
 
-from shardyard.serve.ingress import HAPROXY_DIR_PREFIX
+from shardyard.serve.app.ingress import HAPROXY_DIR_PREFIX
 
 STOP_WAIT_S = 5.0
 

@@ -1,6 +1,6 @@
-"""The built-in engine as an engine backend (serve/backend.py): a model in the replica's own
+"""The built-in engine as an engine backend (serve/engine/backend.py): a model in the replica's own
 process (LocalModel) or a group of shard actors (ShardedModel), decoded by continuous batching
-(serve/engine.py) when it keeps a KV cache, else by static batches (serve/static_batches.py),
+(serve/engine/decoding.py) when it keeps a KV cache, else by static batches (serve/engine/static_batches.py),
 fixed in size or measured on each candidate device (adaptive), keeping the device that decodes
 fastest within the per-token latency target.
 
@@ -25,18 +25,18 @@ import torch
 from shardyard.checkpoint.published import Published
 from shardyard.models.kv_cache import BLOCK_TOKENS
 from shardyard.planner import serving_memory
-from shardyard.serve.backend import Generation, WeightsRefused
-from shardyard.serve.batching import AdaptiveBatchSize, calibrate, prefill_budget
+from shardyard.serve.engine.backend import Generation, WeightsRefused
+from shardyard.serve.engine.batching import AdaptiveBatchSize, calibrate, prefill_budget
 from shardyard.serve.config import ServeConfig
-from shardyard.serve.engine import DecodingEngine
+from shardyard.serve.engine.decoding import DecodingEngine
 from shardyard.serve.generation import Completion
-from shardyard.serve.golden import GoldenPrompt, greedy_answers
-from shardyard.serve.local_model import LocalModel
-from shardyard.serve.metrics import ServingMetrics
-from shardyard.serve.precision import described, serving_dtype
-from shardyard.serve.scheduler import MIN_CHUNK
-from shardyard.serve.shards import SHARD_LOST, CachesLost, ShardedModel
-from shardyard.serve.static_batches import StaticBatches
+from shardyard.serve.engine.golden import GoldenPrompt, greedy_answers
+from shardyard.serve.executor.local_model import LocalModel
+from shardyard.serve.engine.metrics import ServingMetrics
+from shardyard.serve.executor.precision import described, serving_dtype
+from shardyard.serve.engine.scheduler import MIN_CHUNK
+from shardyard.serve.executor.shards import SHARD_LOST, CachesLost, ShardedModel
+from shardyard.serve.engine.static_batches import StaticBatches
 from shardyard.spec import GPTSpec, HFSpec, CustomSpec
 
 T = TypeVar("T")

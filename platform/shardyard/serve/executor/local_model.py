@@ -16,13 +16,13 @@ from shardyard.checkpoint.loaders import servable
 from shardyard.checkpoint.published import Published, load_source_part
 from shardyard.models.kv_cache import CacheStep, KVCache
 from shardyard.runtime import select_device
-from shardyard.serve.compiled_decode import CompiledDecode
-from shardyard.serve.model_thread import ModelThread, one_intra_op_thread
-from shardyard.serve.packed_linear import pack_linears
-from shardyard.serve.precision import cast_for_serving
+from shardyard.serve.executor.compiled_decode import CompiledDecode
+from shardyard.serve.executor.model_thread import ModelThread, one_intra_op_thread
+from shardyard.serve.executor.packed_linear import pack_linears
+from shardyard.serve.executor.precision import cast_for_serving
 from shardyard.serve.sampling import Outcome
-from shardyard.serve.checkpoint_holds import CheckpointHolds, hold_served
-from shardyard.serve.model_pass import Draws, Extra, all_finite, model_output, run_model
+from shardyard.serve.executor.checkpoint_holds import CheckpointHolds, hold_served
+from shardyard.serve.executor.model_pass import Draws, Extra, all_finite, model_output, run_model
 from shardyard.spec import LANGUAGE_MODELS
 
 
@@ -33,8 +33,8 @@ class LocalModel:
         """`source`: a checkpoint, a model directory, or a run directory (its newest committed
         checkpoint, held while served). `cache_blocks`: blocks (of BLOCK_TOKENS positions) the KV
         cache holds (0: none). `dtype`: the weights' (and so the KV cache's) dtype
-        (serve/precision.py). `compile_for`: decode steps of up to this many requests run compiled
-        (serve/compiled_decode.py; 0: every pass eager)."""
+        (serve/executor/precision.py). `compile_for`: decode steps of up to this many requests run compiled
+        (serve/executor/compiled_decode.py; 0: every pass eager)."""
         found = servable(source)
         if found is None:
             raise ValueError(f"no checkpoint at {source!r}")
@@ -48,7 +48,7 @@ class LocalModel:
         self.device = select_device(0) if use_gpu else torch.device("cpu")
         self.trust_factory, self.dtype = trust_factory, dtype
         self.packs = not compile_for  # the compiler lays out linear weights its own way
-        self.thread = ModelThread()  # loads the model and runs every pass: serve/model_thread.py says why
+        self.thread = ModelThread()  # loads the model and runs every pass: serve/executor/model_thread.py says why
         self.executor = self.thread.executor  # where the engine calls `forward`: the pass runs there directly
         try:
             self.model = self.thread.run(self._load, self.checkpoint_dir)

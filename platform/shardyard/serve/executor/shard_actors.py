@@ -1,4 +1,4 @@
-"""The shard actors of a sharded model (serve/shards.py), one per placement-group bundle.
+"""The shard actors of a sharded model (serve/executor/shards.py), one per placement-group bundle.
 
 Pipeline shards: shard i holds a contiguous run of blocks (the first also the embeddings, the last
 the final norm and head), and a forward pass hands the hidden states from shard to shard; the last
@@ -24,10 +24,10 @@ from shardyard.checkpoint.published import Published, load_source_part
 from shardyard.models.kv_cache import KVCache
 from shardyard.parallel.tensor import apply_tensor_parallel
 from shardyard.runtime import select_device
-from shardyard.serve.model_pass import Draws, Extra, all_finite, model_output, run_model
-from shardyard.serve.model_thread import one_intra_op_thread
-from shardyard.serve.packed_linear import pack_linears
-from shardyard.serve.precision import cast_for_serving
+from shardyard.serve.executor.model_pass import Draws, Extra, all_finite, model_output, run_model
+from shardyard.serve.executor.model_thread import one_intra_op_thread
+from shardyard.serve.executor.packed_linear import pack_linears
+from shardyard.serve.executor.precision import cast_for_serving
 from shardyard.serve.sampling import Outcome
 
 # A collective waiting on a dead peer gives up after this (gloo's default is 30 minutes).
@@ -53,7 +53,7 @@ class PipelineShard:
     def _load(self, source: str | Published) -> torch.nn.Module:
         """Only this shard's blocks are read and held, never the whole model. With one intra-op
         thread: the passes run on another thread (a compiled graph's), whose OpenMP team stays the
-        process's only one (serve/model_thread.py)."""
+        process's only one (serve/executor/model_thread.py)."""
         start, end = self.blocks
         with one_intra_op_thread():
             return pack_linears(load_source_part(

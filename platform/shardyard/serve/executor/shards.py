@@ -20,8 +20,8 @@ attention and per MLP, over torch.distributed rather than through Ray.
 
 Sampling happens where the logits are: a forward pass given each row's draw (serve/sampling.py)
 returns the rows' picks, token ids, from the last pipeline shard or tensor rank 0, never the
-logits (batch x vocabulary floats per step). The shard actors are in serve/shard_actors.py, their
-placement in serve/placement.py.
+logits (batch x vocabulary floats per step). The shard actors are in serve/executor/shard_actors.py, their
+placement in serve/executor/placement.py.
 
 Any training checkpoint loads here, whatever strategy wrote it, and each shard reads only its part
 of it (checkpoint.load_model_part): a model too large for one device never materialises whole.
@@ -45,11 +45,11 @@ from shardyard.layout.capabilities import check_tensor_parallel, pipeline_blocks
 from shardyard.models import build_model, repeated_blocks
 from shardyard.models.kv_cache import CacheStep
 from shardyard.parallel.pipeline import balanced_split
-from shardyard.serve.checkpoint_holds import CheckpointHolds, hold_served
-from shardyard.serve.model_pass import Draws, Extra
-from shardyard.serve.placement import bundle_actor_options, place_shards, shard_bundle
+from shardyard.serve.executor.checkpoint_holds import CheckpointHolds, hold_served
+from shardyard.serve.executor.model_pass import Draws, Extra
+from shardyard.serve.executor.placement import bundle_actor_options, place_shards, shard_bundle
 from shardyard.serve.sampling import Outcome
-from shardyard.serve.shard_actors import PipelineShard, TensorShard
+from shardyard.serve.executor.shard_actors import PipelineShard, TensorShard
 from shardyard.spec import LANGUAGE_MODELS, CustomSpec, GPTSpec, HFSpec
 
 Sharding = Literal["pipeline", "tensor"]
@@ -101,7 +101,7 @@ class ShardedModel:
         each shard's KV cache holds (0: no cache; forward passes then take left padding, not cache
         steps).
         `trust_factory`: a custom model's factory, named by the user (checkpoint/layout.py).
-        `dtype`: the shards' weights' (and KV caches') dtype (serve/precision.py)."""
+        `dtype`: the shards' weights' (and KV caches') dtype (serve/executor/precision.py)."""
         self.source, self.num_shards, self.use_gpu = source, num_shards, use_gpu
         self.trust_factory, self.dtype = trust_factory, dtype
         found = servable(source)

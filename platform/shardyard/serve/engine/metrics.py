@@ -19,7 +19,7 @@ from typing import Any
 import ray
 from ray.serve import metrics
 
-from shardyard.serve.engine import EngineStats
+from shardyard.serve.engine.decoding import EngineStats
 
 # Seconds: from a few milliseconds (a decode step on a GPU) to a long queue.
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]

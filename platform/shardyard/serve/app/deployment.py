@@ -1,15 +1,15 @@
 """The Serve application: one deployment (`ModelServer`, a FastAPI ingress) per app, which only
 composes what a replica is made of and hands Ray Serve its hooks:
 
-- the engine backend that decodes (serve/backend.py): the built-in engine (serve/builtin_engine.py)
-  or vLLM (serve/vllm_engine.py); none for an MLP, answered whole by the replica;
+- the engine backend that decodes (serve/engine/backend.py): the built-in engine (serve/engine/builtin.py)
+  or vLLM (serve/engine/vllm_engine.py); none for an MLP, answered whole by the replica;
 - the HTTP surface: the guard in front of everything (auth, body limits, one error shape:
-  serve/guard.py), OpenAI's routes with /healthz and /metrics (serve/openai_routes.py), the
-  operator's routes (serve/admin_routes.py);
-- following a run (`follow`): the weight gate (serve/weight_gate.py) and the follower
-  (serve/weight_follower.py), with the app-wide AppWeights and, with a canary, the Rollout
-  deployments (serve/app_weights.py, serve/rollout.py);
-- the task that keeps the replica's gauges current (serve/metrics.py).
+  serve/http/guard.py), OpenAI's routes with /healthz and /metrics (serve/http/openai_routes.py), the
+  operator's routes (serve/http/admin_routes.py);
+- following a run (`follow`): the weight gate (serve/follow/gate.py) and the follower
+  (serve/follow/follower.py), with the app-wide AppWeights and, with a canary, the Rollout
+  deployments (serve/follow/app_weights.py, serve/follow/rollout.py);
+- the task that keeps the replica's gauges current (serve/engine/metrics.py).
 
 Every mistake a client can make gets a 4xx in OpenAI's error shape with a reason (the routes'
 modules list them). A request whose body is whole waits in the replica's queue until its choices
@@ -31,22 +31,22 @@ from ray.serve.handle import DeploymentHandle
 
 from shardyard.checkpoint.layout import read_spec
 from shardyard.checkpoint.loaders import load_model
-from shardyard.serve.admin_routes import Admin
-from shardyard.serve.app_weights import AppWeights, starting_checkpoint
-from shardyard.serve.backend import EngineBackend
-from shardyard.serve.builtin_engine import REPLICA_CPUS, BuiltinEngine
+from shardyard.serve.http.admin_routes import Admin
+from shardyard.serve.follow.app_weights import AppWeights, starting_checkpoint
+from shardyard.serve.engine.backend import EngineBackend
+from shardyard.serve.engine.builtin import REPLICA_CPUS, BuiltinEngine
 from shardyard.serve.config import ServeConfig, parse_config
-from shardyard.serve.guard import GuardSettings
-from shardyard.serve.http_surface import http_app
-from shardyard.serve.ingress import header_deadline_s
-from shardyard.serve.metrics import ARBITER_NAMESPACE, ServingMetrics, scrape_cluster
-from shardyard.serve.openai_routes import Answering
-from shardyard.serve.precision import serving_dtype
-from shardyard.serve.rollout import Rollout
-from shardyard.serve.placement import check_room, shard_bundle
-from shardyard.serve.vllm_engine import start_vllm
-from shardyard.serve.weight_follower import WeightFollower
-from shardyard.serve.weight_gate import WeightGate, served_at_start
+from shardyard.serve.http.guard import GuardSettings
+from shardyard.serve.http.surface import http_app
+from shardyard.serve.app.ingress import header_deadline_s
+from shardyard.serve.engine.metrics import ARBITER_NAMESPACE, ServingMetrics, scrape_cluster
+from shardyard.serve.http.openai_routes import Answering
+from shardyard.serve.executor.precision import serving_dtype
+from shardyard.serve.follow.rollout import Rollout
+from shardyard.serve.executor.placement import check_room, shard_bundle
+from shardyard.serve.engine.vllm_engine import start_vllm
+from shardyard.serve.follow.follower import WeightFollower
+from shardyard.serve.follow.gate import WeightGate, served_at_start
 from shardyard.spec import LANGUAGE_MODELS, SpecError
 
 # Ray starts its workers at niceness 15 (its `worker_niceness`), below its own daemons and every
@@ -90,8 +90,8 @@ def start_engine(cfg: ServeConfig, source: str, spec: Any, metrics: ServingMetri
 class ModelServer:
     async def __init__(self, config: dict[str, Any], rollout: DeploymentHandle | None = None,
                        app_weights: DeploymentHandle | None = None) -> None:
-        """`rollout`: the app's Rollout deployment, with canary_fraction (serve/rollout.py);
-        `app_weights`: its AppWeights, following a run (serve/app_weights.py). Following a run, a
+        """`rollout`: the app's Rollout deployment, with canary_fraction (serve/follow/rollout.py);
+        `app_weights`: its AppWeights, following a run (serve/follow/app_weights.py). Following a run, a
         replica starts on the weights the app serves (those it promoted last), not on the run's
         newest checkpoint, which may be refused, on trial, or passed over by an operator."""
         cfg = parse_config(config)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardyard.serve.scheduler import TokenBudget
+from shardyard.serve.engine.scheduler import TokenBudget
 from shardyard.serve.generation import Forward
 
 # Prompts of this many tokens stand for typical traffic while calibrating.

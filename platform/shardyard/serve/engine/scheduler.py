@@ -32,7 +32,7 @@ import torch
 
 from shardyard.models.kv_cache import CacheStep
 from shardyard.serve.generation import Completion
-from shardyard.serve.kv_blocks import BlockPool, block_hashes
+from shardyard.serve.engine.kv_blocks import BlockPool, block_hashes
 from shardyard.serve.sampling import Draw, Outcome
 
 # The fewest prompt tokens a prefill chunk takes: each chunk is a forward pass that reads every weight,

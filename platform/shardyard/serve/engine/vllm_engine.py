@@ -2,7 +2,7 @@
 directory, or a training run's Hugging Face model written out as one. vLLM's async engine runs
 inside the replica, behind the same routes, guard (auth, body limits and deadlines, error
 shape), choice limits, text handling and metrics as the built-in engine: it only replaces what
-turns a prompt's tokens into the next tokens. It is an engine backend (serve/backend.py), as the
+turns a prompt's tokens into the next tokens. It is an engine backend (serve/engine/backend.py), as the
 built-in engine is, so the routes and the weight gate hold either.
 
 Following a run (`follow`), a new checkpoint is staged by writing it out as a model directory,
@@ -33,15 +33,15 @@ import torch
 from shardyard.checkpoint.layout import is_hf_directory, read_spec
 from shardyard.checkpoint.published import Published, load_source_part
 from shardyard.planner import kv_bytes_per_token
-from shardyard.serve.backend import Generation, WeightsRefused
+from shardyard.serve.engine.backend import Generation, WeightsRefused
 from shardyard.serve.config import ServeConfig
-from shardyard.serve.engine import EngineStats
+from shardyard.serve.engine.decoding import EngineStats
 from shardyard.serve.generation import Completion, TextCodec
-from shardyard.serve.golden import GoldenPrompt, answer_texts, golden_requests
-from shardyard.serve.metrics import ServingMetrics
-from shardyard.serve.precision import dtype_name
+from shardyard.serve.engine.golden import GoldenPrompt, answer_texts, golden_requests
+from shardyard.serve.engine.metrics import ServingMetrics
+from shardyard.serve.executor.precision import dtype_name
 from shardyard.serve.sampling import Pick
-from shardyard.serve.model_pass import all_finite
+from shardyard.serve.executor.model_pass import all_finite
 from shardyard.spec import HFSpec
 
 _request_ids = itertools.count()

@@ -12,7 +12,7 @@ HAProxy also forwards to the replica's own HTTP server, one hop fewer than throu
 actor (Serve's direct ingress).
 
 What Ray's template does that a user should know: it binds a read-only stats page and a Prometheus
-exporter on every interface; here they are bound to the loopback interface (serve/haproxy_loopback.py)
+exporter on every interface; here they are bound to the loopback interface (serve/app/haproxy_loopback.py)
 on free ports, so two instances on a machine do not collide. Its admin socket is mode 666, so its
 files go in a directory of this user's alone.
 """
@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from shardyard.serve import haproxy_loopback as loopback
+from shardyard.serve.app import haproxy_loopback as loopback
 
 ENABLE = "RAY_SERVE_ENABLE_HA_PROXY"
 CLIENT_TIMEOUT = "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S"

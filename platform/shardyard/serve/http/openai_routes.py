@@ -1,9 +1,9 @@
-"""The HTTP surface clients use: OpenAI's routes (serve/openai_api.py), so that its clients and
+"""The HTTP surface clients use: OpenAI's routes (serve/http/openai_api.py), so that its clients and
 tools work unchanged, and the replica's own health and metrics.
 
     POST /v1/completions       prompt (a string or a list), n, max_tokens, stop, seed, stream,
                                logprobs, and sampling: OpenAI's fields and vLLM's extensions
-                               (serve/openai_api.py, serve/sampling.py)  -> text_completion
+                               (serve/http/openai_api.py, serve/sampling.py)  -> text_completion
     POST /v1/chat/completions  messages (the tokenizer's chat template, or a plain one) -> chat.completion
     GET  /v1/models            the served model's id (a request naming another gets 404), its step
     POST /v1/predict           {"inputs": [[float, ...], ...]}        (MLP checkpoints)
@@ -12,10 +12,10 @@ tools work unchanged, and the replica's own health and metrics.
 
 The routes are FastAPI functions on `router`; what they answer from is the replica's `Answering`
 (`app.state.answering`, set as the replica starts). Requests become choices here (prompt length,
-max_tokens, n, logit_bias checked), their tokens come from the engine backend (serve/backend.py),
+max_tokens, n, logit_bias checked), their tokens come from the engine backend (serve/engine/backend.py),
 and their text goes back whole or streamed (`stream: true`: each choice's text as it is decoded,
 several choices interleaved, as `data: {chunk}` lines ending with `data: [DONE]`). Every refusal is
-a ClientError, answered in OpenAI's error shape by the guard (serve/guard.py).
+a ClientError, answered in OpenAI's error shape by the guard (serve/http/guard.py).
 """
 
 from __future__ import annotations
@@ -37,17 +37,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from shardyard.checkpoint.published import Published
 from shardyard.checkpoint.store import DIR_PREFIX
-from shardyard.serve import openai_api as oa
-from shardyard.serve.backend import EngineBackend, Generation
-from shardyard.serve.choices import ChoiceText
+from shardyard.serve.http import openai_api as oa
+from shardyard.serve.engine.backend import EngineBackend, Generation
+from shardyard.serve.http.choices import ChoiceText
 from shardyard.serve.config import ServeConfig
 from shardyard.serve.generation import Completion
-from shardyard.serve.guard import ChoiceLimit, ClientError, Held, error_response
-from shardyard.serve.rollout import Tally
-from shardyard.serve.scheduler import LostTwice
-from shardyard.serve.shards import SHARD_LOST
-from shardyard.serve.streams import END, Interleaved
-from shardyard.serve.weight_gate import Served
+from shardyard.serve.http.guard import ChoiceLimit, ClientError, Held, error_response
+from shardyard.serve.follow.rollout import Tally
+from shardyard.serve.engine.scheduler import LostTwice
+from shardyard.serve.executor.shards import SHARD_LOST
+from shardyard.serve.http.streams import END, Interleaved
+from shardyard.serve.follow.gate import Served
 
 # How long one scrape of the cluster's metrics answers GET /metrics.
 SCRAPE_REUSE_S = 2.0

@@ -6,7 +6,7 @@ so any host that reaches the machine could read the stats page, which names ever
 replica address. Nothing of Ray's reads them over TCP (it talks to HAProxy through its sockets).
 Ray runs the binary named by RAY_SERVE_HAPROXY_BINARY_PATH as `<binary> -db -f <config> [-sf
 <pids>]`, for every start and reload; `script()` writes that binary (`python -m
-shardyard.serve.haproxy_loopback --write DIR` from a shell, as deploy/serve-ingress.sh does): a
+shardyard.serve.app.haproxy_loopback --write DIR` from a shell, as deploy/serve-ingress.sh does): a
 shell line that runs this file, which rewrites the two sections' `bind` lines of the file after `-f` and then becomes the
 real HAProxy (exec: the process Ray started is HAProxy's, as its reloads expect).
 """

@@ -1,5 +1,5 @@
 """Static batches, for models without a KV cache: requests grouped by Ray Serve's `@serve.batch`
-(fixed in size, or adaptive: serve/batching.py), ragged prompts left-padded and masked so that
+(fixed in size, or adaptive: serve/engine/batching.py), ragged prompts left-padded and masked so that
 each answer equals the unbatched one (serve/generation.py), every batch decoded to its end on one
 set of weights (a weight swap waits between batches: BatchGate). A shard lost under a batch gets
 the shard group rebuilt and the batch resumed where it stopped.
@@ -15,12 +15,12 @@ from typing import Any
 
 from ray import serve
 
-from shardyard.serve.backend import Generation
-from shardyard.serve.batching import AdaptiveBatchSize, BatchGate
+from shardyard.serve.engine.backend import Generation
+from shardyard.serve.engine.batching import AdaptiveBatchSize, BatchGate
 from shardyard.serve.generation import Completion, decode_steps
-from shardyard.serve.local_model import LocalModel
-from shardyard.serve.metrics import ServingMetrics
-from shardyard.serve.shards import SHARD_LOST, ShardedModel
+from shardyard.serve.executor.local_model import LocalModel
+from shardyard.serve.engine.metrics import ServingMetrics
+from shardyard.serve.executor.shards import SHARD_LOST, ShardedModel
 
 
 @dataclass

@@ -35,7 +35,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from shardyard.serve.openai_api import error_body
+from shardyard.serve.http.openai_api import error_body
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

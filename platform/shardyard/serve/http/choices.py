@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardyard.serve.generation import Completion, TextCodec, TextStream
-from shardyard.serve.openai_api import StopStrings
+from shardyard.serve.http.openai_api import StopStrings
 
 
 class ChoiceText:

@@ -6,7 +6,7 @@
 Both change what every client is answered with, so they take the operator's token alone (the
 app's `admin_token_env` or `admin_token_file`), never the clients': the guard checks it before the
 body is read (on the route the router matched), the routes again themselves, and answers 403 where the app has none (off by default). The work is the weight
-follower's (serve/weight_follower.py); these routes only speak HTTP for it.
+follower's (serve/follow/follower.py); these routes only speak HTTP for it.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from shardyard.serve.guard import ClientError
-from shardyard.serve.weight_follower import OperatorRefused, WeightFollower
+from shardyard.serve.http.guard import ClientError
+from shardyard.serve.follow.follower import OperatorRefused, WeightFollower
 
 
 class PromoteRequest(BaseModel):

@@ -18,7 +18,7 @@ import time
 from contextlib import ExitStack
 from typing import Any
 
-from shardyard.serve.ingress import DEFAULT_HEADER_TIMEOUT_S
+from shardyard.serve.app.ingress import DEFAULT_HEADER_TIMEOUT_S
 from shardyard.spec import SpecError, apply_override
 
 API_KEY_ENV = "SHARDYARD_API_KEY"  # the token from the environment (inherited by the replicas of a Ray started here)
@@ -101,9 +101,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from shardyard.cluster import address_to_join, keep_ray_token_private
-    from shardyard.serve.app import build_app
-    from shardyard.serve.ingress import haproxy_ingress
-    from shardyard.serve.port_holder import claim
+    from shardyard.serve.app.deployment import build_app
+    from shardyard.serve.app.ingress import haproxy_ingress
+    from shardyard.serve.app.port_holder import claim
 
     address = address_to_join()
     own = address == "local"  # a Ray instance of this command's: HAProxy takes HTTP, with a header deadline
