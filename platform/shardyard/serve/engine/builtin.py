@@ -34,6 +34,7 @@ from shardyard.serve.engine.golden import GoldenPrompt, greedy_answers
 from shardyard.serve.executor.local_model import LocalModel
 from shardyard.serve.engine.metrics import ServingMetrics
 from shardyard.serve.executor.precision import described, serving_dtype
+from shardyard.serve.executor.protocol import ModelExecutor
 from shardyard.serve.engine.scheduler import MIN_CHUNK
 from shardyard.serve.executor.shards import SHARD_LOST, CachesLost, ShardedModel
 from shardyard.serve.engine.static_batches import StaticBatches
@@ -84,7 +85,7 @@ class BuiltinEngine:
 
     # ------------------------------------------------------------------ starting
 
-    def _model(self, use_gpu: bool) -> ShardedModel | LocalModel:
+    def _model(self, use_gpu: bool) -> ModelExecutor:
         cfg, dtype = self.cfg, serving_dtype(self.cfg.dtype, use_gpu, self.cfg.checkpoint)
         if cfg.num_shards == 1:  # decoded in this process: its bundle holds the shard's CPUs
             # Its CPUs as threads, rounded up: the model is what this process spends them on.

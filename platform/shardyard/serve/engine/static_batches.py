@@ -18,9 +18,9 @@ from ray import serve
 from shardyard.serve.engine.backend import Generation
 from shardyard.serve.engine.batching import AdaptiveBatchSize, BatchGate
 from shardyard.serve.generation import Completion, decode_steps
-from shardyard.serve.executor.local_model import LocalModel
+from shardyard.serve.executor.protocol import ModelExecutor
 from shardyard.serve.engine.metrics import ServingMetrics
-from shardyard.serve.executor.shards import SHARD_LOST, ShardedModel
+from shardyard.serve.executor.shards import SHARD_LOST
 
 
 @dataclass
@@ -33,7 +33,7 @@ class Ticket:
 
 
 class StaticBatches:
-    def __init__(self, model: ShardedModel | LocalModel, block_size: int, metrics: ServingMetrics,
+    def __init__(self, model: ModelExecutor, block_size: int, metrics: ServingMetrics,
                  weights: Callable[[], str], adaptive: AdaptiveBatchSize | None = None) -> None:
         """`weights`: the fingerprint of the weights the model holds now; `adaptive`: the batch
         size adjusted to the step times observed (None: as set)."""

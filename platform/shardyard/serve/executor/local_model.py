@@ -22,7 +22,8 @@ from shardyard.serve.executor.packed_linear import pack_linears
 from shardyard.serve.executor.precision import cast_for_serving
 from shardyard.serve.sampling import Outcome
 from shardyard.serve.executor.checkpoint_holds import CheckpointHolds, hold_served
-from shardyard.serve.executor.model_pass import Draws, Extra, all_finite, model_output, run_model
+from shardyard.serve.executor.model_pass import Draws, Extra, model_output, run_model
+from shardyard.serve.executor.staged_weights import StagedWeights
 from shardyard.spec import LANGUAGE_MODELS
 
 
@@ -50,21 +51,26 @@ class LocalModel:
         self.packs = not compile_for  # the compiler lays out linear weights its own way
         self.thread = ModelThread()  # loads the model and runs every pass: serve/executor/model_thread.py says why
         self.executor = self.thread.executor  # where the engine calls `forward`: the pass runs there directly
+        self.weights = StagedWeights(self._load)
         try:
-            self.model = self.thread.run(self._load, self.checkpoint_dir)
+            self.thread.run(self.weights.load, self.checkpoint_dir)
         except BaseException:
             self.close()
             raise
-        self.cache_attends = getattr(self.model, "cache_attends", False)  # KVCache: packed passes run
-        self.staged: torch.nn.Module | None = None
+        self.cache_attends = getattr(self.weights.serving, "cache_attends", False)  # KVCache: packed passes run
         self.cache = KVCache(cache_blocks) if cache_blocks else None
         self.decode = (CompiledDecode(self.cache, compile_for, self.block_size, self.device)
                        if compile_for and self.cache is not None and self.cache_attends else None)
         if self.decode is None and not self.packs:  # nothing compiles after all (a model attending itself)
             self.packs = True
-            self.model = self.thread.run(pack_linears, self.model)
+            self.weights.serving = self.thread.run(pack_linears, self.weights.serving)
         self.rebuilds = 0  # nothing here dies apart from the replica, which Serve replaces
         self._lock = threading.RLock()  # one forward pass at a time over the one cache
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The weights that serve now."""
+        return self.weights.serving
 
     def _load(self, source: str | Published) -> torch.nn.Module:
         model = load_source_part(source, lambda m: cast_for_serving(m, self.dtype), self.device,
@@ -75,14 +81,13 @@ class LocalModel:
         """Reads a checkpoint (held from now on) or published weights beside the serving weights
         while passes go on; whether its weights are finite."""
         with one_intra_op_thread():  # beside the passes, without a second OpenMP team
-            self.staged = self._load(self.holds.stage(source))
-            return all_finite(self.staged)
+            return self.weights.prepare(self.holds.stage(source))
 
     def swap(self) -> None:
         """The prepared weights serve from now on and the served ones wait beside them: a second
         swap puts them back, `drop_staged` frees them."""
         with self._lock:
-            self.model, self.staged = self.staged, self.model
+            self.weights.swap()
             self.checkpoint_dir = self.holds.swap(self.checkpoint_dir)
 
     def swap_back(self) -> None:
@@ -93,7 +98,7 @@ class LocalModel:
         return self._lock
 
     def drop_staged(self) -> None:
-        self.staged = None
+        self.weights.drop()
         self.holds.drop()
 
     def forward(self, tokens: torch.Tensor, extra: Extra = None, draws: Draws = None) -> torch.Tensor | list[Outcome]:
@@ -105,9 +110,9 @@ class LocalModel:
         extra = extra.to(self.device) if isinstance(extra, torch.Tensor) else extra
         tokens = tokens.to(self.device)
         if self.decode is not None and isinstance(extra, CacheStep) and not extra.reset:
-            if (logits := self.decode(self.model, tokens, extra)) is not None:
+            if (logits := self.decode(self.weights.serving, tokens, extra)) is not None:
                 return model_output(logits, extra, draws)
-        return model_output(run_model(self.model, tokens, extra, self.cache), extra, draws)
+        return model_output(run_model(self.weights.serving, tokens, extra, self.cache), extra, draws)
 
     def healthy(self, timeout_s: float = 5.0) -> bool:
         return True  # in the replica's process: if the replica answers, so does the model

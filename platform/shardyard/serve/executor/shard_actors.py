@@ -24,10 +24,11 @@ from shardyard.checkpoint.published import Published, load_source_part
 from shardyard.models.kv_cache import KVCache
 from shardyard.parallel.tensor import apply_tensor_parallel
 from shardyard.runtime import select_device
-from shardyard.serve.executor.model_pass import Draws, Extra, all_finite, model_output, run_model
+from shardyard.serve.executor.model_pass import Draws, Extra, model_output, run_model
 from shardyard.serve.executor.model_thread import one_intra_op_thread
 from shardyard.serve.executor.packed_linear import pack_linears
 from shardyard.serve.executor.precision import cast_for_serving
+from shardyard.serve.executor.staged_weights import StagedWeights
 from shardyard.serve.sampling import Outcome
 
 # A collective waiting on a dead peer gives up after this (gloo's default is 30 minutes).
@@ -45,8 +46,8 @@ class PipelineShard:
         self.device = select_device(0) if use_gpu else torch.device("cpu")
         self.whole, self.trust_factory, self.dtype = whole, trust_factory, dtype
         self.blocks = (start, end)
-        self.stage = self._load(checkpoint_dir)
-        self.staged: torch.nn.Module | None = None
+        self.weights = StagedWeights(self._load)
+        self.weights.load(checkpoint_dir)
         # This shard's layers' keys and values (allocated at their first use).
         self.cache = KVCache(cache_blocks) if cache_blocks else None
 
@@ -62,28 +63,24 @@ class PipelineShard:
 
     def prepare(self, source: str | Published) -> bool:
         """Reads this shard's part of another checkpoint (or of published weights) beside the one
-        serving (a compiled graph's passes go on meanwhile, on their own thread); whether its
-        weights are finite."""
-        self.staged = self._load(source)
-        return all_finite(self.staged)
+        serving (a compiled graph's passes go on meanwhile, on their own thread)."""
+        return self.weights.prepare(source)
 
     def swap(self) -> None:
-        """The prepared weights serve from now on and the serving ones are kept beside them
-        (called between passes): a second swap puts them back, `drop_staged` frees them."""
-        self.stage, self.staged = self.staged, self.stage
+        self.weights.swap()
 
     def drop_staged(self) -> None:
-        self.staged = None
+        self.weights.drop()
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, extra: Extra, draws: Draws = None) -> torch.Tensor | list[Outcome]:
         extra = extra.to(self.device) if isinstance(extra, torch.Tensor) else extra
-        out = run_model(self.stage, x.to(self.device), extra, self.cache)
+        out = run_model(self.weights.serving, x.to(self.device), extra, self.cache)
         return model_output(out, extra, draws) if self.last else out.cpu()
 
     def describe(self) -> dict:
         return {"blocks": self.blocks, "device": str(self.device),
-                "parameters": sum(p.numel() for p in self.stage.parameters())}
+                "parameters": sum(p.numel() for p in self.weights.serving.parameters())}
 
 
 @ray.remote
@@ -95,8 +92,7 @@ class TensorShard:
         self.checkpoint_dir, self.rank, self.num_shards = checkpoint_dir, rank, num_shards
         self.trust_factory, self.dtype = trust_factory, dtype
         self.device = select_device(0) if use_gpu else torch.device("cpu")
-        self.model: torch.nn.Module | None = None
-        self.staged: torch.nn.Module | None = None
+        self.weights = StagedWeights(self._load)
         # Keys and values of this rank's heads only.
         self.cache = KVCache(cache_blocks) if cache_blocks else None
         self.store: dist.TCPStore | None = None  # rank 0's, from host_rendezvous
@@ -118,7 +114,7 @@ class TensorShard:
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.num_shards,
                                 timeout=COLLECTIVE_TIMEOUT)
         self.mesh = init_device_mesh(self.device.type, (self.num_shards,))
-        self.model = self._load(self.checkpoint_dir)
+        self.weights.load(self.checkpoint_dir)
 
     def _load(self, source: str | Published) -> torch.nn.Module:
         """Sharded while empty, then each rank reads only its slices (every rank at once; published
@@ -128,24 +124,22 @@ class TensorShard:
 
     def prepare(self, source: str | Published) -> bool:
         """Reads this rank's slices of another checkpoint beside the serving ones (a collective
-        read: every rank at once, between passes, which wait for it); whether they are finite."""
-        self.staged = self._load(source)
-        return all_finite(self.staged)
+        read: every rank at once, between passes, which wait for it)."""
+        return self.weights.prepare(source)
 
     def swap(self) -> None:
-        """As PipelineShard.swap."""
-        self.model, self.staged = self.staged, self.model
+        self.weights.swap()
 
     def drop_staged(self) -> None:
-        self.staged = None
+        self.weights.drop()
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, extra: Extra, draws: Draws = None) -> torch.Tensor | list[Outcome] | None:
         extra = extra.to(self.device) if isinstance(extra, torch.Tensor) else extra
-        out = run_model(self.model, x.to(self.device), extra, self.cache)
+        out = run_model(self.weights.serving, x.to(self.device), extra, self.cache)
         return model_output(out, extra, draws) if self.rank == 0 else None  # the same logits on every rank: one picks
 
     def describe(self) -> dict:
         local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-                    for p in self.model.parameters())
+                    for p in self.weights.serving.parameters())
         return {"rank": self.rank, "device": str(self.device), "parameters": local}
