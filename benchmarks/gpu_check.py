@@ -236,10 +236,10 @@ def serving(work: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from shardyard.serve.engine.batching import prefill_budget
-    from shardyard.serve.config import ServeConfig
     from shardyard.serve.engine.decoding import DecodingEngine
     from shardyard.serve.generation import Completion
     from shardyard.serve.executor.local_model import LocalModel
+    from shardyard.serve.resolved import load_config
     from shardyard.serve.sampling import Sampling
     from vllm_bench import model_directory
 
@@ -248,9 +248,9 @@ def serving(work: Path) -> dict[str, Any]:
                                 heads=16 if CUDA else 4, context=512, vocab_size=32000 if CUDA else 320)
     dtype = torch.bfloat16 if CUDA else torch.float32
     prompts = torch.randint(0, 300, (streams, prompt_tokens)).tolist()
-    cfg = ServeConfig(checkpoint=str(directory), max_batch_size=streams, max_tokens_limit=256)
+    cfg = load_config({"checkpoint": str(directory), "batching.max_batch_size": streams}, use_gpu=CUDA)
     local = LocalModel(str(directory), CUDA, cfg.cache_blocks, dtype=dtype, compile_for=streams if CUDA else 0)
-    budget = prefill_budget(local.forward, 512, streams, cfg.token_latency_target_ms / 1000)
+    budget = prefill_budget(local.forward, 512, streams, cfg.batching.token_latency_target_ms / 1000)
 
     async def engine_round() -> float:
         engine = DecodingEngine(local.forward, streams, 512, cfg.cache_blocks, budget, lambda: None, (),

@@ -52,7 +52,8 @@ APPS: dict[str, dict[str, Any]] = {
     "continuous-hf": {"batching": "continuous"},
     "generate-peer": {},
 }
-BASE = {"num_shards": 1, "max_batch_size": 64, "max_queued_requests": 256, "request_timeout_s": 120.0}
+BASE = {"engine.num_shards": 1, "batching.max_batch_size": 64, "limits.max_queued_requests": 256,
+        "limits.request_timeout_s": 120.0}
 PEER_MODEL = {"n_embd": 128, "n_layer": 4, "n_head": 4, "vocab_size": 256, "n_positions": 64,
               "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": None, "eos_token_id": None}
 
@@ -120,7 +121,7 @@ def application(app: str, checkpoint_dir: str, hf_dir: str) -> serve.Application
     from shardyard.serve.app.deployment import build_app
 
     if app == "generate-peer":
-        return peer_app(hf_dir, BASE["max_batch_size"])
+        return peer_app(hf_dir, BASE["batching.max_batch_size"])
     model = hf_dir if app.endswith("-hf") else checkpoint_dir
     return build_app({"checkpoint": model, **BASE, **APPS[app]})
 

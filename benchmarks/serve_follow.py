@@ -38,7 +38,7 @@ from shardyard.spec import load_spec
 import torch
 
 CONFIG = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "gpt_ddp.yaml"
-APP = {"num_shards": 2, "cpus_per_shard": 0.5, "max_batch_size": 8, "request_timeout_s": 60}
+APP = {"engine.num_shards": 2, "engine.cpus_per_shard": 0.5, "batching.max_batch_size": 8, "limits.request_timeout_s": 60}
 
 
 def commit_checkpoint(rank: int, world: int, run_dir: str, step: int) -> None:
@@ -119,7 +119,7 @@ def main() -> None:
             run_dir = Path(tmp) / way.split()[0] / "gpt_ddp"
             run_distributed(commit_checkpoint, 1, str(run_dir), 10)
             follow = way.startswith("hot")
-            serve.run(build_app({**APP, "checkpoint": str(run_dir), "follow": follow, "follow_interval_s": 0.5}),
+            serve.run(build_app({**APP, "checkpoint": str(run_dir), "follow": follow, "follow.interval_s": 0.5}),
                       name="follow_bench", route_prefix="/b")
 
             def redeploy(checkpoint: Path) -> None:  # Serve's way: the app again, pointed at the new weights

@@ -50,14 +50,15 @@ from shardyard.checkpoint.layout import TrainState
 
 CONFIG = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "gpt_ddp.yaml"
 MAX_TOKENS = 16
-BASE = {"max_batch_size": 16, "max_queued_requests": 16, "request_timeout_s": 30.0}
+BASE = {"batching.max_batch_size": 16, "limits.max_queued_requests": 16, "limits.request_timeout_s": 30.0}
 CONFIGS: dict[str, dict[str, Any]] = {
-    "none": {"batching": "none", "num_shards": 1},
-    "fixed": {"batching": "fixed", "num_shards": 1, "batch_wait_timeout_s": 0.01},
-    "adaptive": {"batching": "adaptive", "num_shards": 1},
-    "fixed-pp2": {"batching": "fixed", "num_shards": 2, "batch_wait_timeout_s": 0.01},
-    "fixed-pp4": {"batching": "fixed", "num_shards": 4, "batch_wait_timeout_s": 0.01},
-    "fixed-tp2": {"batching": "fixed", "num_shards": 2, "sharding": "tensor", "batch_wait_timeout_s": 0.01},
+    "none": {"batching": "none", "engine.num_shards": 1},
+    "fixed": {"batching": "fixed", "engine.num_shards": 1, "batching.batch_wait_timeout_s": 0.01},
+    "adaptive": {"batching": "adaptive", "engine.num_shards": 1},
+    "fixed-pp2": {"batching": "fixed", "engine.num_shards": 2, "batching.batch_wait_timeout_s": 0.01},
+    "fixed-pp4": {"batching": "fixed", "engine.num_shards": 4, "batching.batch_wait_timeout_s": 0.01},
+    "fixed-tp2": {"batching": "fixed", "engine.num_shards": 2, "engine.sharding": "tensor",
+                  "batching.batch_wait_timeout_s": 0.01},
 }
 
 

@@ -19,7 +19,7 @@ README's config did until 2026-11-29) on a local Ray of 2 CPUs, with its built-i
 `engine: vllm`; then `vllm serve` (its CPU build, 2 GiB of KV cache, prefix caching on, its
 default) serves it alone. `engine: vllm` is given vLLM's own limits (`max_num_seqs` 128, the same
 2 GiB of KV cache): it is measured against the same engine, configured alike, behind shardyard's
-serving path. `--app-set` adds a setting to shardyard's apps (a ServeConfig key).
+serving path. `--app-set` adds a setting to shardyard's apps (a ServeConfig key, dotted: engine.cpus_per_shard=0.5).
 `--rounds N` measures the servers in turn N times and reports each row's median, and each round's
 ratio to vLLM (taken against vLLM's row of the same model in the same round): this machine's speed
 drifts between runs by more than some of the gaps measured.
@@ -156,12 +156,12 @@ def shardyard_rows(directory: Path, out: Path, concurrencies: list[int], prompts
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             serve.start(http_options={"host": "127.0.0.1", "port": port})
-            limits = vllm_limits(directory, dtype) if engine == "vllm" else {"max_batch_size": 16}
+            limits = vllm_limits(directory, dtype) if engine == "vllm" else {"batching.max_batch_size": 16}
             if shards > 1:  # as serve_apps/config.yaml splits it before 2026-11-29: pipeline shards of 0.75 CPUs
-                limits.update(num_shards=shards, cpus_per_shard=1.5 / shards)
-            serve.run(build_app({"checkpoint": str(directory), "dtype": dtype, "max_tokens_limit": 256,
-                                 "max_prompt_chars": 65536,
-                                 "max_body_bytes": 262144, "prefix_caching": prefix_caching, "engine": engine,
+                limits.update({"engine.num_shards": shards, "engine.cpus_per_shard": 1.5 / shards})
+            serve.run(build_app({"checkpoint": str(directory), "engine.dtype": dtype, "limits.max_tokens_limit": 256,
+                                 "limits.max_prompt_chars": 65536, "limits.max_body_bytes": 262144,
+                                 "engine.prefix_caching": prefix_caching, "engine.backend": engine,
                                  **limits, **APP_SETTINGS}), name="bench", route_prefix="/")
             wait_ready(url, None)
             if requests.get(f"{url}/healthz", timeout=30).json()["engine"] != engine:
@@ -188,7 +188,7 @@ def vllm_limits(directory: Path, dtype: str) -> dict:
     import torch
 
     per_position = kv_bytes_per_token(HFSpec(path=str(directory)), getattr(torch, dtype))
-    return {"max_batch_size": VLLM_MAX_NUM_SEQS, "max_kv_tokens": VLLM_KV_GIB * 2**30 // per_position}
+    return {"batching.max_batch_size": VLLM_MAX_NUM_SEQS, "engine.max_kv_tokens": VLLM_KV_GIB * 2**30 // per_position}
 
 
 def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompts: int, dtype: str,
@@ -206,20 +206,20 @@ def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompt
 
     from shardyard.serve.engine.builtin import REPLICA_CPUS
     from shardyard.serve.engine.batching import prefill_budget
-    from shardyard.serve.config import ServeConfig
     from shardyard.serve.engine.decoding import DecodingEngine
     from shardyard.serve.generation import Completion
     from shardyard.serve.executor.local_model import LocalModel
     from shardyard.serve.executor.packed_linear import ENV
+    from shardyard.serve.resolved import load_config
     from shardyard.serve.sampling import Sampling
 
-    cfg = ServeConfig(checkpoint=str(directory), max_batch_size=16, max_tokens_limit=256)
-    torch.set_num_threads(max(1, math.ceil(REPLICA_CPUS + cfg.cpus_per_shard)))  # the replica's threads
+    cfg = load_config({"checkpoint": str(directory), "batching.max_batch_size": 16}, use_gpu=False)
+    torch.set_num_threads(max(1, math.ceil(REPLICA_CPUS + cfg.engine.cpus_per_shard)))  # the replica's threads
     with patch.dict(os.environ, {ENV: "1" if packed else "0"}):  # read as the model loads
         model = LocalModel(cfg.checkpoint, False, cfg.cache_blocks, dtype=getattr(torch, dtype),
-                           compile_for=cfg.max_batch_size if compiled else 0)
+                           compile_for=cfg.batching.max_batch_size if compiled else 0)
     name = "shardyard engine, in process" + ("" if packed else ", plain linears") + (", compiled" if compiled else "")
-    budget = prefill_budget(model.forward, CONTEXT, cfg.max_batch_size, cfg.token_latency_target_ms / 1000)
+    budget = prefill_budget(model.forward, CONTEXT, cfg.batching.max_batch_size, cfg.batching.token_latency_target_ms / 1000)
     spent = {"decode": 0.0, "prefill": 0.0}
 
     def forward(tokens: torch.Tensor, step, draws):  # the model's passes, timed by kind
@@ -230,7 +230,7 @@ def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompt
             spent["decode" if tokens.shape[1] == 1 else "prefill"] += time.perf_counter() - started  # packed: prefill
 
     async def load(concurrency: int, count: int) -> dict:
-        engine = DecodingEngine(forward, cfg.max_batch_size, CONTEXT, cfg.cache_blocks, budget, lambda: None, (),
+        engine = DecodingEngine(forward, cfg.batching.max_batch_size, CONTEXT, cfg.cache_blocks, budget, lambda: None, (),
                                 packs=model.cache_attends, executor=model.executor)
         rng, gate, ttft, tpot = random.Random(concurrency), asyncio.Semaphore(concurrency), [], []
         vocabulary = model.model.hf.config.vocab_size
@@ -351,7 +351,7 @@ def main() -> None:
                         help="the model shapes to serve (every server on each); default: all but v320")
     parser.add_argument("--no-shared-prefix", action="store_true", help="the random load only")
     parser.add_argument("--app-set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a setting of shardyard's app (repeatable), e.g. cpus_per_shard=0.5")
+                        help="a setting of shardyard's app (repeatable), e.g. engine.cpus_per_shard=0.5")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
                         help="every server's weights and KV cache (vLLM's default on a CPU with AVX-512 BF16: "
                              "bfloat16)")

@@ -3,7 +3,7 @@ custom language model; or MLP predictions), or a Hugging Face model directory as
 
     serve run serve_apps.gpt:app                                  # the default job's latest checkpoint
     serve run serve_apps.gpt:app checkpoint=runs/my_run num_shards=2
-    serve run serve_apps.gpt:app checkpoint=runs/llama_fsdp num_shards=2 sharding=tensor
+    serve run serve_apps.gpt:app checkpoint=runs/llama_fsdp engine.num_shards=2 engine.sharding=tensor
     serve deploy serve_apps/config.yaml                           # on a running cluster
 
 `app` is a Serve application builder: the `key=value` arguments (or `args:` in a Serve config

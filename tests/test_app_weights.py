@@ -12,7 +12,7 @@ from followed_run import commit
 from shardyard.checkpoint.published import Published
 from shardyard.checkpoint.record import checkpoint_name
 from shardyard.serve.follow.app_weights import AppWeightsState, rollback_target, starting_checkpoint
-from shardyard.serve.config import parse_config
+from shardyard.serve.resolved import load_config
 from shardyard.spec import GPTSpec
 
 RUN = Path("/runs/r")
@@ -81,8 +81,8 @@ def test_a_replica_started_later_begins_on_the_weights_the_app_serves(tmp_path: 
     assert starting_checkpoint(state.look("r", "", 0.0), str(run_dir)) == run_dir / checkpoint_name(20)
     state.promote(run_dir / checkpoint_name(30))  # pruned, or never committed: the one before
     assert starting_checkpoint(state.look("r", "", 0.0), str(run_dir)) == run_dir / checkpoint_name(20)
-    config = parse_config({"checkpoint": str(run_dir)}).starting_at(run_dir / checkpoint_name(10))
-    assert (config.served_step, config.fingerprint, config.follow) == (10, "gpt_ddp@10", True)
+    config = load_config({"checkpoint": str(run_dir)}, use_gpu=False).starting_at(run_dir / checkpoint_name(10))
+    assert (config.served_step, config.fingerprint, config.following) == (10, "gpt_ddp@10", True)
     assert (config.checkpoint, config.source) == (str(run_dir / checkpoint_name(10)), str(run_dir))
 
 

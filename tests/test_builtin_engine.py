@@ -19,7 +19,7 @@ from shardyard.checkpoint.record import checkpoint_name
 from shardyard.checkpoint.store import RunStorage
 from shardyard.serve.engine.backend import EngineBackend, WeightsRefused
 from shardyard.serve.engine.builtin import BuiltinEngine
-from shardyard.serve.config import parse_config
+from shardyard.serve.resolved import load_config
 from shardyard.serve.generation import Completion, decode, encode
 from shardyard.serve.engine.golden import GoldenPrompt
 from shardyard.serve.engine.metrics import ServingMetrics
@@ -40,8 +40,8 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def started(run_dir: Path, step: int, **args: object) -> BuiltinEngine:
-    cfg = parse_config({"checkpoint": str(run_dir / checkpoint_name(step)), "device": "cpu", "max_batch_size": 4,
-                        **args})
+    cfg = load_config({"checkpoint": str(run_dir / checkpoint_name(step)), "engine.device": "cpu",
+                       "batching.max_batch_size": 4, **args}, use_gpu=False)
     return BuiltinEngine(cfg, cfg.checkpoint, read_spec(cfg.checkpoint).model, ServingMetrics(), cfg.fingerprint)
 
 

@@ -117,7 +117,7 @@ def test_onprem_cluster_launched_used_and_taken_down(hosts, tmp_path: Path) -> N
         run_dir = train_through_a_worker_loss(client, api, worker, tmp_path / "storage")
         check_run(run_dir, [4, 2], STEPS)
 
-        deploy(client, api, cluster_serve_config(run_dir, cpus_per_shard=0.75), tmp_path)  # the head's 2 CPUs
+        deploy(client, api, cluster_serve_config(run_dir, **{"engine.cpus_per_shard": 0.75}), tmp_path)  # the head's 2 CPUs
         answer = complete(f"http://{head.ip}:8000", client)
         assert answer["choices"][0]["text"] and answer["usage"]["completion_tokens"] == 8, answer
     finally:
@@ -197,7 +197,7 @@ def serve_across_the_machines(client: Client, api: str, head: Host, worker: Host
     AutoModelForCausalLM.from_config(AutoConfig.for_model(
         "llama", hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=2, vocab_size=256, max_position_embeddings=32)).save_pretrained(model)
-    deploy(client, api, cluster_serve_config(model, num_replicas=2, num_shards=1, cpus_per_shard=1.5), root)
+    deploy(client, api, cluster_serve_config(model, num_replicas=2, **{"engine.num_shards": 1, "engine.cpus_per_shard": 1.5}), root)
     url = f"http://{head.ip}:8000"
     with socket.create_connection((head.ip, 8000)) as slow:  # half a request's headers, then silence
         slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")

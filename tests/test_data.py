@@ -356,7 +356,7 @@ def test_prepared_text_trains_validates_and_serves_with_its_tokenizer(ray_cluste
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(build_app({"checkpoint": str(final), "num_shards": 1, "cpus_per_shard": 0.5}),
+        serve.run(build_app({"checkpoint": str(final), "engine": {"num_shards": 1, "cpus_per_shard": 0.5}}),
                   name="bpe_app", route_prefix="/bpe")
         answer = requests.post(f"http://127.0.0.1:{port}/bpe/v1/completions", timeout=60,
                                json={"prompt": prompt, "max_tokens": 6, "temperature": 0})

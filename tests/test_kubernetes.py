@@ -112,7 +112,7 @@ def test_the_rayservice_serves_a_serve_config_the_app_accepts_for_the_rayjobs_ru
     the RayJob writes (the default job's checkpoint, here at a local path): the model splits as
     the config says."""
     from shardyard.localdist import run_distributed
-    from shardyard.serve.config import parse_config
+    from shardyard.serve.resolved import load_config
     from test_serve_run import save_default_job_checkpoint
 
     serve = yaml.safe_load(manifest("rayservice.yaml")["spec"]["serveConfigV2"])
@@ -126,14 +126,14 @@ def test_the_rayservice_serves_a_serve_config_the_app_accepts_for_the_rayjobs_ru
     pods = manifest("rayservice.yaml")["spec"]["rayClusterConfig"]
     for group in [pods["headGroupSpec"], *pods["workerGroupSpecs"]]:
         (container,) = group["template"]["spec"]["containers"]
-        secret = {e["name"]: e.get("valueFrom") for e in container["env"]}[app["args"]["bearer_token_env"]]
+        secret = {e["name"]: e.get("valueFrom") for e in container["env"]}[app["args"]["auth"]["bearer_token_env"]]
         assert secret == {"secretKeyRef": {"name": "shardyard-api-key", "key": "api-key"}}
-    os.environ[app["args"]["bearer_token_env"]] = "a-secret-of-this-test"
+    os.environ[app["args"]["auth"]["bearer_token_env"]] = "a-secret-of-this-test"
     try:
-        config = parse_config({**app["args"], "checkpoint": str(run_dir)})
+        config = load_config({**app["args"], "checkpoint": str(run_dir)}, use_gpu=False)
     finally:
-        del os.environ[app["args"]["bearer_token_env"]]
-    assert config.num_shards == 2 and config.sharding == "pipeline" and app["import_path"] == "serve_apps.gpt:app"
+        del os.environ[app["args"]["auth"]["bearer_token_env"]]
+    assert config.engine.num_shards == 2 and config.engine.sharding == "pipeline" and app["import_path"] == "serve_apps.gpt:app"
 
 
 def test_the_rayjobs_pods_give_a_preempted_run_time_to_checkpoint() -> None:

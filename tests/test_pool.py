@@ -127,19 +127,20 @@ def test_the_run_size_from_its_events() -> None:
 
 @pytest.mark.parametrize("override, message", [
     ("training.set=[scaling.num_workers=2]", "set scaling.min_workers and scaling.max_workers"),
-    ("serving.args.max_replicas=null", "serving.args.max_replicas"),
-    ("serving.args.max_replicas=1", "must be above num_replicas"),
-    ("pool.units=2", "cannot hold training's min_workers (1) and serving's num_replicas (2)"),
+    ("serving.args.autoscaling=null", "serving.args.autoscaling.max_replicas"),
+    ("serving.args.autoscaling.max_replicas=1", "must be above min_replicas"),
+    ("pool.units=2", "cannot hold training's min_workers (1) and serving's autoscaling.min_replicas (2)"),
     ("serving.args.num_replicass=1", "unknown key 'num_replicass' (did you mean 'num_replicas'?)"),
-    ("serving.args.max_batch_size=0", "max_batch_size: Input should be greater than or equal to 1"),
-    ("serving.args.num_shards=2", "serving.args.num_shards"),
+    ("serving.args.batching.max_batch_size=0", "batching.max_batch_size: Input should be greater than or equal to 1"),
+    ("serving.args.max_batch_size=4", "max_batch_size is batching.max_batch_size"),
+    ("serving.args.engine.num_shards=2", "serving.args.engine.num_shards"),
     ("serving.args.checkpoint=/elsewhere", "the pool serves its own run"),
     ("pool.resource=CPU", "pool.resource 'CPU'"),
     ("policy.lend_when.signal=p99", "policy.lend_when.signal"),
     ("policy.cooldown_s=3", "policy.cooldown_s"),
 ])
 def test_a_bad_pool_spec_is_refused_naming_the_key(override: str, message: str) -> None:
-    extra = ["serving.args.num_replicas=2", "serving.args.max_replicas=3"] if override.startswith("pool.units") else []
+    extra = ["serving.args.autoscaling.min_replicas=2", "serving.args.autoscaling.max_replicas=3"] if override.startswith("pool.units") else []
     with pytest.raises(SpecError) as err:
         load_pool(str(POOL), [*extra, override])
     assert message in str(err.value)

@@ -78,8 +78,8 @@ def test_published_weights_serve_resharded_with_the_training_models_logits(ray_c
     app = f"publish_{strategy}"
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"checkpoint": str(run_dir), "num_shards": 2, "sharding": sharding, "cpus_per_shard": 0.25,
-                         "max_batch_size": 4, "follow_interval_s": 0.5}), name=app, route_prefix=f"/{app}")
+    serve.run(build_app({"checkpoint": str(run_dir), "engine": {"num_shards": 2, "sharding": sharding, "cpus_per_shard": 0.25},
+                         "batching.max_batch_size": 4, "follow.interval_s": 0.5}), name=app, route_prefix=f"/{app}")
     url = f"http://127.0.0.1:{port}/{app}"
     models = lambda: requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]  # noqa: E731
     proc = train(ray_cluster, tmp_path, strategy, 12, f"checkpoint.publish_to={app}",

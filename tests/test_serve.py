@@ -214,8 +214,8 @@ def test_a_hugging_face_model_directory_is_served_as_it_is(ray_cluster, tmp_path
     split into slices of every expert.)"""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from shardyard.serve.config import parse_config
     from shardyard.serve.executor.shards import ShardedModel
+    from shardyard.serve.resolved import load_config
     from test_models import LLAMA, MIXTRAL
 
     torch.manual_seed(5)
@@ -223,7 +223,7 @@ def test_a_hugging_face_model_directory_is_served_as_it_is(ray_cluster, tmp_path
     keys = {k: v for k, v in config.items() if k != "architecture"}
     directory = tmp_path / architecture
     AutoModelForCausalLM.from_config(AutoConfig.for_model(architecture, **keys)).save_pretrained(directory)
-    assert parse_config({"checkpoint": str(directory), "sharding": "tensor", "num_shards": 2})
+    assert load_config({"checkpoint": str(directory), "engine": {"sharding": "tensor", "num_shards": 2}}, use_gpu=False)
     model = load_model(directory).eval()
     sharded = ShardedModel(str(directory), 2, sharding="tensor", cpus_per_shard=0.5)
     try:
@@ -241,11 +241,11 @@ def test_a_hugging_face_model_directory_is_served_as_it_is(ray_cluster, tmp_path
 def server_args(checkpoints: dict[str, Path], request_timeout_s: float = 2.0) -> dict:
     token_file = checkpoints["ddp"].parents[2] / "token"  # the token is never a deployment argument
     private_file(token_file, TOKEN + "\n")
-    return {"checkpoint": str(checkpoints["ddp"]), "num_shards": 2, "cpus_per_shard": 0.25,
-            "batching": "fixed", "max_batch_size": 8,
-            "batch_wait_timeout_s": 0.05, "max_queued_requests": 16, "request_timeout_s": request_timeout_s,
-            "max_body_bytes": 2048, "max_tokens_limit": 2048, "body_timeout_s": 120,
-            "bearer_token_file": str(token_file)}
+    return {"checkpoint": str(checkpoints["ddp"]), "engine": {"num_shards": 2, "cpus_per_shard": 0.25},
+            "batching": {"mode": "fixed", "max_batch_size": 8, "batch_wait_timeout_s": 0.05},
+            "limits": {"max_queued_requests": 16, "request_timeout_s": request_timeout_s, "max_body_bytes": 2048,
+                       "max_tokens_limit": 2048, "body_timeout_s": 120},
+            "auth": {"bearer_token_file": str(token_file)}}
 
 
 def metric(url: str, series: str, app: str, until: Callable[[float], bool] = lambda v: True,
@@ -429,8 +429,8 @@ def engine_server(server, default_job_checkpoint):
 
     from shardyard.serve.app.deployment import build_app
 
-    serve.run(build_app({"checkpoint": str(default_job_checkpoint), "num_shards": 2, "cpus_per_shard": 0.25,
-                         "max_batch_size": 4, "model_id": "tiny-gpt", "request_timeout_s": 60}),
+    serve.run(build_app({"checkpoint": str(default_job_checkpoint), "engine": {"num_shards": 2, "cpus_per_shard": 0.25},
+                         "batching.max_batch_size": 4, "model_id": "tiny-gpt", "limits.request_timeout_s": 60}),
               name="engine_app", route_prefix="/e")
     yield server.removesuffix("/t") + "/e"
     serve.delete("engine_app")
@@ -603,40 +603,44 @@ def test_serve_config_mistakes_are_named_before_anything_starts(ray_cluster, tmp
 
     from shardyard.serve.app.deployment import build_app
     from shardyard.serve.config import parse_config
+    from shardyard.serve.resolved import load_config
     from shardyard.spec import SpecError
+
+    def read(args: dict) -> object:
+        return load_config(args, use_gpu=False)
 
     trained = str(checkpoints["ddp"])
     with pytest.raises(SpecError, match=r"n_head \(4\) must be divisible by num_shards \(3\)"):
-        parse_config({"checkpoint": trained, "sharding": "tensor", "num_shards": 3})
+        read({"checkpoint": trained, "engine": {"sharding": "tensor", "num_shards": 3}})
     with pytest.raises(SpecError, match="cannot split 4 blocks into 5 pipeline shards"):
-        parse_config({"checkpoint": trained, "num_shards": 5})
+        read({"checkpoint": trained, "engine.num_shards": 5})
     # A placement group no node can hold is refused at once (it would wait forever): a replica's
     # 0.5 CPU and 2 shards of the node's every CPU do not fit; 4 shards of 0.25 do (on 2 cores).
     cpus = max(node["Resources"].get("CPU", 0) for node in ray.nodes() if node["Alive"])  # the largest node's
     with pytest.raises(SpecError, match=rf"asks for {2 * cpus + 0.5:g} CPU \(STRICT_PACK\); its largest node has "
-                                        rf"{cpus:g} CPU: lower num_shards or cpus_per_shard"):
-        build_app({"checkpoint": trained, "num_shards": 2, "cpus_per_shard": cpus})
+                                        rf"{cpus:g} CPU: lower engine.num_shards or engine.cpus_per_shard"):
+        build_app({"checkpoint": trained, "engine": {"num_shards": 2, "cpus_per_shard": cpus}})
     with pytest.raises(SpecError, match="shardyard train jobs/configs/gpt_ddp.yaml"):
-        parse_config({"checkpoint": str(tmp_path / "nothing")})
+        read({"checkpoint": str(tmp_path / "nothing")})
     with pytest.raises(SpecError, match=r"serving reads a local or shared directory, not object storage; .*aws s3 sync"):
-        parse_config({"checkpoint": "s3://bucket/runs/gpt_ddp"})
-    with pytest.raises(SpecError, match="unknown key 'num_shard'"):
-        parse_config({"num_shard": 2})
+        read({"checkpoint": "s3://bucket/runs/gpt_ddp"})
+    with pytest.raises(SpecError, match="unknown key 'engine.num_shard'.*did you mean 'num_shards'"):
+        parse_config({"engine.num_shard": 2})
     private_file(tmp_path / "empty_token", "\n")
     with pytest.raises(SpecError, match="is empty"):  # refused, not read as "no auth"
-        parse_config({"checkpoint": trained, "bearer_token_file": str(tmp_path / "empty_token")})
+        read({"checkpoint": trained, "auth.bearer_token_file": str(tmp_path / "empty_token")})
     with pytest.raises(SpecError, match=r"max_kv_tokens \(8\) is below one context window \(16 tokens\)"):
-        parse_config({"checkpoint": trained, "max_kv_tokens": 8})
-    assert parse_config({"checkpoint": trained}).batching == "continuous"  # auto: the GPT has a KV cache
+        read({"checkpoint": trained, "engine.max_kv_tokens": 8})
+    assert read({"checkpoint": trained}).batching.mode == "continuous"  # auto: the GPT has a KV cache
     # A run directory is followed (new checkpoints swapped in) by default; a named checkpoint is not.
-    assert parse_config({"checkpoint": str(Path(trained).parent)}).follow
-    assert parse_config({"checkpoint": trained}).follow is False
-    with pytest.raises(SpecError, match="follow: true serves a run directory's new checkpoints"):
-        parse_config({"checkpoint": trained, "follow": True})
-    assert parse_config({"checkpoint": str(Path(trained).parent), "batching": "fixed"}).follow  # between batches
-    assert parse_config({"checkpoint": str(Path(trained).parent), "engine": "vllm"}).follow  # whichever engine serves
-    assert parse_config({"checkpoint": trained, "max_kv_tokens": 40}).cache_blocks == 3  # of 16 tokens
-    assert build_app({"checkpoint": trained, "num_shards": 4, "cpus_per_shard": 0.25})
+    assert read({"checkpoint": str(Path(trained).parent)}).following
+    assert read({"checkpoint": trained}).following is False
+    with pytest.raises(SpecError, match="follow.enabled serves a run directory's new checkpoints"):
+        read({"checkpoint": trained, "follow": True})
+    assert read({"checkpoint": str(Path(trained).parent), "batching": "fixed"}).following  # between batches
+    assert read({"checkpoint": str(Path(trained).parent), "engine": "vllm"}).following  # whichever engine serves
+    assert read({"checkpoint": trained, "engine.max_kv_tokens": 40}).cache_blocks == 3  # of 16 tokens
+    assert build_app({"checkpoint": trained, "engine": {"num_shards": 4, "cpus_per_shard": 0.25}})
 
 
 @pytest.mark.timeout(60)
@@ -645,7 +649,7 @@ def test_hugging_face_models_get_the_kv_cache_unless_a_window_is_narrower_than_t
     would not read: such a model is served by static batching, and `continuous` is refused."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from shardyard.serve.config import parse_config
+    from shardyard.serve.resolved import load_config
     from shardyard.spec import SpecError
 
     def directory(architecture: str, **keys: object) -> str:
@@ -655,11 +659,11 @@ def test_hugging_face_models_get_the_kv_cache_unless_a_window_is_narrower_than_t
         AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / architecture)
         return str(tmp_path / architecture)
 
-    assert parse_config({"checkpoint": directory("llama")}).batching == "continuous"
+    assert load_config({"checkpoint": directory("llama")}, use_gpu=False).batching.mode == "continuous"
     windowed = directory("mistral", sliding_window=4)  # 4 tokens of a 16-token context
-    assert parse_config({"checkpoint": windowed}).batching == "adaptive"
+    assert load_config({"checkpoint": windowed}, use_gpu=False).batching.mode == "adaptive"
     with pytest.raises(SpecError, match="continuous needs a model the KV cache serves exactly"):
-        parse_config({"checkpoint": windowed, "batching": "continuous"})
+        load_config({"checkpoint": windowed, "batching": "continuous"}, use_gpu=False)
 
 
 @pytest.mark.timeout(60)
@@ -728,10 +732,10 @@ def test_a_hugging_face_model_answers_over_http(server, llama_checkpoint) -> Non
     from shardyard.spec import SpecError
 
     with pytest.raises(SpecError, match="cannot split 2 blocks into 3 pipeline shards"):
-        build_app({"checkpoint": str(llama_checkpoint), "num_shards": 3})
+        build_app({"checkpoint": str(llama_checkpoint), "engine.num_shards": 3})
     with pytest.raises(SpecError, match=r"num_key_value_heads \(2\) must be divisible by num_shards \(4\)"):
-        build_app({"checkpoint": str(llama_checkpoint), "num_shards": 4, "sharding": "tensor"})
-    serve.run(build_app({"checkpoint": str(llama_checkpoint), "num_shards": 1, "cpus_per_shard": 0.5}),
+        build_app({"checkpoint": str(llama_checkpoint), "engine": {"num_shards": 4, "sharding": "tensor"}})
+    serve.run(build_app({"checkpoint": str(llama_checkpoint), "engine": {"num_shards": 1, "cpus_per_shard": 0.5}}),
               name="llama_app", route_prefix="/llama")
     try:
         url = server.removesuffix("/t") + "/llama"

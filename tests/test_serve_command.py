@@ -35,22 +35,49 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.timeout(60)
-def test_vllms_names_mean_the_same_settings_and_conflicts_are_refused(run_dir: Path) -> None:
+def test_vllms_names_mean_the_same_settings_and_conflicts_are_refused() -> None:
     from shardyard.serve.config import parse_config
 
-    config = parse_config({"checkpoint": str(run_dir), "tensor_parallel_size": 2, "max_num_seqs": 4,
-                           "served_model_name": "tiny"})
-    assert (config.num_shards, config.sharding, config.max_batch_size, config.model_id) == (2, "tensor", 4, "tiny")
-    config = parse_config({"checkpoint": str(run_dir), "pipeline_parallel_size": 2})
-    assert (config.num_shards, config.sharding, config.dtype) == (2, "pipeline", "auto")
-    assert parse_config({"checkpoint": str(run_dir), "dtype": "bfloat16"}).dtype == "bfloat16"
-    with pytest.raises(SpecError, match="dtype"):
-        parse_config({"checkpoint": str(run_dir), "dtype": "bf16"})
-    for bad, message in [({"max_num_seqs": 4, "max_batch_size": 8}, "max_num_seqs is vLLM's name for max_batch_size"),
+    config = parse_config({"tensor_parallel_size": 2, "max_num_seqs": 4, "served_model_name": "tiny"})
+    assert (config.engine.num_shards, config.engine.sharding, config.batching.max_batch_size,
+            config.model_id) == (2, "tensor", 4, "tiny")
+    config = parse_config({"pipeline_parallel_size": 2})
+    assert (config.engine.num_shards, config.engine.sharding, config.engine.dtype) == (2, "pipeline", "auto")
+    assert parse_config({"engine.dtype": "bfloat16"}).engine.dtype == "bfloat16"
+    with pytest.raises(SpecError, match="engine.dtype"):
+        parse_config({"engine": {"dtype": "bf16"}})
+    for bad, message in [({"max_num_seqs": 4, "batching.max_batch_size": 8},
+                          "max_num_seqs is vLLM's name for batching.max_batch_size"),
                          ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, "not both"),
-                         ({"tensor_parallel_size": 2, "num_shards": 2}, "give one or the other")]:
+                         ({"tensor_parallel_size": 2, "engine": {"num_shards": 2}}, "give one or the other")]:
         with pytest.raises(SpecError, match=message):
-            parse_config({"checkpoint": str(run_dir), **bad})
+            parse_config(bad)
+
+
+@pytest.mark.timeout(30)
+def test_settings_nest_by_concern_and_every_way_of_giving_one_means_the_same() -> None:
+    """A config file's nested sections, `serve run`'s dotted `key=value` strings and the one-word
+    sections give the same config; a setting outside its section is named with its place, and
+    Serve's autoscaling options are Serve's own, checked strictly."""
+    from shardyard.serve.config import parse_config
+
+    nested = parse_config({"engine": {"backend": "vllm", "dtype": "bfloat16"}, "batching": {"mode": "fixed",
+                           "max_batch_size": 8}, "follow": {"enabled": False}, "limits": {"max_queued_requests": 3}})
+    dotted = parse_config({"engine": "vllm", "engine.dtype": "bfloat16", "batching.max_batch_size": "8",
+                           "batching": "fixed", "follow": "false", "limits.max_queued_requests": "3"})
+    assert nested == dotted and nested.arguments() == dotted.arguments()
+    assert parse_config(nested.arguments()) == nested
+    for bad, message in [({"max_batch_size": 4}, "max_batch_size is batching.max_batch_size"),
+                         ({"bearer_token_file": "t"}, "bearer_token_file is auth.bearer_token_file"),
+                         ({"autoscaling": {"max_replica": 3}}, "autoscaling: 'max_replica' .*did you mean 'max_replicas'"),
+                         ({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "autoscaling: max_replicas \\(2\\)"),
+                         ({"num_replicas": 2, "autoscaling": {"max_replicas": 3}}, "give one of them"),
+                         ({"follow.canary.fraction": 0.5}, "more than one replica"),
+                         ({"engine.dtype.x": 1}, "engine.dtype: Input should be")]:
+        with pytest.raises(SpecError, match=message):
+            parse_config(bad)
+    canary = parse_config({"follow.canary.fraction": "0.5", "autoscaling.max_replicas": "3"})
+    assert canary.follow.canary.fraction == 0.5 and canary.most_replicas == 3
 
 
 @pytest.mark.timeout(60)
@@ -61,8 +88,8 @@ def test_the_dtype_flag_is_the_configs_dtype(run_dir: Path) -> None:
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
-    assert serve_config(parser.parse_args([str(run_dir), "--dtype", "bfloat16"]))["dtype"] == "bfloat16"
-    assert "dtype" not in serve_config(parser.parse_args([str(run_dir)]))  # the config's own default
+    assert serve_config(parser.parse_args([str(run_dir), "--dtype", "bfloat16"]))["engine.dtype"] == "bfloat16"
+    assert "engine.dtype" not in serve_config(parser.parse_args([str(run_dir)]))  # the config's own default
     with pytest.raises(SystemExit):
         parser.parse_args([str(run_dir), "--dtype", "int8"])
 
@@ -72,14 +99,14 @@ def test_the_operators_token_file_is_the_admin_token(run_dir: Path, tmp_path: Pa
     import argparse
 
     from shardyard.serve.app.command import add_serve_arguments, serve_config
-    from shardyard.serve.config import parse_config
+    from shardyard.serve.resolved import load_config
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     private_file(tmp_path / "admin", "s3cret-of-the-operator\n")
     config = serve_config(parser.parse_args([str(run_dir), "--admin-token-file", str(tmp_path / "admin")]))
-    assert parse_config(config).admin_token == "s3cret-of-the-operator" and "s3cret" not in str(config)
-    assert parse_config(serve_config(parser.parse_args([str(run_dir)]))).admin_token is None
+    assert load_config(config, use_gpu=False).admin_token == "s3cret-of-the-operator" and "s3cret" not in str(config)
+    assert load_config(serve_config(parser.parse_args([str(run_dir)])), use_gpu=False).admin_token is None
 
 
 @pytest.mark.timeout(60)
@@ -89,15 +116,19 @@ def test_decode_steps_compile_on_gpus_unless_enforce_eager_says_otherwise(run_di
     import argparse
 
     from shardyard.serve.app.command import add_serve_arguments, serve_config
-    from shardyard.serve.config import parse_config
+    from shardyard.serve.resolved import load_config
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
-    default = parse_config(serve_config(parser.parse_args([str(run_dir)])))
+
+    def read(args: dict) -> object:
+        return load_config(args, use_gpu=False)
+
+    default = read(serve_config(parser.parse_args([str(run_dir)])))
     assert (default.compiles(use_gpu=True), default.compiles(use_gpu=False)) == (True, False)
-    eager = parse_config(serve_config(parser.parse_args([str(run_dir), "--enforce-eager"])))
+    eager = read(serve_config(parser.parse_args([str(run_dir), "--enforce-eager"])))
     assert (eager.compiles(use_gpu=True), eager.compiles(use_gpu=False)) == (False, False)
-    compiled = parse_config({"checkpoint": str(run_dir), "enforce_eager": False})
+    compiled = read({"checkpoint": str(run_dir), "engine.enforce_eager": False})
     assert (compiled.compiles(use_gpu=True), compiled.compiles(use_gpu=False)) == (True, True)
 
 
@@ -132,7 +163,7 @@ def test_shardyard_serve_answers_with_vllms_flags_on_a_two_core_machine(run_dir:
     url = f"http://127.0.0.1:{port}"
     with ray_files_of_their_own() as ray_tmp:
         proc = subprocess.Popen([SHARDYARD, "serve", str(run_dir), "--port", str(port), "--served-model-name", "tiny",
-                                 "--max-num-seqs", "4", "--set", "max_tokens_limit=32", "--header-timeout", "2"],
+                                 "--max-num-seqs", "4", "--set", "limits.max_tokens_limit=32", "--header-timeout", "2"],
                                 start_new_session=True, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 env={**user_environment(ray_tmp), "SHARDYARD_API_KEY": SECRET})
         try:

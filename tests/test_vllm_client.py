@@ -70,9 +70,10 @@ def test_vllms_bench_client_completes_every_request_against_a_model_directory_an
     """The run's model reads UTF-8 bytes, not the client's tokens: its prompts are kept short
     (6 of the client's tokens) so that prompt and output fit the 64-byte context."""
     directory = model_directory(tmp_path / "llama")
-    apps = {"hf": (serving("hf", {"checkpoint": str(directory), "max_batch_size": 8, "cpus_per_shard": 0.5}), 32),
-            "run": (serving("run", {"checkpoint": str(default_job_run), "max_batch_size": 8,
-                                    "cpus_per_shard": 0.5}), 6)}
+    apps = {"hf": (serving("hf", {"checkpoint": str(directory), "batching.max_batch_size": 8,
+                                  "engine.cpus_per_shard": 0.5}), 32),
+            "run": (serving("run", {"checkpoint": str(default_job_run), "batching.max_batch_size": 8,
+                                    "engine.cpus_per_shard": 0.5}), 6)}
     for name, (url, prompt_tokens) in apps.items():
         for backend in ("openai", "openai-chat"):
             result = bench(url, directory, tmp_path / name, backend=backend, prompt_tokens=prompt_tokens)

@@ -42,8 +42,9 @@ def test_vllm_decodes_a_model_directory_as_transformers_does_behind_the_guard(se
     directory = model_directory(tmp_path / "llama", hidden=256, layers=2, heads=4, context=256,
                                 initializer_range=0.3)  # head_dim 64: what vLLM's CPU attention takes
     private_file(tmp_path / "token", TOKEN)
-    url = serving("vllm", {"checkpoint": str(directory), "engine": "vllm", "model_id": "llama",
-                           "bearer_token_file": str(tmp_path / "token"), "max_batch_size": 4, "cpus_per_shard": 1.0})
+    url = serving("vllm", {"checkpoint": str(directory), "engine": {"backend": "vllm", "cpus_per_shard": 1.0},
+                           "model_id": "llama", "auth.bearer_token_file": str(tmp_path / "token"),
+                           "batching.max_batch_size": 4})
     assert requests.get(f"{url}/healthz", timeout=30).json()["engine"] == "vllm"
     # The replica and vLLM's processes run at the node's priority, not Ray's 15 for workers.
     titles = {"ray::ServeReplica:vllm:ModelServer", "VLLM::EngineCore", "VLLM::Worker"}
@@ -77,8 +78,8 @@ def test_vllm_decodes_a_model_directory_as_transformers_does_behind_the_guard(se
 
 
 def test_a_model_vllm_does_not_load_is_served_by_the_builtin_engine(serving, default_job_run: Path) -> None:
-    url = serving("gpt", {"checkpoint": str(default_job_run), "engine": "vllm", "max_batch_size": 4,
-                          "cpus_per_shard": 0.5})
+    url = serving("gpt", {"checkpoint": str(default_job_run), "engine": {"backend": "vllm", "cpus_per_shard": 0.5},
+                          "batching.max_batch_size": 4})
     assert requests.get(f"{url}/healthz", timeout=30).json()["engine"] == "builtin"
     answer = requests.post(f"{url}/v1/completions", json={"prompt": "def", "max_tokens": 4}, timeout=60)
     assert answer.status_code == 200 and len(answer.json()["choices"][0]["text"]) > 0
@@ -86,8 +87,8 @@ def test_a_model_vllm_does_not_load_is_served_by_the_builtin_engine(serving, def
 
 def test_vllms_bench_client_completes_every_request_against_vllm_behind_shardyard(serving, tmp_path: Path) -> None:
     directory = model_directory(tmp_path / "llama", hidden=256, layers=2, heads=4, context=256)
-    url = serving("bench", {"checkpoint": str(directory), "engine": "vllm", "max_batch_size": 8,
-                            "cpus_per_shard": 1.0})
+    url = serving("bench", {"checkpoint": str(directory), "engine": {"backend": "vllm", "cpus_per_shard": 1.0},
+                            "batching.max_batch_size": 8})
     for backend in ("openai", "openai-chat"):
         result = bench(url, directory, tmp_path / backend, backend=backend, prompt_tokens=32)
         assert (result["completed"], result["failed"]) == (24, 0), (backend, result.get("errors"))
@@ -115,10 +116,12 @@ def test_vllm_follows_a_run_through_the_gate(serving, tmp_path: Path) -> None:
     wanted = alone(commit_llama(tmp_path / "elsewhere" / "llama_fsdp", 20))  # step 20's weights, drawn from seed 20
     private_file(tmp_path / "token", TOKEN)
     private_file(tmp_path / "admin_token", "the-operators-own")
-    url = serving("follow", {"checkpoint": str(run_dir), "engine": "vllm", "bearer_token_file": str(tmp_path / "token"),
-                             "admin_token_file": str(tmp_path / "admin_token"), "max_batch_size": 4,
-                             "cpus_per_shard": 1.0, "follow_interval_s": 0.5,
-                             "golden_prompts": [{"prompt": PROMPT, "max_tokens": 12, "expect": wanted}]})
+    url = serving("follow", {"checkpoint": str(run_dir), "engine": {"backend": "vllm", "cpus_per_shard": 1.0},
+                             "auth": {"bearer_token_file": str(tmp_path / "token"),
+                                      "admin_token_file": str(tmp_path / "admin_token")},
+                             "batching.max_batch_size": 4,
+                             "follow": {"interval_s": 0.5,
+                                        "golden_prompts": [{"prompt": PROMPT, "max_tokens": 12, "expect": wanted}]}})
     assert requests.get(f"{url}/healthz", timeout=30).json()["engine"] == "vllm"
     headers = {"Authorization": f"Bearer {TOKEN}"}
 

@@ -18,7 +18,7 @@ from shardyard.checkpoint.layout import read_spec
 from shardyard.checkpoint.record import checkpoint_name
 from shardyard.serve.follow.app_weights import AppWeights
 from shardyard.serve.engine.builtin import BuiltinEngine
-from shardyard.serve.config import parse_config
+from shardyard.serve.resolved import load_config
 from shardyard.serve.generation import Completion, decode, encode
 from shardyard.serve.engine.metrics import ServingMetrics
 from shardyard.serve.follow.follower import OperatorRefused, WeightFollower
@@ -44,8 +44,8 @@ class Here:
 
 def follower_of(run: Path, **args: Any) -> tuple[WeightFollower, Any]:
     """A replica's follower of `run` (as ModelServer composes one), and the app's AppWeights."""
-    cfg = parse_config({"checkpoint": str(run), "device": "cpu", "max_batch_size": 4, "follow": True,
-                        "follow_interval_s": 0.1, **args})
+    cfg = load_config({"checkpoint": str(run), "engine.device": "cpu", "batching.max_batch_size": 4, "follow": True,
+                       "follow.interval_s": 0.1, **args}, use_gpu=False)
     metrics = ServingMetrics()
     engine = BuiltinEngine(cfg, cfg.checkpoint, read_spec(cfg.checkpoint).model, metrics, cfg.fingerprint)
     app_weights = AppWeights.func_or_class()
@@ -116,7 +116,7 @@ def test_a_checkpoint_that_answers_a_golden_prompt_otherwise_is_refused_and_undo
     run = tmp_path / "gpt_ddp"
     commit(run, 10)
     expected = alone(run / checkpoint_name(10))
-    follower, _ = follower_of(run, golden_prompts=[{"prompt": PROMPT, "max_tokens": TOKENS, "expect": expected}])
+    follower, _ = follower_of(run, **{"follow.golden_prompts": [{"prompt": PROMPT, "max_tokens": TOKENS, "expect": expected}]})
     served = follower.served
 
     async def scenario() -> None:

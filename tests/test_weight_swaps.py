@@ -78,16 +78,21 @@ def test_a_swap_is_undone_by_swapping_back_and_the_other_weights_let_go(run_dir:
 
 @pytest.mark.timeout(60)
 def test_golden_prompts_are_checked_when_the_config_is_read(run_dir: Path) -> None:
-    from shardyard.serve.config import parse_config
+    from shardyard.serve.resolved import load_config
 
-    with pytest.raises(SpecError, match="follow: true"):
-        parse_config({"checkpoint": str(run_dir), "follow": False, "golden_prompts": [{"prompt": "x"}]})
+    def read(args: dict) -> object:
+        return load_config({"checkpoint": str(run_dir), **args}, use_gpu=False)
+
+    with pytest.raises(SpecError, match="follow.enabled"):
+        read({"follow": False, "follow.golden_prompts": [{"prompt": "x"}]})
+    with pytest.raises(SpecError, match="give checkpoint a run directory"):
+        read({"checkpoint": str(run_dir / checkpoint_name(10)), "follow.golden_prompts": [{"prompt": "x"}]})
     with pytest.raises(SpecError, match=r"golden_prompts\[1\].*context of 64 tokens"):
-        parse_config({"checkpoint": str(run_dir), "golden_prompts": [{"prompt": "x"}, {"prompt": "y" * 60}]})
-    with pytest.raises(SpecError, match="golden_prompts.0.answer"):
-        parse_config({"checkpoint": str(run_dir), "golden_prompts": [{"prompt": "x", "answer": "y"}]})
-    config = parse_config({"checkpoint": str(run_dir), "golden_prompts": [{"prompt": "x", "expect": "y"}]})
-    assert config.golden_prompts[0].max_tokens == 16 and config.follow
+        read({"follow.golden_prompts": [{"prompt": "x"}, {"prompt": "y" * 60}]})
+    with pytest.raises(SpecError, match="follow.golden_prompts.0.answer"):
+        read({"follow.golden_prompts": [{"prompt": "x", "answer": "y"}]})
+    config = read({"follow.golden_prompts": [{"prompt": "x", "expect": "y"}]})
+    assert config.follow.golden_prompts[0].max_tokens == 16 and config.following
 
 
 @pytest.mark.timeout(30)

@@ -158,9 +158,9 @@ def print_serving_memory(spec: JobSpec, gpu: bool) -> None:
     import torch
 
     from shardyard.planner import serving_memory
-    from shardyard.serve.config import ServeConfig
+    from shardyard.serve.config import BatchingSettings
 
-    running = ServeConfig.model_fields["max_batch_size"].default
+    running = BatchingSettings.model_fields["max_batch_size"].default
     context = getattr(spec.model, "block_size", 0)
     memory = serving_memory(spec.model, torch.bfloat16 if gpu else torch.float32, running * context, running, gpu)
     if memory is not None:

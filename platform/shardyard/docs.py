@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from shardyard.pool.spec import LendWhen, Policy, PoolSpec
-from shardyard.serve.config import VLLM_NAMES, ServeConfig
+from shardyard.serve.config import VLLM_NAMES, CanarySettings, ServeConfig
 from shardyard.spec import JobSpec, _members
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "reference.md"
@@ -43,11 +43,14 @@ def _default(field: Any) -> str:
     return "null" if value is None else f"`{value}`"
 
 
-def _rows(cls: type[BaseModel], prefix: str) -> list[str]:
+def _rows(cls: type[BaseModel], prefix: str, sections: bool = True) -> list[str]:
+    """A row per key of `cls`; `sections=False`: not those that are sections (tables of their own)."""
     rows = []
     for name, field in cls.model_fields.items():
         if name == "name" and prefix.startswith("model."):
             continue  # the union's tag: named in the section's heading
+        if not sections and name != "canary" and isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            continue
         description = (field.description or "").replace("|", "\\|").replace("\n", " ")
         rows.append(f"| `{prefix}{name}` | {_type(field.annotation)} | {_default(field)} | {description} |")
     return rows
@@ -73,11 +76,21 @@ def reference() -> str:
             out.append(f"### `{section}`\n")
             out.append(_table(_rows(field.annotation, f"{section}.")))
     out.append("## Serving config\n")
-    out.append("The arguments of `serve_apps.gpt:app` (a Serve config file's `args:`) and of `shardyard serve` "
-               "(`--set key=value`). vLLM's names are accepted for the same settings: "
-               + ", ".join(f"`{theirs}` for `{ours}`" for theirs, ours in VLLM_NAMES.items())
-               + ", and `tensor_parallel_size` or `pipeline_parallel_size` for `num_shards` with `sharding`.\n")
-    out.append(_table(_rows(ServeConfig, "")))
+    out.append("The arguments of `serve_apps.gpt:app` (a Serve config file's `args:`, each section nested; "
+               "`serve run ... section.key=value`) and of `shardyard serve` (`--set section.key=value`). "
+               "`engine`, `batching` and `follow` also take one word for the setting they are mostly about "
+               "(`engine: vllm`, `batching: fixed`, `follow: false`). vLLM's names are accepted for the same "
+               "settings: " + ", ".join(f"`{theirs}` for `{ours}`" for theirs, ours in VLLM_NAMES.items())
+               + ", and `tensor_parallel_size` or `pipeline_parallel_size` for `engine.num_shards` with "
+               "`engine.sharding`.\n")
+    out.append(_table(_rows(ServeConfig, "", sections=False)))
+    for name, section in [(n, f.annotation) for n, f in ServeConfig.model_fields.items()
+                          if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)]:
+        out.append(f"### `{name}`\n")
+        out.append(_table(_rows(section, f"{name}.", sections=False)))
+        if name == "follow":
+            out.append("### `follow.canary`\n")
+            out.append(_table(_rows(CanarySettings, "follow.canary.")))
     out.append("## Pool spec\n")
     out.append("The file `shardyard pool` reads ([the elastic pool](pool.md)).\n")
     sections = [(name, field.annotation) for name, field in PoolSpec.model_fields.items()]

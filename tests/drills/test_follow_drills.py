@@ -101,8 +101,9 @@ def start_app(base: str, name: str, run_dir: Path, token_file: Path, **args) -> 
 
     admin_token_file = token_file.with_name("admin_token")  # the operator's, beside the clients'
     private_file(admin_token_file, ADMIN_TOKEN)
-    serve.run(build_app({"checkpoint": str(run_dir), "follow_interval_s": 0.5, "request_timeout_s": 120,
-                         "bearer_token_file": str(token_file), "admin_token_file": str(admin_token_file), **args}),
+    serve.run(build_app({"checkpoint": str(run_dir), "follow.interval_s": 0.5, "limits.request_timeout_s": 120,
+                         "auth.bearer_token_file": str(token_file), "auth.admin_token_file": str(admin_token_file),
+                         **args}),
               name=name, route_prefix=f"/{name}")
     return f"{base}/{name}"
 
@@ -115,8 +116,8 @@ def followed(serve_base: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
     run_dir = root / "gpt_ddp"
     commit(run_dir, 10)
     private_file(root / "token", TOKEN)
-    url = start_app(serve_base, "followed", run_dir, root / "token", num_shards=2, cpus_per_shard=0.5,
-                    max_batch_size=4, max_tokens_limit=2000)
+    url = start_app(serve_base, "followed", run_dir, root / "token", engine={"num_shards": 2, "cpus_per_shard": 0.5},
+                    batching={"max_batch_size": 4}, limits={"max_tokens_limit": 2000})
     yield Followed(url, run_dir, "followed", 10)
     serve.delete("followed")
 
@@ -157,8 +158,8 @@ def test_static_batches_follow_the_run_swapping_between_batches(serve_base: str,
     run_dir = tmp_path / "gpt_ddp"
     commit(run_dir, 10, overrides=())
     private_file(tmp_path / "token", TOKEN)
-    url = start_app(serve_base, "static", run_dir, tmp_path / "token", num_shards=1, cpus_per_shard=0.5,
-                    batching="fixed", max_batch_size=4)
+    url = start_app(serve_base, "static", run_dir, tmp_path / "token", engine={"num_shards": 1, "cpus_per_shard": 0.5},
+                    batching={"mode": "fixed", "max_batch_size": 4})
     client = StreamingClient(url)
     client.start()
     try:
@@ -188,8 +189,9 @@ def test_a_golden_prompt_regression_is_refused(serve_base: str, tmp_path: Path) 
     run_dir = tmp_path / "gpt_ddp"
     commit(run_dir, 10, seed=0, overrides=())
     private_file(tmp_path / "token", TOKEN)
-    url = start_app(serve_base, "golden", run_dir, tmp_path / "token", num_shards=1, cpus_per_shard=0.5, max_batch_size=4,
-                    golden_prompts=[{"prompt": PROMPT, "max_tokens": 12}, {"prompt": "import os\n", "max_tokens": 8}])
+    url = start_app(serve_base, "golden", run_dir, tmp_path / "token", engine={"num_shards": 1, "cpus_per_shard": 0.5},
+                    batching={"max_batch_size": 4},
+                    follow={"golden_prompts": [{"prompt": PROMPT, "max_tokens": 12}, {"prompt": "import os\n", "max_tokens": 8}]})
     try:
         commit(run_dir, 20, seed=0, jitter=1e-6, overrides=())  # the same answers, other weights
         wait_for_step(url, 20)
@@ -240,7 +242,7 @@ def replicas_of(app: str) -> set[str]:
 def replace_a_replica(app: str, serving: str, timeout_s: float = 240) -> None:
     """Kill one of `app`'s replicas, and wait until another runs in its place and, with the one
     left, tells the app's AppWeights that it serves `serving` (a replica's own report, kept
-    while it looks every follow_interval_s)."""
+    while it looks every follow.interval_s)."""
     import ray
     from ray import serve
 
@@ -273,7 +275,7 @@ def answers_after(client: RequestingClient, mark: int, count: int = 20) -> set[t
 @pytest.mark.timeout(600)
 def test_a_canary_serves_a_checkpoint_on_one_replica_before_all_and_refuses_one_that_fails(
         serve_base: str, tmp_path: Path) -> None:
-    """Two replicas, canary_fraction 0.5: a new checkpoint serves on one replica while the other
+    """Two replicas, follow.canary.fraction 0.5: a new checkpoint serves on one replica while the other
     still serves the old one, then on both. A checkpoint whose weights are all finite but whose
     logits overflow (every request on it fails) passes the gate, fails its canary's requests, is
     refused everywhere, and the canary returns to the weights it served before. Then an operator
@@ -285,9 +287,9 @@ def test_a_canary_serves_a_checkpoint_on_one_replica_before_all_and_refuses_one_
     run_dir = tmp_path / "gpt_ddp"
     commit(run_dir, 10, overrides=())
     private_file(tmp_path / "token", TOKEN)
-    url = start_app(serve_base, "canary", run_dir, tmp_path / "token", num_replicas=2, num_shards=1,
-                    cpus_per_shard=0.25, max_batch_size=4, canary_fraction=0.5, canary_window_s=2,
-                    canary_min_requests=6)
+    url = start_app(serve_base, "canary", run_dir, tmp_path / "token", num_replicas=2,
+                    engine={"num_shards": 1, "cpus_per_shard": 0.25}, batching={"max_batch_size": 4},
+                    follow={"canary": {"fraction": 0.5, "window_s": 2, "min_requests": 6}})
     served_steps = "ray_shardyard_served_step"
     client = RequestingClient(url)
     try:

@@ -162,24 +162,28 @@ def test_the_bearer_token_never_travels_in_deployment_arguments_and_is_never_emp
     are read from a variable or a file where the config is parsed; an empty one would let every
     request in, and an operator's token that is the clients' too would make every client an
     operator, so both are refused."""
-    from shardyard.serve.config import parse_config, read_token
+    from shardyard.serve.config import parse_config
+    from shardyard.serve.resolved import load_config, read_token
 
     for name in ("bearer_token", "admin_token"):
         with pytest.raises(SpecError, match=f"{name}: deployment arguments are shown by Serve's dashboard"):
             parse_config({name: TOKEN})
+        with pytest.raises(SpecError, match=f"{name}: deployment arguments are shown by Serve's dashboard"):
+            parse_config({f"auth.{name}": TOKEN})
     from test_run_drills import job, write_checkpoint
 
     write_checkpoint(job(tmp_path))
     private_file(tmp_path / "token", TOKEN + "\n")
-    cfg = parse_config({"checkpoint": str(tmp_path / "run"), "bearer_token_file": str(tmp_path / "token")})
-    assert cfg.bearer_token == TOKEN and TOKEN not in json.dumps(cfg.model_dump())  # what Serve is given
+    cfg = load_config({"checkpoint": str(tmp_path / "run"), "auth.bearer_token_file": str(tmp_path / "token")},
+                      use_gpu=False)
+    assert cfg.bearer_token == TOKEN and TOKEN not in json.dumps(cfg.arguments())  # what Serve is given
     assert cfg.admin_token is None  # the admin routes are off unless an operator's token is given
     monkeypatch.setenv("SHARDYARD_TEST_TOKEN", f" {TOKEN}\n")
     assert read_token("SHARDYARD_TEST_TOKEN", None, "bearer_token") == TOKEN
     assert read_token(None, str(tmp_path / "token"), "bearer_token") == TOKEN
-    with pytest.raises(SpecError, match="admin_token: it is the clients' bearer token too"):
-        parse_config({"checkpoint": str(tmp_path / "run"), "bearer_token_file": str(tmp_path / "token"),
-                      "admin_token_env": "SHARDYARD_TEST_TOKEN"})
+    with pytest.raises(SpecError, match="auth.admin_token: it is the clients' bearer token too"):
+        load_config({"checkpoint": str(tmp_path / "run"), "auth": {"bearer_token_file": str(tmp_path / "token"),
+                     "admin_token_env": "SHARDYARD_TEST_TOKEN"}}, use_gpu=False)
     monkeypatch.setenv("SHARDYARD_EMPTY_TOKEN", "  ")
     with pytest.raises(ValueError, match="admin_token: the environment variable SHARDYARD_EMPTY_TOKEN is empty"):
         read_token("SHARDYARD_EMPTY_TOKEN", None, "admin_token")

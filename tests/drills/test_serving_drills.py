@@ -131,16 +131,16 @@ def test_a_checkpoint_whose_vocabulary_cannot_hold_the_served_text_is_refused_at
     """A GPT trained on synthetic ids 0-63 served as text (UTF-8 bytes up to 255): every request
     used to fail on an out-of-range embedding index (on CUDA, breaking the device for good while
     health checks passed). The server refuses to start instead, saying why."""
-    from shardyard.serve.config import parse_config
+    from shardyard.serve.resolved import load_config
     from shardyard.spec import SpecError
     from test_run_drills import job, write_checkpoint
 
     small = job(tmp_path / "small", model={"vocab_size": 64})
     write_checkpoint(small)
     with pytest.raises(SpecError, match=r"vocabulary has 64 ids but the text is tokenized with UTF-8 bytes"):
-        parse_config({"checkpoint": str(tmp_path / "small" / "run")})
+        load_config({"checkpoint": str(tmp_path / "small" / "run")}, use_gpu=False)
     write_checkpoint(job(tmp_path / "bytes"))  # 256 ids: every byte has its row
-    assert parse_config({"checkpoint": str(tmp_path / "bytes" / "run")}).tokenizer is None
+    assert load_config({"checkpoint": str(tmp_path / "bytes" / "run")}, use_gpu=False).tokenizer is None
 
 
 @pytest.mark.ray

@@ -30,7 +30,7 @@ from shardyard.checkpoint.record import newest_good
 from shardyard.checkpoint.store import RunStorage
 from shardyard.cluster import QUIET, start_local_ray
 from shardyard.pool.arbiter import RemoteArbiter, arbiter_name
-from shardyard.pool.spec import PoolSpec, load_pool
+from shardyard.pool.spec import PoolSpec, load_pool, replica_bounds
 from shardyard.serve.engine.builtin import REPLICA_CPUS
 from shardyard.serve.engine.metrics import ARBITER_NAMESPACE
 from shardyard.spec import JobSpec, SpecError, parse_spec
@@ -63,7 +63,7 @@ def connect(pool: PoolSpec, job: JobSpec) -> float:
                         "RAY_ADDRESS, or pool a custom resource (pool.resource: device, pool.units: N)")
     if devices.units is None:
         raise SpecError("pool.units: a local Ray instance started for the pool needs how many devices to make")
-    replica = REPLICA_CPUS + pool.serving.args.get("cpus_per_shard", 1.0)
+    replica = REPLICA_CPUS + pool.serving.args.get("engine", {}).get("cpus_per_shard", 1.0)
     per_device = max(job.scaling.resources_per_worker.get("CPU", 1.0), replica)
     start_local_ray(num_cpus=max(os.cpu_count() or 1, math.ceil(devices.units * per_device)),
                     resources={devices.resource: devices.units})
@@ -73,11 +73,11 @@ def connect(pool: PoolSpec, job: JobSpec) -> float:
 class Pool:
     def __init__(self, pool: PoolSpec, job: JobSpec, devices: float) -> None:
         self.pool, self.job = pool, job
-        replicas = pool.serving.args.get("num_replicas", 1)
+        replicas, _ = replica_bounds(pool.serving.args)
         self.size = min(job.scaling.max_workers, int(devices) - replicas)
         if self.size < job.scaling.min_workers:
             raise SpecError(f"the pool's {devices:g} {pool.pool.resource} devices cannot hold training's min_workers "
-                            f"({job.scaling.min_workers}) beside serving's num_replicas ({replicas})")
+                            f"({job.scaling.min_workers}) beside serving's autoscaling.min_replicas ({replicas})")
         self.storage = RunStorage(job.run_uri)
         self.name = arbiter_name(job.run.name)
         try:

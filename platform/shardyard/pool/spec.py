@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shardyard.spec import JobSpec, SpecError, explain_errors, load_spec, read_yaml, validate
+from shardyard.serve.config import ServeConfig
+from shardyard.spec import JobSpec, SpecError, load_spec, read_yaml, validate
 
 SIGNALS = ("queue_length", "ttft_p90_ms", "kv_occupancy")
 
@@ -116,38 +117,33 @@ def with_devices(job: JobSpec, devices: Devices) -> JobSpec:
 
 def serving_args(pool: PoolSpec, job: JobSpec) -> dict[str, Any]:
     """The app's arguments: the run's directory, followed; each replica holding one device."""
-    args = dict(pool.serving.args)
+    config = check_serving(pool.serving.args)
     run_dir = str(Path(job.checkpoint.storage_path) / job.run.name)
-    if "checkpoint" in args and Path(args["checkpoint"]).expanduser().resolve() != Path(run_dir).resolve():
+    if "checkpoint" in config.model_fields_set and Path(config.checkpoint).expanduser().resolve() != Path(run_dir).resolve():
         raise SpecError(f"serving.args.checkpoint: the pool serves its own run ({run_dir}); leave checkpoint out")
-    if args.get("max_replicas") is None:
-        raise SpecError("serving.args.max_replicas: the pool lends devices to an autoscaling app: set max_replicas "
-                        "above num_replicas")
-    for key in ("num_shards", "tensor_parallel_size"):
-        if args.get(key, 1) != 1:
-            raise SpecError(f"serving.args.{key}: a pooled replica decodes on one device (a worker lent is one "
-                            "device); sharded replicas are not lent to")
-    args["checkpoint"] = run_dir
-    args["follow"] = True
+    if config.autoscaling is None or "max_replicas" not in config.autoscaling:
+        raise SpecError("serving.args.autoscaling.max_replicas: the pool lends devices to an autoscaling app: set "
+                        "autoscaling.max_replicas above autoscaling.min_replicas")
+    if config.engine.num_shards != 1:
+        raise SpecError("serving.args.engine.num_shards: a pooled replica decodes on one device (a worker lent is "
+                        "one device); sharded replicas are not lent to")
+    engine = config.engine
     if pool.pool.resource != "GPU":
-        args["device_resources"] = {pool.pool.resource: 1.0}
-    check_serving(args)
-    return args
+        engine = engine.model_copy(update={"device_resources": {pool.pool.resource: 1.0}})
+    return config.model_copy(update={"checkpoint": run_dir, "engine": engine,
+                                     "follow": config.follow.model_copy(update={"enabled": True})}).arguments()
 
 
-def check_serving(args: dict[str, Any]) -> None:
-    """Every key and value of the app checked now. The app's whole check (the model it serves,
-    its tokenizer) needs a checkpoint: a run that has none yet gets it when the pool deploys the
-    app, once training has committed one."""
-    from pydantic import ValidationError
+def check_serving(args: dict[str, Any]) -> ServeConfig:
+    """Every key and value of the app checked now; what they name (the model, its tokenizer) is
+    read when the pool deploys the app, once training has committed a checkpoint."""
+    return validate(ServeConfig, args, "invalid serving.args")
 
-    from shardyard.serve.config import ServeConfig
 
-    try:
-        ServeConfig.model_validate(args)
-    except ValidationError as err:
-        if not all(not e["loc"] and "no checkpoint at" in e["msg"] for e in err.errors()):
-            raise SpecError(explain_errors(err, ServeConfig, "invalid serving.args")) from None
+def replica_bounds(args: dict[str, Any]) -> tuple[int, int]:
+    """The fewest and most replicas of the pool's app (its checked arguments)."""
+    scaling = args["autoscaling"]
+    return scaling.get("min_replicas", 1), scaling["max_replicas"]
 
 
 def load_pool(path: str, overrides: list[str] | tuple[str, ...] = ()) -> tuple[PoolSpec, JobSpec]:
@@ -157,13 +153,13 @@ def load_pool(path: str, overrides: list[str] | tuple[str, ...] = ()) -> tuple[P
     job = with_devices(load_spec(job_path if job_path.is_file() else pool.training.job, pool.training.set), pool.pool)
     check_training(job)
     args = serving_args(pool, job)
-    replicas = args.get("num_replicas", 1)
-    if args["max_replicas"] <= replicas:
-        raise SpecError(f"serving.args.max_replicas ({args['max_replicas']}) must be above num_replicas ({replicas}): "
+    replicas, most = replica_bounds(args)
+    if most <= replicas:
+        raise SpecError(f"serving.args.autoscaling.max_replicas ({most}) must be above min_replicas ({replicas}): "
                         "else serving never asks for a device")
     units = pool.pool.units
     if units is not None and units < job.scaling.min_workers + replicas:
         raise SpecError(f"pool.units ({units}) cannot hold training's min_workers ({job.scaling.min_workers}) and "
-                        f"serving's num_replicas ({replicas})")
+                        f"serving's autoscaling.min_replicas ({replicas})")
     pool.serving.args = args
     return pool, job

@@ -5,7 +5,7 @@ vLLM's flag names where they mean the same thing. Ctrl-C stops it.
     shardyard serve runs/gpt_ddp
     shardyard serve ./my-llama --tensor-parallel-size 2 --max-num-seqs 32 --api-key-file ~/.shardyard/serve_token
     SHARDYARD_API_KEY=... shardyard serve runs/gpt_ddp     # the token from the environment
-    shardyard serve runs/llama_fsdp --served-model-name llama --port 8080 --set max_tokens_limit=512
+    shardyard serve runs/llama_fsdp --served-model-name llama --port 8080 --set limits.max_tokens_limit=512
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "one that pauses that long while sending a body or reading an answer is closed too "
                              "(when this command starts Ray itself: a cluster's ingress is set as it starts)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="any other serving setting, e.g. --set max_tokens_limit=512 (repeatable)")
+                        help="any other serving setting, e.g. --set limits.max_tokens_limit=512 (repeatable)")
 
 
 def positive_seconds(text: str) -> int:
@@ -68,23 +68,25 @@ def serve_config(args: argparse.Namespace) -> dict[str, Any]:
     """The application's arguments from the command line (ServeConfig keys; vLLM's names where
     the config takes them too)."""
     config: dict[str, Any] = {"checkpoint": args.source}
-    for flag in ("tensor_parallel_size", "pipeline_parallel_size", "max_num_seqs", "served_model_name", "engine", "dtype",
-                 "enforce_eager"):
+    for flag in ("tensor_parallel_size", "pipeline_parallel_size", "max_num_seqs", "served_model_name"):
         if getattr(args, flag) is not None:
             config[flag] = getattr(args, flag)
+    for flag, key in (("engine", "engine.backend"), ("dtype", "engine.dtype"), ("enforce_eager", "engine.enforce_eager")):
+        if getattr(args, flag) is not None:
+            config[key] = getattr(args, flag)
     if args.api_key is not None:
         raise SpecError(f"--api-key puts the token in the process list, where every user of this machine reads it; "
                         f"put it in a file only you can read (--api-key-file FILE, chmod 600) or in the environment "
                         f"variable {API_KEY_ENV}")
     if args.api_key_file:
-        config["bearer_token_file"] = os.path.abspath(args.api_key_file)
+        config["auth.bearer_token_file"] = os.path.abspath(args.api_key_file)
     elif os.environ.get(API_KEY_ENV):
         if os.environ.get("RAY_ADDRESS"):  # a cluster's replicas do not get this process's environment
             raise SpecError(f"{API_KEY_ENV} reaches the replicas of a Ray started here only; on a cluster "
                             "(RAY_ADDRESS is set) use --api-key-file with a path every node has")
-        config["bearer_token_env"] = API_KEY_ENV  # inherited by the local Ray's workers, not shown by Serve
+        config["auth.bearer_token_env"] = API_KEY_ENV  # inherited by the local Ray's workers, not shown by Serve
     if args.admin_token_file:
-        config["admin_token_file"] = os.path.abspath(args.admin_token_file)
+        config["auth.admin_token_file"] = os.path.abspath(args.admin_token_file)
     for item in args.overrides:
         apply_override(config, item)
     return config

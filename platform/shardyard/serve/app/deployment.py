@@ -14,7 +14,7 @@ composes what a replica is made of and hands Ray Serve its hooks:
 Every mistake a client can make gets a 4xx in OpenAI's error shape with a reason (the routes'
 modules list them). A request whose body is whole waits in the replica's queue until its choices
 fit beside those the replica is answering (its concurrency counts choices, not requests); a full
-queue (`max_queued_requests`) or a wait past `request_timeout_s` is answered 503 with Retry-After.
+queue (`limits.max_queued_requests`) or a wait past `limits.request_timeout_s` is answered 503 with Retry-After.
 """
 
 import asyncio
@@ -35,7 +35,7 @@ from shardyard.serve.http.admin_routes import Admin
 from shardyard.serve.follow.app_weights import AppWeights, starting_checkpoint
 from shardyard.serve.engine.backend import EngineBackend
 from shardyard.serve.engine.builtin import REPLICA_CPUS, BuiltinEngine
-from shardyard.serve.config import ServeConfig, parse_config
+from shardyard.serve.config import parse_config
 from shardyard.serve.http.guard import GuardSettings
 from shardyard.serve.http.surface import http_app
 from shardyard.serve.app.ingress import header_deadline_s
@@ -43,10 +43,11 @@ from shardyard.serve.engine.metrics import ARBITER_NAMESPACE, ServingMetrics, sc
 from shardyard.serve.http.openai_routes import Answering
 from shardyard.serve.executor.precision import serving_dtype
 from shardyard.serve.follow.rollout import Rollout
-from shardyard.serve.executor.placement import check_room, shard_bundle
+from shardyard.serve.executor.placement import check_room, shard_bundle, uses_gpus
 from shardyard.serve.engine.vllm_engine import start_vllm
 from shardyard.serve.follow.follower import WeightFollower
 from shardyard.serve.follow.gate import WeightGate, served_at_start
+from shardyard.serve.resolved import ResolvedConfig, resolve
 from shardyard.spec import LANGUAGE_MODELS, SpecError
 
 # Ray starts its workers at niceness 15 (its `worker_niceness`), below its own daemons and every
@@ -73,10 +74,16 @@ class Remote:
         return lambda *args: method.remote(*args)
 
 
-def start_engine(cfg: ServeConfig, source: str, spec: Any, metrics: ServingMetrics) -> EngineBackend:
+def served_config(args: dict[str, Any]) -> ResolvedConfig:
+    """`args` validated, then read against the checkpoint on the devices the cluster gives it."""
+    config = parse_config(args)
+    return resolve(config, uses_gpus(config.engine.device, config.engine.num_shards))
+
+
+def start_engine(cfg: ResolvedConfig, source: str, spec: Any, metrics: ServingMetrics) -> EngineBackend:
     """vLLM where asked for and able to serve the model, else the built-in engine (saying why)."""
-    if cfg.engine == "vllm":
-        started = start_vllm(cfg, spec.block_size, serving_dtype(cfg.dtype, cfg.use_gpu, cfg.checkpoint))
+    if cfg.engine.backend == "vllm":
+        started = start_vllm(cfg, spec.block_size, serving_dtype(cfg.engine.dtype, cfg.use_gpu, cfg.checkpoint))
         if not isinstance(started, str):
             started.weights = cfg.fingerprint
             return started
@@ -94,7 +101,7 @@ class ModelServer:
         `app_weights`: its AppWeights, following a run (serve/follow/app_weights.py). Following a run, a
         replica starts on the weights the app serves (those it promoted last), not on the run's
         newest checkpoint, which may be refused, on trial, or passed over by an operator."""
-        cfg = parse_config(config)
+        cfg = served_config(config)
         replica = serve.get_replica_context().replica_id.unique_id
         if app_weights is not None:
             start = starting_checkpoint(await app_weights.look.remote(replica, ""), cfg.source)
@@ -116,7 +123,7 @@ class ModelServer:
         if isinstance(spec, LANGUAGE_MODELS):
             # Following a run, the checkpoint resolved at start (a rebuild loads the weights the
             # gate let through, never a newer checkpoint unchecked); else the checkpoint as given.
-            self.engine = start_engine(cfg, cfg.checkpoint if cfg.follow else cfg.source, spec, self.metrics)
+            self.engine = start_engine(cfg, cfg.checkpoint if cfg.following else cfg.source, spec, self.metrics)
             self.answering = Answering(cfg, spec.name, spec.block_size, spec.vocab_size, self.engine, served,
                                        scrape)
             if app_weights is not None:
@@ -130,8 +137,9 @@ class ModelServer:
     def __serve_build_asgi_app__(self) -> FastAPI:
         """The replica's HTTP app, over its own parts (Serve calls this once the replica is made)."""
         cfg = self.config
-        guard = GuardSettings(cfg.max_body_bytes, cfg.bearer_token, cfg.body_timeout_s, self.metrics.count_error,
-                              self.start_tasks, cfg.admin_token, max_pending_bodies=cfg.max_pending_bodies)
+        limits = cfg.limits
+        guard = GuardSettings(limits.max_body_bytes, cfg.bearer_token, limits.body_timeout_s, self.metrics.count_error,
+                              self.start_tasks, cfg.admin_token, max_pending_bodies=limits.max_pending_bodies)
         self.guard = guard
         return http_app(guard, self.answering, Admin(self.follower))
 
@@ -154,11 +162,12 @@ class ModelServer:
     async def _publish(self) -> None:
         served = self.answering.served
         arbiter = None
-        if self.config.report_load_to is not None:
+        arbiter_name = self.config.config.report_load_to
+        if arbiter_name is not None:
             try:
-                arbiter = ray.get_actor(self.config.report_load_to, namespace=ARBITER_NAMESPACE)
+                arbiter = ray.get_actor(arbiter_name, namespace=ARBITER_NAMESPACE)
             except ValueError:  # no such actor: the gauges are still published
-                print(f"shardyard: no pool arbiter named {self.config.report_load_to!r}: this replica's load "
+                print(f"shardyard: no pool arbiter named {arbiter_name!r}: this replica's load "
                       f"goes to its metrics only", flush=True)
         while True:
             if self.rollout is not None:  # what this replica's answers cost, for the canary's verdict
@@ -190,16 +199,17 @@ def _describe(bundle: dict[str, float]) -> str:
 def _check_room(bundles: list[dict[str, float]], cfg: Any, what: str) -> None:
     """A replica no node can hold would leave the app waiting forever: refuse it before."""
     try:
-        check_room(bundles, cfg.multi_node, what)
+        check_room(bundles, cfg.engine.multi_node, what)
     except ValueError as err:
         raise SpecError(f"invalid serve config: {err}") from None
 
 
 def build_app(args: dict[str, Any]) -> "serve.Application":
     """The Serve application for `args` (ServeConfig keys), validated before anything starts."""
-    cfg = parse_config(args)
+    cfg = served_config(args)
+    engine = cfg.engine
     generates = isinstance(read_spec(cfg.checkpoint).model, LANGUAGE_MODELS)
-    slots = cfg.concurrency + cfg.max_queued_requests + cfg.max_pending_bodies
+    slots = cfg.concurrency + cfg.limits.max_queued_requests + cfg.limits.max_pending_bodies
     options: dict[str, Any] = dict(
         # Serve counts a request from its first byte: its slots cover the engine's choices, the
         # replica's own queue (after the body is whole: ChoiceLimit) and every body still arriving
@@ -209,32 +219,29 @@ def build_app(args: dict[str, Any]) -> "serve.Application":
         max_ongoing_requests=slots,
         max_queued_requests=slots,
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=1),
-        graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
+        graceful_shutdown_timeout_s=cfg.config.graceful_shutdown_timeout_s,
         ray_actor_options={"num_cpus": REPLICA_CPUS},
     )
-    if cfg.max_replicas is None:
-        options["num_replicas"] = cfg.num_replicas
-    else:  # scale on requests in flight: a replica is busy at one full batch
-        options["autoscaling_config"] = {"min_replicas": cfg.num_replicas, "max_replicas": cfg.max_replicas,
-                                         "target_ongoing_requests": cfg.max_batch_size,
-                                         "upscale_delay_s": cfg.upscale_delay_s,
-                                         "downscale_delay_s": cfg.downscale_delay_s,
-                                         "look_back_period_s": cfg.look_back_period_s}
-    if generates and cfg.num_shards == 1:  # the model in the replica: the replica holds its shard's bundle
-        bundle = {**shard_bundle(cfg.use_gpu, REPLICA_CPUS + cfg.cpus_per_shard), **cfg.device_resources}
+    if cfg.config.autoscaling is None:
+        options["num_replicas"] = cfg.config.num_replicas or 1
+    else:  # Serve's options as given; by default it scales on requests in flight, a replica busy at one full batch
+        options["autoscaling_config"] = {"target_ongoing_requests": cfg.batching.max_batch_size,
+                                         **cfg.config.autoscaling}
+    if generates and engine.num_shards == 1:  # the model in the replica: the replica holds its shard's bundle
+        bundle = {**shard_bundle(cfg.use_gpu, REPLICA_CPUS + engine.cpus_per_shard), **engine.device_resources}
         _check_room([bundle], cfg, f"a replica decoding in its own process ({_describe(bundle)})")
         options["ray_actor_options"] = {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0.0),
-                                        "resources": cfg.device_resources}
+                                        "resources": engine.device_resources}
     elif generates:  # the replica's own bundle, then one per shard: Serve reserves them together
-        bundles = [{"CPU": REPLICA_CPUS}] + [shard_bundle(cfg.use_gpu, cfg.cpus_per_shard)] * cfg.num_shards
-        _check_room(bundles, cfg, f"a replica (its {REPLICA_CPUS} CPU and {cfg.num_shards} shards of "
+        bundles = [{"CPU": REPLICA_CPUS}] + [shard_bundle(cfg.use_gpu, engine.cpus_per_shard)] * engine.num_shards
+        _check_room(bundles, cfg, f"a replica (its {REPLICA_CPUS} CPU and {engine.num_shards} shards of "
                                   f"{_describe(bundles[1])})")
         options["placement_group_bundles"] = bundles
-        options["placement_group_strategy"] = "PACK" if cfg.multi_node else "STRICT_PACK"
-    if cfg.engine == "vllm":
+        options["placement_group_strategy"] = "PACK" if engine.multi_node else "STRICT_PACK"
+    if engine.backend == "vllm":
         options["ray_actor_options"]["runtime_env"] = SERVING_PRIORITY
     # The checkpoint as given: a replica started later (autoscaling, a replacement) loads the
     # run's newest committed checkpoint then, or, following the run, the weights the app serves.
     rollout = None if cfg.canary is None else Rollout.bind(cfg.canary)
-    app_weights = AppWeights.bind() if cfg.follow else None
-    return ModelServer.options(**options).bind({**cfg.model_dump(), "checkpoint": cfg.source}, rollout, app_weights)
+    app_weights = AppWeights.bind() if cfg.following else None
+    return ModelServer.options(**options).bind(cfg.arguments(), rollout, app_weights)

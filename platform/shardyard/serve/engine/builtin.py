@@ -27,7 +27,7 @@ from shardyard.models.kv_cache import BLOCK_TOKENS
 from shardyard.planner import serving_memory
 from shardyard.serve.engine.backend import Generation, WeightsRefused
 from shardyard.serve.engine.batching import AdaptiveBatchSize, calibrate, prefill_budget
-from shardyard.serve.config import ServeConfig
+from shardyard.serve.resolved import ResolvedConfig
 from shardyard.serve.engine.decoding import DecodingEngine
 from shardyard.serve.generation import Completion
 from shardyard.serve.engine.golden import GoldenPrompt, greedy_answers
@@ -53,7 +53,7 @@ HEALTH_REUSE_S = 1.0
 class BuiltinEngine:
     name = "builtin"
 
-    def __init__(self, cfg: ServeConfig, source: str, spec: GPTSpec | HFSpec | CustomSpec,
+    def __init__(self, cfg: ResolvedConfig, source: str, spec: GPTSpec | HFSpec | CustomSpec,
                  metrics: ServingMetrics, weights: str) -> None:
         """`source`: the checkpoint (or run, or model directory) the model loads, at start and at
         every rebuild; `spec`: its model's; `weights`: their fingerprint."""
@@ -67,7 +67,7 @@ class BuiltinEngine:
         # A swap's blocking calls (the lock, the swap, the golden passes, the swap back) run on
         # one thread: the group's lock is held across them.
         self._window = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardyard-swap")
-        self.bounded = cfg.batching == "continuous"  # static batches slide over the context
+        self.bounded = cfg.batching.mode == "continuous"  # static batches slide over the context
         if self.bounded:
             self._start_engine()
         else:
@@ -86,56 +86,56 @@ class BuiltinEngine:
     # ------------------------------------------------------------------ starting
 
     def _model(self, use_gpu: bool) -> ModelExecutor:
-        cfg, dtype = self.cfg, serving_dtype(self.cfg.dtype, use_gpu, self.cfg.checkpoint)
-        if cfg.num_shards == 1:  # decoded in this process: its bundle holds the shard's CPUs
+        cfg, dtype = self.cfg, serving_dtype(self.cfg.engine.dtype, use_gpu, self.cfg.checkpoint)
+        if cfg.engine.num_shards == 1:  # decoded in this process: its bundle holds the shard's CPUs
             # Its CPUs as threads, rounded up: the model is what this process spends them on.
-            torch.set_num_threads(max(1, math.ceil(REPLICA_CPUS + cfg.cpus_per_shard)))
+            torch.set_num_threads(max(1, math.ceil(REPLICA_CPUS + cfg.engine.cpus_per_shard)))
             return LocalModel(self.source, use_gpu, cfg.cache_blocks, cfg.trust_factory, dtype,
-                              compile_for=cfg.max_batch_size if cfg.compiles(use_gpu) else 0)
-        return ShardedModel(self.source, cfg.num_shards, use_gpu, cfg.multi_node, cfg.sharding,
-                            cpus_per_shard=cfg.cpus_per_shard, cache_blocks=cfg.cache_blocks,
+                              compile_for=cfg.batching.max_batch_size if cfg.compiles(use_gpu) else 0)
+        return ShardedModel(self.source, cfg.engine.num_shards, use_gpu, cfg.engine.multi_node, cfg.engine.sharding,
+                            cpus_per_shard=cfg.engine.cpus_per_shard, cache_blocks=cfg.cache_blocks,
                             trust_factory=cfg.trust_factory, dtype=dtype)
 
     def _start_engine(self) -> None:
         """The shard group and the continuous-batching engine, its prefill budget measured."""
         cfg = self.cfg
         self.model = self._model(cfg.use_gpu)
-        budget = prefill_budget(self.model.forward, self.block_size, cfg.max_batch_size,
-                                cfg.token_latency_target_ms / 1000)
-        self.engine = DecodingEngine(self.model.forward, cfg.max_batch_size, self.block_size, cfg.cache_blocks,
+        budget = prefill_budget(self.model.forward, self.block_size, cfg.batching.max_batch_size,
+                                cfg.batching.token_latency_target_ms / 1000)
+        self.engine = DecodingEngine(self.model.forward, cfg.batching.max_batch_size, self.block_size, cfg.cache_blocks,
                                      budget, lambda: self._heal(rebuild_if_slow=True), (*SHARD_LOST, CachesLost),
-                                     min_chunk=MIN_CHUNK if cfg.chunked_prefill else self.block_size,
-                                     prefix_caching=cfg.prefix_caching, weights=self.weights,
+                                     min_chunk=MIN_CHUNK if cfg.engine.chunked_prefill else self.block_size,
+                                     prefix_caching=cfg.engine.prefix_caching, weights=self.weights,
                                      packs=self.model.cache_attends, executor=self.model.executor)
         memory = serving_memory(self.spec, self.model.dtype, cfg.cache_blocks * BLOCK_TOKENS,
-                                cfg.max_batch_size, cfg.use_gpu)
+                                cfg.batching.max_batch_size, cfg.use_gpu)
         print(f"shardyard: continuous batching in {described(self.model.dtype, cfg.use_gpu)}, up to "
-              f"{cfg.max_batch_size} requests at once, a KV cache of "
+              f"{cfg.batching.max_batch_size} requests at once, a KV cache of "
               f"{cfg.cache_blocks} blocks of {BLOCK_TOKENS} tokens (prefix caching "
-              f"{'on' if cfg.prefix_caching else 'off'}), prefill budget {budget.tokens} tokens per iteration, "
+              f"{'on' if cfg.engine.prefix_caching else 'off'}), prefill budget {budget.tokens} tokens per iteration, "
               f"decode steps {'compiled' if getattr(self.model, 'decode', None) else 'eager'}"
               + (f"; memory {memory}" if memory else ""), flush=True)
 
     def _start_static(self) -> None:
         """Static batches from the config, or (adaptive) measured on each candidate device."""
         cfg = self.cfg
-        if cfg.batching != "adaptive":
+        if cfg.batching.mode != "adaptive":
             self.model = self._model(cfg.use_gpu)
             self.batches = StaticBatches(self.model, self.block_size, self.metrics, lambda: self.weights)
-            if cfg.batching == "none":
+            if cfg.batching.mode == "none":
                 self.batches.set_batching(1, 0.0)
             else:
-                self.batches.set_batching(cfg.max_batch_size, cfg.batch_wait_timeout_s)
+                self.batches.set_batching(cfg.batching.max_batch_size, cfg.batching.batch_wait_timeout_s)
             return
-        target = cfg.token_latency_target_ms / 1000
+        target = cfg.batching.token_latency_target_ms / 1000
         # A GPU is not always faster: a small model's steps can be all transfer overhead.
-        devices = [True, False] if cfg.use_gpu and cfg.device == "auto" else [cfg.use_gpu]
+        devices = [True, False] if cfg.use_gpu and cfg.engine.device == "auto" else [cfg.use_gpu]
         calibrations, model = {}, None
         for use_gpu in devices:
             if model is not None:
                 model.close()
             model = self._model(use_gpu)
-            calibrations[use_gpu] = calibrate(model.forward, self.block_size, cfg.max_batch_size)
+            calibrations[use_gpu] = calibrate(model.forward, self.block_size, cfg.batching.max_batch_size)
 
         def best_rate(use_gpu: bool) -> float:
             c = calibrations[use_gpu]
@@ -148,7 +148,7 @@ class BuiltinEngine:
         self.model, calibration = model, calibrations[chosen]
         size = calibration.best_size(target)
         self.batches = StaticBatches(self.model, self.block_size, self.metrics, lambda: self.weights,
-                                     AdaptiveBatchSize(size, cfg.max_batch_size, target))
+                                     AdaptiveBatchSize(size, cfg.batching.max_batch_size, target))
         self.batches.set_batching(size, calibration.wait_timeout_s(size))
         print(f"shardyard: adaptive batching on {'cuda' if chosen else 'cpu'}: step seconds by batch size "
               f"{ {b: round(t, 4) for b, t in calibration.step_s.items()} }; max_batch_size {size}, "

@@ -8,16 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from shardyard.serve.config import GoldenPrompt
 from shardyard.serve.generation import Completion, SampledForward, TextCodec, decode_steps
-
-
-class GoldenPrompt(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    prompt: str = Field(min_length=1)
-    max_tokens: int = Field(16, ge=1, description="tokens decoded greedily")
-    expect: str | None = Field(None, description="the answer it must give (default: the served weights' own)")
 
 
 def edit_distance(a: str, b: str) -> int:

@@ -34,7 +34,7 @@ from shardyard.checkpoint.layout import is_hf_directory, read_spec
 from shardyard.checkpoint.published import Published, load_source_part
 from shardyard.planner import kv_bytes_per_token
 from shardyard.serve.engine.backend import Generation, WeightsRefused
-from shardyard.serve.config import ServeConfig
+from shardyard.serve.resolved import ResolvedConfig
 from shardyard.serve.engine.decoding import EngineStats
 from shardyard.serve.generation import Completion, TextCodec
 from shardyard.serve.engine.golden import GoldenPrompt, answer_texts, golden_requests
@@ -237,7 +237,7 @@ def written_out(source: str | Path | Published, trust_factory: str | None) -> st
     return str(export_hf_directory(model, Path(tempfile.mkdtemp(prefix="shardyard-vllm-"))))
 
 
-def start_vllm(cfg: ServeConfig, context: int, dtype: torch.dtype) -> VllmEngine | str:
+def start_vllm(cfg: ResolvedConfig, context: int, dtype: torch.dtype) -> VllmEngine | str:
     """vLLM's async engine over the app's model (tensor or pipeline parallel over its shards, a KV
     cache of `max_kv_tokens` positions, in `dtype`: the app's, resolved), or why it cannot serve
     it. The model's shape comes through the spec's HFSpec, the one place (with the model adapter)
@@ -252,11 +252,11 @@ def start_vllm(cfg: ServeConfig, context: int, dtype: torch.dtype) -> VllmEngine
     model_dir = vllm_model_directory(cfg.checkpoint, given, cfg.trust_factory)
     if model_dir is None:
         return f"vLLM does not load this '{read_spec(cfg.checkpoint).model.name}' model (only Hugging Face ones)"
-    kv_tokens = cfg.max_kv_tokens or cfg.max_batch_size * context
-    shards = cfg.num_shards
-    parallel = {"tensor_parallel_size": shards} if cfg.sharding == "tensor" else {"pipeline_parallel_size": shards}
-    args = AsyncEngineArgs(model=model_dir, max_model_len=context, max_num_seqs=cfg.max_batch_size,
-                           enable_prefix_caching=cfg.prefix_caching, dtype=dtype_name(dtype),
+    kv_tokens = cfg.engine.max_kv_tokens or cfg.batching.max_batch_size * context
+    shards = cfg.engine.num_shards
+    parallel = {"tensor_parallel_size": shards} if cfg.engine.sharding == "tensor" else {"pipeline_parallel_size": shards}
+    args = AsyncEngineArgs(model=model_dir, max_model_len=context, max_num_seqs=cfg.batching.max_batch_size,
+                           enable_prefix_caching=cfg.engine.prefix_caching, dtype=dtype_name(dtype),
                            # the app's KV cache size, else vLLM reserves a fraction of the whole
                            # machine, on CPU too, and refuses to start where less is free
                            kv_cache_memory_bytes=kv_tokens * kv_bytes_per_token(HFSpec(path=model_dir), dtype),
@@ -269,6 +269,6 @@ def start_vllm(cfg: ServeConfig, context: int, dtype: torch.dtype) -> VllmEngine
         engine = AsyncLLM.from_engine_args(args)
     except Exception as err:  # noqa: BLE001 - any reason vLLM cannot load it: the built-in engine serves
         return f"vLLM could not load {model_dir}: {type(err).__name__}: {err}"
-    print(f"shardyard: vLLM's engine serves {model_dir} ({shards} {cfg.sharding} shard(s), up to "
-          f"{cfg.max_batch_size} requests at once, prefix caching {'on' if cfg.prefix_caching else 'off'})", flush=True)
+    print(f"shardyard: vLLM's engine serves {model_dir} ({shards} {cfg.engine.sharding} shard(s), up to "
+          f"{cfg.batching.max_batch_size} requests at once, prefix caching {'on' if cfg.engine.prefix_caching else 'off'})", flush=True)
     return VllmEngine(engine, SamplingParams, model_dir, given, cfg.codec, cfg.stop_token, cfg.trust_factory)

@@ -52,7 +52,7 @@ def check_room(bundles: list[dict[str, float]], multi_node: bool, what: str) -> 
     best = max(pools, key=lambda pool: sum(pool.values()), default={})
     where = "the cluster has" if multi_node else "its largest node has"
     raise ValueError(f"{what} asks for {_resources(need)} ({'PACK' if multi_node else 'STRICT_PACK'}); {where} "
-                     f"{_resources(best)}: lower num_shards or cpus_per_shard, or add a node with more")
+                     f"{_resources(best)}: lower engine.num_shards or engine.cpus_per_shard, or add a node with more")
 
 
 def _resources(amounts: dict[str, float]) -> str:
@@ -76,3 +76,14 @@ def place_shards(num_shards: int, bundle: dict[str, float], multi_node: bool = F
         raise RuntimeError(f"the cluster has no room for {num_shards} shards of {bundle} "
                            f"({'PACK' if multi_node else 'STRICT_PACK'}) after {timeout_s:g} s") from None
     return ShardPlacement(group, 0, owned=True)
+
+
+def uses_gpus(device: str, num_shards: int) -> bool:
+    """Whether a replica's shards run on GPUs: `auto` when the cluster has one for each shard."""
+    if device != "auto":
+        return device == "cuda"
+    if not ray.is_initialized():  # `serve run` builds the app before it connects
+        from shardyard.cluster import address_to_join
+
+        ray.init(address=address_to_join())
+    return ray.cluster_resources().get("GPU", 0) >= num_shards

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
 
 import torch
 from torch import nn
 
 from shardyard.checkpoint.layout import is_hf_directory
 
-DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
+from shardyard.serve.config import DtypeName
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -24,7 +24,7 @@ from shardyard.checkpoint.record import BadCheckpoint, checkpoint_name, newest_g
 from shardyard.checkpoint.store import RunStorage
 from shardyard.serve.follow.app_weights import Pin, Source, View, rollback_target
 from shardyard.serve.engine.backend import WeightsRefused
-from shardyard.serve.config import ServeConfig
+from shardyard.serve.resolved import ResolvedConfig
 from shardyard.serve.engine.metrics import ServingMetrics
 from shardyard.serve.follow.rollout import PROMOTE, REFUSE, WAIT
 from shardyard.serve.follow.gate import WeightGate
@@ -52,7 +52,7 @@ class OperatorRefused(Exception):
 
 
 class WeightFollower:
-    def __init__(self, cfg: ServeConfig, gate: WeightGate, app_weights: Any, rollout: Any | None,
+    def __init__(self, cfg: ResolvedConfig, gate: WeightGate, app_weights: Any, rollout: Any | None,
                  replica: str, metrics: ServingMetrics) -> None:
         """`app_weights`: the app's AppWeights, `rollout`: its Rollout (None: no canary), each
         with coroutine methods; `replica`: this replica's id, as AppWeights counts it."""
@@ -65,7 +65,7 @@ class WeightFollower:
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(self.cfg.follow_interval_s)
+            await asyncio.sleep(self.cfg.follow.interval_s)
             await self.look()
 
     async def look(self) -> None:

@@ -17,7 +17,7 @@ from shardyard.checkpoint.published import Published, source_step
 from shardyard.checkpoint.record import BadCheckpoint
 from shardyard.serve.follow.app_weights import Source, with_few_published
 from shardyard.serve.engine.backend import EngineBackend, WeightsRefused
-from shardyard.serve.config import ServeConfig
+from shardyard.serve.resolved import ResolvedConfig
 from shardyard.serve.engine.golden import GoldenPrompt, regressions
 from shardyard.serve.engine.metrics import ServingMetrics
 
@@ -37,7 +37,7 @@ class Served:
 
 
 class WeightGate:
-    def __init__(self, cfg: ServeConfig, engine: EngineBackend, served: Served, metrics: ServingMetrics) -> None:
+    def __init__(self, cfg: ResolvedConfig, engine: EngineBackend, served: Served, metrics: ServingMetrics) -> None:
         self.cfg, self.engine, self.served, self.metrics = cfg, engine, served, metrics
         self._golden: tuple[str, list[str]] = ("", [])  # a fingerprint, its golden answers
         self._one_at_a_time = asyncio.Lock()  # the follower and the admin routes share the gate
@@ -56,7 +56,7 @@ class WeightGate:
                     raise WeightsRefused(f"{checkpoint}: {worse}")
                 # Weights served before passed the golden prompts then (a rollback, a canary stepping
                 # back): judged against the ones they replace, they would fail for having answered first.
-                golden = [] if judged or checkpoint in served.sources else self.cfg.golden_prompts
+                golden = [] if judged or checkpoint in served.sources else self.cfg.follow.golden_prompts
                 try:
                     await self.engine.stage(checkpoint if isinstance(checkpoint, Published) else str(checkpoint))
                 except WeightsRefused as err:
@@ -85,7 +85,7 @@ class WeightGate:
             failed: list[str] | None = None  # None: the golden passes did not finish (a shard lost)
             try:
                 answers = await engine.golden_answers(golden) if golden else []
-                failed = regressions(golden, self._golden[1], answers, self.cfg.golden_max_edit_distance)
+                failed = regressions(golden, self._golden[1], answers, self.cfg.follow.golden_max_edit_distance)
             except WeightsRefused as err:
                 failed = [str(err)]
             finally:
@@ -100,7 +100,7 @@ class WeightGate:
     def _worse_validation(self, step: int) -> str | None:
         """Why the run's own validation loss keeps `step` from serving (None: it does not, or the
         run logged none to compare)."""
-        tolerance, served_step = self.cfg.val_loss_tolerance, self.served.step
+        tolerance, served_step = self.cfg.follow.val_loss_tolerance, self.served.step
         if tolerance is None:
             return None
         rows = read_metrics(self.cfg.source)
@@ -111,5 +111,5 @@ class WeightGate:
                 f"{served:.4f} by more than {tolerance:.0%}")
 
 
-def served_at_start(cfg: ServeConfig) -> Served:
+def served_at_start(cfg: ResolvedConfig) -> Served:
     return Served(cfg.served_step, cfg.fingerprint, [Path(cfg.checkpoint)])

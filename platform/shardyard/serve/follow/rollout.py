@@ -1,7 +1,7 @@
-"""Canary rollouts of a followed run's checkpoints. With several replicas and `canary_fraction`, a
+"""Canary rollouts of a followed run's checkpoints. With several replicas and `follow.canary`, a
 checkpoint that passed a replica's gate first serves on a share of the replicas (the canaries),
-so it answers about that share of the traffic; once it has served for `canary_window_s` and
-answered at least `canary_min_requests` requests, its error rate and mean latency are compared
+so it answers about that share of the traffic; once it has served for `window_s` and
+answered at least `min_requests` requests, its error rate and mean latency are compared
 with those of the weights the other replicas served over the same window, and it goes to every
 replica or to none (the canaries step back).
 
@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ray import serve
+
+from shardyard.serve.config import CanarySettings
 
 LIVE_S = 10.0  # a replica that has not reported for this long is gone (scaled down, replaced)
 PROMOTE = "promote"
@@ -57,16 +59,6 @@ class Tally:
     @property
     def mean_s(self) -> float:
         return self.seconds / self.answered if self.answered else 0.0
-
-
-@dataclass(frozen=True)
-class CanarySettings:
-    fraction: float
-    window_s: float
-    min_requests: int
-    max_error_increase: float
-    max_latency_ratio: float
-    latency_margin_s: float
 
 
 def verdict(canary: Tally, baseline: Tally, settings: CanarySettings) -> str | None:

@@ -40,7 +40,7 @@ from shardyard.checkpoint.store import DIR_PREFIX
 from shardyard.serve.http import openai_api as oa
 from shardyard.serve.engine.backend import EngineBackend, Generation
 from shardyard.serve.http.choices import ChoiceText
-from shardyard.serve.config import ServeConfig
+from shardyard.serve.resolved import ResolvedConfig
 from shardyard.serve.generation import Completion
 from shardyard.serve.http.guard import ChoiceLimit, ClientError, Held, error_response
 from shardyard.serve.follow.rollout import Tally
@@ -62,7 +62,7 @@ class PredictRequest(BaseModel):
 class Answering:
     """What the routes answer from: the config, the model's kind and context, the engine backend
     (None for the MLP, answered by `mlp`), what serves, and the replica's counts."""
-    cfg: ServeConfig
+    cfg: ResolvedConfig
     kind: str  # the model's spec name
     context: int  # tokens a language model sees at most (0: the MLP)
     vocabulary: int
@@ -75,7 +75,7 @@ class Answering:
     tally: dict[str, Tally] = field(default_factory=dict)  # requests answered, by the weights that answered them
 
     def __post_init__(self) -> None:
-        self.choices = ChoiceLimit(self.cfg.concurrency, self.cfg.max_queued_requests, self.cfg.request_timeout_s)
+        self.choices = ChoiceLimit(self.cfg.concurrency, self.cfg.limits.max_queued_requests, self.cfg.limits.request_timeout_s)
         self.codec, self.stop_token = self.cfg.codec, self.cfg.stop_token
         self._scrape, self._scrape_lock = (float("-inf"), ""), asyncio.Lock()
 
@@ -96,10 +96,10 @@ class Answering:
 
     def prompt_tokens(self, text: str, max_tokens: int, field: str = "prompt") -> list[int]:
         cfg = self.cfg
-        if len(text) > cfg.max_prompt_chars:
-            raise ClientError(422, f"{field} is {len(text)} characters; the limit is {cfg.max_prompt_chars}", field)
-        if max_tokens > cfg.max_tokens_limit:
-            raise ClientError(422, f"max_tokens may be at most {cfg.max_tokens_limit}", "max_tokens")
+        if len(text) > cfg.limits.max_prompt_chars:
+            raise ClientError(422, f"{field} is {len(text)} characters; the limit is {cfg.limits.max_prompt_chars}", field)
+        if max_tokens > cfg.limits.max_tokens_limit:
+            raise ClientError(422, f"max_tokens may be at most {cfg.limits.max_tokens_limit}", "max_tokens")
         tokens = self.codec.encode(text)
         if not tokens:
             raise ClientError(422, f"{field} encodes to no tokens", field)
@@ -113,7 +113,7 @@ class Answering:
         """A choice per prompt and per `n`, in OpenAI's order (prompt by prompt); choice j of a
         seeded request draws from seed + j (oa.choice_seed), so its n choices differ and each is
         reproducible."""
-        count, limit = len(prompts) * body.n, self.cfg.max_choices_per_request
+        count, limit = len(prompts) * body.n, self.cfg.limits.max_choices_per_request
         if count > limit:
             raise ClientError(422, f"{len(prompts)} prompt(s) x n {body.n} = {count} choices; a request may ask "
                                    f"for at most {limit}", "n" if body.n > 1 else "prompt")
@@ -228,9 +228,9 @@ async def answer(a: Answering, prompts: list[list[int]], body: oa.CompletionRequ
         gens = [a.engine.generate(r) for r in requests]
         choices = [ChoiceText(r, a.codec, body.stop, chat) for r in requests]
         await asyncio.wait_for(asyncio.gather(*(_collect(g, c) for g, c in zip(gens, choices))),
-                               a.cfg.request_timeout_s)
+                               a.cfg.limits.request_timeout_s)
     except asyncio.TimeoutError:
-        raise ClientError(408, f"not answered within {a.cfg.request_timeout_s} s") from None
+        raise ClientError(408, f"not answered within {a.cfg.limits.request_timeout_s} s") from None
     except (*SHARD_LOST, LostTwice):
         raise ClientError(503, "the model's shards were lost twice under this request; retry") from None
     except RuntimeError as err:  # this request alone failed (the others in its steps go on)
@@ -286,7 +286,7 @@ async def _stream(a: Answering, requests: list[Completion], stops: list[str], ch
     character look like a stall to clients that time each chunk), and nothing of a stop string is
     sent."""
     started = time.perf_counter()
-    model, deadline = a.cfg.model_id, started + a.cfg.request_timeout_s
+    model, deadline = a.cfg.model_id, started + a.cfg.limits.request_timeout_s
     choices = [ChoiceText(r, a.codec, stops, chat) for r in requests]
 
     def chunk(index: int, piece: str, reason: str | None = None, first: bool = False) -> str:
@@ -322,7 +322,7 @@ async def _stream(a: Answering, requests: list[Completion], stops: list[str], ch
             used = oa.usage(prompt_tokens, sum(len(r.tokens) for r in requests))
             yield _event(oa.body(id_, model, gens[0].weights(), [], chat, chunk=True, usage=used))
     except asyncio.TimeoutError:
-        yield _event(oa.error_body(408, f"not answered within {a.cfg.request_timeout_s} s"))
+        yield _event(oa.error_body(408, f"not answered within {a.cfg.limits.request_timeout_s} s"))
     except (*SHARD_LOST, LostTwice):
         yield _event(oa.error_body(503, "the model's shards were lost twice under this request; retry"))
     except RuntimeError as err:
