@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,10 +25,36 @@ def print_table(title: str, rows: list[dict[str, Any]]) -> None:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
 
 
+# The CPU features speed depends on most (machines of one kind differ: vLLM's CPU build decodes
+# about twice as fast with AMX as with AVX2 alone).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")
+
+
+def machine(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
+    """What the figures were measured on: the CPU's model and the features of CPU_FLAGS it has,
+    its logical cores, and the GPU, if any."""
+    text = cpuinfo.read_text() if cpuinfo.exists() else ""
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    found: dict[str, Any] = {"cpu": fields.get("model name", platform.processor() or "unknown"),
+                             "cpu_flags": [f for f in CPU_FLAGS if f in flags], "logical_cpus": os.cpu_count()}
+    try:
+        import torch
+
+        found["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            found["gpu"] = torch.cuda.get_device_name()
+    except ImportError:
+        pass
+    return found
+
+
 def write_json(name: str, payload: dict[str, Any]) -> Path:
+    """`payload` as benchmarks/results/NAME.json, with the machine it was measured on."""
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(payload, indent=2))
+    path.write_text(json.dumps({"machine": machine(), **payload}, indent=2))
     print(f"\nwrote {path}")
     return path
 

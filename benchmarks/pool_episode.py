@@ -295,7 +295,7 @@ def main() -> None:
                          "lent_p90_ms": ratio(a["lent_p90_ms"], b["lent_p90_ms"]),
                          "samples_trained": ratio(a["samples_trained"], b["samples_trained"])})
     print_table("pool episode: lend under load, return after (ratios: pool over the static split)", rows)
-    write_json("pool_episode", {"rows": rows, "machine": f"{os.cpu_count()} CPUs"})
+    write_json("pool_episode", {"rows": rows})
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

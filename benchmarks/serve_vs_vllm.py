@@ -13,10 +13,11 @@ sources, head_dim 64 or 128 (vLLM's CPU attention needs 64 or more); `v320`, the
 vocabulary earlier figures were measured on, on request. Every server serves in `--dtype`:
 bfloat16 by default, which is what `vllm serve` takes for `auto` on an x86 CPU (a float32
 directory included), so vLLM runs at its own defaults; `--dtype float32` compares both in float32.
-shardyard serves each as README's app does (one replica, continuous batching, 16 requests at once,
-one shard in the replica's process: `shardyard`; `shardyard-two-shards`: two pipeline shards, as
-README's config did until 2026-11-29) on a local Ray of 2 CPUs, with its built-in engine and with
-`engine: vllm`; then `vllm serve` (its CPU build, 2 GiB of KV cache, prefix caching on, its
+shardyard serves each through README's own path, `shardyard serve DIRECTORY` run as a user runs
+it (its own local Ray of the machine's CPUs, Serve behind HAProxy, one replica, continuous
+batching, 16 requests at once, one shard in the replica's process: `shardyard`;
+`shardyard-two-shards`: two pipeline shards, as README's config did until 2026-11-29), with its
+built-in engine and with `engine: vllm`; then `vllm serve` (its CPU build, 2 GiB of KV cache, prefix caching on, its
 default) serves it alone. `engine: vllm` is given vLLM's own limits (`max_num_seqs` 128, the same
 2 GiB of KV cache): it is measured against the same engine, configured alike, behind shardyard's
 serving path. `--app-set` adds a setting to shardyard's apps (a ServeConfig key, dotted: engine.cpus_per_shard=0.5).
@@ -32,7 +33,12 @@ latency (p99), and shardyard's ratio to vLLM for each.
 same model, built as the app builds it (ServeConfig's defaults, the replica's threads), the same
 random load at each concurrency, and where its time goes: the model's decode passes, its prefill
 passes, and the engine's own work (scheduling, sampling bookkeeping, streaming to callers) as
-the rest of the wall time. What separates its row from `shardyard`'s is the serving path.
+the rest of the wall time. For it and for each app of the built-in engine, a second table says
+where an iteration's time goes, in milliseconds per iteration by the engine's phases (scheduling,
+the hand-off to the model's thread and back, the model, attention over the KV cache, sampling,
+emitting tokens: serve/engine/decoding.py), read from the app's `/metrics` around each load.
+The JSON records the machine (CPU model and its AVX-512 / AMX flags) and each load's cores busy
+by process. What separates its row from `shardyard`'s is the serving path.
 `shardyard-in-process-plain-linears`: the same with the linear weights unpacked (the BLAS's
 product instead of oneDNN's over packed weights, serve/executor/packed_linear.py);
 `shardyard-in-process-compiled`: with its decode steps compiled (serve/executor/compiled_decode.py), timed
@@ -43,8 +49,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -52,6 +60,7 @@ from pathlib import Path
 import requests
 
 from common import print_table, write_json
+from shardyard.serve.engine.decoding import PHASES
 from shardyard.spec import apply_override
 from vllm_bench import VLLM, bench, model_directory
 
@@ -59,6 +68,7 @@ PROMPT_TOKENS, OUTPUT_TOKENS, SHARED_PREFIX_TOKENS, CONTEXT = 128, 64, 1000, 204
 # `vllm serve` on a CPU: its max_num_seqs (the API server's default there; 256 is the LLM class's), and
 # the VLLM_CPU_KVCACHE_SPACE this benchmark gives it.
 VLLM_MAX_NUM_SEQS, VLLM_KV_GIB = 128, 2
+SHARDYARD = Path(sys.executable).parent / "shardyard"  # the command README serves with
 SHARED_PREFIX_STREAMS = 16
 APP_SETTINGS: dict = {}  # --app-set: more settings for shardyard's app (ServeConfig keys)
 
@@ -108,13 +118,51 @@ def cpu_spent(before: dict[int, tuple[str, float]], seconds: float) -> dict[str,
             if s / seconds > 0.01}
 
 
+def engine_counters(url: str) -> dict[str, float]:
+    """The built-in engine's iterations and seconds by phase so far, from the app's /metrics
+    (summed over replicas), once Ray's metrics agent has exported the last of them: read until two
+    reads a few seconds apart agree."""
+    def read() -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for line in requests.get(f"{url}/metrics", timeout=30).text.splitlines():
+            name, _, value = line.rpartition(" ")
+            if name.startswith("ray_shardyard_engine_iterations_total"):
+                totals["iterations"] = totals.get("iterations", 0.0) + float(value)
+            elif name.startswith("ray_shardyard_engine_phase_seconds_total") and 'phase="' in name:
+                phase = name.split('phase="', 1)[1].split('"', 1)[0]
+                totals[phase] = totals.get(phase, 0.0) + float(value)
+        return totals
+
+    last, deadline = read(), time.monotonic() + 90
+    while time.monotonic() < deadline:
+        time.sleep(6)  # longer than the agent's export period
+        now = read()
+        if now == last:
+            return now
+        last = now
+    return last
+
+
+def step_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Milliseconds per engine iteration in each phase over a load (the iterations' own count
+    too), from two reads of engine_counters."""
+    steps = after.get("iterations", 0.0) - before.get("iterations", 0.0)
+    if steps <= 0:
+        return {}
+    ms = {phase: round(1000 * (after[phase] - before.get(phase, 0.0)) / steps, 3) for phase in PHASES if phase in after}
+    return {"iterations": int(steps), **ms, "total": round(sum(ms.values()), 3)}
+
+
 def measure(server: str, url: str, directory: Path, out: Path, concurrencies: list[int], prompts: int,
             prefix_tokens: int = 0) -> list[dict]:
-    """Each load's figures, and the cores each kind of the server's processes kept busy during it:
-    where a server's time goes on a machine of two."""
+    """Each load's figures, the cores each kind of the server's processes kept busy during it
+    (where a server's time goes on a machine of two) and, for shardyard's built-in engine, the
+    milliseconds of an iteration by phase."""
     rows = []
+    phases = server.startswith("shardyard") and "vllm" not in server
     for concurrency in concurrencies:
         count = request_count(concurrency, prompts)
+        counted = engine_counters(url) if phases else {}
         before, started = cpu_seconds(), time.perf_counter()
         result = bench(url, directory, out / server, prompt_tokens=PROMPT_TOKENS, output_tokens=OUTPUT_TOKENS,
                        prompts=count, concurrency=concurrency, prefix_tokens=prefix_tokens)
@@ -124,6 +172,8 @@ def measure(server: str, url: str, directory: Path, out: Path, concurrencies: li
                      "output_tok_per_s": result["output_throughput"], "ttft_p50_ms": result["median_ttft_ms"],
                      "tpot_p50_ms": result["median_tpot_ms"], "itl_p99_ms": result["p99_itl_ms"],
                      "cores_busy": cores})
+        if phases:
+            rows[-1]["step_ms"] = step_ms(counted, engine_counters(url))
         print(rows[-1], flush=True)
     return rows
 
@@ -140,43 +190,43 @@ def loads(server: str, url: str, directory: Path, out: Path, concurrencies: list
 
 def shardyard_rows(directory: Path, out: Path, concurrencies: list[int], prompts: int, dtype: str,
                    prefix_caching: bool = True, engine: str = "builtin", shards: int = 1) -> list[dict]:
-    import ray
-    from ray import serve
-
+    """The loads against README's serving path as a user runs it: `shardyard serve DIRECTORY`
+    (its own local Ray, Serve behind HAProxy with the header deadline, one replica, the app's
+    defaults), stopped with Ctrl-C after."""
     from shardyard.localdist import free_port
-    from shardyard.serve.app.deployment import build_app
-    from shardyard.serve.app.ingress import DEFAULT_HEADER_TIMEOUT_S, haproxy_ingress
 
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    limits = vllm_limits(directory, dtype) if engine == "vllm" else {}
+    if shards > 1:  # as serve_apps/config.yaml split it before 2026-11-29: pipeline shards of 0.75 CPUs
+        limits.update({"engine.num_shards": shards, "engine.cpus_per_shard": 1.5 / shards})
+    settings = {"limits.max_tokens_limit": 256, "limits.max_prompt_chars": 65536, "limits.max_body_bytes": 262144,
+                "engine.prefix_caching": prefix_caching, **limits, **APP_SETTINGS}
+    command = [str(SHARDYARD), "serve", str(directory), "--port", str(port), "--dtype", dtype, "--engine", engine,
+               *(item for key, value in settings.items() for item in ("--set", f"{key}={value}"))]
+    log = (out / f"shardyard_serve_{port}.log").open("w")
     # engine: vllm's KV cache on vLLM's CPU build: the GiB vllm_rows gives vLLM alone.
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(VLLM_KV_GIB))
-    # The ingress `shardyard serve` gives the Ray it starts: HAProxy, with its header deadline.
-    with haproxy_ingress(DEFAULT_HEADER_TIMEOUT_S):
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_GIB)}
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        wait_ready(url, process)
+        if requests.get(f"{url}/healthz", timeout=30).json()["engine"] != engine:
+            raise RuntimeError(f"engine: {engine} asked for, another serves (see {log.name})")
+        if engine == "vllm":
+            return loads("shardyard, engine: vllm", url, directory, out, concurrencies, prompts)
+        if shards > 1:
+            return loads(f"shardyard, {shards} pipeline shards", url, directory, out, concurrencies, prompts)
+        if prefix_caching:
+            return loads("shardyard", url, directory, out, concurrencies, prompts)
+        return loads("shardyard, no prefix caching", url, directory, out, concurrencies, prompts,
+                     random_load=False)
+    finally:
+        process.send_signal(signal.SIGINT)  # the user's Ctrl-C: the command stops Serve and its Ray
         try:
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            limits = vllm_limits(directory, dtype) if engine == "vllm" else {"batching.max_batch_size": 16}
-            if shards > 1:  # as serve_apps/config.yaml splits it before 2026-11-29: pipeline shards of 0.75 CPUs
-                limits.update({"engine.num_shards": shards, "engine.cpus_per_shard": 1.5 / shards})
-            serve.run(build_app({"checkpoint": str(directory), "engine.dtype": dtype, "limits.max_tokens_limit": 256,
-                                 "limits.max_prompt_chars": 65536, "limits.max_body_bytes": 262144,
-                                 "engine.prefix_caching": prefix_caching, "engine.backend": engine,
-                                 **limits, **APP_SETTINGS}), name="bench", route_prefix="/")
-            wait_ready(url, None)
-            if requests.get(f"{url}/healthz", timeout=30).json()["engine"] != engine:
-                raise RuntimeError(f"engine: {engine} asked for, another serves (see the replica's log)")
-            if engine == "vllm":
-                return loads("shardyard, engine: vllm", url, directory, out, concurrencies, prompts)
-            if shards > 1:
-                return loads(f"shardyard, {shards} pipeline shards", url, directory, out, concurrencies, prompts)
-            if prefix_caching:
-                return loads("shardyard", url, directory, out, concurrencies, prompts)
-            return loads("shardyard, no prefix caching", url, directory, out, concurrencies, prompts,
-                         random_load=False)
-        finally:
-            serve.shutdown()  # before Ray: it stops HAProxy
-            ray.shutdown()
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 def vllm_limits(directory: Path, dtype: str) -> dict:
@@ -231,7 +281,7 @@ def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompt
 
     async def load(concurrency: int, count: int) -> dict:
         engine = DecodingEngine(forward, cfg.batching.max_batch_size, CONTEXT, cfg.cache_blocks, budget, lambda: None, (),
-                                packs=model.cache_attends, executor=model.executor)
+                                packs=model.cache_attends, executor=model.executor, times=model.times)
         rng, gate, ttft, tpot = random.Random(concurrency), asyncio.Semaphore(concurrency), [], []
         vocabulary = model.model.hf.config.vocab_size
 
@@ -254,7 +304,8 @@ def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompt
                 "requests": count, "failed": 0, "output_tok_per_s": tokens / wall,
                 "ttft_p50_ms": statistics.median(ttft) * 1000, "tpot_p50_ms": statistics.median(tpot) * 1000,
                 "itl_p99_ms": None, "decode_passes_s": spent["decode"], "prefill_passes_s": spent["prefill"],
-                "engine_s": wall - spent["decode"] - spent["prefill"]}
+                "engine_s": wall - spent["decode"] - spent["prefill"],
+                "step_ms": step_ms({}, {"iterations": engine.stats.iterations, **engine.stats.phases})}
 
     rows = []
     for concurrency in concurrencies:
@@ -330,10 +381,11 @@ def medians(rounds: list[list[dict]]) -> list[dict]:
                 row[key] = sum(r[key] for r in same)
             elif isinstance(value, float):
                 row[key] = statistics.median(r[key] for r in same)
-        if "cores_busy" in row:
-            names = dict.fromkeys(name for r in same for name in r["cores_busy"])  # any round's processes
-            row["cores_busy"] = {name: statistics.median(r["cores_busy"].get(name, 0.0) for r in same)
-                                 for name in names}
+        for nested in ("cores_busy", "step_ms"):
+            if nested in row:
+                names = dict.fromkeys(name for r in same for name in r.get(nested, {}))  # any round's
+                row[nested] = {name: statistics.median(r.get(nested, {}).get(name, 0.0) for r in same)
+                               for name in names}
         if len(same) > 1 and "tok_per_s_vs_vllm" in row:
             row["tok_per_s_vs_vllm_by_round"] = [round(r["tok_per_s_vs_vllm"], 3) for r in same]
         rows.append(row)
@@ -380,7 +432,13 @@ def main() -> None:
     how = f"{PROMPT_TOKENS} tokens in, {OUTPUT_TOKENS} out, vllm bench serve"
     if args.rounds > 1:
         how += f", medians of {args.rounds} rounds"
-    print_table(f"shardyard against vLLM ({how})", [{k: v for k, v in r.items() if k != "cores_busy"} for r in rows])
+    print_table(f"shardyard against vLLM ({how})", [{k: v for k, v in r.items() if k not in ("cores_busy", "step_ms")}
+                                                    for r in rows])
+    steps = [{"model": r["model"], "server": r["server"], "load": r["load"], "streams": r["streams"], **r["step_ms"]}
+             for r in rows if r.get("step_ms")]
+    if steps:
+        print_table("where an engine iteration's time goes (ms per iteration; "
+                    "serve/engine/decoding.py names the phases)", steps)
     if "vllm" in args.servers and len(args.servers) > 1:  # a figure is a side-by-side comparison, or nothing
         write_json(args.name, {"dtype": args.dtype, "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS,
                                "shared_prefix_tokens": SHARED_PREFIX_TOKENS, "rounds": args.rounds, "rows": rows,

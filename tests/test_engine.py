@@ -364,6 +364,33 @@ def test_a_model_decoded_in_the_replicas_process_gives_each_request_its_tokens_a
 
 
 @pytest.mark.timeout(120)
+def test_each_iterations_time_is_told_by_phase(ddp_checkpoint: Path) -> None:
+    """The engine's per-step figures: the model's, attention's and sampling's seconds are what the
+    executor measured of the engine's passes (nothing counted twice or lost), the hand-off is what
+    a pass waited beyond them, and the phases together are within the time the engine ran."""
+    import time
+
+    from shardyard.serve.engine.decoding import PHASES
+    from shardyard.serve.executor.local_model import LocalModel
+
+    local = LocalModel(str(ddp_checkpoint), cache_blocks=3)
+    try:
+        engine = DecodingEngine(local.forward, 3, local.block_size, 3, TokenBudget(8, 60.0, 4), lambda: None, (),
+                                packs=local.cache_attends, executor=local.executor, times=local.times)
+        started = time.perf_counter()
+        asyncio.run(serve_all(engine, fresh(), join_after=3))
+        elapsed = time.perf_counter() - started
+    finally:
+        local.close()
+    phases, times = engine.stats.phases, local.times
+    assert set(phases) == set(PHASES) and times.passes >= engine.stats.iterations > 0
+    assert all(phases[p] > 0 for p in PHASES), phases  # the GPT's cache attends: attention is timed
+    assert phases["forward"] + phases["attention"] == pytest.approx(times.model_s, rel=1e-9)
+    assert (phases["attention"], phases["sampling"]) == pytest.approx((times.attention_s, times.sampling_s), rel=1e-9)
+    assert phases["attention"] < times.model_s and sum(phases.values()) < elapsed
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("architecture", ["gpt", "llama"])
 @pytest.mark.parametrize("packs", [False, True])
 def test_prompts_prefilled_in_chunks_between_decode_steps_decode_exactly(ddp_checkpoint: Path,

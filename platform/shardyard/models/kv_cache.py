@@ -34,6 +34,7 @@ over its own past: the model's other layers see only a row of tokens with their 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -113,6 +114,9 @@ class KVCache:
         self.plan: _Plan | None = None
         self.past = 0  # the longest row's cached positions before this step
         self.fixed: tuple[int, int] | None = None  # (lanes, positions) allocated whole: `fix`
+        # Seconds spent in `attend` (storing and attending) on a CPU, eager passes only: a GPU's
+        # kernels run asynchronously and a compiled pass cannot be timed inside.
+        self.attention_s = 0.0
 
     def fix(self, lanes: int, positions: int) -> None:
         """Allocate every layer's lanes whole (`lanes` of `positions`, and one scratch lane) and the
@@ -259,6 +263,16 @@ class KVCache:
         the attention (B, heads, T, head_dim) of its queries (B, heads, T, head_dim; heads a
         multiple of kv_heads) over each row's positions up to its own; in a packed pass (B = 1)
         each sequence's tokens over its own positions."""
+        if q.device.type != "cpu" or torch.compiler.is_compiling():
+            return self._attend(layer, q, k, v, scale)
+        started = time.perf_counter()
+        try:
+            return self._attend(layer, q, k, v, scale)
+        finally:
+            self.attention_s += time.perf_counter() - started
+
+    def _attend(self, layer: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scale: float | None) -> torch.Tensor:
         self._store(layer, k, v)
         if not self.plan.packed:
             return self._attend_group(layer, self.plan.groups[0], q, k, v, scale)

@@ -106,7 +106,8 @@ class BuiltinEngine:
                                      budget, lambda: self._heal(rebuild_if_slow=True), (*SHARD_LOST, CachesLost),
                                      min_chunk=MIN_CHUNK if cfg.engine.chunked_prefill else self.block_size,
                                      prefix_caching=cfg.engine.prefix_caching, weights=self.weights,
-                                     packs=self.model.cache_attends, executor=self.model.executor)
+                                     packs=self.model.cache_attends, executor=self.model.executor,
+                                     times=getattr(self.model, "times", None))
         memory = serving_memory(self.spec, self.model.dtype, cfg.cache_blocks * BLOCK_TOKENS,
                                 cfg.batching.max_batch_size, cfg.use_gpu)
         print(f"shardyard: continuous batching in {described(self.model.dtype, cfg.use_gpu)}, up to "

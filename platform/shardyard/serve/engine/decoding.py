@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -27,10 +27,19 @@ from shardyard.serve.generation import Completion
 from shardyard.serve.engine.kv_blocks import BlockPool
 from shardyard.serve.sampling import Draw, Outcome
 from shardyard.serve.engine.scheduler import MIN_CHUNK, Pass, Scheduler, Sequence, TokenBudget
+from shardyard.serve.executor.model_pass import PassTimes
 
 # (token ids, what the pass does with the cache, each row's draw) -> each row's outcome (a pass
 # that only resets the caches goes without draws)
 CachedForward = Callable[[torch.Tensor, CacheStep, list[Draw | None] | None], list[Outcome]]
+
+
+# An iteration's time: choosing its passes and taking their outputs (`schedule`); handing each pass
+# to the executor's thread and its outputs back (`handoff`: what a pass waited beyond the model's
+# own time); the model's forward pass (`forward`, besides `attention` over the KV cache); choosing
+# tokens from the logits (`sampling`); giving each request its token (`emit`). With an executor
+# that does not time its passes (a shard group), a pass's whole wait is `forward`.
+PHASES = ("schedule", "handoff", "forward", "attention", "sampling", "emit")
 
 
 @dataclass
@@ -47,22 +56,25 @@ class EngineStats:
     time_to_first_token_s: list[float] = field(default_factory=list)  # drained by the reader
     inter_token_s: list[float] = field(default_factory=list)
     rebuilds: int = 0
+    # Where the iterations' time went, seconds summed (PHASES).
+    phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
 
 class DecodingEngine:
     def __init__(self, forward: CachedForward, max_running: int, context: int, blocks: int, budget: TokenBudget,
                  recover: Callable[[], None], lost: tuple[type[BaseException], ...],
                  min_chunk: int = MIN_CHUNK, prefix_caching: bool = True, weights: str = "",
-                 packs: bool = False, executor: Executor | None = None) -> None:
+                 packs: bool = False, executor: Executor | None = None, times: PassTimes | None = None) -> None:
         """`max_running`: sequences decoded at once; `context`: tokens per sequence; `blocks`: the
         KV cache's blocks (of BLOCK_TOKENS positions). `recover`: rebuild the model's shards
         (blocking) after `forward` raised one of `lost`. `min_chunk`: the fewest prompt tokens a
         prefill chunk takes (fewer only to end a prompt). `weights`: the fingerprint of the
         weights the model holds. `packs`: the model runs packed passes (its KV cache attends), so
         each iteration is one pass. `executor`: where `forward` is called (the model's own thread; by
-        default asyncio's executor)."""
+        default asyncio's executor). `times`: what the executor's passes spent where they ran
+        (for the per-step phases; None: an executor that does not say)."""
         self.forward, self.context, self.recover, self.lost = forward, context, recover, lost
-        self.executor = executor
+        self.executor, self.times = executor, times
         self.packs = packs
         self.pool = BlockPool(blocks, BLOCK_TOKENS, prefix_caching)
         self.scheduler = Scheduler(self.pool, max_running, budget, min_chunk)
@@ -71,6 +83,7 @@ class DecodingEngine:
         self._pause: tuple[asyncio.Future, asyncio.Event] | None = None  # a drained window asked for
         self._wake = asyncio.Event()
         self._loop: asyncio.Task | None = None
+        self._outside = 0.0  # the current iteration's time in passes and emits (not scheduling)
 
     @asynccontextmanager
     async def drained(self) -> AsyncIterator[None]:
@@ -130,6 +143,7 @@ class DecodingEngine:
                 await self._wake.wait()
                 continue
             started = time.perf_counter()
+            self._outside = 0.0  # of this iteration, the time its passes and emits took
             try:
                 prefilled = 0
                 for work in self.scheduler.iteration(self.packs):
@@ -141,7 +155,9 @@ class DecodingEngine:
             except Exception as err:  # noqa: BLE001 - a request's error must not stop the loop
                 await self._start_over(failed=err)
                 continue
-            self.scheduler.budget.observe(time.perf_counter() - started, prefilled)
+            elapsed = time.perf_counter() - started
+            self.scheduler.budget.observe(elapsed, prefilled)
+            self.stats.phases["schedule"] += max(0.0, elapsed - self._outside)
             self.stats.iterations += 1
             self.stats.waiting, self.stats.running = len(self.scheduler.waiting), len(self.scheduler.running)
             self.stats.cache_blocks_used, self.stats.prefix_hit_rate = self.pool.used, self.pool.hit_rate
@@ -170,8 +186,13 @@ class DecodingEngine:
         """The executor runs one pass and picks; the scheduler takes its output; ready requests
         get their token."""
         outcomes = await self._forward(work.tokens, work.step, work.draws())
-        for seq, outcome in self.scheduler.update(work, outcomes):
+        ready = self.scheduler.update(work, outcomes)  # the scheduler's update: `schedule`'s time
+        emitting = time.perf_counter()
+        for seq, outcome in ready:
             self._emit(seq, outcome)
+        emitted = time.perf_counter() - emitting
+        self.stats.phases["emit"] += emitted
+        self._outside += emitted
 
     def _emit(self, seq: Sequence, outcome: Outcome) -> None:
         request = seq.request
@@ -206,4 +227,20 @@ class DecodingEngine:
 
     async def _forward(self, tokens: torch.Tensor, step: CacheStep,
                        draws: list[Draw | None] | None) -> list[Outcome]:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, self.forward, tokens, step, draws)
+        before = None if self.times is None else replace(self.times)
+        started = time.perf_counter()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, self.forward, tokens, step, draws)
+        finally:
+            waited = time.perf_counter() - started
+            self._outside += waited
+            phases = self.stats.phases
+            if before is None:
+                phases["forward"] += waited
+            else:
+                model, sampling = self.times.model_s - before.model_s, self.times.sampling_s - before.sampling_s
+                attention = self.times.attention_s - before.attention_s
+                phases["attention"] += attention
+                phases["forward"] += model - attention
+                phases["sampling"] += sampling
+                phases["handoff"] += max(0.0, waited - model - sampling)

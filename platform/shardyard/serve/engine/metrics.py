@@ -19,7 +19,7 @@ from typing import Any
 import ray
 from ray.serve import metrics
 
-from shardyard.serve.engine.decoding import EngineStats
+from shardyard.serve.engine.decoding import PHASES, EngineStats
 
 # Seconds: from a few milliseconds (a decode step on a GPU) to a long queue.
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
@@ -51,6 +51,9 @@ class ServingMetrics:
         self.prefix_hit_rate = metrics.Gauge("shardyard_prefix_cache_hit_rate",
                                              "share of prompt tokens found in the KV cache (prefix caching)")
         self.prefill_budget = metrics.Gauge("shardyard_prefill_token_budget", "prompt tokens one iteration may prefill")
+        self.iterations = metrics.Counter("shardyard_engine_iterations", "iterations the engine ran")
+        self.phase_seconds = metrics.Counter("shardyard_engine_phase_seconds", "the iterations' time by phase: "
+                                             + ", ".join(PHASES) + " (serve/engine/decoding.py)", tag_keys=("phase",))
         # Static batches.
         self.queue = metrics.Histogram("shardyard_queue_seconds", "arrival to batch start", boundaries=LATENCY_BUCKETS)
         self.compute = metrics.Histogram("shardyard_batch_compute_seconds", "one batch's model time",
@@ -73,6 +76,8 @@ class ServingMetrics:
         self.pending_bodies = metrics.Gauge("shardyard_pending_bodies", "requests still sending their bodies")
         self.queued = metrics.Gauge("shardyard_queued_requests", "requests waiting for room in the engine")
         self._engine_tokens = 0
+        self._engine_iterations = 0
+        self._phases = dict.fromkeys(PHASES, 0.0)
         # What the engine reported last, as a pool's arbiter reads it (pool/load.py's ReplicaLoad).
         self.load: dict[str, Any] | None = None
 
@@ -108,6 +113,13 @@ class ServingMetrics:
         if stats.tokens > self._engine_tokens:
             self.tokens.inc(stats.tokens - self._engine_tokens)
             self._engine_tokens = stats.tokens
+        if stats.iterations > self._engine_iterations:
+            self.iterations.inc(stats.iterations - self._engine_iterations)
+            self._engine_iterations = stats.iterations
+        for phase, seconds in stats.phases.items():
+            if seconds > self._phases[phase]:  # a Ray counter takes positive increments only
+                self.phase_seconds.inc(seconds - self._phases[phase], tags={"phase": phase})
+                self._phases[phase] = seconds
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.kv_blocks.set(stats.cache_blocks_used)

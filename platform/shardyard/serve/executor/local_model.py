@@ -7,6 +7,7 @@ over either; the replica's own bundle holds the CPUs (and GPU) a shard's would h
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import AbstractContextManager
 
 import torch
@@ -22,7 +23,7 @@ from shardyard.serve.executor.packed_linear import pack_linears
 from shardyard.serve.executor.precision import cast_for_serving
 from shardyard.serve.sampling import Outcome
 from shardyard.serve.executor.checkpoint_holds import CheckpointHolds, hold_served
-from shardyard.serve.executor.model_pass import Draws, Extra, model_output, run_model
+from shardyard.serve.executor.model_pass import Draws, Extra, PassTimes, model_output, run_model
 from shardyard.serve.executor.staged_weights import StagedWeights
 from shardyard.spec import LANGUAGE_MODELS
 
@@ -65,6 +66,7 @@ class LocalModel:
             self.packs = True
             self.weights.serving = self.thread.run(pack_linears, self.weights.serving)
         self.rebuilds = 0  # nothing here dies apart from the replica, which Serve replaces
+        self.times = PassTimes()  # the passes' time, for the engine's per-step figures
         self._lock = threading.RLock()  # one forward pass at a time over the one cache
 
     @property
@@ -109,10 +111,23 @@ class LocalModel:
     def _forward(self, tokens: torch.Tensor, extra: Extra, draws: Draws) -> torch.Tensor | list[Outcome]:
         extra = extra.to(self.device) if isinstance(extra, torch.Tensor) else extra
         tokens = tokens.to(self.device)
+        started = time.perf_counter()
+        attended = self.cache.attention_s if self.cache is not None else 0.0
+        logits = None
         if self.decode is not None and isinstance(extra, CacheStep) and not extra.reset:
-            if (logits := self.decode(self.weights.serving, tokens, extra)) is not None:
-                return model_output(logits, extra, draws)
-        return model_output(run_model(self.weights.serving, tokens, extra, self.cache), extra, draws)
+            logits = self.decode(self.weights.serving, tokens, extra)
+        if logits is None:
+            logits = run_model(self.weights.serving, tokens, extra, self.cache)
+        modelled = time.perf_counter()
+        try:
+            return model_output(logits, extra, draws)
+        finally:
+            times = self.times
+            times.passes += 1
+            times.model_s += modelled - started
+            times.sampling_s += time.perf_counter() - modelled
+            if self.cache is not None:
+                times.attention_s += self.cache.attention_s - attended
 
     def healthy(self, timeout_s: float = 5.0) -> bool:
         return True  # in the replica's process: if the replica answers, so does the model

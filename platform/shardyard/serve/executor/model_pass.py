@@ -7,6 +7,7 @@ serve/executor/local_model.py; a shard actor: serve/executor/shard_actors.py): t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +18,18 @@ from shardyard.spec import CustomSpec, GPTSpec, HFSpec
 # A forward pass's second argument: left padding per row (a batch of ragged prompts, no cache),
 # or a step of KV-cached decoding.
 Extra = torch.Tensor | CacheStep | None
+
+
+@dataclass
+class PassTimes:
+    """Seconds a model's passes spent, summed, where the model runs (its thread or process): the
+    model's own computation (of which `attention_s` attends over the KV cache, eager passes on a
+    CPU only) and choosing each row's token from the logits (`sampling_s`; on a GPU it also waits
+    for the pass's kernels, which run asynchronously)."""
+    passes: int = 0
+    model_s: float = 0.0
+    attention_s: float = 0.0
+    sampling_s: float = 0.0
 
 
 def run_model(model: torch.nn.Module, x: torch.Tensor, extra: Extra, cache: KVCache | None) -> torch.Tensor:
