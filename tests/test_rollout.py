@@ -10,6 +10,9 @@ from shardyard.serve.follow.rollout import CANARY, PROMOTE, REFUSE, WAIT, Canary
 SETTINGS = CanarySettings(fraction=0.25, window_s=10.0, min_requests=4, max_error_increase=0.01,
                           max_latency_ratio=1.5, latency_margin_s=0.05)
 OLD, NEW = "run@10", "run@20"
+# Half the replicas canaries, a verdict after 5 s and 4 requests.
+HALF = CanarySettings(fraction=0.5, window_s=5.0, min_requests=4, max_error_increase=0.01, max_latency_ratio=1.5,
+                      latency_margin_s=0.05)
 
 
 class Clock:
@@ -64,7 +67,7 @@ def test_a_share_of_the_replicas_tries_a_checkpoint_then_all_serve_it() -> None:
 
 @pytest.mark.timeout(30)
 def test_a_canary_that_fails_requests_is_refused_everywhere() -> None:
-    trials, clock = trials_of(2, CanarySettings(0.5, 5.0, 4, 0.01, 1.5, 0.05))
+    trials, clock = trials_of(2, HALF)
     assert trials.role("r0", 20, NEW, OLD) == CANARY
     trials.report("r0", NEW, {OLD: Tally(10, 0, 1.0)})
     clock.now = 6.0
@@ -79,7 +82,7 @@ def test_a_canary_that_fails_requests_is_refused_everywhere() -> None:
 
 @pytest.mark.timeout(30)
 def test_a_checkpoint_refused_by_a_canarys_gate_or_tried_by_the_only_replica() -> None:
-    trials, _ = trials_of(2, CanarySettings(0.5, 5.0, 4, 0.01, 1.5, 0.05))
+    trials, _ = trials_of(2, HALF)
     assert trials.role("r0", 20, NEW, OLD) == CANARY
     trials.refuse(20, "its weights are not finite")
     assert trials.role("r1", 20, NEW, OLD) == REFUSE + "its weights are not finite"
@@ -89,7 +92,7 @@ def test_a_checkpoint_refused_by_a_canarys_gate_or_tried_by_the_only_replica() -
 
 @pytest.mark.timeout(30)
 def test_a_trial_whose_canaries_are_gone_picks_again() -> None:
-    trials, clock = trials_of(2, CanarySettings(0.5, 5.0, 4, 0.01, 1.5, 0.05))
+    trials, clock = trials_of(2, HALF)
     assert trials.role("r0", 20, NEW, OLD) == CANARY
     clock.now = 11.0  # r0 stopped reporting (replaced); r1 and a new replica r2 go on
     trials.report("r1", OLD, {})
