@@ -160,9 +160,9 @@ def measure(server: str, url: str, directory: Path, out: Path, concurrencies: li
     milliseconds of an iteration by phase."""
     rows = []
     phases = server.startswith("shardyard") and "vllm" not in server
+    counted = engine_counters(url) if phases else {}  # each load's end is the next one's start
     for concurrency in concurrencies:
         count = request_count(concurrency, prompts)
-        counted = engine_counters(url) if phases else {}
         before, started = cpu_seconds(), time.perf_counter()
         result = bench(url, directory, out / server, prompt_tokens=PROMPT_TOKENS, output_tokens=OUTPUT_TOKENS,
                        prompts=count, concurrency=concurrency, prefix_tokens=prefix_tokens)
@@ -173,7 +173,8 @@ def measure(server: str, url: str, directory: Path, out: Path, concurrencies: li
                      "tpot_p50_ms": result["median_tpot_ms"], "itl_p99_ms": result["p99_itl_ms"],
                      "cores_busy": cores})
         if phases:
-            rows[-1]["step_ms"] = step_ms(counted, engine_counters(url))
+            now = engine_counters(url)
+            rows[-1]["step_ms"], counted = step_ms(counted, now), now
         print(rows[-1], flush=True)
     return rows
 

@@ -35,8 +35,26 @@ from shardyard.serve.sampling import Outcome
 COLLECTIVE_TIMEOUT = timedelta(seconds=30)
 
 
+class StagedShard:
+    """A shard's weight swap (StagedWeights over its part of the model): the same calls for both
+    kinds of shard."""
+    weights: StagedWeights
+
+    def prepare(self, source: str | Published) -> bool:
+        """Reads this shard's part of another checkpoint (or of published weights) beside the one
+        serving; whether it is finite. Pipeline shards read it while passes go on (a compiled
+        graph's, on their own thread); tensor shards all at once, between passes, which wait."""
+        return self.weights.prepare(source)
+
+    def swap(self) -> None:
+        self.weights.swap()
+
+    def drop_staged(self) -> None:
+        self.weights.drop()
+
+
 @ray.remote
-class PipelineShard:
+class PipelineShard(StagedShard):
     """Blocks [start, end) of the model in `checkpoint_dir` (the whole model when `whole`), on
     this actor's device."""
 
@@ -61,17 +79,6 @@ class PipelineShard:
                 source, lambda m: cast_for_serving(m if self.whole else m.pipeline_stage(start, end), self.dtype),
                 self.device, trust_factory=self.trust_factory))
 
-    def prepare(self, source: str | Published) -> bool:
-        """Reads this shard's part of another checkpoint (or of published weights) beside the one
-        serving (a compiled graph's passes go on meanwhile, on their own thread)."""
-        return self.weights.prepare(source)
-
-    def swap(self) -> None:
-        self.weights.swap()
-
-    def drop_staged(self) -> None:
-        self.weights.drop()
-
     @torch.no_grad()
     def forward(self, x: torch.Tensor, extra: Extra, draws: Draws = None) -> torch.Tensor | list[Outcome]:
         extra = extra.to(self.device) if isinstance(extra, torch.Tensor) else extra
@@ -84,7 +91,7 @@ class PipelineShard:
 
 
 @ray.remote
-class TensorShard:
+class TensorShard(StagedShard):
     """Rank `rank` of `num_shards`: its slice of every block's linears, the small rest whole."""
 
     def __init__(self, checkpoint_dir: str | Published, rank: int, num_shards: int, use_gpu: bool, cache_blocks: int,
@@ -121,17 +128,6 @@ class TensorShard:
         weights: each cuts its slices locally)."""
         return load_source_part(source, lambda m: apply_tensor_parallel(cast_for_serving(m, self.dtype), self.mesh),
                                 self.device, collective=True, trust_factory=self.trust_factory)
-
-    def prepare(self, source: str | Published) -> bool:
-        """Reads this rank's slices of another checkpoint beside the serving ones (a collective
-        read: every rank at once, between passes, which wait for it)."""
-        return self.weights.prepare(source)
-
-    def swap(self) -> None:
-        self.weights.swap()
-
-    def drop_staged(self) -> None:
-        self.weights.drop()
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, extra: Extra, draws: Draws = None) -> torch.Tensor | list[Outcome] | None:
