@@ -42,7 +42,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def started(run_dir: Path, step: int, **args: object) -> BuiltinEngine:
     cfg = load_config({"checkpoint": str(run_dir / checkpoint_name(step)), "engine.device": "cpu",
                        "batching.max_batch_size": 4, **args}, use_gpu=False)
-    return BuiltinEngine(cfg, cfg.checkpoint, read_spec(cfg.checkpoint).model, ServingMetrics(), cfg.fingerprint)
+    return BuiltinEngine(cfg, cfg.checkpoint, read_spec(cfg.checkpoint).model, cfg.fingerprint, metrics=ServingMetrics())
 
 
 def run_closing(engine: EngineBackend, scenario: Callable[[], Coroutine[Any, Any, T]]) -> T:

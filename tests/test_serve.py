@@ -573,6 +573,34 @@ def test_vllms_sampling_extensions_logprobs_and_several_choices_are_honoured(eng
 
 
 @pytest.mark.timeout(300)
+def test_an_engine_core_killed_mid_stream_fails_its_requests_503_and_a_new_one_serves(ray_cluster,
+                                                                                     engine_server) -> None:
+    from ray.util.state import list_actors
+
+    def cores() -> list[dict]:
+        replica = list_actors(address=ray_cluster.gcs_address, filters=[
+            ("class_name", "=", "ServeReplica:engine_app:ModelServer"), ("state", "=", "ALIVE")])
+        alive = list_actors(address=ray_cluster.gcs_address,
+                            filters=[("class_name", "=", "EngineCore"), ("state", "=", "ALIVE")])
+        return [a for a in alive if a["placement_group_id"] == replica[0]["placement_group_id"]]
+
+    [core] = cores()
+    body = {"prompt": "k", "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True}
+    streams = [requests.post(f"{engine_server}/v1/completions", json=body, stream=True, timeout=120) for _ in range(3)]
+    lines = [answer.iter_lines() for answer in streams]
+    firsts = [next(line for line in each if line) for each in lines]  # every stream has its first token
+    os.kill(core["pid"], signal.SIGKILL)
+    ends = [[json.loads(line[6:]) for line in each if line and line != b"data: [DONE]"] for each in lines]
+    errors = [end[-1]["error"] for end in ends if "error" in end[-1]]
+    assert all(f.startswith(b"data: ") for f in firsts) and errors, ends
+    assert all(e["type"] == "service_unavailable" and "engine core" in e["message"] for e in errors), errors
+    answer = requests.post(f"{engine_server}/v1/completions", json={"prompt": "after", "max_tokens": 4}, timeout=120)
+    assert answer.status_code == 200, answer.text  # waits for the replica's new core, which then answers
+    [new] = cores()
+    assert new["pid"] != core["pid"]
+
+
+@pytest.mark.timeout(300)
 def test_a_shard_killed_under_the_engine_is_rebuilt_without_a_500(ray_cluster, engine_server) -> None:
     from ray.util.state import list_actors
 

@@ -47,7 +47,7 @@ def follower_of(run: Path, **args: Any) -> tuple[WeightFollower, Any]:
     cfg = load_config({"checkpoint": str(run), "engine.device": "cpu", "batching.max_batch_size": 4, "follow": True,
                        "follow.interval_s": 0.1, **args}, use_gpu=False)
     metrics = ServingMetrics()
-    engine = BuiltinEngine(cfg, cfg.checkpoint, read_spec(cfg.checkpoint).model, metrics, cfg.fingerprint)
+    engine = BuiltinEngine(cfg, cfg.checkpoint, read_spec(cfg.checkpoint).model, cfg.fingerprint, metrics=metrics)
     app_weights = AppWeights.func_or_class()
     app_weights.promote(Path(cfg.checkpoint))  # as a replica starting does
     gate = WeightGate(cfg, engine, served_at_start(cfg), metrics)

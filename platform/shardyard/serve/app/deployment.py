@@ -35,6 +35,7 @@ from shardyard.serve.http.admin_routes import Admin
 from shardyard.serve.follow.app_weights import AppWeights, starting_checkpoint
 from shardyard.serve.engine.backend import EngineBackend
 from shardyard.serve.engine.builtin import REPLICA_CPUS, BuiltinEngine
+from shardyard.serve.engine.core_client import EngineCoreClient, decodes_in_core, replica_bundles
 from shardyard.serve.config import parse_config
 from shardyard.serve.http.guard import GuardSettings
 from shardyard.serve.http.surface import http_app
@@ -80,15 +81,20 @@ def served_config(args: dict[str, Any]) -> ResolvedConfig:
     return resolve(config, uses_gpus(config.engine.device, config.engine.num_shards))
 
 
-def start_engine(cfg: ResolvedConfig, source: str, spec: Any, metrics: ServingMetrics) -> EngineBackend:
-    """vLLM where asked for and able to serve the model, else the built-in engine (saying why)."""
+async def start_engine(cfg: ResolvedConfig, source: str, spec: Any, metrics: ServingMetrics) -> EngineBackend:
+    """vLLM where asked for and able to serve the model, else the built-in engine (saying why):
+    continuous batching in an engine core of the replica's own, static batches in the replica."""
+    if decodes_in_core(cfg):
+        client = EngineCoreClient(cfg, source, spec.block_size)
+        await client.start()
+        return client
     if cfg.engine.backend == "vllm":
         started = start_vllm(cfg, spec.block_size, serving_dtype(cfg.engine.dtype, cfg.use_gpu, cfg.checkpoint))
         if not isinstance(started, str):
             started.weights = cfg.fingerprint
             return started
         print(f"shardyard: engine: vllm asked for, the built-in engine serves: {started}", flush=True)
-    return BuiltinEngine(cfg, source, spec, metrics, cfg.fingerprint)
+    return BuiltinEngine(cfg, source, spec, cfg.fingerprint, metrics=metrics)
 
 
 # Everything ModelServer uses must be defined above it: Serve pickles the class when it is decorated.
@@ -123,7 +129,7 @@ class ModelServer:
         if isinstance(spec, LANGUAGE_MODELS):
             # Following a run, the checkpoint resolved at start (a rebuild loads the weights the
             # gate let through, never a newer checkpoint unchecked); else the checkpoint as given.
-            self.engine = start_engine(cfg, cfg.checkpoint if cfg.following else cfg.source, spec, self.metrics)
+            self.engine = await start_engine(cfg, cfg.checkpoint if cfg.following else cfg.source, spec, self.metrics)
             self.answering = Answering(cfg, spec.name, spec.block_size, spec.vocab_size, self.engine, served,
                                        scrape)
             if app_weights is not None:
@@ -176,20 +182,17 @@ class ModelServer:
             self.metrics.served_step.set(-1 if served.step is None else served.step)
             self.metrics.admission(len(self.guard.pending_bodies) if self.guard else 0, self.answering.choices.waiting)
             if self.engine is not None:
-                self.engine.report(self.metrics)
+                await self.engine.report(self.metrics)
             if arbiter is not None and self.metrics.load is not None:
                 arbiter.report_load.remote(self.replica, self.metrics.load)  # no answer awaited
             await asyncio.sleep(PUBLISH_EVERY_S)
 
-    def check_health(self) -> None:
-        """Serve's periodic health check: a dead shard gets the whole group rebuilt; only a group
-        that cannot be rebuilt fails the replica (Serve then replaces it)."""
-        try:
-            self.start_tasks()
-        except RuntimeError:  # called off the event loop: a request's guard starts them instead
-            pass
+    async def check_health(self) -> None:
+        """Serve's periodic health check: a dead shard gets the whole group rebuilt, a dead engine
+        core is replaced; only what cannot be fails the replica (Serve then replaces it)."""
+        self.start_tasks()
         if self.engine is not None:
-            self.engine.heal()
+            await self.engine.heal()
 
 
 def _describe(bundle: dict[str, float]) -> str:
@@ -227,17 +230,18 @@ def build_app(args: dict[str, Any]) -> "serve.Application":
     else:  # Serve's options as given; by default it scales on requests in flight, a replica busy at one full batch
         options["autoscaling_config"] = {"target_ongoing_requests": cfg.batching.max_batch_size,
                                          **cfg.config.autoscaling}
-    if generates and engine.num_shards == 1:  # the model in the replica: the replica holds its shard's bundle
+    if generates and (decodes_in_core(cfg) or engine.num_shards > 1):
+        # The replica's own bundle, then the model's (its engine core's, or one per shard): Serve
+        # reserves them together.
+        bundles = replica_bundles(cfg)
+        _check_room(bundles, cfg, "a replica (" + " + ".join(_describe(bundle) for bundle in bundles) + ")")
+        options["placement_group_bundles"] = bundles
+        options["placement_group_strategy"] = "PACK" if engine.multi_node else "STRICT_PACK"
+    elif generates:  # the model in the replica: the replica holds its shard's bundle
         bundle = {**shard_bundle(cfg.use_gpu, REPLICA_CPUS + engine.cpus_per_shard), **engine.device_resources}
         _check_room([bundle], cfg, f"a replica decoding in its own process ({_describe(bundle)})")
         options["ray_actor_options"] = {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0.0),
                                         "resources": engine.device_resources}
-    elif generates:  # the replica's own bundle, then one per shard: Serve reserves them together
-        bundles = [{"CPU": REPLICA_CPUS}] + [shard_bundle(cfg.use_gpu, engine.cpus_per_shard)] * engine.num_shards
-        _check_room(bundles, cfg, f"a replica (its {REPLICA_CPUS} CPU and {engine.num_shards} shards of "
-                                  f"{_describe(bundles[1])})")
-        options["placement_group_bundles"] = bundles
-        options["placement_group_strategy"] = "PACK" if engine.multi_node else "STRICT_PACK"
     if engine.backend == "vllm":
         options["ray_actor_options"]["runtime_env"] = SERVING_PRIORITY
     # The checkpoint as given: a replica started later (autoscaling, a replacement) loads the

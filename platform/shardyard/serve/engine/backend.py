@@ -26,6 +26,11 @@ from shardyard.serve.engine.golden import GoldenPrompt
 from shardyard.serve.engine.metrics import ServingMetrics
 
 
+class EngineCoreLost(RuntimeError):
+    """The engine core's process died under a request (the replica starts another; the caller may
+    retry)."""
+
+
 class WeightsRefused(RuntimeError):
     """Weights the gate keeps from serving: not finite, a validation loss worse than the served
     one's, golden prompts answered wrongly (or not decodable)."""
@@ -70,10 +75,10 @@ class EngineBackend(Protocol):
     async def health(self) -> bool:
         """Whether every part of the engine answers (a shard group being rebuilt does not)."""
 
-    def heal(self) -> None:
-        """Serve's periodic health check: a part found dead is replaced (blocking)."""
+    async def heal(self) -> None:
+        """Serve's periodic health check: a part found dead is replaced."""
 
-    def report(self, metrics: ServingMetrics) -> None:
+    async def report(self, metrics: ServingMetrics) -> None:
         """Bring `metrics` up to date with what the engine measured."""
 
     def close(self) -> None:

@@ -53,11 +53,18 @@ HEALTH_REUSE_S = 1.0
 class BuiltinEngine:
     name = "builtin"
 
-    def __init__(self, cfg: ResolvedConfig, source: str, spec: GPTSpec | HFSpec | CustomSpec,
-                 metrics: ServingMetrics, weights: str) -> None:
+    def __init__(self, cfg: ResolvedConfig, source: str, spec: GPTSpec | HFSpec | CustomSpec, weights: str,
+                 metrics: ServingMetrics | None = None, threads: int | None = None,
+                 on_iteration: Callable[[], None] | None = None) -> None:
         """`source`: the checkpoint (or run, or model directory) the model loads, at start and at
-        every rebuild; `spec`: its model's; `weights`: their fingerprint."""
+        every rebuild; `spec`: its model's; `weights`: their fingerprint. `metrics`: where static
+        batches count as they decode (required for them; continuous batching is read by
+        `report`). `threads`: the CPU threads a model decoded in this process computes on (by
+        default its replica's CPUs and its shard's). `on_iteration`: the continuous-batching
+        engine's hook (serve/engine/decoding.py)."""
         self.cfg, self.source, self.spec, self.metrics = cfg, source, spec, metrics
+        self.threads, self.on_iteration = threads, on_iteration
+        self.rebuilt = self._rebuilds_reported = 0  # shard groups replaced by heal
         self.block_size = spec.block_size
         self.codec, self.stop_token = cfg.codec, cfg.stop_token
         self.engine: DecodingEngine | None = None
@@ -89,7 +96,7 @@ class BuiltinEngine:
         cfg, dtype = self.cfg, serving_dtype(self.cfg.engine.dtype, use_gpu, self.cfg.checkpoint)
         if cfg.engine.num_shards == 1:  # decoded in this process: its bundle holds the shard's CPUs
             # Its CPUs as threads, rounded up: the model is what this process spends them on.
-            torch.set_num_threads(max(1, math.ceil(REPLICA_CPUS + cfg.engine.cpus_per_shard)))
+            torch.set_num_threads(self.threads or max(1, math.ceil(REPLICA_CPUS + cfg.engine.cpus_per_shard)))
             return LocalModel(self.source, use_gpu, cfg.cache_blocks, cfg.trust_factory, dtype,
                               compile_for=cfg.batching.max_batch_size if cfg.compiles(use_gpu) else 0)
         return ShardedModel(self.source, cfg.engine.num_shards, use_gpu, cfg.engine.multi_node, cfg.engine.sharding,
@@ -107,7 +114,7 @@ class BuiltinEngine:
                                      min_chunk=MIN_CHUNK if cfg.engine.chunked_prefill else self.block_size,
                                      prefix_caching=cfg.engine.prefix_caching, weights=self.weights,
                                      packs=self.model.cache_attends, executor=self.model.executor,
-                                     times=getattr(self.model, "times", None))
+                                     times=getattr(self.model, "times", None), on_iteration=self.on_iteration)
         memory = serving_memory(self.spec, self.model.dtype, cfg.cache_blocks * BLOCK_TOKENS,
                                 cfg.batching.max_batch_size, cfg.use_gpu)
         print(f"shardyard: continuous batching in {described(self.model.dtype, cfg.use_gpu)}, up to "
@@ -211,17 +218,20 @@ class BuiltinEngine:
                 self._health = (time.monotonic(), await asyncio.to_thread(self.model.healthy))
             return self._health[1]
 
-    def heal(self) -> None:
-        self._heal()
+    async def heal(self) -> None:
+        await asyncio.to_thread(self._heal)
 
     def _heal(self, rebuild_if_slow: bool = False) -> None:
         """A group with a dead shard is rebuilt (one being rebuilt, or already replaced, is kept):
         Serve's health check, and the engine's call after a forward pass failed (then a shard
         that does not answer counts as lost too)."""
         if self.model.heal(rebuild_if_slow):
-            self.metrics.rebuilds.inc()
+            self.rebuilt += 1
 
-    def report(self, metrics: ServingMetrics) -> None:
+    async def report(self, metrics: ServingMetrics) -> None:
+        if self.rebuilt > self._rebuilds_reported:
+            metrics.rebuilds.inc(self.rebuilt - self._rebuilds_reported)
+            self._rebuilds_reported = self.rebuilt
         if self.engine is not None:
             metrics.read_engine(self.engine.stats)
         else:

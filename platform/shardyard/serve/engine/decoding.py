@@ -60,11 +60,23 @@ class EngineStats:
     phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
 
+def check_fits(request: Completion, context: int, blocks: int) -> None:
+    """ValueError, saying why, for a request that the model's context or the KV cache cannot hold."""
+    total = len(request.prompt) + request.max_tokens
+    if total > context:
+        raise ValueError(f"the prompt's {len(request.prompt)} tokens plus max_tokens {request.max_tokens} "
+                         f"exceed the model's context of {context} tokens")
+    if -(-total // BLOCK_TOKENS) > blocks:
+        raise ValueError(f"the prompt's {len(request.prompt)} tokens plus max_tokens {request.max_tokens} "
+                         f"exceed the KV cache's {blocks * BLOCK_TOKENS} tokens")
+
+
 class DecodingEngine:
     def __init__(self, forward: CachedForward, max_running: int, context: int, blocks: int, budget: TokenBudget,
                  recover: Callable[[], None], lost: tuple[type[BaseException], ...],
                  min_chunk: int = MIN_CHUNK, prefix_caching: bool = True, weights: str = "",
-                 packs: bool = False, executor: Executor | None = None, times: PassTimes | None = None) -> None:
+                 packs: bool = False, executor: Executor | None = None, times: PassTimes | None = None,
+                 on_iteration: Callable[[], None] | None = None) -> None:
         """`max_running`: sequences decoded at once; `context`: tokens per sequence; `blocks`: the
         KV cache's blocks (of BLOCK_TOKENS positions). `recover`: rebuild the model's shards
         (blocking) after `forward` raised one of `lost`. `min_chunk`: the fewest prompt tokens a
@@ -72,9 +84,11 @@ class DecodingEngine:
         weights the model holds. `packs`: the model runs packed passes (its KV cache attends), so
         each iteration is one pass. `executor`: where `forward` is called (the model's own thread; by
         default asyncio's executor). `times`: what the executor's passes spent where they ran
-        (for the per-step phases; None: an executor that does not say)."""
+        (for the per-step phases; None: an executor that does not say). `on_iteration`: called
+        after every iteration, start-over and window, once its outputs are in the requests'
+        queues (the engine core sends them on together)."""
         self.forward, self.context, self.recover, self.lost = forward, context, recover, lost
-        self.executor, self.times = executor, times
+        self.executor, self.times, self.on_iteration = executor, times, on_iteration
         self.packs = packs
         self.pool = BlockPool(blocks, BLOCK_TOKENS, prefix_caching)
         self.scheduler = Scheduler(self.pool, max_running, budget, min_chunk)
@@ -103,13 +117,7 @@ class DecodingEngine:
             resume.set()
 
     def submit(self, request: Completion) -> Sequence:
-        total = len(request.prompt) + request.max_tokens
-        if total > self.context:
-            raise ValueError(f"the prompt's {len(request.prompt)} tokens plus max_tokens {request.max_tokens} "
-                             f"exceed the model's context of {self.context} tokens")
-        if -(-total // BLOCK_TOKENS) > self.pool.blocks:
-            raise ValueError(f"the prompt's {len(request.prompt)} tokens plus max_tokens {request.max_tokens} "
-                             f"exceed the KV cache's {self.pool.blocks * BLOCK_TOKENS} tokens")
+        check_fits(request, self.context, self.pool.blocks)
         seq = Sequence(request, time.perf_counter())
         self.scheduler.add(seq)
         self.stats.waiting = len(self.scheduler.waiting)
@@ -135,33 +143,39 @@ class DecodingEngine:
 
     async def _run(self) -> None:
         while True:
-            if self._pause is not None and not self.scheduler.decoding:
-                await self._pause_here()
-                continue
-            if not self.scheduler.has_work:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            started = time.perf_counter()
-            self._outside = 0.0  # of this iteration, the time its passes and emits took
-            try:
-                prefilled = 0
-                for work in self.scheduler.iteration(self.packs):
-                    prefilled += sum(n for n in work.counts if n > 1)  # a prompt chunk has two tokens or more
-                    await self._execute(work)
-            except self.lost:
-                await self._start_over()
-                continue
-            except Exception as err:  # noqa: BLE001 - a request's error must not stop the loop
-                await self._start_over(failed=err)
-                continue
-            elapsed = time.perf_counter() - started
-            self.scheduler.budget.observe(elapsed, prefilled)
-            self.stats.phases["schedule"] += max(0.0, elapsed - self._outside)
-            self.stats.iterations += 1
-            self.stats.waiting, self.stats.running = len(self.scheduler.waiting), len(self.scheduler.running)
-            self.stats.cache_blocks_used, self.stats.prefix_hit_rate = self.pool.used, self.pool.hit_rate
-            self.stats.prefill_budget = self.scheduler.budget.tokens
+            await self._round()
+            if self.on_iteration is not None:
+                self.on_iteration()
+
+    async def _round(self) -> None:
+        """One turn of the loop: a window's pause, a wait for work, or an iteration."""
+        if self._pause is not None and not self.scheduler.decoding:
+            await self._pause_here()
+            return
+        if not self.scheduler.has_work:
+            self._wake.clear()
+            await self._wake.wait()
+            return
+        started = time.perf_counter()
+        self._outside = 0.0  # of this iteration, the time its passes and emits took
+        try:
+            prefilled = 0
+            for work in self.scheduler.iteration(self.packs):
+                prefilled += sum(n for n in work.counts if n > 1)  # a prompt chunk has two tokens or more
+                await self._execute(work)
+        except self.lost:
+            await self._start_over()
+            return
+        except Exception as err:  # noqa: BLE001 - a request's error must not stop the loop
+            await self._start_over(failed=err)
+            return
+        elapsed = time.perf_counter() - started
+        self.scheduler.budget.observe(elapsed, prefilled)
+        self.stats.phases["schedule"] += max(0.0, elapsed - self._outside)
+        self.stats.iterations += 1
+        self.stats.waiting, self.stats.running = len(self.scheduler.waiting), len(self.scheduler.running)
+        self.stats.cache_blocks_used, self.stats.prefix_hit_rate = self.pool.used, self.pool.hit_rate
+        self.stats.prefill_budget = self.scheduler.budget.tokens
 
     async def _pause_here(self) -> None:
         """Hold the loop while a `drained` window is open; then, if the weights changed, start

@@ -139,10 +139,10 @@ class VllmEngine:
     async def health(self) -> bool:
         return True  # vLLM checks its own workers; a dead one fails its requests and Serve's check
 
-    def heal(self) -> None:
+    async def heal(self) -> None:
         pass
 
-    def report(self, metrics: ServingMetrics) -> None:
+    async def report(self, metrics: ServingMetrics) -> None:
         metrics.read_engine(self.stats)
 
     def close(self) -> None:

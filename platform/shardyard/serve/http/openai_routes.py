@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from shardyard.checkpoint.published import Published
 from shardyard.checkpoint.store import DIR_PREFIX
 from shardyard.serve.http import openai_api as oa
-from shardyard.serve.engine.backend import EngineBackend, Generation
+from shardyard.serve.engine.backend import EngineBackend, EngineCoreLost, Generation
 from shardyard.serve.http.choices import ChoiceText
 from shardyard.serve.resolved import ResolvedConfig
 from shardyard.serve.generation import Completion
@@ -233,6 +233,8 @@ async def answer(a: Answering, prompts: list[list[int]], body: oa.CompletionRequ
         raise ClientError(408, f"not answered within {a.cfg.limits.request_timeout_s} s") from None
     except (*SHARD_LOST, LostTwice):
         raise ClientError(503, "the model's shards were lost twice under this request; retry") from None
+    except EngineCoreLost as err:
+        raise ClientError(503, str(err)) from None
     except RuntimeError as err:  # this request alone failed (the others in its steps go on)
         a.record(gens[0].weights() if gens else a.served.fingerprint, 0.0, ok=False)
         raise ClientError(500, f"this request could not be decoded: {err}") from None
@@ -325,6 +327,8 @@ async def _stream(a: Answering, requests: list[Completion], stops: list[str], ch
         yield _event(oa.error_body(408, f"not answered within {a.cfg.limits.request_timeout_s} s"))
     except (*SHARD_LOST, LostTwice):
         yield _event(oa.error_body(503, "the model's shards were lost twice under this request; retry"))
+    except EngineCoreLost as err:
+        yield _event(oa.error_body(503, str(err)))
     except RuntimeError as err:
         a.record(gens[0].weights() if gens else a.served.fingerprint, 0.0, ok=False)
         yield _event(oa.error_body(500, f"this request could not be decoded: {err}"))
