@@ -172,7 +172,7 @@ def test_shardyard_serve_answers_with_vllms_flags_on_a_two_core_machine(run_dir:
                 try:
                     if requests.get(f"{url}/healthz", timeout=10).status_code == 200:
                         break
-                except requests.ConnectionError:
+                except (requests.ConnectionError, requests.Timeout):  # Serve's proxy holds a request until the replica is up
                     pass
                 assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
                 time.sleep(2)

@@ -30,7 +30,7 @@ from shardyard.checkpoint.record import newest_good
 from shardyard.checkpoint.store import RunStorage
 from shardyard.cluster import QUIET, start_local_ray
 from shardyard.pool.arbiter import RemoteArbiter, arbiter_name
-from shardyard.pool.spec import PoolSpec, load_pool, replica_bounds
+from shardyard.pool.spec import PoolSpec, check_serving, load_pool, replica_bounds
 from shardyard.serve.engine.builtin import REPLICA_CPUS
 from shardyard.serve.engine.metrics import ARBITER_NAMESPACE
 from shardyard.spec import JobSpec, SpecError, parse_spec
@@ -63,7 +63,8 @@ def connect(pool: PoolSpec, job: JobSpec) -> float:
                         "RAY_ADDRESS, or pool a custom resource (pool.resource: device, pool.units: N)")
     if devices.units is None:
         raise SpecError("pool.units: a local Ray instance started for the pool needs how many devices to make")
-    replica = REPLICA_CPUS + pool.serving.args.get("engine", {}).get("cpus_per_shard", 1.0)
+    # The serving config's own reading of its args (nested or dotted, its default where unset).
+    replica = REPLICA_CPUS + check_serving(pool.serving.args).engine.cpus_per_shard
     per_device = max(job.scaling.resources_per_worker.get("CPU", 1.0), replica)
     start_local_ray(num_cpus=max(os.cpu_count() or 1, math.ceil(devices.units * per_device)),
                     resources={devices.resource: devices.units})
