@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import ExitStack, asynccontextmanager, suppress
 from dataclasses import dataclass, field, replace
@@ -28,7 +27,7 @@ from shardyard.checkpoint.published import Published
 from shardyard.serve.engine.backend import EngineCoreLost, Generation
 from shardyard.serve.engine.builtin import REPLICA_CPUS
 from shardyard.serve.engine.core import EngineCore, Update
-from shardyard.serve.engine.decoding import PHASES, EngineStats, check_fits
+from shardyard.serve.engine.decoding import PHASES, EngineStats, check_fits, queued_tokens
 from shardyard.serve.engine.golden import GoldenPrompt
 from shardyard.serve.engine.metrics import ServingMetrics
 from shardyard.serve.engine.scheduler import LostTwice
@@ -191,24 +190,13 @@ class EngineCoreClient:
         self._live[rid] = handle
         if self._core is not None:
             self._submit(rid, handle)
-        return Generation(request, self._tokens(handle), lambda: self._abandon(rid),
+        return Generation(request, queued_tokens(handle.out, self._inter_token), lambda: self._abandon(rid),
                           lambda: handle.weights or self._weights)
 
     def _submit(self, rid: str, request: Request) -> None:
         if not request.submitted:
             self._core.submit.remote(rid, request.request)  # a core that died: the poll finds out
             request.submitted = True
-
-    async def _tokens(self, request: Request) -> AsyncIterator[int]:
-        last = None
-        while (item := await request.out.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            now = time.perf_counter()
-            if last is not None:
-                self._inter_token.append(now - last)
-            last = now
-            yield item
 
     def _abandon(self, rid: str) -> None:
         request = self._live.pop(rid, None)

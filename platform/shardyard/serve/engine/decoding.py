@@ -60,6 +60,20 @@ class EngineStats:
     phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
 
+async def queued_tokens(out: asyncio.Queue, gaps: list[float]) -> AsyncIterator[int]:
+    """The tokens put in `out` until None, raising an error put there; the time between each two
+    goes to `gaps` (inter-token latency, as the caller sees it)."""
+    last = None
+    while (item := await out.get()) is not None:
+        if isinstance(item, BaseException):
+            raise item
+        now = time.perf_counter()
+        if last is not None:
+            gaps.append(now - last)
+        last = now
+        yield item
+
+
 def check_fits(request: Completion, context: int, blocks: int) -> None:
     """ValueError, saying why, for a request that the model's context or the KV cache cannot hold."""
     total = len(request.prompt) + request.max_tokens
@@ -129,17 +143,9 @@ class DecodingEngine:
             self._loop = asyncio.get_running_loop().create_task(self._run())
         self._wake.set()
 
-    async def tokens(self, seq: Sequence) -> AsyncIterator[int]:
+    def tokens(self, seq: Sequence) -> AsyncIterator[int]:
         """`seq`'s tokens as they are decoded; raises what the engine could not recover from."""
-        last = None
-        while (item := await seq.out.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            now = time.perf_counter()
-            if last is not None:
-                self.stats.inter_token_s.append(now - last)
-            last = now
-            yield item
+        return queued_tokens(seq.out, self.stats.inter_token_s)
 
     async def _run(self) -> None:
         while True:
