@@ -46,7 +46,7 @@ RAY = str(Path(sys.executable).with_name("ray"))
 CONFIG = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "gpt_ddp.yaml"
 SLOT = "elastic_test_slot"
 NUM_SAMPLES, GLOBAL_BATCH, EVERY = 192, 48, 25  # 4 steps per epoch; 48 = 4 x 12 = 3 x 16 = 2 x 24
-HOT_STEPS = 600
+HOT_STEPS, HOT_KILL, HOT_HOLD = 600, 26, 99  # no checkpoint step between the last two
 
 
 class WorkerNode:
@@ -208,16 +208,18 @@ def test_hot_recovery_survivors_train_on_and_the_replacement_heals_from_a_peer(
     two survivors go on (splitting the global batch between them until the replacement joins),
     and Ray Train's replacement copies its state from a live peer. Data stays exact; the model
     equals one process's."""
+    # No checkpoint before HOT_HOLD: the replacement starts from step 0, wherever the survivors are.
     hot = ("scaling.min_workers=null", "scaling.max_workers=null", "scaling.num_workers=3",
-           "scaling.recovery=hot", "scaling.resources_per_worker={CPU: 0.5}")  # 3 on 2 cores
+           "scaling.recovery=hot", "scaling.resources_per_worker={CPU: 0.5}",  # 3 on 2 cores
+           "checkpoint.every_n_steps=100")
     started = time.time()
-    # Long enough that the replacement (about 10 s to start and heal here) rejoins before the end
-    # even on a loaded machine (300 steps once ended first in a full-suite run).
-    proc = start_run(ray_cluster, tmp_path, "ddp", HOT_STEPS, hot)
+    # Held after step HOT_KILL while a replica is killed, and after HOT_HOLD until Ray Train's
+    # replacement has started (its manager heartbeats: from then on every quorum waits for it), so
+    # it rejoins before the end however slow its start, and behind the survivors however fast.
+    proc = start_run(ray_cluster, tmp_path, "ddp", HOT_STEPS, hot, hold_at=(HOT_KILL, HOT_HOLD))
     run_dir = tmp_path / "ddp"
     try:
-        # (No hold here: the replicas train on without rank 0, which is what is being tested.)
-        wait_for(lambda: find_latest(run_dir) is not None or proc.poll() is not None, 180, "no checkpoint")
+        wait_for(lambda: held(run_dir, HOT_KILL) is not None or proc.poll() is not None, 180, "no hold")
         # This run's workers only: an earlier test's may still be exiting.
         victims = [p for p in psutil.process_iter(["cmdline", "create_time"])
                    if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])
@@ -225,8 +227,13 @@ def test_hot_recovery_survivors_train_on_and_the_replacement_heals_from_a_peer(
         assert proc.poll() is None and victims, "the run ended before a replica could be killed"
         killed_at = time.time()
         victims[-1].send_signal(signal.SIGKILL)
+        release(run_dir, HOT_KILL)
+        wait_for(lambda: any(e["event"] == "replica_start" and e["time"] > killed_at for e in events(run_dir))
+                 or proc.poll() is not None, 240, "no replacement replica started")
+        release(run_dir, HOT_HOLD)
         assert_succeeds(proc, 300)
     finally:
+        release(run_dir, HOT_KILL, HOT_HOLD)
         clean_up(proc)
 
     history = events(run_dir)

@@ -21,11 +21,14 @@ from shardyard.train.trainer import Callback, Trainer
 
 
 class RunEvents(Callback):
-    """Rank 0 logs each worker-group start (fresh, resumed, or restarted after a failure) and the
-    steps at which a replica healed from a peer."""
+    """Rank 0 logs each worker-group start (fresh, resumed, or restarted after a failure); under
+    hot recovery every other replica logs its own start too (a replacement's among them: from
+    then on the quorum waits for it), and each replica the steps at which it healed from a peer."""
 
     def on_train_start(self, trainer: Trainer) -> None:
         if trainer.rank != 0:
+            if trainer.spec.scaling.recovery == "hot":
+                log_event(trainer.spec.run_uri, "replica_start", rank=trainer.rank, step=trainer.state.step)
             return
         spec, restored, par = trainer.spec, trainer.restored, trainer.spec.parallelism
         log_event(spec.run_uri, "start", restored_step=trainer.state.step,
@@ -92,11 +95,11 @@ def injected_crash_step() -> int | None:
 
 
 def hold_steps() -> list[int]:
-    """`SHARDYARD_HOLD_AT=STEP[,STEP...]`: checkpoint steps at which the run waits (see HoldAtSteps)."""
+    """`SHARDYARD_HOLD_AT=STEP[,STEP...]`: steps after which the run waits (see HoldAtSteps)."""
     value = os.environ.get(HOLD_ENV, "")
     steps = [part.strip() for part in value.split(",") if part.strip()]
     if not all(s.isdigit() for s in steps):
-        raise SpecError(f"{HOLD_ENV}={value!r}: expected checkpoint steps, e.g. 100,200")
+        raise SpecError(f"{HOLD_ENV}={value!r}: expected steps, e.g. 100,200")
     return [int(s) for s in steps]
 
 
@@ -120,21 +123,29 @@ class CrashAtCheckpoint(Callback):
 
 
 class HoldAtSteps(Callback):
-    """For tests that act on a run mid-flight: once the checkpoint of a listed step is written,
-    rank 0 logs a `held` event and waits until the file `<run>/release_<step>` exists (the other
-    ranks wait for it in their next collective). A worker group that resumes from that checkpoint
-    starts past the step and does not hold again."""
+    """For tests that act on a run mid-flight: after a listed step (once its checkpoint is written,
+    at a checkpoint step) rank 0 logs a `held` event and waits until the file `<run>/release_<step>`
+    exists (the other ranks wait for it in their next collective). A worker group that resumes from
+    a checkpoint holds again at a listed step past it, unless that step was released."""
 
     def __init__(self, steps: list[int]) -> None:
         self.steps = set(steps)
 
+    def on_step_end(self, trainer: Trainer) -> None:
+        if not trainer.checkpoint_scheduled(trainer.state.step):
+            self._hold(trainer)
+
     def on_checkpoint_end(self, trainer: Trainer) -> None:
+        self._hold(trainer)
+
+    def _hold(self, trainer: Trainer) -> None:
         step = trainer.state.step
         if trainer.rank != 0 or step not in self.steps:
             return
         storage = RunStorage(trainer.spec.run_uri)
+        scheduled = trainer.checkpoint_scheduled(step)
         log_event(storage.uri, "held", step=step, world_size=trainer.world_size,
-                  checkpoint=checkpoint_name(step))
+                  checkpoint=checkpoint_name(step) if scheduled else None)
         while not storage.exists(release_file(step)):
             time.sleep(0.1)
 
@@ -144,12 +155,12 @@ def release_file(step: int) -> str:
 
 
 def held_at(run: str | Path, step: int) -> dict | None:
-    """The run's `held` event at checkpoint `step` (SHARDYARD_HOLD_AT), once it is there."""
+    """The run's `held` event at `step` (SHARDYARD_HOLD_AT), once it is there."""
     return next((e for e in read_events(run) if e["event"] == "held" and e["step"] == step), None)
 
 
 def release(run: str | Path, *steps: int) -> None:
-    """Lets a run held at these checkpoints go on (and never hold there)."""
+    """Lets a run held at these steps go on (and never hold there)."""
     storage = RunStorage(run)
     for step in steps:
         storage.write_bytes(b"", release_file(step))

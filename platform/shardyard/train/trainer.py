@@ -194,8 +194,7 @@ class Trainer:
                 self._drain_saved = verdict.drained
             if drain_save and self.rank == 0:
                 log_event(self.spec.run_uri, "drain_checkpoint", step=step)
-            save_now = (self.preempted or drain_save or step == self.spec.run.steps
-                        or step % self.spec.checkpoint.every_n_steps == 0)
+            save_now = self.preempted or drain_save or self.checkpoint_scheduled(step)
             every_eval = self.spec.eval.every_n_steps
             eval_now = self.validation is not None and (step == self.spec.run.steps or step % every_eval == 0)
             if not (save_now or eval_now or step % self.spec.run.log_every == 0):
@@ -227,6 +226,11 @@ class Trainer:
             progress.close()
             log.close()
         return self.state
+
+    def checkpoint_scheduled(self, step: int) -> bool:
+        """Whether the loop checkpoints after `step` by schedule (every `checkpoint.every_n_steps`
+        and at the end; a preemption or a drain adds others)."""
+        return step == self.spec.run.steps or step % self.spec.checkpoint.every_n_steps == 0
 
     def evaluate(self) -> dict[str, float]:
         """Collective: the mean loss over the first `eval.batches` global batches of validation
