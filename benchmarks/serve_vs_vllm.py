@@ -81,7 +81,7 @@ def wait_ready(url: str, process: subprocess.Popen | None, timeout_s: float = 60
         try:
             if requests.get(f"{url}/v1/models", timeout=5).status_code == 200:
                 return
-        except requests.ConnectionError:
+        except (requests.ConnectionError, requests.Timeout):  # not up yet, or Serve holds it for a starting replica
             pass
         time.sleep(2)
     raise TimeoutError(f"{url} did not answer within {timeout_s} s")

@@ -76,7 +76,8 @@ class _Group:
     """Rows of a pass that attend together, as one batch: `rows` rows of `seq` new tokens."""
     rows: int
     seq: int
-    lanes: slice | None            # the lanes its rows' keys are read from; None: no past, this pass's own
+    lanes: slice | torch.Tensor | None  # the lanes its rows' keys are read from (a tensor: copied out, in row
+    #                                     order); None: no past, this pass's own
     placed: torch.Tensor | None    # each row's index among those lanes; None: row b is the b-th
     mask: torch.Tensor             # (rows or 1, 1, seq, W) which keys each new token attends to
     lane_mask: torch.Tensor | None  # the same over the lanes (where rows are placed): an idle lane sees its first key
@@ -196,8 +197,15 @@ class KVCache:
         keys = torch.arange(width, device=device)
         mask = (keys[None, :] <= starts[:, None])[:, None, None]
         placed = torch.tensor(step.lanes + (lanes,) * pads, device=device)
+        if 2 * rows <= lanes + 1:
+            # Few rows over many lanes: copying the rows' own lanes out reads less than attending over
+            # every lane (at 1 row of 16 lanes, a 17th of the keys and values; an 8-layer step's
+            # pass at 1 row went from 11.7 to 7.7 ms, compiled, on a 2-core CPU).
+            group = _Group(rows, 1, placed, None, mask, None)
+        else:
+            group = _Group(rows, 1, slice(0, lanes + 1), placed, mask, _over_lanes(mask, placed, lanes + 1))
         return _Plan(torch.tensor(slots + [self.blocks * size] * pads, device=device), starts[:, None], placed,
-                     (_Group(rows, 1, slice(0, lanes + 1), placed, mask, _over_lanes(mask, placed, lanes + 1)),),
+                     (group,),
                      packed=False,
                      ends=torch.arange(rows, device=device), fills=(), lanes=lanes + 1, width=width)
 

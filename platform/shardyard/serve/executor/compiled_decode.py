@@ -6,9 +6,16 @@ cache's tensors are marked static so the graph reads and writes them where they 
 chunks, packed passes and steps whose lanes must first be filled run eagerly, as do the rest
 where compiling fails: said once, then every step is eager.
 
-The same code path runs on a CPU (inductor's C++ kernels), so the CPU suite exercises it; there
-the linear weights stay plain (PyTorch's compiler cannot trace oneDNN's packed weights, and
-lays out its own), and whether it pays is measured by benchmarks/serve_vs_vllm.py.
+The same code path runs on a CPU (inductor's C++ kernels), so the CPU suite exercises it. There
+the graph is frozen: the served weights are its constants (they never change: a swap puts a new
+model in place, compiled again), so the compiler lays every linear weight out once for oneDNN's
+product and folds what depends on weights alone. Unfrozen, a compiled step multiplied through
+the BLAS over the plain weights and lost to the eager step over oneDNN-packed ones
+(serve/executor/packed_linear.py); frozen, a 16-row pass of benchmarks/serve_vs_vllm.py's Llama
+took 11.6 ms against the eager packed 14.7, a 1-row one 6.0 against 10.4 (2-core AMD EPYC, float32).
+Freezing is the compiler's own setting (`torch._inductor.config.freezing`), set around each call
+rather than for the process: a graph is compiled (and recompiled) inside a call. `torch.compile`'s
+`options={"freezing": True}` did not reach the pass that reads it.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch._inductor.config
 
 from shardyard.models.kv_cache import CacheStep, KVCache, power_of_two
 
@@ -26,6 +34,7 @@ class CompiledDecode:
         cache.fix(max_running, context)
         self.cache = cache
         self.mode = "reduce-overhead" if device.type == "cuda" else "default"
+        self.frozen = device.type == "cpu"
         self.failed: str | None = None
         self.steps = 0  # decode steps run compiled
         self._compiled: tuple[torch.nn.Module, Callable] | None = None  # the model it is for, compiled
@@ -41,7 +50,8 @@ class CompiledDecode:
         self.cache.begin(step, 1, tokens.device, pad_to=padded.shape[0])
         try:
             # A graph's output is overwritten by its next replay: the rows are copied out.
-            logits = self._for(model)(padded, cache=self.cache)[:rows].clone()
+            with torch._inductor.config.patch(freezing=self.frozen):
+                logits = self._for(model)(padded, cache=self.cache)[:rows].clone()
             self.steps += 1
             return logits
         except Exception as err:  # noqa: BLE001 - whatever the compiler raises, the step runs eagerly
