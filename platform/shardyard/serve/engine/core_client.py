@@ -115,8 +115,8 @@ class EngineCoreClient:
         meanwhile: training does not prune it between the replica choosing it and the core's model
         holding it."""
         # One shard: the model computes on the replica's CPUs too, as BuiltinEngine counts them (the
-        # replica's HTTP and streaming kept under a tenth of a core busy at 16 streams; on 2 cores
-        # the core's 2 threads served 366 tok/s where 1 served 310). A shard group computes in its actors.
+        # replica's HTTP and streaming kept under a tenth of a core busy at 16 streams, and on 2
+        # cores a core of 1 thread served fewer tokens/s than one of 2). A shard group computes in its actors.
         threads = None if self.cfg.engine.num_shards == 1 else 1
         with ExitStack() as hold:
             hold_served(self.source, self.source, hold)

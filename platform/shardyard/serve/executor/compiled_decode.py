@@ -12,7 +12,7 @@ model in place, compiled again), so the compiler lays every linear weight out on
 product and folds what depends on weights alone. Unfrozen, a compiled step multiplied through
 the BLAS over the plain weights and lost to the eager step over oneDNN-packed ones
 (serve/executor/packed_linear.py); frozen, a 16-row pass of benchmarks/serve_vs_vllm.py's Llama
-took 11.6 ms against the eager packed 14.7, a 1-row one 6.0 against 10.4 (2-core AMD EPYC, float32).
+took 11.6 ms against the eager packed 14.7, a 1-row one 6.0 against 10.4 (2-core Xeon, float32).
 Freezing is the compiler's own setting (`torch._inductor.config.freezing`), set around each call
 rather than for the process: a graph is compiled (and recompiled) inside a call. `torch.compile`'s
 `options={"freezing": True}` did not reach the pass that reads it.
