@@ -283,9 +283,15 @@ def test_compiled_decode_steps_give_each_request_its_tokens_alone(ddp_checkpoint
     """The one-shard model with its decode steps compiled (serve/executor/compiled_decode.py: padded to a
     power-of-two row count over a fixed cache): greedy and seeded requests joining and leaving get
     exactly their tokens decoded alone without a cache, and decode steps did run compiled (the
-    iterations that also prefill run eagerly)."""
+    iterations that also prefill run eagerly); the graphs were compiled as the model started, so no
+    request waited for the compiler."""
+    from torch._dynamo.utils import counters
+
     local = LocalModel(str(ddp_checkpoint), cache_blocks=3, compile_for=3)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0
     assert served_compiled(local) == alone(load_model(ddp_checkpoint).eval())
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def served_compiled(local: LocalModel) -> list[list[int]]:

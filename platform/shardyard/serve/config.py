@@ -53,8 +53,8 @@ class EngineSettings(Section):
     enforce_eager: bool | None = Field(
         None, description="vLLM's setting: true: every pass eager; false: the engine's decode steps compiled "
         "(torch.compile, one shard in one process; on GPUs replayed as CUDA graphs, on CPUs a frozen graph); "
-        "default: compiled on GPUs, eager on CPUs, where compiling takes tens of seconds on the first steps of "
-        "each shape and pays at few streams (lower time per token), hardly at 16. A step that fails to compile "
+        "default: compiled on GPUs, eager on CPUs, where compiling adds tens of seconds to the start (and to a "
+        "swap's first steps) and pays at few streams (lower time per token), hardly at 16. A step that fails to compile "
         "says so once and every step runs eagerly")
 
     @model_validator(mode="after")

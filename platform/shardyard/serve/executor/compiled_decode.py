@@ -25,7 +25,8 @@ from collections.abc import Callable
 import torch
 import torch._inductor.config
 
-from shardyard.models.kv_cache import CacheStep, KVCache, power_of_two
+from shardyard.models.kv_cache import LANE_POSITIONS, CacheStep, KVCache, power_of_two
+from shardyard.serve.executor.model_pass import run_model
 
 
 class CompiledDecode:
@@ -59,6 +60,27 @@ class CompiledDecode:
             print(f"shardyard: compiling the decode step failed, every step runs eagerly from now on: "
                   f"{self.failed}", flush=True)
             return None
+
+    def warm_up(self, model: torch.nn.Module, device: torch.device) -> None:
+        """Compile `model`'s decode graphs before the first request, as vLLM does at start, so no
+        request waits for the compiler (on a 2-core CPU tens of seconds a graph): a step of each
+        row bucket (few rows read their own lanes, more every lane: two graphs' worth) at the
+        narrowest width, then one and all rows wider (the compiler's first graph is exact, the
+        next ones dynamic; it treats a size of 1 apart). Called before any request's pass: what
+        the steps write (block 0, the first lanes) is written over before it is read. Under
+        no_grad, where the passes run."""
+        token = torch.zeros((1, 1), dtype=torch.long, device=device)
+        run_model(model, token, CacheStep(((0,),), (0,), lanes=(0,), held=(0,)), self.cache)  # allocates, eagerly
+        lanes, positions = self.cache.fixed
+        buckets = sorted({min(1 << i, lanes) for i in range(lanes.bit_length() + 1)})
+        wider = min(LANE_POSITIONS, positions - 1)
+        for rows, start in [(rows, 1) for rows in buckets] + [(1, wider), (lanes, wider)]:
+            if start < 1:
+                continue
+            table = (0,) * (start // self.cache.block_tokens + 1)
+            self(model, token.expand(rows, 1), CacheStep((table,) * rows, (start,) * rows,
+                                                         lanes=tuple(range(rows)), held=(start,) * rows))
+        self.steps = 0  # counts clients' steps
 
     def _for(self, model: torch.nn.Module) -> Callable:
         """`model` compiled (again after a weight swap put another model in its place)."""

@@ -65,6 +65,8 @@ class LocalModel:
         if self.decode is None and not self.packs:  # nothing compiles after all (a model attending itself)
             self.packs = True
             self.weights.serving = self.thread.run(pack_linears, self.weights.serving)
+        if self.decode is not None:
+            self.thread.run(self._warm_up)
         self.rebuilds = 0  # nothing here dies apart from the replica, which Serve replaces
         self.times = PassTimes()  # the passes' time, for the engine's per-step figures
         self._lock = threading.RLock()  # one forward pass at a time over the one cache
@@ -106,6 +108,10 @@ class LocalModel:
     def forward(self, tokens: torch.Tensor, extra: Extra = None, draws: Draws = None) -> torch.Tensor | list[Outcome]:
         with self._lock:
             return self.thread.run(self._forward, tokens, extra, draws)
+
+    @torch.no_grad()
+    def _warm_up(self) -> None:
+        self.decode.warm_up(self.weights.serving, self.device)
 
     @torch.no_grad()
     def _forward(self, tokens: torch.Tensor, extra: Extra, draws: Draws) -> torch.Tensor | list[Outcome]:
