@@ -358,6 +358,10 @@ class KVCache:
         """`layer`'s lanes, made larger first where this step needs more lanes or positions (to
         the next power of two, so that a growing sequence is copied over a few times only)."""
         have = lanes.get(layer)
+        if have is not None and self.fixed is not None:
+            # Allocated whole (`begin` checked that the step fits): no comparison with this step's
+            # width, which a compiled step would otherwise be specialized on, one graph per width.
+            return have
         count, width = self.plan.lanes, self.plan.width
         if have is not None and have.shape[0] >= count and have.shape[2] >= width:
             return have

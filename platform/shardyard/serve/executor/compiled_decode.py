@@ -65,8 +65,8 @@ class CompiledDecode:
         """Compile `model`'s decode graphs before the first request, as vLLM does at start, so no
         request waits for the compiler (on a 2-core CPU tens of seconds a graph): a step of each
         row bucket (few rows read their own lanes, more every lane: two graphs' worth) at the
-        narrowest width, then one and all rows wider (the compiler's first graph is exact, the
-        next ones dynamic; it treats a size of 1 apart). Called before any request's pass: what
+        narrowest width and again wider (the compiler's first graph is exact, the next ones
+        dynamic in rows and width; it treats a size of 1 apart). Called before any request's pass: what
         the steps write (block 0, the first lanes) is written over before it is read. Under
         no_grad, where the passes run."""
         token = torch.zeros((1, 1), dtype=torch.long, device=device)
@@ -74,7 +74,7 @@ class CompiledDecode:
         lanes, positions = self.cache.fixed
         buckets = sorted({min(1 << i, lanes) for i in range(lanes.bit_length() + 1)})
         wider = min(LANE_POSITIONS, positions - 1)
-        for rows, start in [(rows, 1) for rows in buckets] + [(1, wider), (lanes, wider)]:
+        for rows, start in [(rows, start) for start in (1, wider) for rows in buckets]:
             if start < 1:
                 continue
             table = (0,) * (start // self.cache.block_tokens + 1)
