@@ -353,22 +353,27 @@ class KVCache:
             pool[plan.slots] = tokens
             lanes[plan.token_lanes, :, plan.positions.flatten()] = tokens
 
+    def _check_fixed(self, count: int, width: int) -> None:
+        if count > self.fixed[0] + 1 or width > self.fixed[1]:
+            raise RuntimeError(f"a step needs {count} lanes of {width} positions; the cache was fixed at "
+                               f"{self.fixed[0]} of {self.fixed[1]}")
+
     def _grown(self, lanes: dict[str, torch.Tensor], layer: str, heads: int, head_dim: int,
                like: torch.Tensor) -> torch.Tensor:
         """`layer`'s lanes, made larger first where this step needs more lanes or positions (to
         the next power of two, so that a growing sequence is copied over a few times only)."""
         have = lanes.get(layer)
-        if have is not None and self.fixed is not None:
-            # Allocated whole (`begin` checked that the step fits): no comparison with this step's
-            # width, which a compiled step would otherwise be specialized on, one graph per width.
-            return have
         count, width = self.plan.lanes, self.plan.width
+        if have is not None and self.fixed is not None:
+            # Allocated whole: a compiled step (one `takes_padded` let through) is not compared with
+            # its width, which would specialize its graph on it, one graph per width.
+            if not torch.compiler.is_compiling():
+                self._check_fixed(count, width)
+            return have
         if have is not None and have.shape[0] >= count and have.shape[2] >= width:
             return have
         if self.fixed is not None:
-            if have is not None or count > self.fixed[0] + 1 or width > self.fixed[1]:
-                raise RuntimeError(f"a step needs {count} lanes of {width} positions; the cache was fixed at "
-                                   f"{self.fixed[0]} of {self.fixed[1]}")
+            self._check_fixed(count, width)
             # Imported here: torch._dynamo costs a second to import, paid only by compiled decoding
             # (every training worker imports the models).
             from torch._dynamo import mark_static_address
