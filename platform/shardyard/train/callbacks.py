@@ -133,19 +133,18 @@ class HoldAtSteps(Callback):
 
     def on_step_end(self, trainer: Trainer) -> None:
         if not trainer.checkpoint_scheduled(trainer.state.step):
-            self._hold(trainer)
+            self._hold(trainer, checkpoint=None)
 
     def on_checkpoint_end(self, trainer: Trainer) -> None:
-        self._hold(trainer)
+        if trainer.checkpoint_scheduled(trainer.state.step):  # else held at the step's end already
+            self._hold(trainer, checkpoint=checkpoint_name(trainer.state.step))
 
-    def _hold(self, trainer: Trainer) -> None:
+    def _hold(self, trainer: Trainer, checkpoint: str | None) -> None:
         step = trainer.state.step
         if trainer.rank != 0 or step not in self.steps:
             return
         storage = RunStorage(trainer.spec.run_uri)
-        scheduled = trainer.checkpoint_scheduled(step)
-        log_event(storage.uri, "held", step=step, world_size=trainer.world_size,
-                  checkpoint=checkpoint_name(step) if scheduled else None)
+        log_event(storage.uri, "held", step=step, world_size=trainer.world_size, checkpoint=checkpoint)
         while not storage.exists(release_file(step)):
             time.sleep(0.1)
 

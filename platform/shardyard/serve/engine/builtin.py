@@ -54,16 +54,15 @@ class BuiltinEngine:
     name = "builtin"
 
     def __init__(self, cfg: ResolvedConfig, source: str, spec: GPTSpec | HFSpec | CustomSpec, weights: str,
-                 metrics: ServingMetrics | None = None, threads: int | None = None,
+                 metrics: ServingMetrics | None = None,
                  on_iteration: Callable[[], None] | None = None) -> None:
         """`source`: the checkpoint (or run, or model directory) the model loads, at start and at
         every rebuild; `spec`: its model's; `weights`: their fingerprint. `metrics`: where static
         batches count as they decode (required for them; continuous batching is read by
-        `report`). `threads`: the CPU threads a model decoded in this process computes on (by
-        default its replica's CPUs and its shard's). `on_iteration`: the continuous-batching
+        `report`). `on_iteration`: the continuous-batching
         engine's hook (serve/engine/decoding.py)."""
         self.cfg, self.source, self.spec, self.metrics = cfg, source, spec, metrics
-        self.threads, self.on_iteration = threads, on_iteration
+        self.on_iteration = on_iteration
         self.rebuilt = self._rebuilds_reported = 0  # shard groups replaced by heal
         self.block_size = spec.block_size
         self.codec, self.stop_token = cfg.codec, cfg.stop_token
@@ -95,8 +94,11 @@ class BuiltinEngine:
     def _model(self, use_gpu: bool) -> ModelExecutor:
         cfg, dtype = self.cfg, serving_dtype(self.cfg.engine.dtype, use_gpu, self.cfg.checkpoint)
         if cfg.engine.num_shards == 1:  # decoded in this process: its bundle holds the shard's CPUs
-            # Its CPUs as threads, rounded up: the model is what this process spends them on.
-            torch.set_num_threads(self.threads or max(1, math.ceil(REPLICA_CPUS + cfg.engine.cpus_per_shard)))
+            # The replica's CPUs and the shard's as threads, rounded up, in the replica or its
+            # engine core alike: the model is what they are spent on (the replica's HTTP and
+            # streaming kept under a tenth of a core busy at 16 streams beside an engine core, and
+            # on 2 cores a core of 1 thread served fewer tokens/s than one of 2).
+            torch.set_num_threads(max(1, math.ceil(REPLICA_CPUS + cfg.engine.cpus_per_shard)))
             return LocalModel(self.source, use_gpu, cfg.cache_blocks, cfg.trust_factory, dtype,
                               compile_for=cfg.batching.max_batch_size if cfg.compiles(use_gpu) else 0)
         return ShardedModel(self.source, cfg.engine.num_shards, use_gpu, cfg.engine.multi_node, cfg.engine.sharding,

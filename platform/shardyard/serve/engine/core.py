@@ -45,11 +45,10 @@ class Live:
 
 
 class EngineCore:
-    def __init__(self, cfg: ResolvedConfig, source: str, threads: int | None) -> None:
-        """`source`: what the model loads (as BuiltinEngine's); `threads`: the CPU threads it
-        computes on (None: BuiltinEngine's count for a model in this process)."""
+    def __init__(self, cfg: ResolvedConfig, source: str) -> None:
+        """`source`: what the model loads (as BuiltinEngine's)."""
         self.engine = BuiltinEngine(cfg, source, read_spec(cfg.checkpoint).model, cfg.fingerprint,
-                                    threads=threads, on_iteration=self._collect)
+                                    on_iteration=self._collect)
         self.decoding = self.engine.engine
         self.live: dict[str, Live] = {}
         self.outbox: dict[str, Update] = {}

@@ -114,13 +114,9 @@ class EngineCoreClient:
         """A core with its model loaded, serving what this replica serves. The checkpoint is held
         meanwhile: training does not prune it between the replica choosing it and the core's model
         holding it."""
-        # One shard: the model computes on the replica's CPUs too, as BuiltinEngine counts them (the
-        # replica's HTTP and streaming kept under a tenth of a core busy at 16 streams, and on 2
-        # cores a core of 1 thread served fewer tokens/s than one of 2). A shard group computes in its actors.
-        threads = None if self.cfg.engine.num_shards == 1 else 1
         with ExitStack() as hold:
             hold_served(self.source, self.source, hold)
-            core = _EngineCoreActor.options(**core_options(self.cfg)).remote(self.cfg, self.source, threads)
+            core = _EngineCoreActor.options(**core_options(self.cfg)).remote(self.cfg, self.source)
             await core.ready.remote()
         if self._served != self.source:  # a replacement: back to the weights the gate let through
             await core.stage.remote(self._served)
