@@ -1,8 +1,9 @@
 """Decode attention over the serving engine's KV cache, three ways, side by side in one run: what
 models/kv_cache.py does (each sequence's keys in its lane, attended as a view in place), the
-gather it replaced (every row's blocks copied into one tensor, then SDPA), and FlexAttention
-reading the blocks in place under a block mask built from the block tables (compiled, as it must
-be to run fast; vLLM's FlexAttention backend does this). Each is one decode step of one layer:
+gather it replaced (every row's blocks copied into one tensor, then SDPA), and its paged
+attention, FlexAttention reading the blocks in place under a block mask built from the block
+tables (compiled, as it must be to run fast; vLLM's FlexAttention backend does this; the
+default on GPUs). Each is one decode step of one layer:
 the new token's keys and values stored, then the rows' attention.
 
 Shapes: rows of 16 decoding sequences of ~160 positions (the serving benchmark's 128 in / 64 out)
@@ -21,7 +22,6 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from common import print_table, write_json
 from shardyard.models.kv_cache import BLOCK_TOKENS, CacheStep, KVCache
@@ -42,11 +42,13 @@ class Step:
         widest = -(-(max(self.lengths) + 1) // BLOCK_TOKENS)
         picked = rng.sample(range(POOL_BLOCKS), ROWS * widest)
         self.tables = tuple(tuple(picked[r * widest:(r + 1) * widest]) for r in range(ROWS))
-        self.cache = KVCache(POOL_BLOCKS)
+        self.cache, self.paged = KVCache(POOL_BLOCKS), KVCache(POOL_BLOCKS, paged=True)
         for lane, (table, length) in enumerate(zip(self.tables, self.lengths)):  # each sequence's prefill
-            self.cache.begin(CacheStep((table,), (0,), lanes=(lane,), held=(0,)), length, torch.device("cpu"))
             keys = self.new(1, kv_heads, length)
-            self.cache.attend("0", self.new(1, heads, length), keys, torch.randn_like(keys))
+            past = (self.new(1, heads, length), keys, torch.randn_like(keys))
+            for cache in (self.cache, self.paged):
+                cache.begin(CacheStep((table,), (0,), lanes=(lane,), held=(0,)), length, torch.device("cpu"))
+                cache.attend("0", *past)
         self.q, self.k, self.v = self.new(ROWS, heads, 1), self.new(ROWS, kv_heads, 1), self.new(ROWS, kv_heads, 1)
         self.step = CacheStep(self.tables, tuple(self.lengths), lanes=tuple(range(ROWS)), held=tuple(self.lengths))
 
@@ -79,37 +81,10 @@ class Step:
         return attend
 
     def flex(self) -> Callable[[], torch.Tensor]:
-        """FlexAttention over the pool as it lies: query i (row i's token) visits its row's blocks
-        only (the block mask), and within them the positions up to its own."""
-        slots = POOL_BLOCKS * BLOCK_TOKENS
-        position_of = torch.full((slots,), slots, dtype=torch.long)
-        owner = torch.zeros(ROWS, POOL_BLOCKS, dtype=torch.bool)
-        indices = torch.zeros(1, 1, ROWS, POOL_BLOCKS, dtype=torch.int32)
-        for row, table in enumerate(self.tables):
-            for i, block in enumerate(table):
-                position_of[block * BLOCK_TOKENS:(block + 1) * BLOCK_TOKENS] = torch.arange(BLOCK_TOKENS) + i * BLOCK_TOKENS
-                owner[row, block] = True
-            indices[0, 0, row, :len(table)] = torch.tensor(table)
-        query_position = torch.tensor(self.lengths)
-
-        def visible(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-            return owner[q, kv // BLOCK_TOKENS] & (position_of[kv] <= query_position[q])
-
-        counts = torch.tensor([[[len(t) for t in self.tables]]], dtype=torch.int32)
-        mask = BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=(1, BLOCK_TOKENS), mask_mod=visible,
-                                        seq_lengths=(ROWS, slots))
-        compiled = torch.compile(flex_attention, dynamic=False)
-        new_slots = torch.tensor([t[n // BLOCK_TOKENS] * BLOCK_TOKENS + n % BLOCK_TOKENS
-                                  for t, n in zip(self.tables, self.lengths)])
-        pool_keys, pool_values = self.cache.keys["0"], self.cache.values["0"]
-
-        def attend() -> torch.Tensor:
-            pool_keys[new_slots], pool_values[new_slots] = self.k[:, :, 0], self.v[:, :, 0]
-            keys, values = (pool.permute(1, 0, 2)[None] for pool in (pool_keys, pool_values))
-            out = compiled(self.q.transpose(0, 2), keys, values, block_mask=mask, enable_gqa=True)
-            return out.transpose(0, 2)
-
-        return attend
+        """The engine's paged attention (`KVCache(paged=True)`): FlexAttention over the pool as it
+        lies, each row visiting its own blocks and, within them, the positions up to its own."""
+        self.paged.begin(self.step, 1, torch.device("cpu"))
+        return lambda: self.paged.attend("0", self.q, self.k, self.v)
 
 
 def milliseconds(run: Callable[[], torch.Tensor], steps: int) -> float:

@@ -43,10 +43,11 @@ class CachedModel:
     `rows`: sequences decoded at once; `blocks`: the cache's (default: a context window a row)."""
 
     def __init__(self, model: torch.nn.Module, rows: int, fail_at_call: int | None = None,
-                 error_at_call: int | None = None, blocks: int | None = None) -> None:
+                 error_at_call: int | None = None, blocks: int | None = None, paged: bool = False) -> None:
         self.model, self.rows, self.fail_at_call, self.error_at_call = model, rows, fail_at_call, error_at_call
         self.blocks = blocks or rows * -(-model.spec.block_size // BLOCK_TOKENS)
-        self.cache = KVCache(self.blocks)
+        self.paged = paged
+        self.cache = KVCache(self.blocks, paged=paged)
         self.calls, self.most_active = 0, 0
         self.steps: list[tuple[int, CacheStep]] = []  # (new tokens per row, step)
 
@@ -64,7 +65,7 @@ class CachedModel:
         return model_output(out, step, draws)  # as a shard answers: the picks, or the last position's logits
 
     def recover(self) -> None:
-        self.cache = KVCache(self.blocks)
+        self.cache = KVCache(self.blocks, paged=self.paged)
 
 
 def fresh() -> list[Completion]:
@@ -226,15 +227,17 @@ def test_a_lane_that_holds_its_past_is_read_in_place_and_one_that_does_not_is_fi
         cache.begin(CacheStep(tables[:2], (5, 9), lanes=(1, 1), held=(0, 0)), 1, cpu)
 
 
-@pytest.mark.timeout(30)
-def test_a_packed_pass_attends_each_sequence_over_its_own_past_only() -> None:
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_packed_pass_attends_each_sequence_over_its_own_past_only(paged: bool) -> None:
     """Decode steps, a prompt's later chunk, a fresh prompt and one more decode step packed into
     one row of tokens (four query heads on two key heads, blocks scattered): each sequence's
-    attention equals its own computed alone, over its own past and nothing of the others'."""
+    attention equals its own computed alone, over its own past and nothing of the others', read
+    from its lane or (`paged`) from its blocks where they lie."""
     torch.manual_seed(0)
     cpu = torch.device("cpu")
 
-    cache = KVCache(blocks=12, block_tokens=4)
+    cache = KVCache(blocks=12, block_tokens=4, paged=paged)
     tables = ((7, 1), (2, 6, 4), (0, 9), (11, 3), (5, 8))
     cached_lengths, new_lengths = (5, 9, 2, 0, 3), (1, 1, 3, 4, 1)
     past = [(torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)) for n in cached_lengths]
@@ -259,6 +262,29 @@ def test_a_packed_pass_attends_each_sequence_over_its_own_past_only() -> None:
         cache.update("0", k, v)  # a model attending itself cannot take a packed pass
     with pytest.raises(RuntimeError, match="do not cover"):
         cache.begin(CacheStep(tables[:2], (5, 9), (1, 2)), 4, cpu)
+
+
+@pytest.mark.timeout(120)
+def test_paged_attention_reads_a_shared_prefix_block_for_both_sequences() -> None:
+    """Two sequences whose first block is one (a cached prefix): under paged attention each
+    attends over that block and its own, as if alone; a block named at two different places of
+    two tables (which no prefix can be) is refused."""
+    torch.manual_seed(0)
+    cpu = torch.device("cpu")
+    cache = KVCache(blocks=6, block_tokens=4, paged=True)
+    prefix, first, second = ((torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)) for n in (4, 2, 3))
+    cache.begin(CacheStep(((3, 5),), (0,)), 6, cpu)
+    cache.attend("0", torch.zeros(1, 4, 6, 8), *(torch.cat(pair, 2) for pair in zip(prefix, first)))
+    cache.begin(CacheStep(((3, 1),), (4,)), 3, cpu)
+    cache.attend("0", torch.zeros(1, 4, 3, 8), *second)
+    q, k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8)
+    cache.begin(CacheStep(((3, 5), (3, 1)), (6, 7)), 1, cpu)
+    got = cache.attend("0", q, k, v)
+    for row, own in enumerate((first, second)):
+        keys, values = (torch.cat([prefix[i], own[i], (k, v)[i][row:row + 1]], 2) for i in (0, 1))
+        torch.testing.assert_close(got[row:row + 1], attended_alone(q[row:row + 1], keys, values), rtol=0, atol=1e-6)
+    with pytest.raises(RuntimeError, match="block 3 is block 0 of one sequence and 1 of another"):
+        cache.begin(CacheStep(((3, 5), (1, 3)), (6, 7)), 1, cpu)
 
 
 @pytest.mark.timeout(120)
@@ -430,6 +456,33 @@ def test_prompts_prefilled_in_chunks_between_decode_steps_decode_exactly(ddp_che
               for start, n in zip(step.starts, step.lengths or (width,) * len(step.starts)) if n > 1]
     assert any(start > 0 for start, _ in chunks)  # a prompt's later chunk, over the first
     assert (mixed_packed_passes(cached) > 0) == packs
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("architecture", ["gpt", "llama attending itself"])
+def test_paged_attention_decodes_every_request_exactly(ddp_checkpoint: Path, architecture: str) -> None:
+    """Attention reading the blocks in place (no lanes): the GPT with prompts prefilled in chunks
+    packed with decode steps, and a Llama whose own (eager) attention gets each row's past read
+    out of its blocks (`update`), give every request the tokens it gets alone."""
+    if architecture == "gpt":
+        model = load_model(ddp_checkpoint).eval()
+    else:
+        from shardyard.models import build_model
+        from shardyard.spec import HFSpec
+        from test_models import MODELS
+
+        torch.manual_seed(0)
+        spec = MODELS["llama"]
+        config = {**spec["config"], "initializer_range": 0.5, "attn_implementation": "eager"}
+        model = build_model(HFSpec(**{**spec, "config": config})).eval()
+        assert not model.cache_attends
+    expected = alone(model)
+    cached = CachedModel(model, rows=3, paged=True)
+    packs = model.cache_attends
+    got = asyncio.run(serve_all(engine_for(cached, budget=3, min_chunk=2, increment=0, packs=packs), fresh(),
+                                join_after=3))
+    assert got == expected
+    assert not cached.cache.lane_keys and (mixed_packed_passes(cached) > 0) == packs
 
 
 @pytest.mark.timeout(120)

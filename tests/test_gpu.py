@@ -84,39 +84,45 @@ def test_serving_shards_run_on_their_gpus(ray_cluster, tmp_path: Path, sharding:
 
 
 @pytest.mark.timeout(300)
-def test_a_model_decoded_in_the_replicas_process_on_the_gpu_gives_each_request_its_tokens_alone(tmp_path: Path) -> None:
+@pytest.mark.parametrize("paged", [True, False])
+def test_a_model_decoded_in_the_replicas_process_on_the_gpu_gives_each_request_its_tokens_alone(
+        tmp_path: Path, paged: bool) -> None:
     """A one-shard app's model on the replica's GPU (serve/executor/local_model.py with use_gpu): its passes
     run there, its picks come back to the CPU (where the draws' generators are), and the engine's
-    greedy and seeded requests, decoded together through the KV cache, get the tokens each would get
-    decoded alone by the same model on the GPU without a cache."""
+    greedy and seeded requests, decoded together through the KV cache (attention reading its blocks
+    in place with FlexAttention's GPU kernel, the default there, or over lanes), get the tokens each
+    would get decoded alone by the same model on the GPU without a cache."""
     from shardyard.serve.engine.decoding import DecodingEngine, TokenBudget
     from shardyard.serve.executor.local_model import LocalModel
 
     run_distributed(train_and_save, 2, str(tmp_path), ("ddp",))
     run = tmp_path / "ddp" / "run"
-    local = LocalModel(str(run), use_gpu=True, cache_blocks=3)
+    local = LocalModel(str(run), use_gpu=True, cache_blocks=3, paged=paged)
     try:
-        assert local.device.type == "cuda"
+        assert local.device.type == "cuda" and not local.cache.lane_keys
         model = load_model(find_latest(run)).eval().to(local.device)  # the reference, on the same GPU
         engine = DecodingEngine(local.forward, 3, local.block_size, 3, TokenBudget(8, 60.0, 4), lambda: None, (),
                                 executor=local.executor)
         got = asyncio.run(serve_all(engine, fresh(), join_after=3))
+        assert bool(local.cache.lane_keys) != paged
     finally:
         local.close()
     assert got == alone(model)
 
 
 @pytest.mark.timeout(600)
-def test_decode_steps_replayed_as_cuda_graphs_give_each_request_its_tokens_alone(tmp_path: Path) -> None:
+@pytest.mark.parametrize("paged", [True, False])
+def test_decode_steps_replayed_as_cuda_graphs_give_each_request_its_tokens_alone(tmp_path: Path, paged: bool) -> None:
     """The one-shard model on the GPU with its decode steps compiled and replayed as CUDA graphs
-    (`reduce-overhead` over the fixed KV cache): greedy and seeded requests get the tokens each
-    gets decoded alone without a cache, and the decode steps ran compiled."""
+    (`reduce-overhead` over the fixed KV cache; FlexAttention over the blocks traced into the graph,
+    or lanes): greedy and seeded requests get the tokens each gets decoded alone without a cache,
+    and the decode steps ran compiled."""
     from shardyard.serve.executor.local_model import LocalModel
     from test_engine import served_compiled
 
     run_distributed(train_and_save, 2, str(tmp_path), ("ddp",))
     run = tmp_path / "ddp" / "run"
-    local = LocalModel(str(run), use_gpu=True, cache_blocks=3, compile_for=3)
+    local = LocalModel(str(run), use_gpu=True, cache_blocks=3, compile_for=3, paged=paged)
     assert local.decode.mode == "reduce-overhead"
     model = load_model(find_latest(run)).eval().to(local.device)
     assert served_compiled(local) == alone(model)

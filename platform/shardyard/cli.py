@@ -162,7 +162,8 @@ def print_serving_memory(spec: JobSpec, gpu: bool) -> None:
 
     running = BatchingSettings.model_fields["max_batch_size"].default
     context = getattr(spec.model, "block_size", 0)
-    memory = serving_memory(spec.model, torch.bfloat16 if gpu else torch.float32, running * context, running, gpu)
+    memory = serving_memory(spec.model, torch.bfloat16 if gpu else torch.float32, running * context, running, gpu,
+                            paged=gpu)  # engine.attention's default
     if memory is not None:
         print(f"serving it (one replica at the defaults: {running} requests at once, a KV cache of "
               f"{running} contexts): {memory}")

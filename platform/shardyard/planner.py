@@ -244,7 +244,7 @@ class ServingMemory:
     packed: float       # on CPUs: each linear's weight again, in oneDNN's layout (serve/executor/packed_linear.py)
     kv_tokens: int
     kv_cache: float     # the paged KV cache's blocks
-    lanes: float        # at most: every running request's positions again (models/kv_cache.py)
+    lanes: float        # at most: every running request's positions again (models/kv_cache.py); paged: 0
 
     @property
     def total(self) -> float:
@@ -254,7 +254,7 @@ class ServingMemory:
         dtype = str(self.dtype).removeprefix("torch.")
         packed = f" + {_gb(self.packed)} packed for oneDNN" if self.packed else ""
         return (f"{_gb(self.total)} in {dtype}: weights {_gb(self.weights)}{packed} + KV cache {_gb(self.kv_cache)} "
-                f"({self.kv_tokens:,} tokens) + lanes up to {_gb(self.lanes)}")
+                f"({self.kv_tokens:,} tokens)" + (f" + lanes up to {_gb(self.lanes)}" if self.lanes else ""))
 
 
 def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype) -> int | None:
@@ -272,10 +272,10 @@ def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype) -> int | None:
 
 
 def serving_memory(spec: ModelSpec, dtype: torch.dtype, kv_tokens: int, max_running: int,
-                   use_gpu: bool) -> ServingMemory | None:
+                   use_gpu: bool, paged: bool = False) -> ServingMemory | None:
     """A replica's memory serving `spec` with a KV cache of `kv_tokens` positions and up to
-    `max_running` requests at once over the model's whole context; None where the KV cache's
-    size cannot be told."""
+    `max_running` requests at once over the model's whole context (`paged`: attention reads the
+    blocks in place, no lanes); None where the KV cache's size cannot be told."""
     per_token = kv_bytes_per_token(spec, dtype)
     if per_token is None:
         return None
@@ -283,7 +283,7 @@ def serving_memory(spec: ModelSpec, dtype: torch.dtype, kv_tokens: int, max_runn
     lanes = largest_lanes(max_running, spec.block_size)
     packs = not use_gpu and dtype in (torch.float32, torch.bfloat16)
     return ServingMemory(dtype, shape.total * dtype.itemsize, shape.linear * dtype.itemsize if packs else 0,
-                         kv_tokens, kv_tokens * per_token, lanes[0] * lanes[1] * per_token)
+                         kv_tokens, kv_tokens * per_token, 0 if paged else lanes[0] * lanes[1] * per_token)
 
 
 def _gb(nbytes: float) -> str:

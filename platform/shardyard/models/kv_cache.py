@@ -15,17 +15,22 @@ step writes and reads as it is told, so every shard of a sharded model (pipeline
 tensor: its heads) applies the same steps with nothing of its own to keep in line, and a lost
 shard's cache is recovered by the scheduler forgetting what its blocks held.
 
-Pure PyTorch has no paged attention kernel, so attention does not read the blocks: each running
-sequence also has a lane, a row of positions in one tensor per layer (lanes x kv heads x
-positions x head_dim), which every step appends its new keys and values to, beside its blocks.
-A batch of rows attends over a view of consecutive lanes, in place: a decode step copies its new
-token, not the sequence's past. A lane is filled from its sequence's blocks only where the step
-says it does not hold them yet (`CacheStep.held`: a sequence new to its lane, whose prefix was
-found cached; a caller that names no lanes gets every row's past read from the blocks each
-step). benchmarks/kv_attention.py measures the choices side by side: on this CPU the blocks
-gathered into a tensor and attended took 1.2-2.2x the lanes' time, FlexAttention (compiled, a
-block mask over the block tables, reading the blocks in place) 3.5-5.7x.
-The lanes cost memory: at most the running sequences' positions again, twice (keys, values).
+Attention reads the past one of two ways, chosen when the cache is made (`paged`):
+- paged (the default on GPUs): FlexAttention reads every row's keys and values from its blocks
+  where they lie, under a block mask made from the block tables (each row visits its own blocks;
+  within them, the positions up to each token's own). Nothing else holds them.
+- lanes (the default on CPUs, where it measured faster): each running sequence also has a lane, a
+  row of positions in one tensor per layer (lanes x kv heads x positions x head_dim), which every
+  step appends its new keys and values to, beside its blocks. A batch of rows attends over a view
+  of consecutive lanes, in place: a decode step copies its new token, not the sequence's past. A
+  lane is filled from its sequence's blocks only where the step says it does not hold them yet
+  (`CacheStep.held`: a sequence new to its lane, whose prefix was found cached; a caller that
+  names no lanes gets every row's past read from the blocks each step). The lanes cost memory: at
+  most the running sequences' positions again, twice (keys, values).
+benchmarks/kv_attention.py measures the choices side by side: on a 2-core CPU the blocks gathered
+into a tensor and attended took 1.5-1.8x the lanes' time, paged attention (FlexAttention compiled,
+Inductor's C++ kernel) 4.9-6.7x; on GPUs FlexAttention's kernel is the one vLLM's FlexAttention
+backend runs.
 The cache attends itself (`attend`), so that query heads sharing a key head (grouped-query
 attention) read it without a copy whichever transformers is installed, and so that a packed pass
 (decode steps and prompt chunks of several sequences in one row of tokens) attends each sequence
@@ -35,11 +40,14 @@ over its own past: the model's other layers see only a row of tokens with their 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 BLOCK_TOKENS = 16  # positions per block: vLLM's default
 LANE_POSITIONS = 64  # the fewest positions a lane is grown to, and the narrowest width a padded step attends
@@ -81,6 +89,8 @@ class _Group:
     placed: torch.Tensor | None    # each row's index among those lanes; None: row b is the b-th
     mask: torch.Tensor             # (rows or 1, 1, seq, W) which keys each new token attends to
     lane_mask: torch.Tensor | None  # the same over the lanes (where rows are placed): an idle lane sees its first key
+    blocks: BlockMask | None = None  # paged: what each row's tokens read from the pool, where it lies
+    past_slots: torch.Tensor | None = None  # paged: (rows, W) pool slot of each row's positions, for `update`
 
 
 @dataclass(frozen=True)
@@ -106,8 +116,9 @@ class _Plan:
 
 
 class KVCache:
-    def __init__(self, blocks: int, block_tokens: int = BLOCK_TOKENS) -> None:
-        self.blocks, self.block_tokens = blocks, block_tokens
+    def __init__(self, blocks: int, block_tokens: int = BLOCK_TOKENS, paged: bool = False) -> None:
+        """`paged`: attention reads the blocks in place (FlexAttention), and there are no lanes."""
+        self.blocks, self.block_tokens, self.paged = blocks, block_tokens, paged
         self.keys: dict[str, torch.Tensor] = {}    # layer name -> (blocks * block_tokens, heads, head_dim)
         self.values: dict[str, torch.Tensor] = {}
         self.lane_keys: dict[str, torch.Tensor] = {}  # layer name -> (lanes, heads, positions, head_dim)
@@ -160,14 +171,16 @@ class KVCache:
         if pad_to:
             self.plan = self._padded(step, pad_to, device)
             return
-        fills = tuple(self._fill(lane, table, holds, start, device)
-                      for lane, table, holds, start in zip(lanes, step.tables, held, step.starts) if holds < start)
+        fills = () if self.paged else tuple(
+            self._fill(lane, table, holds, start, device)
+            for lane, table, holds, start in zip(lanes, step.tables, held, step.starts) if holds < start)
+        positions_of_blocks = self._positions_of_blocks(step.tables, device) if self.paged else None
         common = dict(ends=torch.tensor(step.ends(seq), device=device), fills=fills, lanes=max(lanes) + 1,
                       width=max(start + length for start, length in zip(step.starts, lengths)),
                       token_lanes=torch.tensor(lanes, device=device).repeat_interleave(
                           torch.tensor(lengths, device=device)))
         if not step.lengths:
-            slots, positions, group = self._group(step.tables, step.starts, lanes, seq, device)
+            slots, positions, group = self._group(step.tables, step.starts, lanes, seq, device, positions_of_blocks)
             self.plan = _Plan(slots, positions, groups=(group,), packed=False, **common)
             return
         # Decode steps (one token each) attend as one batch; each longer chunk attends alone.
@@ -178,7 +191,8 @@ class KVCache:
                 end += 1
             spans.append((at, end))
             at = end
-        planned = [self._group(step.tables[a:b], step.starts[a:b], lanes[a:b], lengths[a], device) for a, b in spans]
+        planned = [self._group(step.tables[a:b], step.starts[a:b], lanes[a:b], lengths[a], device, positions_of_blocks)
+                   for a, b in spans]
         self.plan = _Plan(torch.cat([slots for slots, _, _ in planned]),
                           torch.cat([positions.flatten() for _, positions, _ in planned])[None],
                           groups=tuple(group for _, _, group in planned), packed=True, **common)
@@ -197,7 +211,12 @@ class KVCache:
         keys = torch.arange(width, device=device)
         mask = (keys[None, :] <= starts[:, None])[:, None, None]
         placed = torch.tensor(step.lanes + (lanes,) * pads, device=device)
-        if 2 * rows <= lanes + 1:
+        if self.paged:  # each row's own blocks, at the width of the longest context: one shape per row count
+            tables = step.tables + ((self.blocks,),) * pads  # a padding row reads its key in the scratch block
+            table = self._table(tables, -(-positions // size), device)
+            group = _Group(rows, 1, None, None, mask, None,
+                           self._block_mask(table, starts, 1, self._positions_of_blocks(tables, device)))
+        elif 2 * rows <= lanes + 1:
             # Few rows over many lanes: copying the rows' own lanes out reads less than attending over
             # every lane (at 1 row of 16 lanes, a 17th of the keys and values; an 8-layer step's
             # pass at 1 row went from 11.7 to 7.7 ms, compiled, on a 2-core CPU).
@@ -215,19 +234,25 @@ class KVCache:
         return _Fill(lane, first, blocks * self.block_tokens + positions % self.block_tokens)
 
     def _group(self, tables: tuple[tuple[int, ...], ...], starts: tuple[int, ...], lanes: tuple[int, ...],
-               seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, _Group]:
+               seq: int, device: torch.device, positions_of_blocks: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, _Group]:
         """Slots and positions of rows of `seq` new tokens each, and how they attend."""
         size = self.block_tokens
-        width = max(len(table) for table in tables)
-        table = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], device=device)
+        table = self._table(tables, max(len(table) for table in tables), device)
+        named = table.clamp(min=0)
         first = torch.tensor(starts, device=device)
         positions = first[:, None] + torch.arange(seq, device=device)[None, :]
-        slots = (table.gather(1, positions // size) * size + positions % size).flatten()
+        slots = (named.gather(1, positions // size) * size + positions % size).flatten()
         if max(starts) == 0:  # every row new: its keys are this pass's own, under a causal mask
             mask = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()[None, None]
             return slots, positions, _Group(len(tables), seq, None, None, mask, None)
         keys = torch.arange(max(starts) + seq, device=device)
         mask = (keys[None, None, :] <= positions[:, :, None])[:, None]
+        if positions_of_blocks is not None:
+            past_slots = named.gather(1, (keys // size)[None].expand(len(tables), -1)
+                                      .clamp(max=table.shape[1] - 1)) * size + keys % size
+            return slots, positions, _Group(len(tables), seq, None, None, mask, None,
+                                            self._block_mask(table, first, seq, positions_of_blocks), past_slots)
         low, high = min(lanes), max(lanes) + 1
         if lanes == tuple(range(low, high)):
             return slots, positions, _Group(len(tables), seq, slice(low, high), None, mask, None)
@@ -236,6 +261,55 @@ class KVCache:
         placed = torch.tensor(lanes, device=device) - low
         return slots, positions, _Group(len(tables), seq, slice(low, high), placed, mask,
                                         _over_lanes(mask, placed, high - low))
+
+    @staticmethod
+    def _table(tables: tuple[tuple[int, ...], ...], width: int, device: torch.device) -> torch.Tensor:
+        """Block tables as one (rows, width) tensor, each padded with -1 (a block no row has)."""
+        return torch.tensor([list(t) + [-1] * (width - len(t)) for t in tables], device=device)
+
+    def _positions_of_blocks(self, tables: tuple[tuple[int, ...], ...], device: torch.device) -> torch.Tensor:
+        """Each block's index in the tables that name it (-1: none does), one for the pool (and its
+        scratch block): a block two sequences share (a cached prefix) is at the same index in both,
+        as its tokens and all before them are the same."""
+        index: dict[int, int] = {}
+        for table in tables:
+            for i, block in enumerate(table):
+                if index.setdefault(block, i) != i:
+                    raise RuntimeError(f"block {block} is block {index[block]} of one sequence and {i} of another")
+        found = torch.full((self.blocks + 1,), -1, dtype=torch.long)
+        if index:
+            found[torch.tensor(list(index))] = torch.tensor(list(index.values()))
+        return found.to(device)
+
+    def _block_mask(self, table: torch.Tensor, first: torch.Tensor, seq: int,
+                    positions_of_blocks: torch.Tensor) -> BlockMask:
+        """FlexAttention's block mask for rows of `seq` new tokens starting at `first` (rows,):
+        each block of BLOCK_TOKENS queries of row b visits row b's blocks up to its last token's
+        (the pool's slots are the keys), and within them the positions up to each token's own."""
+        size, (rows, width) = self.block_tokens, table.shape
+        # On CPUs a decode step is given a second query (a copy, whose output is dropped): Inductor's
+        # C++ kernel for one query a row over a large pool did not build (torch 2.13).
+        queries = 2 if seq == 1 and table.device.type == "cpu" else seq
+        query_blocks = -(-queries // size)
+        ends = torch.arange(1, query_blocks + 1, device=table.device).mul(size).clamp(max=queries)
+        counts = (first[:, None] + ends[None, :] - 1) // size + 1
+        slots = (self.blocks + (self.fixed is not None)) * size
+        # Inductor's CPU kernel takes a row of indices as wide as the pool (its blocks after a row's
+        # own are never visited); a GPU's only as wide as the longest table.
+        wide = slots // size if table.device.type == "cpu" else width
+        indices = F.pad(table.clamp(min=0), (0, wide - width))[:, None, None, :].expand(rows, 1, query_blocks, wide)
+
+        def visible(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            # The mask alone decides (an eager pass computes every slot): the slot's block is the
+            # row's own, at an index whose positions the token may see.
+            block = kv // size
+            index = positions_of_blocks[block]
+            owned = (index >= 0) & (table[b, index.clamp(0, width - 1)] == block)
+            return owned & (index * size + kv % size <= first[b] + q)
+
+        return BlockMask.from_kv_blocks(counts[:, None].to(torch.int32), indices.to(torch.int32).contiguous(),
+                                        BLOCK_SIZE=(size, size), mask_mod=visible, seq_lengths=(queries, slots),
+                                        compute_q_blocks=False)
 
     def last_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """Each sequence's last new token of this pass's (B, T, D) hidden states, as (sequences, 1, D):
@@ -298,6 +372,8 @@ class KVCache:
 
     def _attend_group(self, layer: str, group: _Group, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       scale: float | None) -> torch.Tensor:
+        if group.blocks is not None:
+            return self._attend_blocks(layer, group, q, scale)
         mask, keys, values = group.mask, k, v
         if group.lanes is not None:
             keys, values = self._lanes(layer, group)
@@ -316,6 +392,22 @@ class KVCache:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
         return out if group.placed is None else out[group.placed]
 
+    def _attend_blocks(self, layer: str, group: _Group, q: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """FlexAttention of the group's rows (rows, heads, seq, head_dim) over the pool as it lies
+        (one batch of slots, read by every row under the block mask). Compiled outside a compiled
+        pass: FlexAttention's eager form computes every slot's score."""
+        keys, values = (pool[layer].permute(1, 0, 2)[None] for pool in (self.keys, self.values))
+        attend = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention(q.device.type)
+        # On GPUs the kernel's tiles are the mask's (16 queries by a block): vLLM's choice.
+        options = ({"BACKEND": "TRITON", "BLOCK_M": self.block_tokens, "BLOCK_N": self.block_tokens}
+                   if q.device.type == "cuda" else None)
+        seq = q.shape[2]
+        if group.blocks.shape[-2] > seq:  # a CPU's decode step: its second query (`_block_mask`)
+            q = q.expand(-1, -1, group.blocks.shape[-2], -1)
+        out = attend(q, keys, values, block_mask=group.blocks, scale=scale, enable_gqa=q.shape[1] != keys.shape[1],
+                     kernel_options=options)
+        return out[:, :, :seq]
+
     def update(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this pass's keys and values (B, heads, T, head_dim) for `layer`; return the keys
         and values to attend over, under `attention_mask` (for a model whose attention is its own;
@@ -324,6 +416,8 @@ class KVCache:
         self._not_packed()
         self._store(layer, k, v)
         group = self.plan.groups[0]
+        if group.past_slots is not None:  # paged: the rows' pasts read out of their blocks
+            return tuple(pool[layer][group.past_slots].transpose(1, 2) for pool in (self.keys, self.values))
         if group.lanes is None:
             return k, v
         keys, values = self._lanes(layer, group)
@@ -344,13 +438,22 @@ class KVCache:
             shape = ((self.blocks + (self.fixed is not None)) * self.block_tokens, heads, head_dim)
             self.keys[layer] = torch.zeros(shape, dtype=k.dtype, device=k.device)
             self.values[layer] = torch.zeros(shape, dtype=v.dtype, device=v.device)
+            if self.fixed is not None:
+                # Imported here: torch._dynamo costs a second to import, paid only by compiled decoding
+                # (every training worker imports the models).
+                from torch._dynamo import mark_static_address
+
+                mark_static_address(self.keys[layer])
+                mark_static_address(self.values[layer])
         plan = self.plan
         for pools, new in (((self.keys, self.lane_keys), k), ((self.values, self.lane_values), v)):
+            tokens = new.transpose(1, 2).reshape(batch * seq, heads, head_dim)
+            pools[0][layer][plan.slots] = tokens
+            if self.paged:
+                continue
             pool, lanes = pools[0][layer], self._grown(pools[1], layer, heads, head_dim, new)
             for fill in plan.fills:
                 lanes[fill.lane, :, fill.first:fill.first + fill.slots.numel()] = pool[fill.slots].transpose(0, 1)
-            tokens = new.transpose(1, 2).reshape(batch * seq, heads, head_dim)
-            pool[plan.slots] = tokens
             lanes[plan.token_lanes, :, plan.positions.flatten()] = tokens
 
     def _check_fixed(self, count: int, width: int) -> None:
@@ -374,13 +477,9 @@ class KVCache:
             return have
         if self.fixed is not None:
             self._check_fixed(count, width)
-            # Imported here: torch._dynamo costs a second to import, paid only by compiled decoding
-            # (every training worker imports the models).
             from torch._dynamo import mark_static_address
 
             lanes[layer] = like.new_zeros((self.fixed[0] + 1, heads, self.fixed[1], head_dim))
-            for pool in (self.keys, self.values):
-                mark_static_address(pool[layer])
             mark_static_address(lanes[layer])
             return lanes[layer]
         old_count, old_width = (0, 0) if have is None else (have.shape[0], have.shape[2])
@@ -390,6 +489,15 @@ class KVCache:
             grown[:old_count, :, :old_width] = have
         lanes[layer] = grown
         return grown
+
+
+@cache
+def _compiled_flex_attention(device: str) -> Callable:
+    """FlexAttention compiled once for the process. On GPUs its shapes as the compiler's default
+    takes them (dynamic from the second); on CPUs a graph per shape: Inductor's C++ kernel for it
+    failed to build with dynamic shapes (torch 2.13), so paged attention there compiles for each
+    new (rows, tokens) and, past the compiler's recompile limit, runs eagerly (every slot's score)."""
+    return torch.compile(flex_attention, dynamic=None if device == "cuda" else False)
 
 
 def _over_lanes(mask: torch.Tensor, placed: torch.Tensor, lanes: int) -> torch.Tensor:

@@ -50,6 +50,11 @@ class EngineSettings(Section):
     chunked_prefill: bool = Field(True, description="continuous batching: a prompt longer than the iteration's "
                                   "prefill budget is prefilled in chunks between decode steps (smoother inter-token "
                                   "latency; more forward passes); false: each prompt whole at once")
+    attention: Literal["auto", "paged", "lanes"] = Field(
+        "auto", description="continuous batching: how attention reads the KV cache. paged: from its blocks where "
+        "they lie (FlexAttention, compiled); lanes: from a second copy of each running sequence's keys and values, "
+        "one row of positions per sequence, read in place (up to batching.max_batch_size contexts more memory); "
+        "auto: paged on GPUs, lanes on CPUs, where they measured faster")
     enforce_eager: bool | None = Field(
         None, description="vLLM's setting: true: every pass eager; false: the engine's decode steps compiled "
         "(torch.compile, one shard in one process; on GPUs replayed as CUDA graphs, on CPUs a frozen graph); "

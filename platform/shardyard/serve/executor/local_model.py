@@ -31,12 +31,13 @@ from shardyard.spec import LANGUAGE_MODELS
 class LocalModel:
     def __init__(self, source: str, use_gpu: bool = False, cache_blocks: int = 0,
                  trust_factory: str | None = None, dtype: torch.dtype = torch.float32,
-                 compile_for: int = 0) -> None:
+                 compile_for: int = 0, paged: bool = False) -> None:
         """`source`: a checkpoint, a model directory, or a run directory (its newest committed
         checkpoint, held while served). `cache_blocks`: blocks (of BLOCK_TOKENS positions) the KV
         cache holds (0: none). `dtype`: the weights' (and so the KV cache's) dtype
         (serve/executor/precision.py). `compile_for`: decode steps of up to this many requests run compiled
-        (serve/executor/compiled_decode.py; 0: every pass eager)."""
+        (serve/executor/compiled_decode.py; 0: every pass eager). `paged`: attention reads the KV
+        cache's blocks in place (models/kv_cache.py)."""
         found = servable(source)
         if found is None:
             raise ValueError(f"no checkpoint at {source!r}")
@@ -59,9 +60,12 @@ class LocalModel:
             self.close()
             raise
         self.cache_attends = getattr(self.weights.serving, "cache_attends", False)  # KVCache: packed passes run
-        self.cache = KVCache(cache_blocks) if cache_blocks else None
+        self.cache = KVCache(cache_blocks, paged=paged) if cache_blocks else None
+        # Paged attention inside a compiled CPU graph failed in Inductor's C++ FlexAttention kernel
+        # (torch 2.13: a graph that does not build), so those decode steps stay eager there.
+        compiles = compile_for and self.cache is not None and self.cache_attends
         self.decode = (CompiledDecode(self.cache, compile_for, self.block_size, self.device)
-                       if compile_for and self.cache is not None and self.cache_attends else None)
+                       if compiles and not (paged and self.device.type == "cpu") else None)
         if self.decode is None and not self.packs:  # nothing compiles after all (a model attending itself)
             self.packs = True
             self.weights.serving = self.thread.run(pack_linears, self.weights.serving)

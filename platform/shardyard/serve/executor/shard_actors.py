@@ -59,7 +59,8 @@ class PipelineShard(StagedShard):
     this actor's device."""
 
     def __init__(self, checkpoint_dir: str | Published, start: int, end: int, whole: bool, last: bool, use_gpu: bool,
-                 cache_blocks: int, trust_factory: str | None = None, dtype: torch.dtype = torch.float32) -> None:
+                 cache_blocks: int, trust_factory: str | None = None, dtype: torch.dtype = torch.float32,
+                 paged: bool = False) -> None:
         self.last = last  # its output is the logits (else hidden states for the next shard)
         self.device = select_device(0) if use_gpu else torch.device("cpu")
         self.whole, self.trust_factory, self.dtype = whole, trust_factory, dtype
@@ -67,7 +68,7 @@ class PipelineShard(StagedShard):
         self.weights = StagedWeights(self._load)
         self.weights.load(checkpoint_dir)
         # This shard's layers' keys and values (allocated at their first use).
-        self.cache = KVCache(cache_blocks) if cache_blocks else None
+        self.cache = KVCache(cache_blocks, paged=paged) if cache_blocks else None
 
     def _load(self, source: str | Published) -> torch.nn.Module:
         """Only this shard's blocks are read and held, never the whole model. With one intra-op
@@ -95,13 +96,13 @@ class TensorShard(StagedShard):
     """Rank `rank` of `num_shards`: its slice of every block's linears, the small rest whole."""
 
     def __init__(self, checkpoint_dir: str | Published, rank: int, num_shards: int, use_gpu: bool, cache_blocks: int,
-                 trust_factory: str | None = None, dtype: torch.dtype = torch.float32) -> None:
+                 trust_factory: str | None = None, dtype: torch.dtype = torch.float32, paged: bool = False) -> None:
         self.checkpoint_dir, self.rank, self.num_shards = checkpoint_dir, rank, num_shards
         self.trust_factory, self.dtype = trust_factory, dtype
         self.device = select_device(0) if use_gpu else torch.device("cpu")
         self.weights = StagedWeights(self._load)
         # Keys and values of this rank's heads only.
-        self.cache = KVCache(cache_blocks) if cache_blocks else None
+        self.cache = KVCache(cache_blocks, paged=paged) if cache_blocks else None
         self.store: dist.TCPStore | None = None  # rank 0's, from host_rendezvous
 
     def host_rendezvous(self) -> tuple[str, int]:

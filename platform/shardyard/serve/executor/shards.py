@@ -94,14 +94,15 @@ class ShardedModel:
     def __init__(self, source: str, num_shards: int, use_gpu: bool = False,
                  multi_node: bool = False, sharding: Sharding = "pipeline", compiled: bool = True,
                  cpus_per_shard: float = 1.0, cache_blocks: int = 0, trust_factory: str | None = None,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, paged: bool = False) -> None:
         """`source`: a checkpoint, a model directory, or a run directory, whose newest good
         checkpoint each (re)build loads (training may have pruned the one loaded before; a run
         keeps its model, so the split stays valid). `cache_blocks`: blocks (of BLOCK_TOKENS positions)
         each shard's KV cache holds (0: no cache; forward passes then take left padding, not cache
         steps).
         `trust_factory`: a custom model's factory, named by the user (checkpoint/layout.py).
-        `dtype`: the shards' weights' (and KV caches') dtype (serve/executor/precision.py)."""
+        `dtype`: the shards' weights' (and KV caches') dtype (serve/executor/precision.py).
+        `paged`: their attention reads the KV caches' blocks in place (models/kv_cache.py)."""
         self.source, self.num_shards, self.use_gpu = source, num_shards, use_gpu
         self.trust_factory, self.dtype = trust_factory, dtype
         found = servable(source)
@@ -109,7 +110,7 @@ class ShardedModel:
             raise ValueError(f"no checkpoint at {source!r}")
         self.checkpoint_dir = str(found)
         self.bundle = shard_bundle(use_gpu, cpus_per_shard)
-        self.multi_node, self.sharding, self.cache_blocks = multi_node, sharding, cache_blocks
+        self.multi_node, self.sharding, self.cache_blocks, self.paged = multi_node, sharding, cache_blocks, paged
         self.compiled = compiled and sharding == "pipeline"  # tensor shards talk over torch.distributed
         self.graph = None
         self.holds = CheckpointHolds()
@@ -155,12 +156,12 @@ class ShardedModel:
             last = len(self.ranges) - 1
             self.shards = [PipelineShard.options(**in_bundle(i)).remote(self.checkpoint_dir, start, end, self.whole,
                                                                           i == last, self.use_gpu, self.cache_blocks,
-                                                                          self.trust_factory, self.dtype)
+                                                                          self.trust_factory, self.dtype, self.paged)
                            for i, (start, end) in enumerate(self.ranges)]
         else:
             self.shards = [TensorShard.options(**in_bundle(i)).remote(
                 self.checkpoint_dir, i, self.num_shards, self.use_gpu, self.cache_blocks, self.trust_factory,
-                self.dtype)
+                self.dtype, self.paged)
                 for i in range(self.num_shards)]
             host, port = self._started(self.shards[0].host_rendezvous.remote(), "host the shards' rendezvous")
             self._started([s.join.remote(host, port) for s in self.shards], "form their process group")
