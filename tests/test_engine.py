@@ -283,7 +283,7 @@ def test_paged_attention_reads_a_shared_prefix_block_for_both_sequences() -> Non
     for row, own in enumerate((first, second)):
         keys, values = (torch.cat([prefix[i], own[i], (k, v)[i][row:row + 1]], 2) for i in (0, 1))
         torch.testing.assert_close(got[row:row + 1], attended_alone(q[row:row + 1], keys, values), rtol=0, atol=1e-6)
-    with pytest.raises(RuntimeError, match="block 3 is block 0 of one sequence and 1 of another"):
+    with pytest.raises(RuntimeError, match=r"block 3 is at two indices of the step's tables: \[0, 1\]"):
         cache.begin(CacheStep(((3, 5), (1, 3)), (6, 7)), 1, cpu)
 
 

@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
-from itertools import accumulate
+from itertools import accumulate, chain
 
 import torch
 import torch.nn.functional as F
@@ -270,16 +270,18 @@ class KVCache:
     def _positions_of_blocks(self, tables: tuple[tuple[int, ...], ...], device: torch.device) -> torch.Tensor:
         """Each block's index in the tables that name it (-1: none does), one for the pool (and its
         scratch block): a block two sequences share (a cached prefix) is at the same index in both,
-        as its tokens and all before them are the same."""
-        index: dict[int, int] = {}
-        for table in tables:
-            for i, block in enumerate(table):
-                if index.setdefault(block, i) != i:
-                    raise RuntimeError(f"block {block} is block {index[block]} of one sequence and {i} of another")
+        as its tokens and all before them are the same. Made on the CPU in a few tensor operations
+        (a step may name thousands of blocks), then moved at once."""
+        blocks = torch.tensor(list(chain.from_iterable(tables)), dtype=torch.long)
+        lengths = torch.tensor([len(table) for table in tables])
+        index = torch.arange(blocks.numel()) - (lengths.cumsum(0) - lengths).repeat_interleave(lengths)
         found = torch.full((self.blocks + 1,), -1, dtype=torch.long)
-        if index:
-            found[torch.tensor(list(index))] = torch.tensor(list(index.values()))
-        return found.to(device)
+        found[blocks] = index  # where a block is named twice, either index lands: checked next
+        if (wrong := (found[blocks] != index).nonzero()).numel():
+            at = int(wrong[0, 0])
+            raise RuntimeError(f"block {int(blocks[at])} is at two indices of the step's tables: "
+                               f"{sorted({int(index[at]), int(found[blocks[at]])})}")
+        return found.to(device, non_blocking=True)
 
     def _block_mask(self, table: torch.Tensor, first: torch.Tensor, seq: int,
                     positions_of_blocks: torch.Tensor) -> BlockMask:
