@@ -158,12 +158,12 @@ def print_serving_memory(spec: JobSpec, gpu: bool) -> None:
     import torch
 
     from shardyard.planner import serving_memory
-    from shardyard.serve.config import BatchingSettings
+    from shardyard.serve.config import BatchingSettings, EngineSettings
 
     running = BatchingSettings.model_fields["max_batch_size"].default
     context = getattr(spec.model, "block_size", 0)
     memory = serving_memory(spec.model, torch.bfloat16 if gpu else torch.float32, running * context, running, gpu,
-                            paged=gpu)  # engine.attention's default
+                            EngineSettings().paged_attention(gpu))
     if memory is not None:
         print(f"serving it (one replica at the defaults: {running} requests at once, a KV cache of "
               f"{running} contexts): {memory}")

@@ -295,7 +295,7 @@ class KVCache:
         query_blocks = -(-queries // size)
         ends = torch.arange(1, query_blocks + 1, device=table.device).mul(size).clamp(max=queries)
         counts = (first[:, None] + ends[None, :] - 1) // size + 1
-        slots = (self.blocks + (self.fixed is not None)) * size
+        slots = self._pool_slots
         # Inductor's CPU kernel takes a row of indices as wide as the pool (its blocks after a row's
         # own are never visited); a GPU's only as wide as the longest table.
         wide = slots // size if table.device.type == "cpu" else width
@@ -437,7 +437,7 @@ class KVCache:
         the positions before it that it does not hold)."""
         batch, heads, seq, head_dim = k.shape
         if layer not in self.keys:  # the layer's (local) head count is known at its first call
-            shape = ((self.blocks + (self.fixed is not None)) * self.block_tokens, heads, head_dim)
+            shape = (self._pool_slots, heads, head_dim)
             self.keys[layer] = torch.zeros(shape, dtype=k.dtype, device=k.device)
             self.values[layer] = torch.zeros(shape, dtype=v.dtype, device=v.device)
             if self.fixed is not None:
@@ -457,6 +457,11 @@ class KVCache:
             for fill in plan.fills:
                 lanes[fill.lane, :, fill.first:fill.first + fill.slots.numel()] = pool[fill.slots].transpose(0, 1)
             lanes[plan.token_lanes, :, plan.positions.flatten()] = tokens
+
+    @property
+    def _pool_slots(self) -> int:
+        """Positions each layer's pool holds: the blocks', and a fixed cache's scratch block's."""
+        return (self.blocks + (self.fixed is not None)) * self.block_tokens
 
     def _check_fixed(self, count: int, width: int) -> None:
         if count > self.fixed[0] + 1 or width > self.fixed[1]:

@@ -62,6 +62,10 @@ class EngineSettings(Section):
         "swap's first steps) and pays at few streams (lower time per token), hardly at 16. A step that fails to compile "
         "says so once and every step runs eagerly")
 
+    def paged_attention(self, use_gpu: bool) -> bool:
+        """Whether attention reads the KV cache's blocks in place on these devices (`attention`)."""
+        return use_gpu if self.attention == "auto" else self.attention == "paged"
+
     @model_validator(mode="after")
     def _check(self) -> EngineSettings:
         if self.device_resources and self.num_shards > 1:

@@ -92,11 +92,6 @@ class ResolvedConfig:
         tokens = self.config.engine.max_kv_tokens
         return -(-tokens // BLOCK_TOKENS) if self.config.batching.mode == "continuous" and tokens else 0
 
-    def paged_attention(self, use_gpu: bool) -> bool:
-        """Whether attention reads the KV cache's blocks in place on these devices (`engine.attention`)."""
-        attention = self.config.engine.attention
-        return use_gpu if attention == "auto" else attention == "paged"
-
     def compiles(self, use_gpu: bool) -> bool:
         """Whether the engine's decode steps run compiled on these devices (`enforce_eager`)."""
         eager = self.config.engine.enforce_eager

@@ -101,10 +101,10 @@ class BuiltinEngine:
             torch.set_num_threads(max(1, math.ceil(REPLICA_CPUS + cfg.engine.cpus_per_shard)))
             return LocalModel(self.source, use_gpu, cfg.cache_blocks, cfg.trust_factory, dtype,
                               compile_for=cfg.batching.max_batch_size if cfg.compiles(use_gpu) else 0,
-                              paged=cfg.paged_attention(use_gpu))
+                              paged=cfg.engine.paged_attention(use_gpu))
         return ShardedModel(self.source, cfg.engine.num_shards, use_gpu, cfg.engine.multi_node, cfg.engine.sharding,
                             cpus_per_shard=cfg.engine.cpus_per_shard, cache_blocks=cfg.cache_blocks,
-                            trust_factory=cfg.trust_factory, dtype=dtype, paged=cfg.paged_attention(use_gpu))
+                            trust_factory=cfg.trust_factory, dtype=dtype, paged=cfg.engine.paged_attention(use_gpu))
 
     def _start_engine(self) -> None:
         """The shard group and the continuous-batching engine, its prefill budget measured."""
@@ -118,13 +118,14 @@ class BuiltinEngine:
                                      prefix_caching=cfg.engine.prefix_caching, weights=self.weights,
                                      packs=self.model.cache_attends, executor=self.model.executor,
                                      times=getattr(self.model, "times", None), on_iteration=self.on_iteration)
+        paged = cfg.engine.paged_attention(cfg.use_gpu)
         memory = serving_memory(self.spec, self.model.dtype, cfg.cache_blocks * BLOCK_TOKENS,
-                                cfg.batching.max_batch_size, cfg.use_gpu, cfg.paged_attention(cfg.use_gpu))
+                                cfg.batching.max_batch_size, cfg.use_gpu, paged)
         print(f"shardyard: continuous batching in {described(self.model.dtype, cfg.use_gpu)}, up to "
               f"{cfg.batching.max_batch_size} requests at once, a KV cache of "
               f"{cfg.cache_blocks} blocks of {BLOCK_TOKENS} tokens (prefix caching "
               f"{'on' if cfg.engine.prefix_caching else 'off'}; attention "
-              f"{'paged' if cfg.paged_attention(cfg.use_gpu) else 'over lanes'}), prefill budget {budget.tokens} tokens per iteration, "
+              f"{'paged' if paged else 'over lanes'}), prefill budget {budget.tokens} tokens per iteration, "
               f"decode steps {'compiled' if getattr(self.model, 'decode', None) else 'eager'}"
               + (f"; memory {memory}" if memory else ""), flush=True)
 
