@@ -42,7 +42,8 @@ by process. What separates its row from `shardyard`'s is the serving path.
 `shardyard-in-process-plain-linears`: the same with the linear weights unpacked (the BLAS's
 product instead of oneDNN's over packed weights, serve/executor/packed_linear.py);
 `shardyard-in-process-compiled`: with its decode steps compiled (serve/executor/compiled_decode.py), timed
-after one load that compiled them.
+after one load that compiled them. `-one-thread` after either: on one OpenMP thread instead of the
+replica's (what a step of each size costs on one core against two).
 """
 
 from __future__ import annotations
@@ -243,11 +244,12 @@ def vllm_limits(directory: Path, dtype: str) -> dict:
 
 
 def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompts: int, dtype: str,
-                    packed: bool = True, compiled: bool = False) -> list[dict]:
+                    packed: bool = True, compiled: bool = False, threads: int | None = None) -> list[dict]:
     """The built-in engine driven directly, in this process, by the random load; `packed`: its
     linear weights packed for oneDNN, as the app serves them on a CPU (else multiplied by the BLAS
     from the plain weights, `SHARDYARD_PACKED_LINEAR=0`); `compiled`: its decode steps compiled
-    (`enforce_eager: false`), measured after a load that compiles them."""
+    (`enforce_eager: false`), measured after a load that compiles them; `threads`: its OpenMP threads
+    (default: the replica's, as the app sets them)."""
     import asyncio
     import math
     import random
@@ -265,11 +267,12 @@ def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompt
     from shardyard.serve.sampling import Sampling
 
     cfg = load_config({"checkpoint": str(directory), "batching.max_batch_size": 16}, use_gpu=False)
-    torch.set_num_threads(max(1, math.ceil(REPLICA_CPUS + cfg.engine.cpus_per_shard)))  # the replica's threads
+    torch.set_num_threads(threads or max(1, math.ceil(REPLICA_CPUS + cfg.engine.cpus_per_shard)))  # the replica's
     with patch.dict(os.environ, {ENV: "1" if packed else "0"}):  # read as the model loads
         model = LocalModel(cfg.checkpoint, False, cfg.cache_blocks, dtype=getattr(torch, dtype),
                            compile_for=cfg.batching.max_batch_size if compiled else 0)
-    name = "shardyard engine, in process" + ("" if packed else ", plain linears") + (", compiled" if compiled else "")
+    name = ("shardyard engine, in process" + ("" if packed else ", plain linears") + (", compiled" if compiled else "")
+            + (f", {threads} thread{'s' if threads > 1 else ''}" if threads else ""))
     budget = prefill_budget(model.forward, CONTEXT, cfg.batching.max_batch_size, cfg.batching.token_latency_target_ms / 1000)
     spent = {"decode": 0.0, "prefill": 0.0}
 
@@ -343,6 +346,8 @@ SERVERS = {"shardyard": shardyard_rows,
            "shardyard-in-process": in_process_rows,
            "shardyard-in-process-plain-linears": lambda *a: in_process_rows(*a, packed=False),
            "shardyard-in-process-compiled": lambda *a: in_process_rows(*a, compiled=True),
+           "shardyard-in-process-one-thread": lambda *a: in_process_rows(*a, threads=1),
+           "shardyard-in-process-compiled-one-thread": lambda *a: in_process_rows(*a, compiled=True, threads=1),
            "vllm": vllm_rows}
 
 
