@@ -129,3 +129,15 @@ def test_jobs_prepare_data_into_a_bucket_and_train_from_and_into_it(cluster, buc
     assert newest_name(RunStorage(run)) == "checkpoint_step_00000020"
     assert [row["step"] for row in read_metrics(run)] == [10, 20]
     assert [e["event"] for e in read_events(run) if e["event"] == "start"] == ["start"]
+
+
+@pytest.mark.timeout(240)
+def test_a_job_with_a_relative_storage_path_is_refused_with_the_fix(cluster) -> None:
+    """README's job without an absolute storage path would train into Ray's copy of the working
+    directory (deleted with Ray's session, and not the run the user resumes or serves): refused
+    before anything starts, naming the setting that works."""
+    status, logs = wait_until_done(cluster, submit(cluster, [], entrypoint=["shardyard", "train",
+                                                                            "jobs/configs/gpt_ddp.yaml"]), 180)
+    assert re.search(r"failed", status, re.IGNORECASE), f"{status}\n{logs[-3000:]}"
+    assert "checkpoint.storage_path 'runs' is relative" in logs, logs[-3000:]
+    assert "--set checkpoint.storage_path=$PWD/runs" in logs and "Traceback" not in logs, logs[-3000:]

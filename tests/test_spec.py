@@ -33,6 +33,22 @@ def test_default_job_is_valid() -> None:
     assert Path(spec.checkpoint.storage_path).is_absolute()
 
 
+def test_a_relative_storage_path_in_a_submitted_jobs_copy_is_refused(tmp_path: Path, monkeypatch) -> None:
+    """In Ray's copy of a job's --working-dir a relative storage path would put the run there;
+    anywhere else it resolves against the current directory, and absolute paths and URIs pass."""
+    copy = tmp_path / "session_1" / "runtime_resources" / "working_dir_files" / "_ray_pkg_abc"
+    copy.mkdir(parents=True)
+    monkeypatch.chdir(copy)
+    with pytest.raises(SpecError, match=r"storage_path 'runs' is relative.*Ray's copy.*\$PWD/runs"):
+        load_spec(DEFAULT_JOB)
+    assert load_spec(DEFAULT_JOB, [f"checkpoint.storage_path={tmp_path}/runs"]).checkpoint.storage_path == \
+        str(tmp_path / "runs")
+    assert load_spec(DEFAULT_JOB, ["checkpoint.storage_path=s3://bucket/runs"]).checkpoint.storage_path == \
+        "s3://bucket/runs"
+    monkeypatch.chdir(tmp_path)
+    assert load_spec(DEFAULT_JOB).checkpoint.storage_path == str(tmp_path / "runs")
+
+
 def test_overrides_parse_values_and_nest() -> None:
     spec = load_spec(DEFAULT_JOB, ["optim.lr=3e-4", "scaling.num_workers=4", "run.name=other"])
     assert spec.optim.lr == pytest.approx(3e-4)

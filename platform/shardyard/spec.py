@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.util
+import os
 import re
 import types
 import typing
@@ -310,7 +311,8 @@ class ScalingSpec(Section):
         "auto", description="auto: GPUs when the cluster has them (nccl, bf16 autocast), else CPU (gloo, fp32)")
     resources_per_worker: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0},
                                                    description="Ray resources each worker reserves")
-    max_failures: int = Field(0, ge=-1, description="worker-group restarts allowed; -1: forever")
+    max_failures: int = Field(3, ge=-1, description="worker-group restarts allowed after a worker fails, each "
+                                                    "from the last checkpoint; 0: none; -1: forever")
     resize_check_interval_s: float = Field(
         10.0, gt=0, description="elastic: how often Ray Train looks for room to grow the group")
     health_check_interval_s: float = Field(
@@ -615,6 +617,7 @@ def _merged(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 def load_spec(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
     """Read a YAML job spec (or start from defaults), apply `key.path=value` overrides, validate."""
     spec = parse_spec(read_yaml(path, overrides, "job spec"))
+    refuse_storage_in_job_copy(spec.checkpoint.storage_path)
     # Absolute, so that Ray Train workers and the serving side agree on where runs and data live.
     spec.checkpoint.storage_path = _absolute_storage(spec.checkpoint.storage_path)
     for key in ("path", "validation_path"):
@@ -654,6 +657,25 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         node[parts[-1]] = yaml.safe_load(text)
     except yaml.YAMLError:
         node[parts[-1]] = text
+
+
+# Where `ray job submit --working-dir DIR` unpacks DIR for a job: the job's current directory.
+RAY_JOB_COPY = f"{os.sep}runtime_resources{os.sep}working_dir_files{os.sep}"
+
+
+def refuse_storage_in_job_copy(storage_path: str) -> None:
+    """A relative checkpoint.storage_path in a job submitted with `--working-dir` would put the run
+    in Ray's copy of that directory, under Ray's session (deleted with it, and not where the user
+    resumes or serves from): refused, saying how to name the place meant."""
+    here = os.getcwd()
+    if "://" in storage_path or Path(storage_path).expanduser().is_absolute() or RAY_JOB_COPY not in here + os.sep:
+        return
+    raise SpecError(
+        f"checkpoint.storage_path {storage_path!r} is relative, and this job runs in Ray's copy of its "
+        f"--working-dir ({here}), which Ray deletes: the run would be written there, not where you resume or "
+        f"serve it. Give a path every node reaches: --set checkpoint.storage_path=/shared/runs, an s3:// or "
+        f"gs:// URI, or on a one-machine cluster the directory you submit from "
+        f"(--set checkpoint.storage_path=$PWD/runs)")
 
 
 def _absolute_storage(path: str) -> str:
