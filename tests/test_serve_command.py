@@ -5,6 +5,7 @@ its headers, and Ctrl-C."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -154,6 +155,9 @@ def test_bad_serve_arguments_are_a_message_and_status_2(run_dir: Path, monkeypat
         taken.listen()
         assert main(["serve", str(run_dir), "--port", str(taken.getsockname()[1])]) == 2
     assert "is taken" in capsys.readouterr().err
+    if importlib.util.find_spec("vllm") is None:  # asked for and not installed: stops, naming the install
+        assert main(["serve", str(run_dir), "--engine", "vllm"]) == 2
+        assert "vLLM is not installed in this Python" in capsys.readouterr().err
 
 
 @pytest.mark.ray
@@ -190,7 +194,7 @@ def test_shardyard_serve_answers_with_vllms_flags_on_a_two_core_machine(run_dir:
             assert {ip for ip, _ in listening} == {"127.0.0.1"}, listening  # Ray's template binds them on *
             too_many = requests.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 33},
                                      headers={"Authorization": f"Bearer {SECRET}"}, timeout=30)
-            assert too_many.status_code == 422  # --set reached the config
+            assert too_many.status_code == 400  # --set reached the config
             with trickled_bodies(url, "/v1/completions", SECRET, 200):  # bodies begun, then silence
                 ordinary = requests.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2},
                                          headers={"Authorization": f"Bearer {SECRET}"}, timeout=30)

@@ -148,10 +148,10 @@ def test_every_error_leaves_in_one_json_shape_and_is_counted_by_route_template(a
     malformed = requests.post(f"{url}/v1/predict", data="{not json", headers=json_body)
     assert malformed.status_code == 400 and "not valid JSON" in assert_error_shape(malformed.json(), "invalid_request_error")
     not_finite = requests.post(f"{url}/v1/predict", data='{"inputs": [[1.0, NaN, Infinity]]}', headers=json_body)
-    assert not_finite.status_code == 422 and not_finite.json()["error"]["param"].startswith("inputs")
+    assert not_finite.status_code == 400 and not_finite.json()["error"]["param"].startswith("inputs")
     # Labels come from the routes' templates: a client's random paths add no label.
     assert app.errors == [(404, "unmatched"), (405, "/v1/echo"), (500, "/v1/items/{item}"), (400, "/v1/predict"),
-                          (422, "/v1/predict")]
+                          (400, "/v1/predict")]
     assert requests.post(f"{url}/v1/echo", data=b"{}", headers=AUTH).status_code == 200  # still serving
 
 

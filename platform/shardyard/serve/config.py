@@ -27,7 +27,8 @@ class EngineSettings(Section):
     backend: Literal["builtin", "vllm"] = Field(
         "builtin", description="vllm: vLLM's engine decodes a Hugging Face model (a model directory, or a run's "
         "model written out as one) behind the same routes, guard and metrics; where vLLM is not installed or "
-        "cannot load the model, the built-in engine serves and says why in the replica's log")
+        "cannot load the model, the built-in engine serves and says why in the replica's log (`shardyard serve "
+        "--engine vllm` stops instead, naming the install, where this Python has no vLLM)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: a GPU per shard when the cluster has them")
     dtype: DtypeName = Field(
         "auto", description="the weights' and KV cache's dtype (vLLM's setting): auto is float32 on CPUs and, on "
@@ -90,7 +91,7 @@ class LimitSettings(Section):
     max_queued_requests: int = Field(64, ge=1, description="beyond this, 503 with Retry-After")
     request_timeout_s: float = Field(30.0, gt=0, description="beyond this, 408")
     max_body_bytes: int = Field(16_384, ge=256, description="larger bodies get 413")
-    max_prompt_chars: int = Field(4096, ge=1, description="longer prompts get 422")
+    max_prompt_chars: int = Field(4096, ge=1, description="longer prompts get 400")
     max_tokens_limit: int = Field(256, ge=1, description="largest max_tokens a request may ask for")
     max_choices_per_request: int = Field(8, ge=1, description="prompts times n one request may ask for; each "
                                          "choice counts against the replica's concurrency like a request")

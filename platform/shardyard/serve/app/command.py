@@ -11,6 +11,7 @@ vLLM's flag names where they mean the same thing. Ctrl-C stops it.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import signal
 import sys
@@ -89,6 +90,11 @@ def serve_config(args: argparse.Namespace) -> dict[str, Any]:
         config["auth.admin_token_file"] = os.path.abspath(args.admin_token_file)
     for item in args.overrides:
         apply_override(config, item)
+    if config.get("engine.backend") == "vllm" and not os.environ.get("RAY_ADDRESS") \
+            and importlib.util.find_spec("vllm") is None:  # a local Ray's replicas run this Python
+        raise SpecError(f"--engine vllm: vLLM is not installed in this Python ({sys.executable}): "
+                        f"pip install 'shardyard[vllm]' (on a CPU, vLLM's CPU build: benchmarks/make_vllm_env.sh), "
+                        f"or serve with the built-in engine (--engine builtin)")
     return config
 
 

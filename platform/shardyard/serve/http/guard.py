@@ -373,7 +373,7 @@ async def _invalid_request(request: Request, exc: RequestValidationError) -> JSO
     if any(e["type"] == "json_invalid" for e in errors):
         return error_response(400, "request body is not valid JSON")
     fields = [(".".join(str(p) for p in e["loc"] if p != "body") or "body", e["msg"]) for e in errors]
-    return error_response(422, "; ".join(f"{name}: {message}" for name, message in fields), fields[0][0])
+    return error_response(400, "; ".join(f"{name}: {message}" for name, message in fields), fields[0][0])
 
 
 async def _client_error(request: Request, exc: ClientError) -> JSONResponse:

@@ -97,12 +97,12 @@ class Answering:
     def prompt_tokens(self, text: str, max_tokens: int, field: str = "prompt") -> list[int]:
         cfg = self.cfg
         if len(text) > cfg.limits.max_prompt_chars:
-            raise ClientError(422, f"{field} is {len(text)} characters; the limit is {cfg.limits.max_prompt_chars}", field)
+            raise ClientError(400, f"{field} is {len(text)} characters; the limit is {cfg.limits.max_prompt_chars}", field)
         if max_tokens > cfg.limits.max_tokens_limit:
-            raise ClientError(422, f"max_tokens may be at most {cfg.limits.max_tokens_limit}", "max_tokens")
+            raise ClientError(400, f"max_tokens may be at most {cfg.limits.max_tokens_limit}", "max_tokens")
         tokens = self.codec.encode(text)
         if not tokens:
-            raise ClientError(422, f"{field} encodes to no tokens", field)
+            raise ClientError(400, f"{field} encodes to no tokens", field)
         if self.engine.bounded and len(tokens) + max_tokens > self.context:
             raise ClientError(400, f"the prompt's {len(tokens)} tokens plus max_tokens {max_tokens} exceed "
                                    f"the model's context of {self.context} tokens", field,
@@ -115,10 +115,10 @@ class Answering:
         reproducible."""
         count, limit = len(prompts) * body.n, self.cfg.limits.max_choices_per_request
         if count > limit:
-            raise ClientError(422, f"{len(prompts)} prompt(s) x n {body.n} = {count} choices; a request may ask "
+            raise ClientError(400, f"{len(prompts)} prompt(s) x n {body.n} = {count} choices; a request may ask "
                                    f"for at most {limit}", "n" if body.n > 1 else "prompt")
         if body.logit_bias and max(body.logit_bias) >= self.vocabulary:
-            raise ClientError(422, f"logit_bias names token {max(body.logit_bias)}; the vocabulary has "
+            raise ClientError(400, f"logit_bias names token {max(body.logit_bias)}; the vocabulary has "
                                    f"{self.vocabulary}", "logit_bias")
         sampling = body.sampling()
         return [Completion(p, body.new_tokens, sampling, oa.choice_seed(body.seed, j), self.stop_token)
@@ -188,7 +188,7 @@ async def predict(body: PredictRequest, a: Replica) -> dict[str, Any]:
     a.expect(generates=False)
     bad = [i for i, row in enumerate(body.inputs) if len(row) != a.in_dim]
     if bad:
-        raise ClientError(422, f"each input needs {a.in_dim} values; row {bad[0]} has {len(body.inputs[bad[0]])}",
+        raise ClientError(400, f"each input needs {a.in_dim} values; row {bad[0]} has {len(body.inputs[bad[0]])}",
                           "inputs")
     with torch.no_grad():
         outputs = a.mlp(torch.tensor(body.inputs))
