@@ -59,6 +59,9 @@ def run_train(config: str, overrides: list[str], attach_to_running: bool, take_o
         except StoppedBeforeTraining:
             print("shardyard: SIGTERM before training began: stopped, nothing to save", file=sys.stderr)
             return exit_codes.PREEMPTED
+        except KeyboardInterrupt as err:  # Ctrl-C before training began, or a second one during it
+            print(f"shardyard: {err or 'Ctrl-C before training began: stopped, nothing to save'}", file=sys.stderr)
+            return exit_codes.INTERRUPTED
         except SpecError as err:
             print(f"shardyard: {err}", file=sys.stderr)
             return exit_codes.REFUSED
@@ -74,7 +77,7 @@ def _train(spec: JobSpec, attach_to_running: bool, take_over: bool) -> int:
         return exit_codes.GAVE_UP
     except Preempted as err:
         print(f"shardyard: {err}", file=sys.stderr)
-        return exit_codes.PREEMPTED
+        return exit_codes.INTERRUPTED if err.by == "Ctrl-C" else exit_codes.PREEMPTED
     return exit_codes.DONE
 
 

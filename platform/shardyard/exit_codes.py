@@ -7,5 +7,7 @@ GAVE_UP = 1  # the run stopped and retrying would not help: a repeated error, di
 REFUSED = 2  # nothing started: a bad spec, a run held by another launch, storage that cannot fence
 PREEMPT_TIMED_OUT = 3  # SIGTERM, but no checkpoint committed within checkpoint.preempt_timeout_s:
 #                        a new launch resumes from the last committed one; the steps since are lost
+INTERRUPTED = 130  # Ctrl-C (128 + SIGINT): as PREEMPTED, nothing lost, unless a second Ctrl-C stopped
+#                    it at once (its message says from which step a new launch resumes)
 PREEMPTED = 143  # SIGTERM (128 + 15), nothing lost: training had not begun, or it committed the
 #                  step it stopped at; launching again continues from there

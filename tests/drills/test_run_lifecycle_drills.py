@@ -109,6 +109,69 @@ def test_sigterm_checkpoints_at_the_next_step_and_the_next_launch_loses_nothing(
     assert [row["step"] for row in read_metrics(run)] == list(range(1, stopped_at + 3))
 
 
+@pytest.mark.drill(outcome="checkpointed and exits 130; a second Ctrl-C stops at once, saying from which step",
+                   lost="nothing; after a second Ctrl-C the steps since the last checkpoint")
+@pytest.mark.timeout(600)
+def test_ctrl_c_checkpoints_like_sigterm_and_a_second_one_stops_at_once(tmp_path: Path) -> None:
+    """Ctrl-C as a user presses it: the terminal sends SIGINT to the whole foreground process
+    group (`shardyard train` and the local Ray it started, as README runs it, no cluster of the
+    test session's). The run checkpoints at the next step boundary and exits 130, and the next
+    launch goes on from there. Then a launch held mid-run (no step boundary comes) gets Ctrl-C
+    twice: it stops at once, saying from which step a new launch resumes."""
+    from shardyard.train.callbacks import HOLD_ENV, held_at, release
+
+    run = tmp_path / "journey"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+
+    def train(steps: int, extra_env: dict[str, str]) -> subprocess.Popen:
+        overrides = job(tmp_path, steps, "checkpoint.every_n_steps=50000")
+        return subprocess.Popen([SHARDYARD, "train", str(DEFAULT_JOB), *[a for o in overrides for a in ("--set", o)]],
+                                cwd=tmp_path, env={**env, **extra_env}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def ctrl_c(proc: subprocess.Popen) -> None:
+        os.killpg(proc.pid, signal.SIGINT)
+
+    proc = train(100000, {})
+    try:
+        _wait_for_step(run, 3, proc)
+        ctrl_c(proc)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, out + err
+    assert err.count("Ctrl-C: checkpointing") == 1 and "launch it again to continue" in err, err
+    assert "Traceback" not in err, err
+    stopped_at = int(find_latest(run).name[-8:])
+    assert 3 <= stopped_at == max(row["step"] for row in read_metrics(run))
+
+    held = stopped_at + 2  # the next launch holds after this step: no step boundary comes
+    proc = train(100000, {HOLD_ENV: str(held)})
+    try:
+        deadline = time.monotonic() + 300
+        while held_at(run, held) is None:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        ctrl_c(proc)
+        said = []  # the driver's stderr up to its answer to the first Ctrl-C: then the second
+        while not said or "Ctrl-C: checkpointing" not in said[-1]:
+            line = proc.stderr.readline()
+            assert line, "".join(said)
+            said.append(line)
+        ctrl_c(proc)
+        out, err = proc.communicate(timeout=120)
+        err = "".join(said) + err
+    finally:
+        release(run, held)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, out + err
+    assert f"second Ctrl-C: run 'journey' stopped at once; a new launch resumes from step {stopped_at}" in err, err
+    assert "Traceback" not in err, err
+    assert restored_steps(run) == [0, stopped_at]
+
+
 @pytest.mark.drill(outcome="exits 3, not 143", lost="the steps since the last checkpoint")
 @pytest.mark.timeout(300)
 def test_a_sigterm_whose_checkpoint_cannot_commit_in_time_exits_3_not_143(ray_cluster, tmp_path: Path) -> None:

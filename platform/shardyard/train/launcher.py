@@ -27,11 +27,12 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 import torch.distributed as dist
-from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig, UserCallback
+from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig, TrainingFailedError, UserCallback
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from shardyard.data.corpus import corpus_files
@@ -56,6 +57,7 @@ from shardyard.checkpoint.record import newest_good
 from shardyard.checkpoint.store import RunStorage
 from shardyard.checkpoint.events import log_event, read_events
 from shardyard.train.metrics import RunResult, finish_run
+from shardyard.train.restart_lines import committed_step, restart_lines, restarts_allowed
 from shardyard.train.startup import StartupPhases, driver_marks, report
 from shardyard.train.step_guard import PREEMPT_FILE, Diverged
 from shardyard.train.trainer import Callback, Trainer
@@ -149,12 +151,26 @@ class RunGaveUp(RuntimeError):
 
 class Preempted(RuntimeError):
     """A preemption notice stopped the run after it committed a checkpoint: launching it again
-    continues. `signalled`: the notice was SIGTERM to this driver, not one written by another part
-    of shardyard (the pool resizing the run)."""
+    continues. `by`: the signal to this driver that gave the notice (SIGTERM, or Ctrl-C), or None
+    for one written by another part of shardyard (the pool resizing the run)."""
 
-    def __init__(self, message: str, signalled: bool) -> None:
+    def __init__(self, message: str, by: str | None) -> None:
         super().__init__(message)
-        self.signalled = signalled
+        self.by = by
+
+    @property
+    def signalled(self) -> bool:
+        return self.by is not None
+
+
+class StoppedAtOnce(KeyboardInterrupt):
+    """A second Ctrl-C: the launch stops without waiting for a checkpoint (a KeyboardInterrupt,
+    so that it leaves through every `except Exception`). Its message says what is lost."""
+
+
+# The signals that ask a running launch to checkpoint at the next step boundary and stop, by the
+# name the user knows them by.
+NOTICES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "Ctrl-C"}
 
 
 def repeated_failure(events: list[dict[str, Any]], launch_id: str) -> str | None:
@@ -375,31 +391,49 @@ def launch(spec: JobSpec, attach_to_running: bool = False, take_over: bool = Fal
         return _launch(spec, attach_to_running, lease, began_at)
 
 
+@dataclass
+class Notice:
+    """What a launch heard: the first notice's signal by name (NOTICES), None while none came."""
+    by: str | None = None
+
+
 @contextmanager
-def preemption_notice(spec: JobSpec) -> Iterator[threading.Event]:
-    """While the block runs, SIGTERM asks the workers to checkpoint at the next step boundary and
-    stop (`<run>/PREEMPT`); if the run has not ended `checkpoint.preempt_timeout_s` later, the
-    driver exits anyway. Installed after Ray's own driver handler, which would abort at once.
-    Yields an event set once a SIGTERM has been heard."""
+def preemption_notice(spec: JobSpec) -> Iterator[Notice]:
+    """While the block runs, SIGTERM or a Ctrl-C asks the workers to checkpoint at the next step
+    boundary and stop (`<run>/PREEMPT`); if the run has not ended `checkpoint.preempt_timeout_s`
+    later, the driver exits anyway. A second Ctrl-C stops the launch at once (StoppedAtOnce).
+    Installed after Ray's own driver handler, which would abort at once; Ray Train's own Ctrl-C
+    handler (which aborts the workers wherever they are) is never installed: `fit_in_background`.
+    Yields the Notice, filled in once one is heard."""
     storage = RunStorage(spec.run_uri)
     storage.delete(PREEMPT_FILE)  # a notice a stopped launch left behind is not for this one
-    heard = threading.Event()
+    heard = Notice()
     if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
         yield heard
         return
     # The handler only queues the notice (SimpleQueue.put is reentrant): printing or starting a
-    # thread inside it could deadlock or raise when a second SIGTERM lands while the first is handled.
-    notices: queue.SimpleQueue[float | None] = queue.SimpleQueue()
+    # thread inside it could deadlock or raise when a second signal lands while the first is handled.
+    notices: queue.SimpleQueue[str | None] = queue.SimpleQueue()
     ended = threading.Event()
+    interrupts = [0]
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT:
+            interrupts[0] += 1
+            if interrupts[0] > 1:
+                raise StoppedAtOnce()
+        notices.put(NOTICES[signum])
 
     def act_on_notice() -> None:
-        if notices.get() is None:
+        by = notices.get()
+        if by is None:
             return
-        heard.set()
+        heard.by = by
         timeout = spec.checkpoint.preempt_timeout_s
         deadline = time.monotonic() + timeout
-        print(f"shardyard: SIGTERM: checkpointing run '{spec.run.name}' at the next step boundary, then "
-              f"stopping (at most {timeout:g} s)", file=sys.stderr, flush=True)
+        again = "; Ctrl-C again stops at once, losing the steps since the last checkpoint" if by == "Ctrl-C" else ""
+        print(f"shardyard: {by}: checkpointing run '{spec.run.name}' at the next step boundary, then "
+              f"stopping (at most {timeout:g} s{again})", file=sys.stderr, flush=True)
         while time.monotonic() < deadline:  # storage that fails now may answer in a moment
             try:
                 storage.write_bytes(str(time.time()).encode(), PREEMPT_FILE)
@@ -416,17 +450,58 @@ def preemption_notice(spec: JobSpec) -> Iterator[threading.Event]:
 
     watcher = threading.Thread(target=act_on_notice, name="shardyard-preemption-notice", daemon=True)
     watcher.start()
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: notices.put(time.time()))
+    previous = {signum: signal.signal(signum, on_signal) for signum in NOTICES}
     if terminated():  # heard by the handler before this one, after the launch's last look at it
-        notices.put(time.time())
+        notices.put("SIGTERM")
     try:
         yield heard
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         ended.set()
         notices.put(None)
         watcher.join()
         storage.delete(PREEMPT_FILE)
+
+
+def fit_in_background(trainer: TorchTrainer) -> None:
+    """`trainer.fit()` on a thread of its own, the main thread waiting for it: Ray Train installs
+    its Ctrl-C handler (which aborts the workers mid-step, losing what they had not committed) only
+    when fit runs on the main thread, and this launcher's own (preemption_notice) checkpoints first.
+    The main thread waits in short joins, between which Python runs its signal handlers."""
+    raised: list[BaseException] = []
+
+    def fit() -> None:
+        try:
+            trainer.fit()
+        except BaseException as err:  # noqa: BLE001 - handed to the main thread, raised there
+            raised.append(err)
+
+    thread = threading.Thread(target=fit, name="shardyard-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.5)
+    if raised:
+        raise raised[0]
+
+
+def failure_summary(err: TrainingFailedError) -> str:
+    """Ray Train's final error in a line: each failed rank's error, first line only."""
+    failures = getattr(err, "worker_failures", None) or {}
+    if not failures:
+        return str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+    return "; ".join(f"rank {rank}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+                     for rank, e in sorted(failures.items()))
+
+
+def stopped_at_once(spec: JobSpec) -> str:
+    """After a second Ctrl-C: Ray is shut down (a local instance and this driver's workers with
+    it), then what a new launch resumes from, and so what is lost."""
+    ray.shutdown()
+    found = newest_good(RunStorage(spec.run_uri))
+    resumes = f"from step {found[1]['step']}, its last committed checkpoint" if found else "from the start"
+    return (f"second Ctrl-C: run '{spec.run.name}' stopped at once; a new launch resumes {resumes}, and the steps "
+            f"trained after it are lost")
 
 
 def _launch_parameter_servers(spec: JobSpec, lease: RunLease) -> RunResult:
@@ -437,16 +512,18 @@ def _launch_parameter_servers(spec: JobSpec, lease: RunLease) -> RunResult:
 
     ps = ParameterServerRun(spec, fence=lease.fence())
     stop_if_terminated()
-    with preemption_notice(spec) as sigterm:
+    with preemption_notice(spec) as notice:
         try:
             result = ps.run()
+        except StoppedAtOnce:
+            raise StoppedAtOnce(stopped_at_once(spec)) from None
         except (Diverged, LeaseLost) as err:
             log_event(spec.run_uri, "diverged" if isinstance(err, Diverged) else "lease_lost", reason=str(err),
                       step=ps.state.step)
             raise RunGaveUp(f"run '{spec.run.name}' stopped: {err}") from None
     if ps.preempted:
-        raise Preempted(f"run '{spec.run.name}' stopped on SIGTERM after committing step {ps.state.step}; "
-                        f"launch it again to continue from there", sigterm.is_set())
+        raise Preempted(f"run '{spec.run.name}' stopped on {notice.by or 'a preemption notice'} after committing "
+                        f"step {ps.state.step}; launch it again to continue from there", notice.by)
     return result
 
 
@@ -488,14 +565,21 @@ def _launch(spec: JobSpec, attach_to_running: bool, lease: RunLease, began_at: f
     )
     start = time.perf_counter()
     stop_if_terminated()
-    with preemption_notice(spec) as sigterm:
-        trainer.fit()
+    with preemption_notice(spec) as notice, restart_lines(spec.run_uri, launch_id, spec.scaling.max_failures):
+        try:
+            fit_in_background(trainer)
+        except StoppedAtOnce:
+            raise StoppedAtOnce(stopped_at_once(spec)) from None
+        except TrainingFailedError as err:  # Ray Train's restarts ran out: its tracebacks are in the logs above
+            raise RunGaveUp(f"run '{spec.run.name}' stopped: {failure_summary(err)}; scaling.max_failures "
+                            f"({restarts_allowed(spec.scaling.max_failures)}) restarts were used. Launching it again "
+                            f"resumes from step {committed_step(spec.run_uri)}") from None
     ended = {e["event"]: e for e in read_events(spec.run_uri) if e.get("launch") == launch_id}
     startup = report(ended.get("first_step"))
     for kind in ("gave_up", "diverged", "lease_lost"):
         if kind in ended:
             raise RunGaveUp(f"run '{spec.run.name}' stopped: {ended[kind]['reason']}")
     if "preempted" in ended:
-        raise Preempted(f"run '{spec.run.name}' stopped on SIGTERM after committing step {ended['preempted']['step']}; "
-                        f"launch it again to continue from there", sigterm.is_set())
+        raise Preempted(f"run '{spec.run.name}' stopped on {notice.by or 'a preemption notice'} after committing "
+                        f"step {ended['preempted']['step']}; launch it again to continue from there", notice.by)
     return finish_run(spec, f"shardyard run '{spec.run.name}' ({spec.parallelism.strategy})", start, startup)
