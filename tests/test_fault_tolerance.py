@@ -85,6 +85,10 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(ray_cluster, un
     # The newest complete checkpoint when the crash happened, never the partial one.
     assert crash["latest_complete"] == "checkpoint_step_00000150"
     assert restart["restored_step"] == 150, events
+    # The console says the failure and the restart, a line each.
+    lost = [line for line in output.splitlines() if line.startswith("shardyard: worker lost (rank ")]
+    assert len(lost) == 1 and lost[0].endswith("; restarting from step 150 (1 of 2)"), output[-4000:]
+    assert "shardyard: training again on 2 workers from step 150 (" in output, output[-4000:]
     assert_exact_data(run_dir)
     assert_same_model(run_dir, uninterrupted)
     # Pruning counts committed checkpoints only: the newest `checkpoint.keep` (2) are left, and

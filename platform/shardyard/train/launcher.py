@@ -140,8 +140,8 @@ class FailureLog(UserCallback):
         errors = {r: f"{type(e).__name__}: {e}"[:300] for r, e in sorted(worker_exceptions.items())}
         # Raised by the training code (a bug, bad data, a model that cannot fit), not Ray's own
         # report of a process or node lost: only such errors can repeat deterministically.
-        from_code = all(not type(e).__module__.startswith("ray.") for e in worker_exceptions.values())
-        log_event(self.run_uri, "failure", ranks=sorted(errors), errors=errors, from_code=from_code)
+        lost = [r for r, e in sorted(worker_exceptions.items()) if type(e).__module__.startswith("ray.")]
+        log_event(self.run_uri, "failure", ranks=sorted(errors), errors=errors, from_code=not lost, lost=lost)
 
 
 class RunGaveUp(RuntimeError):

@@ -29,15 +29,17 @@ def restarts_allowed(max_failures: int) -> str:
 
 
 def failure_line(event: dict[str, Any], failures: int, max_failures: int, resumes_from: int) -> str:
-    """`shardyard: worker lost (rank 1: ActorDiedError: ...); restarting from step 800 (1 of 3)`."""
-    errors = event.get("errors", {})
-    first = next(iter(errors.items()), None)
-    cause = f"rank {first[0]}: {first[1].splitlines()[0][:160]}" if first else "no error given"
-    more = f", and {len(errors) - 1} more" if len(errors) > 1 else ""
-    lost = "worker lost" if len(errors) <= 1 else f"{len(errors)} workers lost"
+    """`shardyard: worker lost (rank 1: WorkerHealthCheckFailedError: ...); restarting from step
+    800 (1 of 3)`. The cause named is a lost worker's (Ray's error) where there is one: the
+    others' errors (a collective whose peer vanished) follow from it."""
+    errors = {int(rank): error for rank, error in event.get("errors", {}).items()}
+    lost = [rank for rank in event.get("lost", []) if rank in errors]
+    rank = (lost or sorted(errors) or [None])[0]
+    cause = f"rank {rank}: {errors[rank].splitlines()[0][:160]}" if rank is not None else "no error given"
+    what = ("worker lost" if len(lost) == 1 else f"{len(lost)} workers lost") if lost else "training failed"
     if 0 <= max_failures < failures:
-        return f"shardyard: {lost} ({cause}{more}); no restart left (scaling.max_failures {max_failures})"
-    return (f"shardyard: {lost} ({cause}{more}); restarting from step {resumes_from} "
+        return f"shardyard: {what} ({cause}); no restart left (scaling.max_failures {max_failures})"
+    return (f"shardyard: {what} ({cause}); restarting from step {resumes_from} "
             f"({failures} of {restarts_allowed(max_failures)})")
 
 
