@@ -39,6 +39,13 @@ def test_plan_names_a_small_models_size_and_a_bad_spec_is_status_2(capsys, tmp_p
     (tmp_path / "bad.yaml").write_text("model:\n  name: gpt\n  n_layr: 2\n")
     assert main(["train", str(tmp_path / "bad.yaml")]) == 2
     assert "did you mean 'n_layer'?" in capsys.readouterr().err
+    # The plan's own arguments: a size that is not one, and counts below their least, are a message.
+    assert main(["plan", str(REPO / "jobs" / "configs" / "gpt_ddp.yaml"), "--gpus", "8", "--gpu-memory", "80XB"]) == 2
+    assert "'80XB' is not a size" in capsys.readouterr().err
+    for bad in (["--gpus", "-3"], ["--nodes", "0"]):
+        with pytest.raises(SystemExit):
+            main(["plan", str(REPO / "jobs" / "configs" / "gpt_ddp.yaml"), *bad])
+        assert "shardyard plan: error: argument" in capsys.readouterr().err
 
 
 def test_print_config_shows_the_resolved_spec_and_schema_is_json_schema(capsys) -> None:

@@ -68,6 +68,15 @@ def run_train(config: str, overrides: list[str], attach_to_running: bool, take_o
 
 
 def _train(spec: JobSpec, attach_to_running: bool, take_over: bool) -> int:
+    from shardyard.checkpoint.record import newest_good
+    from shardyard.checkpoint.store import RunStorage
+
+    found = newest_good(RunStorage(spec.run_uri))
+    if found is not None and found[1]["step"] >= spec.run.steps:  # nothing to train: no Ray, no summary of 0 steps
+        print(f"shardyard: run '{spec.run.name}' is already at step {found[1]['step']} (run.steps={spec.run.steps}): "
+              f"nothing to train. Train it longer with --set run.steps={found[1]['step'] + spec.run.steps}, or start "
+              f"a new run with --set run.name=NAME", file=sys.stderr)
+        return exit_codes.DONE
     from shardyard.train.launcher import Preempted, RunGaveUp, launch  # imports Ray: only once the spec is valid
 
     try:
@@ -113,6 +122,21 @@ def run_export(checkpoint: str, out: str, fmt: str, trust_factory: str | None = 
     except (BadCheckpoint, SpecError) as err:
         print(f"shardyard: {err}", file=sys.stderr)
         return 2
+
+
+def non_negative_int(text: str) -> int:
+    """argparse's type for a count that may be 0: a negative one is refused by argparse's usage line."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: at least 1")
+    return value
 
 
 def count(n: float) -> str:
@@ -196,10 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     plan = commands.add_parser("plan", help="per-device memory and communication of each parallelism; "
                                              "the recommended one")
     add_spec_arguments(plan, config_flag=False)
-    plan.add_argument("--gpus", type=int, default=0, help="GPUs in the cluster (default: plan for this "
-                                                           "machine's CPUs at the spec's world size)")
+    plan.add_argument("--gpus", type=non_negative_int, default=0,
+                      help="GPUs in the cluster (default: plan for this machine's CPUs at the spec's world size)")
     plan.add_argument("--gpu-memory", default="80GB", help="memory per GPU, e.g. 80GB, 24GiB")
-    plan.add_argument("--nodes", type=int, default=1)
+    plan.add_argument("--nodes", type=positive_int, default=1)
     serve = commands.add_parser("serve", help="serve a run, a checkpoint or a Hugging Face model directory over "
                                                "HTTP (OpenAI API), with vLLM's flag names",
                                 description=serve_command.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -306,6 +306,12 @@ def parse_bytes(text: str) -> float:
     """'80GB', '80GiB', '512MB', '1.5e9' -> bytes (GB and GiB both mean 2**30: device sizes)."""
     units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if t and t[-1] in units:
-        return float(t[:-1]) * units[t[-1]]
-    return float(t)
+    scale = units.get(t[-1:], 1)
+    try:
+        value = float(t[:-1] if scale != 1 else t)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size: give a number with an optional unit, e.g. 80GB, 24GiB, "
+                         f"512MB") from None
+    if not value > 0:
+        raise ValueError(f"{text!r}: a device's memory must be more than 0")
+    return value * scale
