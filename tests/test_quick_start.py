@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, ray_files_of_their_own, user_environment
+from shardyard.checkpoint.events import read_events
 from shardyard.checkpoint.loaders import find_latest
 from shardyard.checkpoint.record import checkpoint_name
 from shardyard.train.metrics import LOSS_PLOT, read_metrics
@@ -49,6 +50,14 @@ def test_readme_default_job_trains_on_a_local_ray_it_starts_and_continues_twice_
         assert "Ray Train Controller actor state" not in output, output[-4000:]
         assert find_latest(run_dir).name == checkpoint_name(steps)
         assert len(list(run_dir.glob("checkpoint_step_*"))) == 2  # checkpoint.keep: 2 pruned the rest
+    # The same command once more: the run is already there, said at once, nothing launched.
+    launches = [e for e in read_events(run_dir) if e["event"] == "launch"]
+    with ray_files_of_their_own() as ray_tmp:
+        again = subprocess.run(default_job(20), cwd=REPO, env=user_environment(ray_tmp), capture_output=True,
+                               text=True, timeout=120)
+    assert again.returncode == 0 and "run 'gpt_ddp' is already at step 20 (run.steps=20): nothing to train" \
+        in again.stderr, again.stdout + again.stderr
+    assert [e for e in read_events(run_dir) if e["event"] == "launch"] == launches
     rows = read_metrics(run_dir)
     assert [row["step"] for row in rows] == [4, 8, 12, 16, 20] and {row["world_size"] for row in rows} == {2}
     assert (run_dir / LOSS_PLOT).stat().st_size > 0
