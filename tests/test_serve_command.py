@@ -155,6 +155,8 @@ def test_bad_serve_arguments_are_a_message_and_status_2(run_dir: Path, monkeypat
         taken.listen()
         assert main(["serve", str(run_dir), "--port", str(taken.getsockname()[1])]) == 2
     assert "is taken" in capsys.readouterr().err
+    assert main(["serve", "meta-llama/Llama-3.2-1B"]) == 2  # a hub name: only local directories are served
+    assert "is not a directory here" in capsys.readouterr().err
     if importlib.util.find_spec("vllm") is None:  # asked for and not installed: stops, naming the install
         assert main(["serve", str(run_dir), "--engine", "vllm"]) == 2
         assert "vLLM is not installed in this Python" in capsys.readouterr().err

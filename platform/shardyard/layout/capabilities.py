@@ -32,7 +32,9 @@ def pipeline_blocks(model: Any, training: bool = True) -> int:
     if model.name == "gpt":
         if training and model.tie_weights:
             raise ValueError("pipeline stages cannot share the embedding with the output head: "
-                             "set model.tie_weights=false")
+                             "set model.tie_weights=false, for a new run (a run trained with tied weights "
+                             "keeps them: resume it under another strategy, or give the new run its own "
+                             "run.name)")
         return model.n_layer
     if model.name == "hf":
         config = model.hf_config()

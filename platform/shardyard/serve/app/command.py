@@ -68,6 +68,10 @@ def positive_seconds(text: str) -> int:
 def serve_config(args: argparse.Namespace) -> dict[str, Any]:
     """The application's arguments from the command line (ServeConfig keys; vLLM's names where
     the config takes them too)."""
+    if not os.path.isdir(args.source):  # before Ray starts, in the command's own words
+        raise SpecError(f"{args.source!r} is not a directory here: shardyard serves a run, a checkpoint or a Hugging "
+                        f"Face model directory on this machine's disk (a hub model: download it first, e.g. "
+                        f"`huggingface-cli download {args.source} --local-dir DIR`, then serve DIR)")
     config: dict[str, Any] = {"checkpoint": args.source}
     for flag in ("tensor_parallel_size", "pipeline_parallel_size", "max_num_seqs", "served_model_name"):
         if getattr(args, flag) is not None:
