@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from importlib.metadata import version
 
@@ -71,6 +72,11 @@ def _train(spec: JobSpec, attach_to_running: bool, take_over: bool) -> int:
     from shardyard.checkpoint.record import newest_good
     from shardyard.checkpoint.store import RunStorage
 
+    for key in ("path", "validation_path"):  # said before Ray and torch load; the preflight checks the rest
+        path = getattr(spec.data, key)
+        if path is not None and "://" not in path and not os.path.exists(path):
+            print(f"shardyard: data.{key} {path!r} does not exist", file=sys.stderr)
+            return exit_codes.REFUSED
     found = newest_good(RunStorage(spec.run_uri))
     if found is not None and found[1]["step"] >= spec.run.steps:  # nothing to train: no Ray, no summary of 0 steps
         print(f"shardyard: run '{spec.run.name}' is already at step {found[1]['step']} (run.steps={spec.run.steps}): "
@@ -149,8 +155,6 @@ def count(n: float) -> str:
 
 def run_plan(args: argparse.Namespace) -> int:
     """Print every plan's memory and communication, and the recommended one with its reason."""
-    import os
-
     import psutil
 
     from shardyard.planner import Cluster, ModelShape, parse_bytes, recommend, table
