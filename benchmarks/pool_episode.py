@@ -12,7 +12,8 @@ same time), request latency per phase (calm, peak, after) and failed requests (a
     python benchmarks/pool_episode.py [--shapes tiny small] [--out docs/images/pool_episode.png] [--pool-only]
 
 Each run prints a table, writes benchmarks/results/pool_episode.json and plots the first shape's
-episode (load, replicas, training workers and throughput over time).
+episode (load, replicas, training workers and throughput over time): into docs/images/ for the
+full comparison, into the current directory for `--pool-only`.
 """
 
 from __future__ import annotations
@@ -271,10 +272,13 @@ def plot(episode: dict[str, Any], path: Path, title: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "images" / "pool_episode.png")
+    parser.add_argument("--out", type=Path, help="the plot (default: docs/images/pool_episode.png, the docs' own; "
+                        "with --pool-only pool_episode.png in the current directory)")
     parser.add_argument("--pool-only", action="store_true", help="one episode of the pool, without the static "
                         "split beside it (the first shape; about 2 minutes here)")
     args = parser.parse_args()
+    if args.out is None:  # a quick look never overwrites the figure the docs show
+        args.out = Path("pool_episode.png") if args.pool_only else ROOT / "docs" / "images" / "pool_episode.png"
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes:
