@@ -13,6 +13,7 @@ import pytest
 
 from conftest import REPO, ray_files_of_their_own, user_environment
 from shardyard.checkpoint.events import read_events
+from shardyard.checkpoint.layout import serving_spec
 from shardyard.checkpoint.loaders import find_latest
 from shardyard.checkpoint.record import checkpoint_name
 from shardyard.train.metrics import LOSS_PLOT, read_metrics
@@ -92,6 +93,8 @@ def test_readme_model_commands_pretrain_a_llama_and_export_it_for_transformers(t
     assert "step 4/4" in output and "shardyard run 'llama_fsdp' (fsdp)" in output, output[-4000:]
     run_dir = tmp_path / "llama_fsdp"
     assert {row["world_size"] for row in read_metrics(run_dir)} == {2}
+    # Trained on 64-token samples, served over the model's 256 positions.
+    assert serving_spec(find_latest(run_dir)).model.block_size == 256
     export = subprocess.run([SHARDYARD, "export", str(run_dir), "--format", "hf", str(tmp_path / "out" / "llama")],
                             cwd=REPO, capture_output=True, text=True, timeout=300)
     assert export.returncode == 0, export.stderr[-4000:]

@@ -49,6 +49,19 @@ def test_a_relative_storage_path_in_a_submitted_jobs_copy_is_refused(tmp_path: P
     assert load_spec(DEFAULT_JOB).checkpoint.storage_path == str(tmp_path / "runs")
 
 
+def test_the_served_context_is_every_position_a_model_has_up_to_a_sliding_window() -> None:
+    """A Hugging Face run trained on 64-token samples serves the model's 256 positions; no wider
+    than a sliding window its layers attend through; a GPT's learnt positions stop at block_size."""
+    from shardyard.checkpoint.layout import serving_context
+
+    llama = REPO / "jobs" / "configs" / "llama_fsdp.yaml"
+    assert serving_context(load_spec(llama).model) == 256
+    sliding = ["model.config.architecture=mistral", "model.config.sliding_window=128"]
+    assert serving_context(load_spec(llama, sliding).model) == 128
+    assert serving_context(load_spec(llama, ["model.block_size=256"]).model) == 256
+    assert serving_context(load_spec(DEFAULT_JOB).model) == 64
+
+
 def test_overrides_parse_values_and_nest() -> None:
     spec = load_spec(DEFAULT_JOB, ["optim.lr=3e-4", "scaling.num_workers=4", "run.name=other"])
     assert spec.optim.lr == pytest.approx(3e-4)

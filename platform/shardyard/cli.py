@@ -188,16 +188,17 @@ def print_serving_memory(spec: JobSpec, gpu: bool) -> None:
     `auto` serves it in on these devices (bfloat16 on GPUs, float32 on CPUs)."""
     import torch
 
+    from shardyard.checkpoint.layout import serving_context
     from shardyard.planner import serving_memory
     from shardyard.serve.config import BatchingSettings, EngineSettings
 
     running = BatchingSettings.model_fields["max_batch_size"].default
-    context = getattr(spec.model, "block_size", 0)
+    context = serving_context(spec.model) if hasattr(spec.model, "block_size") else 0
     memory = serving_memory(spec.model, torch.bfloat16 if gpu else torch.float32, running * context, running, gpu,
                             EngineSettings().paged_attention(gpu))
     if memory is not None:
         print(f"serving it (one replica at the defaults: {running} requests at once, a KV cache of "
-              f"{running} contexts): {memory}")
+              f"{running} contexts of {context} tokens): {memory}")
 
 
 def main(argv: list[str] | None = None) -> int:

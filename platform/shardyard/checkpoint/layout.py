@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from shardyard.spec import STORED, CustomSpec, DataSpec, HFSpec, JobSpec, SpecError
 
@@ -65,12 +66,40 @@ def is_hf_directory(path: str | Path) -> bool:
     return (Path(path) / "config.json").is_file() and not (Path(path) / SPEC_FILE).is_file()
 
 
+def positions_of(config: Any) -> int | None:
+    """The positions a Hugging Face config gives its model (None where it names none)."""
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+def serving_context(model: Any) -> int:
+    """The tokens a model is served with: a GPT's or custom module's block_size (learnt positions
+    stop there); a Hugging Face model's every position, not only the sequence length it was
+    trained at (a run trained at 64 tokens of a 256-position Llama serves 256), and no wider than
+    a sliding window (the KV cache holds every past token, which a narrower window would not read)."""
+    if not isinstance(model, HFSpec):
+        return model.block_size
+    config = model.hf_config()
+    window = getattr(config, "sliding_window", None)  # layers slide as serve/executor/model_pass.py reads them
+    slides = "sliding_attention" in (getattr(config, "layer_types", None) or ["sliding_attention" if window else ""])
+    widest = [n for n in (positions_of(config), window if slides else None) if n]
+    return max(model.block_size, min(widest)) if widest else model.block_size
+
+
+def serving_spec(checkpoint_dir: str | Path) -> JobSpec:
+    """The spec a checkpoint is served with: read_spec's, its model's block_size the serving context."""
+    spec = read_spec(checkpoint_dir)
+    context = serving_context(spec.model)
+    if context == spec.model.block_size:
+        return spec
+    return spec.model_copy(update={"model": spec.model.model_copy(update={"block_size": context})})
+
+
 def read_spec(checkpoint_dir: str | Path) -> JobSpec:
     """The spec a checkpoint was trained with, as data (`trusted` makes it buildable). A Hugging
     Face model directory has none: it gets one that loads it as it is, with the model's whole
     context window (for serving it)."""
     if is_hf_directory(checkpoint_dir):
         config = HFSpec.model_construct(path=str(checkpoint_dir), config=None).hf_config()
-        window = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2048
+        window = positions_of(config) or 2048
         return JobSpec(model=HFSpec(path=str(checkpoint_dir), block_size=window), data=DataSpec(name="synthetic"))
     return stored_spec((Path(checkpoint_dir) / SPEC_FILE).read_text())

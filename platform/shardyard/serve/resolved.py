@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardyard.checkpoint.layout import is_hf_directory, read_spec
+from shardyard.checkpoint.layout import is_hf_directory, serving_spec
 from shardyard.checkpoint.loaders import servable
 from shardyard.checkpoint.record import step_of
 from shardyard.data.tokenizer import run_tokenizer
@@ -130,7 +130,7 @@ def _resolve(config: ServeConfig, use_gpu: bool) -> ResolvedConfig:
         raise ValueError("auth.admin_token: it is the clients' bearer token too, so every client could roll the app "
                          "back; give the operator a token of their own")
     checkpoint = str(resolve_checkpoint(config.checkpoint))
-    spec = read_spec(checkpoint)
+    spec = serving_spec(checkpoint)
     model, engine, batching, follow = spec.model, config.engine, config.batching, config.follow
     language = isinstance(model, LANGUAGE_MODELS)
     problem = sharding_problem(model, engine.num_shards, engine.sharding) if language else None

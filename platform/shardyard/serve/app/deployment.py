@@ -29,7 +29,7 @@ from ray import serve
 from ray.serve.config import BackpressureConfig
 from ray.serve.handle import DeploymentHandle
 
-from shardyard.checkpoint.layout import read_spec
+from shardyard.checkpoint.layout import serving_spec
 from shardyard.checkpoint.loaders import load_model
 from shardyard.serve.http.admin_routes import Admin
 from shardyard.serve.follow.app_weights import AppWeights, starting_checkpoint
@@ -122,7 +122,7 @@ class ModelServer:
               if headers else "have no receive deadline here (Serve's default proxy: see docs/serving.md)"), flush=True)
         self._tasks: list[asyncio.Task] = []
         self.guard: GuardSettings | None = None  # made with the HTTP app
-        spec = read_spec(cfg.checkpoint).model
+        spec = serving_spec(cfg.checkpoint).model
         served = served_at_start(cfg)
         self.engine: EngineBackend | None = None
         self.follower: WeightFollower | None = None
@@ -211,7 +211,7 @@ def build_app(args: dict[str, Any]) -> "serve.Application":
     """The Serve application for `args` (ServeConfig keys), validated before anything starts."""
     cfg = served_config(args)
     engine = cfg.engine
-    generates = isinstance(read_spec(cfg.checkpoint).model, LANGUAGE_MODELS)
+    generates = isinstance(serving_spec(cfg.checkpoint).model, LANGUAGE_MODELS)
     slots = cfg.concurrency + cfg.limits.max_queued_requests + cfg.limits.max_pending_bodies
     options: dict[str, Any] = dict(
         # Serve counts a request from its first byte: its slots cover the engine's choices, the

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
 
-from shardyard.checkpoint.layout import read_spec
+from shardyard.checkpoint.layout import serving_spec
 from shardyard.checkpoint.published import Published
 from shardyard.serve.engine.builtin import BuiltinEngine
 from shardyard.serve.engine.decoding import EngineStats
@@ -47,7 +47,7 @@ class Live:
 class EngineCore:
     def __init__(self, cfg: ResolvedConfig, source: str) -> None:
         """`source`: what the model loads (as BuiltinEngine's)."""
-        self.engine = BuiltinEngine(cfg, source, read_spec(cfg.checkpoint).model, cfg.fingerprint,
+        self.engine = BuiltinEngine(cfg, source, serving_spec(cfg.checkpoint).model, cfg.fingerprint,
                                     on_iteration=self._collect)
         self.decoding = self.engine.engine
         self.live: dict[str, Live] = {}

@@ -12,7 +12,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from shardyard.checkpoint.layout import read_spec, trusted
+from shardyard.checkpoint.layout import serving_spec, trusted
 from shardyard.checkpoint.loaders import servable
 from shardyard.checkpoint.published import Published, load_source_part
 from shardyard.models.kv_cache import CacheStep, KVCache
@@ -43,7 +43,7 @@ class LocalModel:
             raise ValueError(f"no checkpoint at {source!r}")
         self.holds = CheckpointHolds()
         self.checkpoint_dir = hold_served(source, str(found), self.holds.served)
-        spec = trusted(read_spec(self.checkpoint_dir), self.checkpoint_dir, trust_factory).model
+        spec = trusted(serving_spec(self.checkpoint_dir), self.checkpoint_dir, trust_factory).model
         if not isinstance(spec, LANGUAGE_MODELS):
             self.holds.close()
             raise ValueError(f"{self.checkpoint_dir} holds a '{spec.name}' model; this is for language models")

@@ -38,7 +38,7 @@ import ray
 import torch
 from ray.dag import InputNode
 
-from shardyard.checkpoint.layout import read_spec, trusted
+from shardyard.checkpoint.layout import serving_spec, trusted
 from shardyard.checkpoint.loaders import servable
 from shardyard.checkpoint.published import Published
 from shardyard.layout.capabilities import check_tensor_parallel, pipeline_blocks
@@ -115,7 +115,7 @@ class ShardedModel:
         self.graph = None
         self.holds = CheckpointHolds()
         self._staged_group: int | None = None  # the group that read the candidate (prepare)
-        spec = trusted(read_spec(self.checkpoint_dir), self.checkpoint_dir, trust_factory).model
+        spec = trusted(serving_spec(self.checkpoint_dir), self.checkpoint_dir, trust_factory).model
         if not isinstance(spec, LANGUAGE_MODELS):
             raise ValueError(f"{self.checkpoint_dir} holds a '{spec.name}' model; sharded serving is for language models")
         problem = sharding_problem(spec, num_shards, sharding)
