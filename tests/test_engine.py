@@ -414,10 +414,15 @@ def test_each_iterations_time_is_told_by_phase(ddp_checkpoint: Path) -> None:
         engine = DecodingEngine(local.forward, 3, local.block_size, 3, TokenBudget(8, 60.0, 4), lambda: None, (),
                                 packs=local.cache_attends, executor=local.executor, times=local.times)
         started = time.perf_counter()
-        asyncio.run(serve_all(engine, fresh(), join_after=3))
+        requests = fresh()
+        requests[0].arrived = started - 10.0  # it waited 10 s at the replica before the engine took it
+        asyncio.run(serve_all(engine, requests, join_after=3))
         elapsed = time.perf_counter() - started
     finally:
         local.close()
+    # Time to first token counts from the request's arrival at the replica, when it says.
+    ttft = sorted(engine.stats.time_to_first_token_s)
+    assert len(ttft) == len(requests) and ttft[-1] >= 10.0 > ttft[-2], ttft
     phases, times = engine.stats.phases, local.times
     assert set(phases) == set(PHASES) and times.passes >= engine.stats.iterations > 0
     assert all(phases[p] > 0 for p in PHASES), phases  # the GPT's cache attends: attention is timed

@@ -33,6 +33,10 @@ class Completion:
     stop_token: int | None = None  # the tokenizer's end of sequence, if it has one
     tokens: list[int] = field(default_factory=list)
     picks: list[Pick] = field(default_factory=list)  # with logprobs asked for: one per token
+    # When its HTTP request reached the replica (time.perf_counter: the machine's monotonic clock,
+    # the same in an engine core's process): time to first token counts from it, the wait for the
+    # replica's admission included. None: when the engine takes it.
+    arrived: float | None = None
 
     @property
     def stopped(self) -> bool:

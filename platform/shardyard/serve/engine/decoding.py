@@ -132,7 +132,7 @@ class DecodingEngine:
 
     def submit(self, request: Completion) -> Sequence:
         check_fits(request, self.context, self.pool.blocks)
-        seq = Sequence(request, time.perf_counter())
+        seq = Sequence(request, request.arrived or time.perf_counter())
         self.scheduler.add(seq)
         self.stats.waiting = len(self.scheduler.waiting)
         self._ensure_running()

@@ -77,7 +77,7 @@ class VllmEngine:
         self._drained.set()
 
     def generate(self, request: Completion) -> Generation:
-        handle = VllmRequest(request, f"shardyard-{next(_request_ids)}", time.perf_counter())
+        handle = VllmRequest(request, f"shardyard-{next(_request_ids)}", request.arrived or time.perf_counter())
         return Generation(request, self.tokens(handle), lambda: setattr(handle, "abandoned", True),
                           lambda: handle.weights or self.weights)
 

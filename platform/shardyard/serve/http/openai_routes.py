@@ -218,7 +218,10 @@ async def answer(a: Answering, prompts: list[list[int]], body: oa.CompletionRequ
     id_ = oa.completion_id(chat)
     requests = a.completions(prompts, body)
     prompt_tokens = sum(len(p) for p in prompts)
+    arrived = time.perf_counter()  # its time to first token counts the wait for a place among the choices
     held = await a.choices.take(len(requests))
+    for request in requests:
+        request.arrived = arrived
     if body.stream:
         options = body.stream_options or oa.StreamOptions()
         return HeldStream(_stream(a, requests, body.stop, chat, id_, options, prompt_tokens), held)
