@@ -102,7 +102,7 @@ def start_pool(storage: Path, name: str, shape: list[str], priority: str, port: 
                  # One lend and one return, timed: the bounds against flapping (a breach as long as a
                  # resize, dwell, budget) would only add their waits (tests/test_pool.py holds them).
                  "policy.resize_cost_s=0", "policy.min_dwell_s=0", "serving.args.autoscaling.downscale_delay_s=3",
-                 "serving.args.autoscaling.upscale_delay_s=1", "serving.args.autoscaling.look_back_period_s=3", "serving.args.batching.max_batch_size=2"]
+                 "serving.args.autoscaling.upscale_delay_s=1", "serving.args.autoscaling.look_back_period_s=11", "serving.args.batching.max_batch_size=2"]
     command = [SHARDYARD, "pool", str(CONFIG)] + [a for o in overrides for a in ("--set", o)]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a local instance with the pool's devices
     return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, env=env)

@@ -54,7 +54,8 @@ class Serving(Strict):
 class LendWhen(Strict):
     signal: Literal["queue_length", "ttft_p90_ms", "kv_occupancy"] = Field(
         "ttft_p90_ms", description="queue_length: requests at a replica (decoding or waiting), averaged over "
-        "replicas; ttft_p90_ms: time to first token, 90th percentile over the last `for_s`; kv_occupancy: "
+        "replicas; ttft_p90_ms: time to first token from a request's arrival at its replica (its wait for admission "
+        "included), 90th percentile over the last `for_s`; kv_occupancy: "
         "the share of KV cache blocks held")
     above: float = Field(gt=0, description="the SLO: the signal over this is a breach")
     for_s: float = Field(10.0, ge=0, description="a breach this long (and Serve wanting a replica it cannot "

@@ -8,6 +8,7 @@ starts Ray: serve/resolved.py reads the config against its checkpoint.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -234,12 +235,16 @@ class ServeConfig(Section):
             if key not in AutoscalingConfig.model_fields:
                 hint = did_you_mean(key, list(AutoscalingConfig.model_fields))
                 raise ValueError(f"autoscaling: {key!r} is not one of Serve's options{f' ({hint})' if hint else ''}")
-        try:
-            AutoscalingConfig.model_validate(options)
-        except ValidationError as err:
-            raise ValueError("autoscaling: " + "; ".join(f"{'.'.join(map(str, e['loc'])) + ': ' if e['loc'] else ''}"
-                                                         f"{e['msg'].removeprefix('Value error, ')}"
-                                                         for e in err.errors())) from None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)  # what Serve will refuse in a later release, refused now
+            try:
+                AutoscalingConfig.model_validate(options)
+            except ValidationError as err:
+                raise ValueError("autoscaling: " + "; ".join(f"{'.'.join(map(str, e['loc'])) + ': ' if e['loc'] else ''}"
+                                                             f"{e['msg'].removeprefix('Value error, ')}"
+                                                             for e in err.errors())) from None
+            except FutureWarning as warning:
+                raise ValueError(f"autoscaling: {warning}") from None
         return options
 
     @model_validator(mode="after")
