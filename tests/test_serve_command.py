@@ -212,6 +212,12 @@ def test_shardyard_serve_answers_with_vllms_flags_on_a_two_core_machine(run_dir:
             assert proc.wait(timeout=90) == 0
             printed = proc.stdout.read()
             assert "serving on" in printed and "request headers not received within 2 s get 408" in printed
+            # The console holds shardyard's lines: Serve's and HAProxy's INFO lines, the warning that
+            # a loopback host cannot route across nodes and Ray's token notice stay in Ray's logs.
+            assert "Ray's and Serve's logs:" in printed, printed
+            for noise in ("HAProxyManager", "ProxyActor", "cross-node routing", "Token authentication is enabled",
+                          "Started Serve"):
+                assert noise not in printed, printed
             assert not haproxy_of(ray_tmp)  # stopped with Serve, not left holding the port
         finally:
             if proc.poll() is None:

@@ -3,6 +3,7 @@ a local instance started for this command."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import socket
@@ -41,8 +42,16 @@ def start_local_ray(**options: Any) -> None:
     """A new local Ray instance (`ray.init` options beside the dashboard and quiet logs), its token
     file private before and after (Ray makes one at the umask when there was none)."""
     keep_ray_token_private()
+    quiet_token_notice()
     ray.init(address="local", include_dashboard=True, runtime_env=QUIET, **options)
     keep_ray_token_private()
+
+
+def quiet_token_notice() -> None:
+    """Ray warns at every local start that it turned token authentication on, its default and
+    shardyard's (docs/clusters.md says so once): that notice stays out of the console. (Setting
+    RAY_AUTH_MODE=token instead only works before Ray is imported.)"""
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
 
 
 def keep_ray_token_private() -> None:

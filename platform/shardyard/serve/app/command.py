@@ -112,7 +112,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from shardyard.cluster import address_to_join, keep_ray_token_private
+    from shardyard.cluster import address_to_join, keep_ray_token_private, quiet_token_notice
     from shardyard.serve.app.deployment import build_app
     from shardyard.serve.app.ingress import haproxy_ingress
     from shardyard.serve.app.port_holder import claim
@@ -128,6 +128,8 @@ def run_serve(args: argparse.Namespace) -> int:
             instance.enter_context(haproxy_ingress(args.header_timeout))
         if own:
             keep_ray_token_private()
+            quiet_token_notice()
+            quiet_serve_driver()
         ray.init(address=address, log_to_driver=True)
         if own:
             keep_ray_token_private()  # Ray makes it at the umask when there was none
@@ -137,15 +139,36 @@ def run_serve(args: argparse.Namespace) -> int:
         except SpecError as err:
             print(f"shardyard: {err}", file=sys.stderr)
             return 2
-        serve.start(http_options={"host": args.host, "port": args.port})
+        # On a Ray of its own, Serve's and HAProxy's INFO lines (dozens at each start) and the warning
+        # that a loopback host cannot route across nodes (there is one node) stay in Ray's log files;
+        # shardyard's own lines, and Serve's errors, reach the console.
+        serve.start(http_options={"host": args.host, "port": args.port},
+                    logging_config={"log_level": "ERROR" if own else "INFO"})
         if own:  # stopped before Ray: Serve stops HAProxy, which Ray's end alone would leave holding the port
             instance.callback(serve.shutdown)
-        return run_until_stopped(app, f"http://{args.host}:{args.port}/v1")
+            print(f"shardyard: Ray's and Serve's logs: {ray_logs()}", flush=True)
+        return run_until_stopped(app, f"http://{args.host}:{args.port}/v1",
+                                 {"log_level": "WARNING", "enable_access_log": False} if own else None)
 
 
-def run_until_stopped(app: Any, url: str) -> int:
+def quiet_serve_driver() -> None:
+    """Serve's INFO lines in this process (its start, the application's readiness) go unsaid:
+    shardyard says when it serves."""
+    import logging
+
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
+
+
+def ray_logs() -> str:
+    """Where the newest Ray session on this machine (this command's own) keeps its logs."""
+    from shardyard.cluster import cluster_record
+
+    return str(cluster_record().parent / "session_latest" / "logs")
+
+
+def run_until_stopped(app: Any, url: str, logging_config: dict[str, Any] | None = None) -> int:
     """Run the application until Ctrl-C or SIGTERM, then delete it (on a shared cluster the other
-    applications stay)."""
+    applications stay). `logging_config`: Serve's for the application's replicas."""
     from ray import serve
 
     # A list, not a threading.Event: a second Ctrl-C runs the handler again inside the first,
@@ -154,7 +177,7 @@ def run_until_stopped(app: Any, url: str) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _: stopping.append(signum))
     try:
-        serve.run(app, name=APP_NAME, route_prefix="/")
+        serve.run(app, name=APP_NAME, route_prefix="/", logging_config=logging_config)
     except RuntimeError as err:  # a replica that could not start: Serve's reason, not a traceback
         print(f"shardyard: the application did not start: {err}", file=sys.stderr)
         return 1
