@@ -1,7 +1,7 @@
-"""The device check: what only a GPU can tell, measured in one call on a lent machine.
+"""The GPU check: what only a GPU can tell, measured in one run on a GPU machine.
 
-    python benchmarks/gpu_prepare.py      # here, once: the wheels the machine's image lacks
-    run(command="bash benchmarks/gpu_check.sh", carry=[".gpu_wheels"], timeout_s=540)
+    python benchmarks/gpu_prepare.py      # where pip reaches its registries: the wheels the GPU machine lacks
+    OUT=results bash benchmarks/gpu_check.sh   # on the GPU machine, from a copy of the checkout with .gpu_wheels/
 
 Stages, most wanted first, each in a process of its own under a time cap, all within BUDGET_S (a
 stage that would start past it is skipped and said so):
@@ -22,11 +22,11 @@ stage that would start past it is skipped and said so):
 - train_float8: with `run.precision: float8` and compile (compute capability 8.9+).
 
 Everything lands in $OUT/summary.json (the device, the date, each stage's status, seconds and
-figures) and the stages' output in $OUT/log.txt: two of the 8 files a run brings back. Copy
-summary.json to benchmarks/results/gpu/ and its figures to docs/benchmarks.md.
+figures) and the stages' output in $OUT/log.txt. Copy summary.json to benchmarks/results/gpu/
+and its figures to docs/benchmarks.md.
 
 Without CUDA the same stages run on a small model and the GPU-only ones are skipped: the suite runs
-them so (tests/test_gpu_check.py), and the script cannot rot between loans.
+them so (tests/test_gpu_check.py), and the script cannot rot between GPU runs.
 
     python benchmarks/gpu_check.py --out DIR [--stages loop,serving] [--budget 450]
 """

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The device check in one call, on a lent GPU machine (benchmarks/gpu_check.py says what it measures):
-#   here, once:  python benchmarks/gpu_prepare.py
-#   then:        run(command="bash benchmarks/gpu_check.sh", carry=[".gpu_wheels"], timeout_s=540)
-# Installs the carried wheels into the image's Python (nothing can be fetched there), then runs the
-# stages within BUDGET_S seconds (default 440); $OUT/summary.json and $OUT/log.txt come back.
+# The GPU check in one run, on a GPU machine (benchmarks/gpu_check.py says what it measures):
+#   where pip reaches its registries, once:  python benchmarks/gpu_prepare.py
+#   then, on the GPU machine:               OUT=results bash benchmarks/gpu_check.sh
+# Installs the wheels in .gpu_wheels/ into the machine's Python (for one without internet access),
+# then runs the stages within BUDGET_S seconds (default 440); $OUT/summary.json and $OUT/log.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d)}"

@@ -1,13 +1,12 @@
-"""The preparing step of the device check (benchmarks/gpu_check.sh), run here, where the package
-registries can be reached: the wheels a lent GPU machine's image lacks, in `.gpu_wheels/` (ignored
-by git, carried to the machine with the checkout: `run(carry=[".gpu_wheels"])`).
+"""The preparing step of the GPU check (benchmarks/gpu_check.sh), run where pip reaches its
+registries: the wheels a GPU machine without internet access lacks, in `.gpu_wheels/` (ignored by
+git; copied to the GPU machine with the checkout).
 
-The image (../shared/FIELD_NOTES.md, "The GPU machine") has Python 3.12, torch with CUDA,
-transformers, numpy, pytest and more, but no Ray, DeepSpeed, pydantic, FastAPI or torchao, and
-nothing can be fetched there. Everything that travels must fit 64 MiB with the checkout, so Ray's
-wheel loses `ray/jars/` (Java) and `ray/rllib/`, which shardyard never imports.
+It prepares for an image with Python 3.12, torch with CUDA, transformers, numpy and pytest, but no
+Ray, DeepSpeed, pydantic, FastAPI or torchao. Ray's wheel loses `ray/jars/` (Java) and
+`ray/rllib/`, which shardyard never imports, so the checkout and its wheels stay small to copy.
 
-    python benchmarks/gpu_prepare.py        # then: run(command="bash benchmarks/gpu_check.sh", carry=[".gpu_wheels"])
+    python benchmarks/gpu_prepare.py        # then, on the GPU machine: bash benchmarks/gpu_check.sh
 """
 
 from __future__ import annotations

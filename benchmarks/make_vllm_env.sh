@@ -4,7 +4,7 @@
 # pins its own transformers. shardyard is installed into it too (editable), so that a Serve
 # replica started from it can import vLLM.
 #   benchmarks/make_vllm_env.sh [DIR]      (default .vllm-env; tests also read SHARDYARD_VLLM_ENV)
-# What it needs on an x86 CPU machine without AVX-512 (../shared/FIELD_NOTES.md): torchvision,
+# What it needs on an x86 CPU machine without AVX-512: torchvision,
 # torchaudio and torchcodec removed (their wheels do not match vLLM's torch), and a distribution
 # named `vllm` whose version ends in +cpu, from which vLLM decides it runs on the CPU.
 set -euo pipefail

@@ -1,6 +1,6 @@
-"""The device check (benchmarks/gpu_check.sh) run here as on a lent GPU machine, its stages on
-the small model a machine without CUDA gets and the GPU-only ones skipped, so the script a loan
-depends on cannot rot between loans. Four calls, each under two minutes."""
+"""The GPU check (benchmarks/gpu_check.sh) run here as on a GPU machine, its stages on the
+small model a machine without CUDA gets and the GPU-only ones skipped, so the script cannot rot
+between GPU runs. Four calls, each under two minutes."""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ and vLLM reloads its weights in place (its workers' `reload_weights`) in a drain
 requests wait, the running ones finish on the old weights, and the prefix cache is emptied before
 any request runs on the new ones; swapping back reloads the directory served before.
 
-vLLM is optional (`pip install shardyard[vllm]`; on CPU, vLLM's CPU build, see
-../shared/FIELD_NOTES.md). `start_vllm` says why it cannot be used (not installed, a model it
+vLLM is optional (`pip install shardyard[vllm]`; on CPU, vLLM's CPU build, which
+benchmarks/make_vllm_env.sh installs). `start_vllm` says why it cannot be used (not installed, a model it
 cannot load); the app then serves with the built-in engine and logs the reason.
 """
 
