@@ -154,3 +154,26 @@ def test_readme_default_job_on_a_one_gpu_machine_trains_at_once_and_says_where(t
     assert ("shardyard: 1 GPU cannot hold 2 workers and this machine's Ray instance cannot grow, so training "
             "runs on CPU; --set scaling.num_workers=1 trains on the GPU") in output, output[-4000:]
     assert "waiting for it to scale up" not in output and "step 2/2" in output, output[-4000:]
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(420)
+def test_a_model_of_the_users_own_trains_from_the_directory_they_run_in(tmp_path: Path) -> None:
+    """`model.factory` naming a module in the user's own directory, `shardyard train` run there
+    without PYTHONPATH: the spec's check on the driver and the Ray Train workers of the local Ray
+    it starts all import it from that directory."""
+    import shutil
+
+    project = tmp_path / "project"
+    project.mkdir()
+    shutil.copy(REPO / "tests" / "custom_model.py", project / "my_model.py")
+    (project / "job.yaml").write_text(f"base: {REPO / 'jobs' / 'configs' / 'gpt_ddp.yaml'}\n"
+                                      "model: {name: custom, factory: 'my_model:build', block_size: 16}\n")
+    command = [SHARDYARD, "train", "job.yaml", "--set", "run.steps=2", "--set", "run.log_every=1",
+               "--set", f"checkpoint.storage_path={tmp_path / 'runs'}"]
+    with ray_files_of_their_own() as ray_tmp:
+        environment = {k: v for k, v in user_environment(ray_tmp).items() if k != "PYTHONPATH"}
+        done = subprocess.run(command, cwd=project, env=environment, capture_output=True, text=True, timeout=400)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0 and "step 2/2" in output, output[-4000:]
+    assert find_latest(tmp_path / "runs" / "gpt_ddp").name == "checkpoint_step_00000002"

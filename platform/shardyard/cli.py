@@ -240,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     schema = commands.add_parser("schema", help="the job spec's JSON schema (for editors' completion and checks)")
     schema.add_argument("--serve", action="store_true", help="the serving config's instead")
     args = parser.parse_args(argv)
+    if os.getcwd() not in sys.path:  # the user's own modules (model.factory) import from where they run, as with python -m
+        sys.path.append(os.getcwd())
     if args.command == "schema":
         from shardyard.serve.config import ServeConfig
         from shardyard.spec import JobSpec

@@ -43,8 +43,16 @@ def start_local_ray(**options: Any) -> None:
     file private before and after (Ray makes one at the umask when there was none)."""
     keep_ray_token_private()
     quiet_token_notice()
-    ray.init(address="local", include_dashboard=True, runtime_env=QUIET, **options)
+    ray.init(address="local", include_dashboard=True, runtime_env=local_runtime_env(), **options)
     keep_ray_token_private()
+
+
+def local_runtime_env() -> dict[str, Any]:
+    """A local instance's workers import what the command does: the user's own modules (a
+    model.factory) from the directory it runs in, then PYTHONPATH. (On a cluster, `ray job submit
+    --working-dir .` puts that directory on every worker's path.)"""
+    path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
+    return {"env_vars": {**QUIET["env_vars"], "PYTHONPATH": path}}
 
 
 def quiet_token_notice() -> None:

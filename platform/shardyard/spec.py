@@ -163,7 +163,9 @@ class CustomSpec(Section):
         try:
             found = getattr(importlib.import_module(module), function, None)
         except ImportError as err:
-            raise ValueError(f"model.factory: cannot import '{module}': {err}") from None
+            raise ValueError(f"model.factory: cannot import '{module}': {err} (shardyard imports it from the directory "
+                             f"it runs in, an installed package or PYTHONPATH; on a cluster, submit the job with "
+                             f"`ray job submit --working-dir .`)") from None
         if not callable(found):
             raise ValueError(f"model.factory: '{module}' has no function '{function}'")
         return self

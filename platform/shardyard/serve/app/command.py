@@ -112,7 +112,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from shardyard.cluster import address_to_join, keep_ray_token_private, quiet_token_notice
+    from shardyard.cluster import address_to_join, keep_ray_token_private, local_runtime_env, quiet_token_notice
     from shardyard.serve.app.deployment import build_app
     from shardyard.serve.app.ingress import haproxy_ingress
     from shardyard.serve.app.port_holder import claim
@@ -130,7 +130,7 @@ def run_serve(args: argparse.Namespace) -> int:
             keep_ray_token_private()
             quiet_token_notice()
             quiet_serve_driver()
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=True, runtime_env=local_runtime_env() if own else None)
         if own:
             keep_ray_token_private()  # Ray makes it at the umask when there was none
         instance.callback(ray.shutdown)
