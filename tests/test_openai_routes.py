@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -96,6 +97,7 @@ def test_each_mistake_gets_its_status_and_reason(app: str) -> None:
     assert status == 404 and "'other' is not served here" in reason
     status, reason = error_of(post("/v1/completions", {"prompt": "x" * 2040, "max_tokens": 16}))
     assert status == 400 and "exceed the model's context of 2048 tokens" in reason
+    assert re.search(r"at most \d+ new tokens fit after this prompt", reason), reason  # what would fit
     status, reason = error_of(post("/v1/completions", {"prompt": "x", "n": 9}))
     assert status == 400 and "at most 8" in reason
     status, reason = error_of(post("/v1/completions", {"prompt": "x", "seed": 2**64 - 1}))

@@ -104,8 +104,10 @@ class Answering:
         if not tokens:
             raise ClientError(400, f"{field} encodes to no tokens", field)
         if self.engine.bounded and len(tokens) + max_tokens > self.context:
+            room = self.context - len(tokens)
+            fits = f"at most {room} new tokens fit after this prompt" if room > 0 else "the prompt alone fills it"
             raise ClientError(400, f"the prompt's {len(tokens)} tokens plus max_tokens {max_tokens} exceed "
-                                   f"the model's context of {self.context} tokens", field,
+                                   f"the model's context of {self.context} tokens: {fits}", field,
                               "context_length_exceeded")
         return tokens
 
