@@ -511,7 +511,7 @@ def test_vllms_sampling_extensions_logprobs_and_several_choices_are_honoured(eng
     tokens its sampling gives it decoded alone (choice j of a seeded request drawing from seed + j),
     log-probabilities are the model's, streams carry several choices, and what the server cannot
     honour is refused by name."""
-    from openai import OpenAI, UnprocessableEntityError
+    from openai import BadRequestError, OpenAI
 
     forward = torch.no_grad()(load_model(default_job_checkpoint).eval())
     client = OpenAI(base_url=f"{engine_server}/v1", api_key="none")
@@ -568,7 +568,7 @@ def test_vllms_sampling_extensions_logprobs_and_several_choices_are_honoured(eng
     # Refused by name: what the server cannot honour, and more choices than a request may carry.
     for fields, name in [({"echo": True}, "echo"), ({"best_of": 2}, "best_of"), ({"n": 9}, "n"),
                          ({"min_tokens": 5}, "min_tokens")]:
-        with pytest.raises(UnprocessableEntityError, match=name):
+        with pytest.raises(BadRequestError, match=name):
             client.completions.create(model="tiny-gpt", prompt="ab", max_tokens=4, extra_body=fields)
 
 
