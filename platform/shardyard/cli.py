@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from importlib.metadata import version
 
 import yaml
@@ -69,7 +70,7 @@ def run_train(config: str, overrides: list[str], attach_to_running: bool, take_o
 
 
 def _train(spec: JobSpec, attach_to_running: bool, take_over: bool) -> int:
-    from shardyard.checkpoint.record import newest_good
+    from shardyard.checkpoint.record import newest_step
     from shardyard.checkpoint.store import RunStorage
 
     for key in ("path", "validation_path"):  # said before Ray and torch load; the preflight checks the rest
@@ -77,10 +78,10 @@ def _train(spec: JobSpec, attach_to_running: bool, take_over: bool) -> int:
         if path is not None and "://" not in path and not os.path.exists(path):
             print(f"shardyard: data.{key} {path!r} does not exist", file=sys.stderr)
             return exit_codes.REFUSED
-    found = newest_good(RunStorage(spec.run_uri))
-    if found is not None and found[1]["step"] >= spec.run.steps:  # nothing to train: no Ray, no summary of 0 steps
-        print(f"shardyard: run '{spec.run.name}' is already at step {found[1]['step']} (run.steps={spec.run.steps}): "
-              f"nothing to train. Train it longer with --set run.steps={found[1]['step'] + spec.run.steps}, or start "
+    done = newest_step(RunStorage(spec.run_uri))
+    if done >= spec.run.steps:  # nothing to train: no Ray, no summary of 0 steps
+        print(f"shardyard: run '{spec.run.name}' is already at step {done} (run.steps={spec.run.steps}): "
+              f"nothing to train. Train it longer with --set run.steps={done + spec.run.steps}, or start "
               f"a new run with --set run.name=NAME", file=sys.stderr)
         return exit_codes.DONE
     from shardyard.train.launcher import Preempted, RunGaveUp, launch  # imports Ray: only once the spec is valid
@@ -130,19 +131,17 @@ def run_export(checkpoint: str, out: str, fmt: str, trust_factory: str | None = 
         return 2
 
 
-def non_negative_int(text: str) -> int:
-    """argparse's type for a count that may be 0: a negative one is refused by argparse's usage line."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is negative")
-    return value
+def count_from(least: int) -> Callable[[str], int]:
+    """argparse's type for a whole number of at least `least`: one below it is refused by
+    argparse's usage line, naming the least."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{text}: at least {least}")
+        return value
 
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text}: at least 1")
-    return value
+    parse.__name__ = "int"  # argparse's "invalid int value" for text that is no number
+    return parse
 
 
 def count(n: float) -> str:
@@ -225,10 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     plan = commands.add_parser("plan", help="per-device memory and communication of each parallelism; "
                                              "the recommended one")
     add_spec_arguments(plan, config_flag=False)
-    plan.add_argument("--gpus", type=non_negative_int, default=0,
+    plan.add_argument("--gpus", type=count_from(0), default=0,
                       help="GPUs in the cluster (default: plan for this machine's CPUs at the spec's world size)")
     plan.add_argument("--gpu-memory", default="80GB", help="memory per GPU, e.g. 80GB, 24GiB")
-    plan.add_argument("--nodes", type=positive_int, default=1)
+    plan.add_argument("--nodes", type=count_from(1), default=1)
     serve = commands.add_parser("serve", help="serve a run, a checkpoint or a Hugging Face model directory over "
                                                "HTTP (OpenAI API), with vLLM's flag names",
                                 description=serve_command.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -379,3 +379,10 @@ def newest_name(storage: RunStorage, check_files: bool = True) -> str | None:
     """The name of the newest good checkpoint (`newest_good`), or None."""
     found = newest_good(storage, check_files)
     return found[0] if found else None
+
+
+def newest_step(storage: RunStorage) -> int:
+    """The step a new launch or worker group resumes from: the newest good checkpoint's (0: none,
+    it starts from the beginning)."""
+    found = newest_good(storage)
+    return found[1]["step"] if found else 0

@@ -53,11 +53,11 @@ from shardyard.train.callbacks import (
 )
 from shardyard.checkpoint.layout import SPEC_FILE, stored_spec
 from shardyard.checkpoint.lease import LeaseFence, LeaseLost, RunLease
-from shardyard.checkpoint.record import newest_good
+from shardyard.checkpoint.record import newest_good, newest_step
 from shardyard.checkpoint.store import RunStorage
 from shardyard.checkpoint.events import log_event, read_events
 from shardyard.train.metrics import RunResult, finish_run
-from shardyard.train.restart_lines import committed_step, restart_lines, restarts_allowed
+from shardyard.train.restart_lines import restart_lines, restarts_allowed
 from shardyard.train.startup import StartupPhases, driver_marks, report
 from shardyard.train.step_guard import PREEMPT_FILE, Diverged
 from shardyard.train.trainer import Callback, Trainer
@@ -498,8 +498,8 @@ def stopped_at_once(spec: JobSpec) -> str:
     """After a second Ctrl-C: Ray is shut down (a local instance and this driver's workers with
     it), then what a new launch resumes from, and so what is lost."""
     ray.shutdown()
-    found = newest_good(RunStorage(spec.run_uri))
-    resumes = f"from step {found[1]['step']}, its last committed checkpoint" if found else "from the start"
+    step = newest_step(RunStorage(spec.run_uri))
+    resumes = f"from step {step}, its last committed checkpoint" if step else "from the start"
     return (f"second Ctrl-C: run '{spec.run.name}' stopped at once; a new launch resumes {resumes}, and the steps "
             f"trained after it are lost")
 
@@ -573,7 +573,7 @@ def _launch(spec: JobSpec, attach_to_running: bool, lease: RunLease, began_at: f
         except TrainingFailedError as err:  # Ray Train's restarts ran out: its tracebacks are in the logs above
             raise RunGaveUp(f"run '{spec.run.name}' stopped: {failure_summary(err)}; scaling.max_failures "
                             f"({restarts_allowed(spec.scaling.max_failures)}) restarts were used. Launching it again "
-                            f"resumes from step {committed_step(spec.run_uri)}") from None
+                            f"resumes from step {newest_step(RunStorage(spec.run_uri))}") from None
     ended = {e["event"]: e for e in read_events(spec.run_uri) if e.get("launch") == launch_id}
     startup = report(ended.get("first_step"))
     for kind in ("gave_up", "diverged", "lease_lost"):

@@ -12,16 +12,10 @@ from contextlib import contextmanager
 from typing import Any
 
 from shardyard.checkpoint.events import read_events
-from shardyard.checkpoint.record import newest_good
+from shardyard.checkpoint.record import newest_step
 from shardyard.checkpoint.store import RunStorage
 
 POLL_S = 2.0  # how often the events are read: a failure is said within this of being recorded
-
-
-def committed_step(run_uri: str) -> int:
-    """The step a new worker group or launch resumes from: the newest good checkpoint's (0: none)."""
-    found = newest_good(RunStorage(run_uri))
-    return found[1]["step"] if found else 0
 
 
 def restarts_allowed(max_failures: int) -> str:
@@ -68,7 +62,7 @@ def restart_lines(run_uri: str, launch_id: str, max_failures: int) -> Iterator[N
             for event in events[max(began, seen):]:
                 if event["event"] == "failure":
                     failures += 1
-                    print(failure_line(event, failures, max_failures, committed_step(run_uri)),
+                    print(failure_line(event, failures, max_failures, newest_step(RunStorage(run_uri))),
                           file=sys.stderr, flush=True)
                 elif event["event"] == "start":
                     if last_start is not None:
