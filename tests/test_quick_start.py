@@ -23,8 +23,9 @@ SHARDYARD = str(Path(sys.executable).with_name("shardyard"))
 
 @pytest.mark.ray
 @pytest.mark.timeout(900)
-def test_readme_default_job_trains_on_a_local_ray_it_starts_and_continues_twice_after_pruning(tmp_path: Path) -> None:
-    """The quick start, then the same command launched again longer, twice: the default job's
+def test_readme_default_job_trains_on_a_local_ray_it_starts_and_continues_twice_after_pruning(
+        tmp_path: Path, ray_cluster) -> None:
+    """The quick start (beside another Ray on the machine: the session's), then the same command launched again longer, twice: the default job's
     `checkpoint.keep: 2` prunes on every launch, and each launch goes on where the last ended
     (a pruned run once could not be launched again). Then `shardyard export` of the run."""
     def default_job(steps: int) -> list[str]:
@@ -49,6 +50,10 @@ def test_readme_default_job_trains_on_a_local_ray_it_starts_and_continues_twice_
             assert (f"shardyard: run 'gpt_ddp' resumes from {run_dir / checkpoint_name(previous)} "
                     f"(step {previous}, ddp on 2 workers); run.steps {previous} -> {steps}\n") in output, output[-4000:]
         assert "Ray Train Controller actor state" not in output, output[-4000:]
+        # The session's cluster runs beside the command's own Ray (`ray_cluster`): Ray Train's
+        # placement-group cleaner once asked that one about the run's controller, found none, quit.
+        assert "Found multiple active Ray instances" not in output, output[-4000:]
+        assert "Failed to register placement group with cleaner" not in output, output[-4000:]
         assert "Token authentication is enabled" not in output, output[-4000:]  # Ray's notice at every start
         assert find_latest(run_dir).name == checkpoint_name(steps)
         assert len(list(run_dir.glob("checkpoint_step_*"))) == 2  # checkpoint.keep: 2 pruned the rest

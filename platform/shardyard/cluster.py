@@ -13,6 +13,8 @@ from typing import Any
 
 import ray
 
+from shardyard.localdist import free_port
+
 # torchft's Lighthouse (hot recovery) logs every quorum at INFO, several lines per step.
 QUIET = {"env_vars": {"RUST_LOG": os.environ.get("RUST_LOG", "warn")}}
 
@@ -43,7 +45,14 @@ def start_local_ray(**options: Any) -> None:
     file private before and after (Ray makes one at the umask when there was none)."""
     keep_ray_token_private()
     quiet_token_notice()
-    ray.init(address="local", include_dashboard=True, runtime_env=local_runtime_env(), **options)
+    dashboard = free_port()
+    runtime_env = local_runtime_env()
+    # Ray Train's placement-group cleaner (an actor) asks the State API whether the run's controller
+    # is alive. Told no address, it asks the newest Ray on the machine: beside a `ray start`
+    # cluster that is the other one, which knows no such actor, so the cleaner took the controller
+    # for dead and quit. Its workers ask this instance's dashboard, named before it starts.
+    runtime_env["env_vars"]["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{dashboard}"
+    ray.init(address="local", include_dashboard=True, dashboard_port=dashboard, runtime_env=runtime_env, **options)
     keep_ray_token_private()
 
 
