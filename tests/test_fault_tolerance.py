@@ -89,6 +89,10 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(ray_cluster, un
     lost = [line for line in output.splitlines() if line.startswith("shardyard: worker lost (rank ")]
     assert len(lost) == 1 and lost[0].endswith("; restarting from step 150 (1 of 2)"), output[-4000:]
     assert "shardyard: training again on 2 workers from step 150 (" in output, output[-4000:]
+    # Ray's and gloo's tracebacks of the failure are in the run's Ray log, not on the console.
+    assert "Traceback" not in output and f"Ray's tracebacks of this launch go to {run_dir / 'ray_output.log'}" \
+        in output, output[-4000:]
+    assert "Traceback (most recent call last):" in (run_dir / "ray_output.log").read_text()
     assert_exact_data(run_dir)
     assert_same_model(run_dir, uninterrupted)
     # Pruning counts committed checkpoints only: the newest `checkpoint.keep` (2) are left, and

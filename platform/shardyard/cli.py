@@ -84,16 +84,24 @@ def _train(spec: JobSpec, attach_to_running: bool, take_over: bool) -> int:
               f"nothing to train. Train it longer with --set run.steps={done + spec.run.steps}, or start "
               f"a new run with --set run.name=NAME", file=sys.stderr)
         return exit_codes.DONE
+    import ray
+
+    from shardyard.train.console import ray_console
     from shardyard.train.launcher import Preempted, RunGaveUp, launch  # imports Ray: only once the spec is valid
 
-    try:
-        launch(spec, attach_to_running=attach_to_running, take_over=take_over)
-    except RunGaveUp as err:  # a deterministic error, its message already in the worker logs
-        print(f"shardyard: {err}", file=sys.stderr)
-        return exit_codes.GAVE_UP
-    except Preempted as err:
-        print(f"shardyard: {err}", file=sys.stderr)
-        return exit_codes.INTERRUPTED if err.by == "Ctrl-C" else exit_codes.PREEMPTED
+    # Ray forwards lines until this driver leaves it (a controller's traceback as it ends): the
+    # console filter stays in front of them until then.
+    with ray_console(spec.run_uri, spec.run.name):
+        try:
+            launch(spec, attach_to_running=attach_to_running, take_over=take_over)
+        except RunGaveUp as err:  # a deterministic error: its message is the first line of the worker's
+            print(f"shardyard: {err}", file=sys.stderr)
+            return exit_codes.GAVE_UP
+        except Preempted as err:
+            print(f"shardyard: {err}", file=sys.stderr)
+            return exit_codes.INTERRUPTED if err.by == "Ctrl-C" else exit_codes.PREEMPTED
+        finally:
+            ray.shutdown()
     return exit_codes.DONE
 
 

@@ -31,9 +31,11 @@ from shardyard.checkpoint.store import RunStorage
 from shardyard.cluster import QUIET, start_local_ray
 from shardyard.pool.arbiter import RemoteArbiter, arbiter_name
 from shardyard.pool.spec import PoolSpec, check_serving, load_pool, replica_bounds
+from shardyard.serve.app.command import serve_log_levels
 from shardyard.serve.engine.builtin import REPLICA_CPUS
 from shardyard.serve.engine.metrics import ARBITER_NAMESPACE
 from shardyard.spec import JobSpec, SpecError, parse_spec
+from shardyard.train.console import ray_console
 from shardyard.train.launcher import Preempted, RunGaveUp, launch
 from shardyard.train.step_guard import PREEMPT_FILE
 
@@ -103,9 +105,11 @@ class Pool:
         from shardyard.serve.app.deployment import build_app  # Serve's app imports the engines: only when serving
 
         s = self.pool.serving
+        serve_logging, app_logging = serve_log_levels(own="RAY_ADDRESS" not in os.environ)
         try:
-            serve.start(http_options={"host": s.host, "port": s.port})
-            serve.run(build_app({**s.args, "report_load_to": self.name}), name=s.app, route_prefix="/")
+            serve.start(http_options={"host": s.host, "port": s.port}, logging_config=serve_logging)
+            serve.run(build_app({**s.args, "report_load_to": self.name}), name=s.app, route_prefix="/",
+                      logging_config=app_logging)
         except Exception as err:  # noqa: BLE001 - whatever stops the app from deploying stops the pool, saying why
             self.serving_error = f"{type(err).__name__}: {err}" if not isinstance(err, SpecError) else str(err)
             print(f"shardyard pool: serving did not start: {err}; stopping training", file=sys.stderr, flush=True)
@@ -189,7 +193,11 @@ def run_pool(config: str, overrides: list[str]) -> int:
     try:
         pool, job = load_pool(config, overrides)
         devices = connect(pool, job)
-        return Pool(pool, job, devices).run()
+        with ray_console(job.run_uri, job.run.name):  # until Ray is left: see cli.py's train
+            try:
+                return Pool(pool, job, devices).run()
+            finally:
+                ray.shutdown()
     except SpecError as err:
         print(f"shardyard: {err}", file=sys.stderr)
         return exit_codes.REFUSED

@@ -570,7 +570,7 @@ def _launch(spec: JobSpec, attach_to_running: bool, lease: RunLease, began_at: f
             fit_in_background(trainer)
         except StoppedAtOnce:
             raise StoppedAtOnce(stopped_at_once(spec)) from None
-        except TrainingFailedError as err:  # Ray Train's restarts ran out: its tracebacks are in the logs above
+        except TrainingFailedError as err:  # Ray Train's restarts ran out: its tracebacks are in the run's Ray log
             raise RunGaveUp(f"run '{spec.run.name}' stopped: {failure_summary(err)}; scaling.max_failures "
                             f"({restarts_allowed(spec.scaling.max_failures)}) restarts were used. Launching it again "
                             f"resumes from step {newest_step(RunStorage(spec.run_uri))}") from None

@@ -129,7 +129,6 @@ def run_serve(args: argparse.Namespace) -> int:
         if own:
             keep_ray_token_private()
             quiet_token_notice()
-            quiet_serve_driver()
         ray.init(address=address, log_to_driver=True, runtime_env=local_runtime_env() if own else None)
         if own:
             keep_ray_token_private()  # Ray makes it at the umask when there was none
@@ -139,24 +138,26 @@ def run_serve(args: argparse.Namespace) -> int:
         except SpecError as err:
             print(f"shardyard: {err}", file=sys.stderr)
             return 2
-        # On a Ray of its own, Serve's and HAProxy's INFO lines (dozens at each start) and the warning
-        # that a loopback host cannot route across nodes (there is one node) stay in Ray's log files;
-        # shardyard's own lines, and Serve's errors, reach the console.
-        serve.start(http_options={"host": args.host, "port": args.port},
-                    logging_config={"log_level": "ERROR" if own else "INFO"})
+        serve_logging, app_logging = serve_log_levels(own)
+        serve.start(http_options={"host": args.host, "port": args.port}, logging_config=serve_logging)
         if own:  # stopped before Ray: Serve stops HAProxy, which Ray's end alone would leave holding the port
             instance.callback(serve.shutdown)
             print(f"shardyard: Ray's and Serve's logs: {ray_logs()}", flush=True)
-        return run_until_stopped(app, f"http://{args.host}:{args.port}/v1",
-                                 {"log_level": "WARNING", "enable_access_log": False} if own else None)
+        return run_until_stopped(app, f"http://{args.host}:{args.port}/v1", app_logging)
 
 
-def quiet_serve_driver() -> None:
-    """Serve's INFO lines in this process (its start, the application's readiness) go unsaid:
-    shardyard says when it serves."""
+def serve_log_levels(own: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Serve's logging (`serve.start`'s, then the application's) for a command that serves. On a
+    Ray of the command's own, Serve's and HAProxy's INFO lines (dozens at each start), its access
+    log and the warning that a loopback host cannot route across nodes (there is one node) stay in
+    Ray's log files, and so do Serve's INFO lines in this process: shardyard's own lines, and
+    Serve's errors, reach the console. On a shared cluster, Serve's settings as they are."""
+    if not own:
+        return {"log_level": "INFO"}, None
     import logging
 
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    return {"log_level": "ERROR"}, {"log_level": "WARNING", "enable_access_log": False}
 
 
 def ray_logs() -> str:

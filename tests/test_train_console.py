@@ -1,0 +1,49 @@
+"""The training command's console filter (train/console.py), fed the lines Ray's driver prints
+for a worker that failed: what stays on the console, what goes to the run's Ray log."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+from shardyard.train.console import RayConsole, RayLog
+
+WORKER, CONTROLLER = "\x1b[36m(RayTrainWorker pid=11)\x1b[0m ", "\x1b[36m(TrainController pid=7)\x1b[0m "
+
+
+@pytest.mark.timeout(30)
+def test_a_failures_tracebacks_go_to_the_log_and_the_console_keeps_shardyards_and_the_users_lines(
+        tmp_path: Path) -> None:
+    console = io.StringIO()
+    log = RayLog(tmp_path / "ray_output.log", console)
+    stream = RayConsole(console, log)
+    lines = [
+        WORKER + "step 20/40 | loss 4.0286 | 19,828 tok/s | 309.8 samples/s | world 2",
+        CONTROLLER + "[2026-12-05 02:08:04,938 E 3431 3459] core_worker.cc:2465: Actor with class name: "
+                     "'PreemptionWatcher' and ID: '74' has constructor arguments in the object store and "
+                     "max_restarts > 0. If the arguments ...",
+        WORKER + "Error in training function:",
+        WORKER + "Traceback (most recent call last):",
+        WORKER + '  File "/x/manager.py", line 307, in _fenced_everywhere',
+        WORKER + "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer",
+        "shardyard: worker lost (rank 1: WorkerHealthCheckFailedError); restarting from step 10 (1 of 3)",
+        CONTROLLER + "Graceful shutdown of backend failed. This is expected if one of the workers has crashed.",
+        CONTROLLER + "ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.",
+        WORKER + "step 30/40 | loss 3.2452",  # a line of shardyard's ends the worker's burst at once
+        "\x1b[36m(RayTrainWorker pid=12)\x1b[0m loading my tokenizer",  # a user's own print
+    ]
+    for line in lines:
+        print(line, file=stream)  # as Ray's driver does: the text, then the newline apart
+    stream.write("\rtrain: 3/40")  # a progress bar's redraw is not held back for a newline
+    stream.end()
+    log.close()
+    shown = console.getvalue()
+    logged = (tmp_path / "ray_output.log").read_text()
+    assert shown.split("\n") == [
+        lines[0], f"shardyard: Ray's tracebacks of this launch go to {tmp_path / 'ray_output.log'}", lines[6],
+        lines[9], lines[10], "\rtrain: 3/40"], shown
+    for gone in ("PreemptionWatcher", "Traceback", "Connection closed by peer", "Graceful shutdown", "ActorDiedError"):
+        assert gone in logged and gone not in shown
+    assert "\x1b[" not in logged and "(TrainController pid=7) ray.exceptions.ActorDiedError" in logged
