@@ -90,7 +90,9 @@ def _train(spec: JobSpec, attach_to_running: bool, take_over: bool) -> int:
     from shardyard.train.launcher import Preempted, RunGaveUp, launch  # imports Ray: only once the spec is valid
 
     # Ray forwards lines until this driver leaves it (a controller's traceback as it ends): the
-    # console filter stays in front of them until then.
+    # console filter stays in front of them until then. A caller already connected (a script, a
+    # notebook) stays connected.
+    connected_before = ray.is_initialized()
     with ray_console(spec.run_uri, spec.run.name):
         try:
             launch(spec, attach_to_running=attach_to_running, take_over=take_over)
@@ -101,7 +103,8 @@ def _train(spec: JobSpec, attach_to_running: bool, take_over: bool) -> int:
             print(f"shardyard: {err}", file=sys.stderr)
             return exit_codes.INTERRUPTED if err.by == "Ctrl-C" else exit_codes.PREEMPTED
         finally:
-            ray.shutdown()
+            if not connected_before:
+                ray.shutdown()
     return exit_codes.DONE
 
 

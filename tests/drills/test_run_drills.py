@@ -493,5 +493,8 @@ def test_a_deterministic_error_is_not_retried_until_max_failures_runs_out(ray_cl
     config = tmp_path / "job.yaml"
     config.write_text(json.dumps(raw))
     code = run_train(str(config), [], attach_to_running=True)
+    import ray
+
+    assert ray.is_initialized()  # the caller's connection (this session's) outlives the command
     events = [e["event"] for e in read_events(tmp_path / "run")]
     assert code == 1 and events.count("failure") == 2 and "gave_up" in events, events
