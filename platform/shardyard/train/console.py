@@ -88,8 +88,16 @@ class RayConsole(io.TextIOBase):
     def writable(self) -> bool:
         return True
 
-    def isatty(self) -> bool:  # tqdm and Ray ask about the console, not this filter
+    # What callers ask of a stream (tqdm, Ray, faulthandler) is the console's.
+    def isatty(self) -> bool:
         return self.console.isatty()
+
+    def fileno(self) -> int:
+        return self.console.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self.console, "encoding", None) or "utf-8"
 
     def write(self, text: str) -> int:
         with self._lock:
