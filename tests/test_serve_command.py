@@ -245,7 +245,8 @@ def test_haproxys_own_ports_are_free_and_outside_what_a_bind_to_port_0_is_handed
     """HAProxy's stats page and exporter get ports no process of the Ray instance starting beside
     it can be handed by the kernel meanwhile (a port found free in the ephemeral range was taken
     before HAProxy bound it, failing README's serving test once), above Ray's worker ports."""
-    from shardyard.serve.app.ingress import ephemeral_start, haproxy_environment
+    from shardyard.ports import ephemeral_start
+    from shardyard.serve.app.ingress import haproxy_environment
 
     ranges = tmp_path / "ip_local_port_range"
     ranges.write_text("32768\t60999\n")

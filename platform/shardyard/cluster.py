@@ -13,7 +13,7 @@ from typing import Any
 
 import ray
 
-from shardyard.localdist import free_port
+from shardyard.ports import quiet_free_port
 
 # torchft's Lighthouse (hot recovery) logs every quorum at INFO, several lines per step.
 QUIET = {"env_vars": {"RUST_LOG": os.environ.get("RUST_LOG", "warn")}}
@@ -45,7 +45,7 @@ def start_local_ray(**options: Any) -> None:
     file private before and after (Ray makes one at the umask when there was none)."""
     keep_ray_token_private()
     quiet_token_notice()
-    dashboard = free_port()
+    dashboard = quiet_free_port()
     runtime_env = local_runtime_env()
     # Ray Train's placement-group cleaner (an actor) asks the State API whether the run's controller
     # is alive. Told no address, it asks the newest Ray on the machine: beside a `ray start`

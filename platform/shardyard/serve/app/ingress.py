@@ -20,14 +20,13 @@ files go in a directory of this user's alone.
 from __future__ import annotations
 
 import os
-import random
 import shutil
-import socket
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from shardyard.ports import quiet_free_port
 from shardyard.serve.app import haproxy_loopback as loopback
 
 ENABLE = "RAY_SERVE_ENABLE_HA_PROXY"
@@ -41,35 +40,6 @@ MIN_DRAINING_PERIOD_S = 2
 HAPROXY_DIR_PREFIX = "sy-haproxy-"  # HAProxy's files for a `shardyard serve`: port_holder.py knows them by it
 FILES = {"RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": "haproxy.cfg", "RAY_SERVE_HAPROXY_SOCKET_PATH": "admin.sock",
          "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": "server-state", "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": "metrics.sock"}
-
-
-# Where HAProxy's stats page and exporter listen: above Ray's worker ports (10002-19999 by default)
-# and below the kernel's ephemeral range, whose ports Ray's own processes take (binding port 0) as
-# the instance starts: a free port from that range was taken before HAProxy bound it (a failed run).
-PORT_RANGE = (20000, 32768)
-
-
-def ephemeral_start(ranges: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> int:
-    """The first port the kernel hands out for a bind to port 0 (Linux; else IANA's 49152)."""
-    try:
-        return int(ranges.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 49152
-
-
-def quiet_free_port(taken: set[int] = frozenset()) -> int:
-    """A port free now that no bind to port 0 will be handed meanwhile (outside `taken`)."""
-    low, high = PORT_RANGE[0], min(PORT_RANGE[1], ephemeral_start())
-    for port in random.sample(range(low, high), min(200, high - low)):
-        if port in taken:
-            continue
-        with socket.socket() as probe:
-            try:
-                probe.bind(("0.0.0.0", port))  # free on every interface: the strictest probe
-            except OSError:
-                continue
-        return port
-    raise RuntimeError(f"no free port between {low} and {high} for HAProxy's stats page and exporter")
 
 
 def haproxy_environment(header_timeout_s: int, files: str) -> dict[str, str]:
