@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
+from types import ModuleType
 
 import torch
 
@@ -16,10 +18,6 @@ def select_device(local_rank: int = 0, use_cuda: bool = True) -> torch.device:
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")
-
-
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
@@ -37,3 +35,13 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> Iterator[None]:
     else:
         with torch.autocast(device_type=device.type, dtype=dtype):
             yield
+
+
+def import_deepspeed() -> ModuleType:
+    """DeepSpeed, on the accelerator this machine has: DeepSpeed picks its accelerator once, at its
+    first import in the process, and on a machine without CUDA wants the CPU one named (gloo,
+    torch's Adam). Every use of DeepSpeed comes through here, so none imports it unprepared."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    import deepspeed
+
+    return deepspeed

@@ -20,6 +20,7 @@ from shardyard.checkpoint.store import RunStorage
 from shardyard.checkpoint.zero_format import DeepSpeedFormat, local_zero_files, parameter_names
 from shardyard.models import build_model, give_storage, materialise
 from shardyard.models.initial_weights import copy_local
+from shardyard.runtime import import_deepspeed
 from shardyard.spec import CustomSpec, JobSpec
 
 ZERO_FORMAT = DeepSpeedFormat.name
@@ -83,6 +84,7 @@ def load_model(checkpoint_dir: str | Path, trust_factory: str | None = None, ver
     stored = trusted(read_spec(checkpoint_dir), str(checkpoint_dir), trust_factory)
     model = build_model(stored.model, pretrained=False)  # weights: the checkpoint's
     if record["format"] == ZERO_FORMAT:
+        import_deepspeed()  # its accelerator chosen before any of its modules load
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         with local_zero_files(*_split(checkpoint_dir.absolute())) as zero:  # the checked bytes, not the live files
@@ -144,6 +146,7 @@ def _fill_from_zero(piece: nn.Module, checkpoint_dir: Path, stored: JobSpec) -> 
     checkpoint's parameters are gathered one at a time, only those asked for. (ZeRO-1/2 files
     hold flat groups the converter joins whole: those weights pass through host memory once; the
     model held them whole on every training rank too.)"""
+    import_deepspeed()  # its accelerator chosen before any of its modules load
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     aliases = parameter_names(stored)  # DeepSpeed saves a tied weight once, under one of its names

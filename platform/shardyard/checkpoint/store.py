@@ -178,16 +178,6 @@ class RunStorage:
         return sorted(steps, key=steps.__getitem__)
 
     @contextmanager
-    def local_copy(self, *parts: str) -> Iterator[Path]:
-        """The directory at `parts` on the local disk, named as its last part (the directory itself
-        when local, a copy when remote)."""
-        if not self.remote:
-            yield Path(self.path(*parts))
-            return
-        with self.private_copy(*parts) as local:
-            yield local
-
-    @contextmanager
     def private_copy(self, *parts: str) -> Iterator[Path]:
         """A copy of the directory at `parts` in a temporary directory of this user's alone (mode
         700), named as its last part: what is read from it is what was there when it was copied,

@@ -29,6 +29,7 @@ from shardyard.checkpoint.store import RunStorage
 from shardyard.models import build_model
 from shardyard.models.blocks import names_of_each_parameter
 from shardyard.parallel import Engine
+from shardyard.runtime import import_deepspeed
 from shardyard.spec import JobSpec
 
 
@@ -68,6 +69,7 @@ def zero_full_state(storage: RunStorage, name: str, stored: JobSpec, step: int) 
                 return _universal_tensor(params, present, "fp32" if field == "param" else field)
             yield from_universal
         return
+    import_deepspeed()  # its accelerator chosen before any of its modules load
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     with local_zero_files(storage, name) as zero:
@@ -117,6 +119,7 @@ class DeepSpeedFormat:
         """Collective, synchronous. DeepSpeed writes its files itself, so their checksums are
         read back from storage afterwards by rank 0 (after every rank's write), not computed as
         they are written as DCP's are."""
+        import_deepspeed()  # its accelerator chosen before any of its modules load
         from deepspeed.checkpoint.constants import (
             UNIVERSAL_CHECKPOINT_INFO,
             UNIVERSAL_CHECKPOINT_VERSION_KEY,
@@ -175,7 +178,7 @@ class DeepSpeedFormat:
     def _load_full_state(engine: Engine, full: FullState, load_optimizer: bool) -> None:
         """Whole tensors into ZeRO: DeepSpeed's public `safe_set_full_*` API puts each rank's
         partition in place, in the fp32 master copy and the optimizer state."""
-        import deepspeed
+        deepspeed = import_deepspeed()
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
         stage3 = engine.ds.zero_optimization_stage() == 3
@@ -251,6 +254,7 @@ def _universal(storage: RunStorage, name: str) -> Iterator[Path]:
     """Collective: DeepSpeed's universal checkpoint of ZeRO checkpoint `name` (whole per-parameter
     tensors under its `zero/`), converted once per node into node-local scratch space, removed
     after."""
+    import_deepspeed()  # its accelerator chosen before any of its modules load
     from deepspeed.checkpoint import ds_to_universal
 
     with node_scratch() as (scratch, leader):

@@ -35,7 +35,6 @@ import torch
 INDEX_FILE = "index.json"
 TOKENIZER_DIR = "tokenizer"
 FORMAT = "shardyard-tokens/1"
-SPLITS = ("train", "validation")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

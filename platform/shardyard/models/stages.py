@@ -25,7 +25,3 @@ class PipelineLayout:
     first: list[nn.Module]
     blocks: list[nn.Module]
     last: list[nn.Module]
-
-
-def can_pipeline(model: nn.Module) -> bool:
-    return callable(getattr(model, "pipeline_layout", None)) and callable(getattr(model, "pipeline_stage", None))

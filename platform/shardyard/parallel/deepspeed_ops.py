@@ -21,6 +21,8 @@ from pathlib import Path
 
 from torch.utils.cpp_extension import get_default_build_root
 
+from shardyard.runtime import import_deepspeed
+
 OP_NAME = "deepspeed_shm_comm"  # the build directory's name (ShareMemCommBuilder's op)
 
 
@@ -37,6 +39,7 @@ def stale_locks(root: Path) -> list[Path]:
 def ensure_deepspeed_ops() -> None:
     """Build (or find built) the op DeepSpeed's CPU communication loads. Call before
     `deepspeed.init_distributed`; safe from many processes at once."""
+    import_deepspeed()  # its accelerator chosen before any of its modules load
     from deepspeed.accelerator import get_accelerator
     import deepspeed.ops
 

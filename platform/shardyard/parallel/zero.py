@@ -7,8 +7,8 @@ also parameters. The engine does its own gradient accumulation (it scales each m
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -17,14 +17,12 @@ from torch import nn
 from shardyard.models import new_model
 from shardyard.models.initial_weights import initial_values
 from shardyard.parallel.engine import Engine, MicroBatch
-from shardyard.runtime import autocast
+from shardyard.parallel.deepspeed_ops import ensure_deepspeed_ops
+from shardyard.runtime import autocast, import_deepspeed
 from shardyard.spec import ZERO_STAGES, JobSpec
 
-# DeepSpeed picks its accelerator at import: the CPU one (gloo, torch Adam) when there is no GPU.
-os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-import deepspeed  # noqa: E402
-
-from shardyard.parallel.deepspeed_ops import ensure_deepspeed_ops  # noqa: E402
+if TYPE_CHECKING:
+    import deepspeed
 
 
 # DeepSpeed's defaults, sized for billion-parameter models on GPUs.
@@ -80,7 +78,7 @@ class ZeroEngine(Engine):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """ZeRO-3 partitions the parameters themselves: each is gathered whole for the copy
         (stages 1 and 2 keep them whole on every rank, and gathering them is a no-op)."""
-        with deepspeed.zero.GatheredParameters(list(self.module.parameters())):
+        with import_deepspeed().zero.GatheredParameters(list(self.module.parameters())):
             if dist.get_rank() != 0:
                 return {}
             return {name: t.detach().to("cpu", copy=True) for name, t in self.module.state_dict().items()}
@@ -108,6 +106,7 @@ def _config_for(model: nn.Module, spec: JobSpec, accum_steps: int, device: torch
 def start(device: torch.device) -> None:
     """Once per engine, before `build_partitioned` and `initialize`: DeepSpeed's op and its view
     of the process group."""
+    deepspeed = import_deepspeed()
     ensure_deepspeed_ops()  # never wait on a build lock that a killed process left behind
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
 
@@ -118,6 +117,7 @@ def build_partitioned(spec: JobSpec, shapes: nn.Module, accum_steps: int, device
     (a decoder layer, an embedding: models/initial_weights.py) gathered in turn, filled by rank 0
     from the model directory or from the unit drawn at random, and partitioned again. `shapes`:
     the model on the meta device (models.build_for_job)."""
+    deepspeed = import_deepspeed()
     # The constructor's own random init is overwritten below: kept off the caller's generator,
     # which then goes on (dropout) as it would after any other strategy's build.
     with torch.random.fork_rng(devices=[]), \
@@ -135,6 +135,6 @@ def build_partitioned(spec: JobSpec, shapes: nn.Module, accum_steps: int, device
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, spec: JobSpec,
                accum_steps: int, device: torch.device) -> "deepspeed.DeepSpeedEngine":
     config = _config_for(model, spec, accum_steps, device)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+    engine, _, _, _ = import_deepspeed().initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=config)
     return engine
