@@ -76,7 +76,7 @@ def mfu_job(name: str, storage: Path, steps: int, *extra: str) -> list[str]:
 def shardyard_train(args: list[str], env: dict[str, str] | None = None, timeout_s: float = 400) -> dict[str, Any]:
     """One `shardyard train` command; its wall time, exit code and the run's steady figures and
     start-up phases (from its metrics and its launch's `first_step` event)."""
-    from shardyard.checkpoint.events import read_events
+    from shardyard.storage.events import read_events
     from shardyard.train.metrics import read_metrics
 
     began = time.perf_counter()

@@ -35,7 +35,7 @@ from typing import Any
 
 from common import print_table, write_json
 from fake_cluster import wait_for
-from shardyard.checkpoint.events import read_events
+from shardyard.storage.events import read_events
 from shardyard.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -50,7 +50,7 @@ from shardyard.checkpoint.record import checkpoint_name
 from shardyard.train.callbacks import HOLD_ENV, release
 from shardyard.train.callbacks import held_at as held
 from shardyard.train.launcher import launch
-from shardyard.checkpoint.events import read_events
+from shardyard.storage.events import read_events
 from ddp_overhead import CONFIG
 
 

@@ -13,7 +13,7 @@ import torch
 
 from shardyard.checkpoint.lease import LeaseLost
 from shardyard.checkpoint.record import COMMIT_FILE, checkpoint_name
-from shardyard.checkpoint.store import RunStorage
+from shardyard.storage.store import RunStorage
 from shardyard.localdist import run_distributed
 from shardyard.spec import load_spec
 from shardyard.train.step_guard import PREEMPT_FILE

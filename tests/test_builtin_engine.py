@@ -16,7 +16,7 @@ from followed_run import PROMPT, alone, commit
 from shardyard.checkpoint.layout import read_spec
 from shardyard.checkpoint.reader_holds import live_holds
 from shardyard.checkpoint.record import checkpoint_name
-from shardyard.checkpoint.store import RunStorage
+from shardyard.storage.store import RunStorage
 from shardyard.serve.engine.backend import EngineBackend, WeightsRefused
 from shardyard.serve.engine.builtin import BuiltinEngine
 from shardyard.serve.resolved import load_config

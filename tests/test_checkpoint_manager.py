@@ -20,7 +20,7 @@ from shardyard.checkpoint.manager import CheckpointManager
 from shardyard.checkpoint.layout import TrainState
 from shardyard.checkpoint.loaders import find_latest, load_model
 from shardyard.train.launcher import check_resume
-from shardyard.checkpoint.events import log_event, read_events
+from shardyard.storage.events import Event, log_event, read_events
 from shardyard.train.metrics import METRICS_FILE, MetricsLog, read_metrics
 
 
@@ -99,7 +99,7 @@ def test_a_committed_checkpoint_is_readable_as_the_umask_allows(tmp_path: Path) 
 
 def _write_events(run_dir: str, writer: int) -> None:
     for i in range(200):
-        log_event(run_dir, "tick", writer=writer, i=i)
+        log_event(run_dir, Event.HELD, writer=writer, i=i)
 
 
 @pytest.mark.timeout(120)
@@ -146,7 +146,7 @@ def test_zero_files_are_copied_down_without_the_holds_other_readers_release_mean
     import fsspec
     from fsspec.implementations.local import LocalFileSystem
 
-    from shardyard.checkpoint.store import RunStorage
+    from shardyard.storage.store import RunStorage
     from shardyard.checkpoint.zero_format import local_zero_files
 
     class ReleasedWhileCopied(LocalFileSystem):
@@ -197,7 +197,7 @@ def test_deepspeed_loads_the_zero_files_that_were_checked_not_ones_swapped_after
     import pickle
 
     from shardyard.checkpoint import zero_format
-    from shardyard.checkpoint.store import RunStorage
+    from shardyard.storage.store import RunStorage
 
     checkpoint = tmp_path / "run" / "checkpoint_step_00000002"
     shared = checkpoint / "zero" / "mp_rank_00_model_states.pt"
@@ -272,7 +272,7 @@ def test_export_and_serving_hand_deepspeed_the_checked_zero_files_too(tmp_path: 
 
 def zero_save_recording_flushes(rank: int, world: int, storage: str) -> list[str]:
     """Train ZeRO-2 to its first checkpoint; the names of the files this rank flushed to disk."""
-    from shardyard.checkpoint import store
+    from shardyard.storage import store
     from test_strategies import job, train, with_storage
 
     flushed: list[str] = []

@@ -37,7 +37,7 @@ from shardyard.spec import load_spec
 from shardyard.checkpoint.loaders import find_latest, load_model
 from shardyard.train.callbacks import HOLD_ENV, release
 from shardyard.train.callbacks import held_at as held
-from shardyard.checkpoint.events import read_events
+from shardyard.storage.events import read_events
 from shardyard.train.metrics import read_metrics
 from test_strategies import steps
 

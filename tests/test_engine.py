@@ -369,7 +369,7 @@ def test_a_model_decoded_in_the_replicas_process_gives_each_request_its_tokens_a
     its cached steps send only the last position's logits; the engine over it is exact, and hands
     every pass straight to the model's own thread (no thread of asyncio's in between)."""
     from shardyard.checkpoint.reader_holds import live_holds
-    from shardyard.checkpoint.store import RunStorage
+    from shardyard.storage.store import RunStorage
     from shardyard.serve.executor.local_model import LocalModel
 
     storage = RunStorage(str(ddp_checkpoint.parent))

@@ -16,7 +16,7 @@ import torch
 from shardyard.data.ledger import audit
 from shardyard.localdist import run_distributed
 from shardyard.checkpoint.loaders import find_latest, load_model
-from shardyard.checkpoint.events import read_events
+from shardyard.storage.events import read_events
 from test_train_ray import train_locally
 
 SHARDYARD = str(Path(sys.executable).with_name("shardyard"))

@@ -19,9 +19,9 @@ from conftest import REPO, RAY, Bucket, readme_ray_cluster
 from shardyard.checkpoint.record import newest_name
 from shardyard.train.callbacks import HOLD_ENV
 from shardyard.checkpoint.loaders import find_latest
-from shardyard.checkpoint.events import read_events
+from shardyard.storage.events import read_events
 from shardyard.train.metrics import read_metrics
-from shardyard.checkpoint.store import RunStorage
+from shardyard.storage.store import RunStorage
 
 pytestmark = pytest.mark.ray
 

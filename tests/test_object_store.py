@@ -19,7 +19,7 @@ from shardyard.models import build_model
 from shardyard.parallel import single_process
 from shardyard.spec import parse_spec
 from shardyard.checkpoint.manager import CheckpointManager
-from shardyard.checkpoint.store import RunStorage
+from shardyard.storage.store import RunStorage
 from conftest import Bucket
 from test_strategies import steps, train
 

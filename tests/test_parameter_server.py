@@ -21,7 +21,7 @@ from shardyard.parallel import single_process
 from shardyard.spec import parse_spec
 from shardyard.data.ledger import audit
 from shardyard.checkpoint.loaders import find_latest, load_model
-from shardyard.checkpoint.events import read_events
+from shardyard.storage.events import read_events
 from shardyard.train.metrics import read_metrics
 from test_strategies import steps
 

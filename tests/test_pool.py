@@ -27,7 +27,7 @@ import torch
 
 from fake_cluster import wait_for
 from pool_episode import SHAPES, episode_job, run_episode, served, stop
-from shardyard.checkpoint.events import read_events
+from shardyard.storage.events import read_events
 from shardyard.checkpoint.loaders import find_latest, load_model
 from shardyard.data.ledger import audit
 from shardyard.models import build_model

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, ray_files_of_their_own, user_environment
-from shardyard.checkpoint.events import read_events
+from shardyard.storage.events import read_events
 from shardyard.checkpoint.layout import serving_spec
 from shardyard.checkpoint.loaders import find_latest
 from shardyard.checkpoint.record import checkpoint_name

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardyard.checkpoint.events import read_events
+from shardyard.storage.events import read_events
 from shardyard.checkpoint.loaders import find_latest, load_model
-from shardyard.checkpoint.store import RunStorage
+from shardyard.storage.store import RunStorage
 from shardyard.localdist import run_distributed
 from shardyard.spec import load_spec
 from shardyard.train.step_guard import PREEMPT_FILE, Diverged

@@ -13,7 +13,7 @@ import pytest
 from followed_run import PROMPT, alone, commit
 from shardyard.checkpoint.reader_holds import live_holds
 from shardyard.checkpoint.record import checkpoint_name
-from shardyard.checkpoint.store import RunStorage
+from shardyard.storage.store import RunStorage
 from shardyard.serve.engine.batching import BatchGate
 from shardyard.serve.generation import TextCodec
 from shardyard.serve.engine.golden import GoldenPrompt, edit_distance, greedy_answers, regressions

@@ -71,7 +71,7 @@ def run_train(config: str, overrides: list[str], attach_to_running: bool, take_o
 
 def _train(spec: JobSpec, attach_to_running: bool, take_over: bool) -> int:
     from shardyard.checkpoint.record import newest_step
-    from shardyard.checkpoint.store import RunStorage
+    from shardyard.storage.store import RunStorage
 
     for key in ("path", "validation_path"):  # said before Ray and torch load; the preflight checks the rest
         path = getattr(spec.data, key)

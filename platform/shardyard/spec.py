@@ -24,7 +24,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
-from shardyard.checkpoint.store import local_path_of
+from shardyard.storage.store import local_path_of
 
 
 class SpecError(ValueError):

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardyard.checkpoint import events, reader_holds
-from shardyard.checkpoint.events import log_event, read_events
+from shardyard.checkpoint import reader_holds
+from shardyard.storage import events
+from shardyard.storage.events import Event, log_event, read_events
 from shardyard.checkpoint.generations import LEASE_DIR
 from shardyard.checkpoint.layout import TrainState
 from shardyard.checkpoint.lease import LeaseFence, LeaseLost, RunLease, StoreCannotFence, identity
@@ -24,7 +25,7 @@ from shardyard.checkpoint.manager import CheckpointManager
 from shardyard.checkpoint.reader_holds import HOLDS_DIR, CheckpointHold, HoldWatch, live_holds
 from shardyard.checkpoint.record import (COMMIT_FILE, BadCheckpoint, CommitRefused, attempt_name, commit, committed, entry,
                                          make_record, newest_good, read_record)
-from shardyard.checkpoint.store import RunStorage
+from shardyard.storage.store import RunStorage
 from shardyard.models import build_model
 from shardyard.parallel import single_process
 from shardyard.spec import parse_spec
@@ -437,18 +438,18 @@ def test_a_worker_whose_clock_is_behind_does_not_make_progress_look_like_a_repea
     failures seemed to follow one start: "failed twice without progress". Ordered by cause, not."""
     run = str(tmp_path / "run")
     error = {"0": "ValueError: bad batch"}
-    log_event(run, "launch", id="L")
-    log_event(run, "start", restored_step=0)
-    log_event(run, "failure", ranks=[0], errors=error, from_code=True)
+    log_event(run, Event.LAUNCH, id="L")
+    log_event(run, Event.START, restored_step=0)
+    log_event(run, Event.FAILURE, ranks=[0], errors=error, from_code=True)
 
     class Behind:
         @staticmethod
         def time() -> float:
             return time.time() - 5.0
     monkeypatch.setattr(events, "time", Behind)
-    log_event(run, "start", restored_step=4)
+    log_event(run, Event.START, restored_step=4)
     monkeypatch.undo()
-    log_event(run, "failure", ranks=[0], errors=error, from_code=True)
+    log_event(run, Event.FAILURE, ranks=[0], errors=error, from_code=True)
     assert [e["event"] for e in read_events(run)] == ["launch", "start", "failure", "start", "failure"]
     assert repeated_failure(read_events(run), "L") is None
 

@@ -24,10 +24,10 @@ import requests
 
 from conftest import private_file
 from followed_run import PROMPT, alone, alone_cached, commit
-from shardyard.checkpoint.events import METRICS_FILE, JsonLines
+from shardyard.storage.events import METRICS_FILE, JsonLines
 from shardyard.checkpoint.loaders import find_latest
 from shardyard.checkpoint.record import checkpoint_name
-from shardyard.checkpoint.store import RunStorage
+from shardyard.storage.store import RunStorage
 from shardyard.localdist import free_port
 from test_serve import TOKEN, metric
 

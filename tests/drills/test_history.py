@@ -43,7 +43,7 @@ import torch
 from shardyard.checkpoint.manager import CheckpointManager
 from shardyard.checkpoint.published import Published
 from shardyard.checkpoint.record import committed, step_of
-from shardyard.checkpoint.store import RunStorage
+from shardyard.storage.store import RunStorage
 from shardyard.models import build_model
 from shardyard.parallel import single_process
 from shardyard.serve.follow.app_weights import AppWeightsState
@@ -67,7 +67,7 @@ from shardyard.checkpoint.layout import TrainState
 from shardyard.checkpoint.lease import LeaseFence, LeaseLost, RunLease
 from shardyard.checkpoint.manager import CheckpointManager
 from shardyard.checkpoint.record import checkpoint_name
-from shardyard.checkpoint.store import RunStorage
+from shardyard.storage.store import RunStorage
 from shardyard.models import build_model
 from shardyard.parallel import single_process
 from shardyard.spec import SpecError, parse_spec

@@ -28,7 +28,7 @@ from shardyard.spec import parse_spec
 from shardyard.checkpoint.manager import CheckpointManager
 from shardyard.checkpoint.layout import TrainState
 from shardyard.checkpoint.lease import LEASE_DIR, LeaseHeld, RunLease, current_lease
-from shardyard.checkpoint.events import log_event, read_events
+from shardyard.storage.events import Event, log_event, read_events
 from shardyard.optim import lr_factor
 
 HOLD = """
@@ -227,9 +227,9 @@ def test_logs_cut_off_by_a_killed_writer_neither_stop_the_restart_nor_lose_a_sam
     assert [row["step"] for row in read_metrics(run)] == list(range(1, 9))
     assert [log.name for log in run.rglob("*.jsonl") if CUT_OFF in log.read_text()] == []  # ended, not left in the middle
     (run / "events").mkdir(exist_ok=True)  # a launcher's event file, cut off when it was killed
-    (run / "events" / "gone-host-1.jsonl").write_text('{"event": "started", "time": 1}\n' + CUT_OFF)
-    log_event(run, "resumed")
-    assert [e["event"] for e in read_events(run)] == ["started", "resumed"]
+    (run / "events" / "gone-host-1.jsonl").write_text('{"event": "launch", "time": 1}\n' + CUT_OFF)
+    log_event(run, Event.START)
+    assert [e["event"] for e in read_events(run)] == [Event.LAUNCH, Event.START]
     samples = audit(run, num_samples=64)  # 8 steps of 8: one whole epoch
     assert (samples.steps, samples.complete_epochs, samples.duplicates, samples.missing) == (8, 1, 0, 0)
 
@@ -393,7 +393,7 @@ def test_an_asynchronous_checkpoint_that_cannot_be_written_fails_the_run_with_th
     the run fails with the storage's error at its next checkpoint or its end, the failed step is
     never committed, and the run resumes from the checkpoint before it."""
     from shardyard.localdist import run_distributed
-    from shardyard.checkpoint.store import RunStorage
+    from shardyard.storage.store import RunStorage
 
     raw = job(tmp_path, scaling={"num_workers": 2}, batch={"global_batch_size": 8, "micro_batch_size": 4},
               checkpoint={"every_n_steps": 2, "async_write": True, "storage_path": f"fulldisk://{tmp_path}"},
@@ -416,7 +416,7 @@ def test_a_zero_checkpoint_that_cannot_be_uploaded_leaves_no_temporary_files(tmp
     storage's error and leave neither behind: a run whose step-4 upload fails, twice (the second
     attempt resumed from step 2, copied down), leaves the ranks' temporary directory empty."""
     from shardyard.localdist import run_distributed
-    from shardyard.checkpoint.store import RunStorage
+    from shardyard.storage.store import RunStorage
 
     temp_dir = tmp_path / "tmp"
     temp_dir.mkdir()
@@ -443,7 +443,7 @@ def test_a_zero_checkpoint_that_cannot_be_uploaded_leaves_no_temporary_files(tmp
 def test_a_committed_checkpoint_is_never_deleted_to_be_written_again(tmp_path: Path) -> None:
     """A save of a step whose checkpoint an earlier attempt committed used to delete it and write
     it again: a crash (here, a full disk) in between lost the step. The committed one is kept."""
-    from shardyard.checkpoint.store import RunStorage
+    from shardyard.storage.store import RunStorage
 
     register_full_disk()
     spec = parse_spec(job(tmp_path))
@@ -483,7 +483,7 @@ def test_a_deterministic_error_is_not_retried_until_max_failures_runs_out(ray_cl
     """A Hugging Face model directory whose weights file is corrupt: every worker group fails
     loading it. With scaling.max_failures 5 the run used to start 6 groups that all failed the same
     way; it stops after the second, saying why (exit 1, no traceback)."""
-    from shardyard.checkpoint.events import read_events
+    from shardyard.storage.events import read_events
     from test_models import save_llama
 
     save_llama(tmp_path / "llama")

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardyard.checkpoint.events import read_events
+from shardyard.storage.events import read_events
 from shardyard.checkpoint.loaders import find_latest, load_model
 from shardyard.spec import load_spec
 from shardyard.train.launcher import RunGaveUp, launch

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardyard.checkpoint.record import step_of
-from shardyard.checkpoint.store import RunStorage
+from shardyard.storage.store import RunStorage
 from shardyard.models import build_model
 from shardyard.serve.sampling import Sampling, choose_rows
 from shardyard.serve.generation import Completion, encode, generate

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from shardyard.checkpoint.collective import Written, barrier, node_scratch, storage_errors
 from shardyard.checkpoint.dcp_io import checksummed_writer, dcp_layout, read_dcp
-from shardyard.checkpoint.store import RunStorage
+from shardyard.storage.store import RunStorage
 from shardyard.checkpoint.zero_format import state_field, write_whole, zero_full_state
 from shardyard.parallel import Engine
 from shardyard.spec import JobSpec

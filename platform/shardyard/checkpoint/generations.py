@@ -29,7 +29,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from shardyard.checkpoint.store import RunStorage
+from shardyard.storage.store import RunStorage
 
 LEASE_DIR = "lease"
 

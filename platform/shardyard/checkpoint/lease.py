@@ -49,7 +49,7 @@ import psutil
 
 from shardyard.checkpoint.generations import LEASE_DIR, Lineage, attempt_file, attempts, current_lease
 from shardyard.checkpoint.record import newest_name, record_generations, step_of
-from shardyard.checkpoint.store import RunStorage
+from shardyard.storage.store import RunStorage
 from shardyard.spec import SpecError
 
 log = logging.getLogger("shardyard")

@@ -16,7 +16,7 @@ from shardyard.checkpoint.collective import single_process_io
 from shardyard.checkpoint.dcp_io import read_dcp
 from shardyard.checkpoint.layout import is_hf_directory, read_spec, trusted
 from shardyard.checkpoint.record import BadCheckpoint, newest_good, read_record, verify
-from shardyard.checkpoint.store import RunStorage
+from shardyard.storage.store import RunStorage
 from shardyard.checkpoint.zero_format import DeepSpeedFormat, local_zero_files, parameter_names
 from shardyard.models import build_model, give_storage, materialise
 from shardyard.models.initial_weights import copy_local

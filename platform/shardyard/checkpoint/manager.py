@@ -59,7 +59,7 @@ from shardyard.checkpoint.record import (
     valid_record,
     writer_of,
 )
-from shardyard.checkpoint.store import RunStorage
+from shardyard.storage.store import RunStorage
 from shardyard.checkpoint.verified_reads import check_entry
 from shardyard.checkpoint.zero_format import DeepSpeedFormat
 from shardyard.parallel import Engine

@@ -27,7 +27,7 @@ from typing import Any
 
 from shardyard.checkpoint.generations import read_json
 from shardyard.checkpoint.lease import identity, process_gone, renewer
-from shardyard.checkpoint.store import RunStorage
+from shardyard.storage.store import RunStorage
 
 log = logging.getLogger("shardyard")
 

@@ -34,7 +34,7 @@ from typing import Any
 import crc32c
 
 from shardyard.checkpoint.generations import Lineage
-from shardyard.checkpoint.store import CHECKPOINT_NAME, DIR_PREFIX, RunStorage
+from shardyard.storage.store import CHECKPOINT_NAME, DIR_PREFIX, RunStorage
 
 log = logging.getLogger("shardyard")
 

@@ -25,7 +25,7 @@ from shardyard.checkpoint.dcp_io import read_dcp
 from shardyard.checkpoint.layout import SPEC_FILE, STATE_FILE, ZERO_DIR
 from shardyard.checkpoint.record import FileEntry, file_entry
 from shardyard.checkpoint.safe_load import check_zero_files
-from shardyard.checkpoint.store import RunStorage
+from shardyard.storage.store import RunStorage
 from shardyard.models import build_model
 from shardyard.models.blocks import names_of_each_parameter
 from shardyard.parallel import Engine

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from shardyard.checkpoint.events import JsonLines
-from shardyard.checkpoint.store import RunStorage
+from shardyard.storage.events import JsonLines
+from shardyard.storage.store import RunStorage
 
 LEDGER_DIR = "ledger"
 

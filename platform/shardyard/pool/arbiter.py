@@ -22,7 +22,7 @@ import ray
 from ray import serve
 from ray.util import metrics
 
-from shardyard.checkpoint.events import log_event, read_events
+from shardyard.storage.events import Event, log_event, read_events
 from shardyard.pool.load import LoadBook, ReplicaLoad
 from shardyard.pool.policy import Arbitration, Decision, Observation
 from shardyard.pool.spec import PoolSpec
@@ -42,11 +42,11 @@ def training_size(events: list[dict[str, Any]]) -> int | None:
     size = starting = None
     for event in events:
         kind = event["event"]
-        if kind == "start":
+        if kind == Event.START:
             starting = event["world_size"]
-        elif kind == "first_step":
+        elif kind == Event.FIRST_STEP:
             size = starting
-        elif kind in ("preempted", "launch", "failure", "drain_checkpoint"):
+        elif kind in (Event.PREEMPTED, Event.LAUNCH, Event.FAILURE, Event.DRAIN_CHECKPOINT):
             size = starting = None
     return size
 
@@ -140,10 +140,10 @@ class Arbiter:
     def _announce(self, decision: Decision, signal: float | None, running: int) -> None:
         log_event(self.run_uri, decision.kind, from_workers=decision.from_workers, to_workers=decision.to_workers,
                   reason=decision.reason, signal=signal, breach_since=self.arbitration.breach_since)
-        (self.lends if decision.kind == "lend" else self.returns).inc()
+        (self.lends if decision.kind == Event.LEND else self.returns).inc()
         self.workers.set(decision.to_workers)
         self.lent.set(self.arbitration.lent)
-        what = "lends a device to serving" if decision.kind == "lend" else "takes a device back from serving"
+        what = "lends a device to serving" if decision.kind == Event.LEND else "takes a device back from serving"
         print(f"shardyard pool: training {what} ({decision.reason}): {decision.from_workers} -> "
               f"{decision.to_workers} workers", flush=True)
         now = time.time()
@@ -154,11 +154,11 @@ class Arbiter:
         returned one training (the run stepping at its new size)."""
         for item in list(self.pending):
             decision, at, running_then, breach_began = item
-            if decision.kind == "lend" and o.replicas_running > running_then:
-                log_event(self.run_uri, "lend_serving", replicas=o.replicas_running, since_decision_s=o.now - at,
+            if decision.kind == Event.LEND and o.replicas_running > running_then:
+                log_event(self.run_uri, Event.LEND_SERVING, replicas=o.replicas_running, since_decision_s=o.now - at,
                           since_breach_s=o.now - breach_began)
-            elif decision.kind == "return" and o.training_size == decision.to_workers:
-                log_event(self.run_uri, "return_training", world_size=decision.to_workers, since_decision_s=o.now - at)
+            elif decision.kind == Event.RETURN and o.training_size == decision.to_workers:
+                log_event(self.run_uri, Event.RETURN_TRAINING, world_size=decision.to_workers, since_decision_s=o.now - at)
             else:
                 continue
             self.pending.remove(item)

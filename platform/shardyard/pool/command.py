@@ -25,9 +25,9 @@ import ray
 from ray import serve
 
 from shardyard import exit_codes
-from shardyard.checkpoint.events import read_events
+from shardyard.storage.events import Event, read_events
 from shardyard.checkpoint.record import newest_good
-from shardyard.checkpoint.store import RunStorage
+from shardyard.storage.store import RunStorage
 from shardyard.cluster import QUIET, start_local_ray
 from shardyard.pool.arbiter import RemoteArbiter, arbiter_name
 from shardyard.pool.spec import PoolSpec, check_serving, load_pool, replica_bounds
@@ -172,15 +172,15 @@ class Pool:
 
 def summary(events: list[dict[str, Any]]) -> str:
     """The pool's decisions and how long each took to take effect, as a table."""
-    rows = [e for e in events if e["event"] in ("lend", "lend_serving", "return", "return_training")]
+    rows = [e for e in events if e["event"] in (Event.LEND, Event.LEND_SERVING, Event.RETURN, Event.RETURN_TRAINING)]
     if not rows:
         return "shardyard pool: no device changed hands"
     start = rows[0]["time"]
     lines = ["shardyard pool: what changed hands", f"{'t (s)':>7}  {'event':<16} detail"]
     for e in rows:
-        if e["event"] in ("lend", "return"):
+        if e["event"] in (Event.LEND, Event.RETURN):
             detail = f"training {e['from_workers']} -> {e['to_workers']} workers: {e['reason']}"
-        elif e["event"] == "lend_serving":
+        elif e["event"] == Event.LEND_SERVING:
             detail = f"{e['replicas']} replicas serve, {e['since_breach_s']:.1f} s after the breach began"
         else:
             detail = f"training steps at {e['world_size']} workers, {e['since_decision_s']:.1f} s after the decision"

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 from shardyard.pool.spec import Policy
+from shardyard.storage.events import Event
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class Observation:
 
 @dataclass(frozen=True)
 class Decision:
-    kind: str  # "lend" or "return"
+    kind: Event  # LEND or RETURN
     from_workers: int
     to_workers: int
     reason: str
@@ -74,18 +75,18 @@ class Arbitration:
                 and o.now - max(self.breach_since, self.last_decision) >= required
                 and self.allotment > self.min_workers):
             self.lends = [*recent, o.now]
-            return self._decide(o.now, "lend", -1, f"{lend.signal} {o.signal:.3g} over {lend.above:g} for "
+            return self._decide(o.now, Event.LEND, -1, f"{lend.signal} {o.signal:.3g} over {lend.above:g} for "
                                 f"{o.now - self.breach_since:.0f} s, {o.replicas_wanted - o.replicas_running} "
                                 f"replica(s) waiting for a device")
         calm_since = max(self.last_breach, self.last_decision)
         if (self.lent and o.free_devices >= 1 and o.replicas_wanted <= o.replicas_running and dwelt
                 and self.breach_since is None and o.now - calm_since >= policy.cool_down_s
                 and self.allotment < self.max_workers):
-            return self._decide(o.now, "return", +1, f"{lend.signal} within {lend.above:g} for "
+            return self._decide(o.now, Event.RETURN, +1, f"{lend.signal} within {lend.above:g} for "
                                 f"{o.now - calm_since:.0f} s and a device free")
         return None
 
-    def _decide(self, now: float, kind: str, change: int, reason: str) -> Decision:
+    def _decide(self, now: float, kind: Event, change: int, reason: str) -> Decision:
         before = self.allotment
         self.allotment += change
         self.lent -= change

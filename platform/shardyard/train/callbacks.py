@@ -15,8 +15,8 @@ from shardyard.checkpoint.record import newest_name
 from shardyard.data.ledger import SampleLedger
 from shardyard.spec import SpecError
 from shardyard.checkpoint.record import checkpoint_name
-from shardyard.checkpoint.store import RunStorage
-from shardyard.checkpoint.events import log_event, read_events
+from shardyard.storage.store import RunStorage
+from shardyard.storage.events import Event, log_event, read_events
 from shardyard.train.trainer import Callback, Trainer
 
 
@@ -28,10 +28,10 @@ class RunEvents(Callback):
     def on_train_start(self, trainer: Trainer) -> None:
         if trainer.rank != 0:
             if trainer.spec.scaling.recovery == "hot":
-                log_event(trainer.spec.run_uri, "replica_start", rank=trainer.rank, step=trainer.state.step)
+                log_event(trainer.spec.run_uri, Event.REPLICA_START, rank=trainer.rank, step=trainer.state.step)
             return
         spec, restored, par = trainer.spec, trainer.restored, trainer.spec.parallelism
-        log_event(spec.run_uri, "start", restored_step=trainer.state.step,
+        log_event(spec.run_uri, Event.START, restored_step=trainer.state.step,
                   old_world_size=restored.world_size if restored else None, world_size=trainer.world_size,
                   restore_s=trainer.restore_s, global_batch=trainer.global_batch,
                   mesh={"pp": par.pp, "dp": par.dp_size(trainer.world_size), "tp": par.tp},
@@ -42,14 +42,14 @@ class RunEvents(Callback):
                   f"(batch.allow_global_batch_change)", flush=True)
 
     def on_healed(self, trainer: Trainer, from_step: int) -> None:
-        log_event(trainer.spec.run_uri, "healed", rank=trainer.rank, from_step=from_step, to_step=trainer.state.step)
+        log_event(trainer.spec.run_uri, Event.HEALED, rank=trainer.rank, from_step=from_step, to_step=trainer.state.step)
 
 
 def _since_failure(run_uri: str) -> float | None:
     """Seconds from the failure that caused this worker-group start to now (None if none did)."""
     events = read_events(run_uri)
-    last_start = max((i for i, e in enumerate(events) if e["event"] == "start"), default=-1)
-    failures = [e for e in events[last_start + 1:] if e["event"] == "failure"]
+    last_start = max((i for i, e in enumerate(events) if e["event"] == Event.START), default=-1)
+    failures = [e for e in events[last_start + 1:] if e["event"] == Event.FAILURE]
     return time.time() - failures[0]["time"] if failures else None
 
 
@@ -114,10 +114,10 @@ class CrashAtCheckpoint(Callback):
         if trainer.state.step != self.step or trainer.rank != trainer.world_size - 1:
             return
         run = trainer.spec.run_uri
-        if any(e["event"] == "injected_crash" and e["step"] == self.step for e in read_events(run)):
+        if any(e["event"] == Event.INJECTED_CRASH and e["step"] == self.step for e in read_events(run)):
             return  # once: the restarted run must get past this step
         latest = newest_name(RunStorage(run))
-        log_event(run, "injected_crash", step=self.step, rank=trainer.rank, latest_complete=latest)
+        log_event(run, Event.INJECTED_CRASH, step=self.step, rank=trainer.rank, latest_complete=latest)
         time.sleep(1.0)  # rank 0 creates the directory and starts its write meanwhile
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -144,7 +144,7 @@ class HoldAtSteps(Callback):
         if trainer.rank != 0 or step not in self.steps:
             return
         storage = RunStorage(trainer.spec.run_uri)
-        log_event(storage.uri, "held", step=step, world_size=trainer.world_size, checkpoint=checkpoint)
+        log_event(storage.uri, Event.HELD, step=step, world_size=trainer.world_size, checkpoint=checkpoint)
         while not storage.exists(release_file(step)):
             time.sleep(0.1)
 
@@ -155,7 +155,7 @@ def release_file(step: int) -> str:
 
 def held_at(run: str | Path, step: int) -> dict | None:
     """The run's `held` event at `step` (SHARDYARD_HOLD_AT), once it is there."""
-    return next((e for e in read_events(run) if e["event"] == "held" and e["step"] == step), None)
+    return next((e for e in read_events(run) if e["event"] == Event.HELD and e["step"] == step), None)
 
 
 def release(run: str | Path, *steps: int) -> None:

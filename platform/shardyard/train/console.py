@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
-from shardyard.checkpoint.store import RunStorage
+from shardyard.storage.store import RunStorage
 
 RAY_LOG = "ray_output.log"
 BURST_GAP_S = 1.0

@@ -54,8 +54,8 @@ from shardyard.train.callbacks import (
 from shardyard.checkpoint.layout import SPEC_FILE, stored_spec
 from shardyard.checkpoint.lease import LeaseFence, LeaseLost, RunLease
 from shardyard.checkpoint.record import newest_good, newest_step
-from shardyard.checkpoint.store import RunStorage
-from shardyard.checkpoint.events import log_event, read_events
+from shardyard.storage.store import RunStorage
+from shardyard.storage.events import Event, launch_end, log_event, read_events
 from shardyard.train.metrics import RunResult, finish_run
 from shardyard.train.restart_lines import restart_lines, restarts_allowed
 from shardyard.train.startup import StartupPhases, driver_marks, report
@@ -85,12 +85,12 @@ def train_worker(config: dict[str, Any]) -> None:
         fence()
     except LeaseLost as err:  # a group restarted after its launch lost the run: it starts nothing
         if rank == 0:
-            log_event(spec.run_uri, "lease_lost", launch=launch_id, reason=str(err))
+            log_event(spec.run_uri, Event.LEASE_LOST, launch=launch_id, reason=str(err))
         return
     reason = repeated_failure(read_events(spec.run_uri), launch_id)
     if reason is not None:  # every rank reads the same events: all of them end here
         if rank == 0:
-            log_event(spec.run_uri, "gave_up", launch=config["launch_id"], reason=reason)
+            log_event(spec.run_uri, Event.GAVE_UP, launch=config["launch_id"], reason=reason)
         return
     hot = spec.scaling.recovery == "hot"
     if not hot:  # hot-recovery replicas are no one group: they keep the launch's fence
@@ -123,11 +123,11 @@ def train_worker(config: dict[str, Any]) -> None:
         trainer.train()
     except (LeaseLost, Diverged) as err:  # every rank raised it at the same step: end the group here
         if rank == 0:
-            kind = "lease_lost" if isinstance(err, LeaseLost) else "diverged"
+            kind = Event.LEASE_LOST if isinstance(err, LeaseLost) else Event.DIVERGED
             log_event(spec.run_uri, kind, launch=launch_id, reason=str(err), step=trainer.state.step)
         return
     if trainer.preempted and rank == 0:
-        log_event(spec.run_uri, "preempted", launch=launch_id, step=trainer.state.step)
+        log_event(spec.run_uri, Event.PREEMPTED, launch=launch_id, step=trainer.state.step)
 
 
 class FailureLog(UserCallback):
@@ -141,7 +141,7 @@ class FailureLog(UserCallback):
         # Raised by the training code (a bug, bad data, a model that cannot fit), not Ray's own
         # report of a process or node lost: only such errors can repeat deterministically.
         lost = [r for r, e in sorted(worker_exceptions.items()) if type(e).__module__.startswith("ray.")]
-        log_event(self.run_uri, "failure", ranks=sorted(errors), errors=errors, from_code=not lost, lost=lost)
+        log_event(self.run_uri, Event.FAILURE, ranks=sorted(errors), errors=errors, from_code=not lost, lost=lost)
 
 
 class RunGaveUp(RuntimeError):
@@ -178,12 +178,12 @@ def repeated_failure(events: list[dict[str, Any]], launch_id: str) -> str | None
     the same errors from their training code after restoring the same step. A deterministic error
     fails again however often `scaling.max_failures` retries it; a lost process or node (Ray's
     errors) and an error after progress are retried as before."""
-    start = max((i for i, e in enumerate(events) if e["event"] == "launch" and e.get("id") == launch_id), default=0)
+    start = max((i for i, e in enumerate(events) if e["event"] == Event.LAUNCH and e.get("id") == launch_id), default=0)
     step, failed = None, []
     for event in events[start:]:
-        if event["event"] == "start":
+        if event["event"] == Event.START:
             step = event["restored_step"]
-        elif event["event"] == "failure":
+        elif event["event"] == Event.FAILURE:
             failed.append((step, sorted(set(event["errors"].values())), event.get("from_code", False)))
     if len(failed) < 2 or failed[-1] != failed[-2] or not failed[-1][2]:
         return None
@@ -312,7 +312,7 @@ def check_resume(spec: JobSpec) -> None:
                         f"cannot change on resume: {listed}. Set them back, or use another run.name (or "
                         f"storage path) for a new run")
     if changes:
-        log_event(spec.run_uri, "spec_changed", checkpoint=name, changes=changes)
+        log_event(spec.run_uri, Event.SPEC_CHANGED, checkpoint=name, changes=changes)
     if spec.checkpoint.load_optimizer:
         check_optimizer_resumes(spec, stored, record["world_size"], where)
     # The user relaunching sees where the run picks up and what their command changed, before Ray's output.
@@ -518,7 +518,7 @@ def _launch_parameter_servers(spec: JobSpec, lease: RunLease) -> RunResult:
         except StoppedAtOnce:
             raise StoppedAtOnce(stopped_at_once(spec)) from None
         except (Diverged, LeaseLost) as err:
-            log_event(spec.run_uri, "diverged" if isinstance(err, Diverged) else "lease_lost", reason=str(err),
+            log_event(spec.run_uri, Event.DIVERGED if isinstance(err, Diverged) else Event.LEASE_LOST, reason=str(err),
                       step=ps.state.step)
             raise RunGaveUp(f"run '{spec.run.name}' stopped: {err}") from None
     if ps.preempted:
@@ -542,7 +542,7 @@ def _launch(spec: JobSpec, attach_to_running: bool, lease: RunLease, began_at: f
     tune_ray_train(spec)
     launch_id = uuid.uuid4().hex
     scaling = scaling_config(spec, ray.cluster_resources(), can_grow)
-    log_event(spec.run_uri, "launch", id=launch_id, lease_generation=lease.generation)
+    log_event(spec.run_uri, Event.LAUNCH, id=launch_id, lease_generation=lease.generation)
     trainer = TorchTrainer(
         train_worker,
         torch_config=torch_config(spec),
@@ -574,12 +574,11 @@ def _launch(spec: JobSpec, attach_to_running: bool, lease: RunLease, began_at: f
             raise RunGaveUp(f"run '{spec.run.name}' stopped: {failure_summary(err)}; scaling.max_failures "
                             f"({restarts_allowed(spec.scaling.max_failures)}) restarts were used. Launching it again "
                             f"resumes from step {newest_step(RunStorage(spec.run_uri))}") from None
-    ended = {e["event"]: e for e in read_events(spec.run_uri) if e.get("launch") == launch_id}
-    startup = report(ended.get("first_step"))
-    for kind in ("gave_up", "diverged", "lease_lost"):
-        if kind in ended:
-            raise RunGaveUp(f"run '{spec.run.name}' stopped: {ended[kind]['reason']}")
-    if "preempted" in ended:
+    ended = launch_end(read_events(spec.run_uri), launch_id)
+    startup = report(ended.first_step)
+    if ended.stopped is not None:
+        raise RunGaveUp(f"run '{spec.run.name}' stopped: {ended.stopped['reason']}")
+    if ended.preempted_at is not None:
         raise Preempted(f"run '{spec.run.name}' stopped on {notice.by or 'a preemption notice'} after committing "
-                        f"step {ended['preempted']['step']}; launch it again to continue from there", notice.by)
+                        f"step {ended.preempted_at}; launch it again to continue from there", notice.by)
     return finish_run(spec, f"shardyard run '{spec.run.name}' ({spec.parallelism.strategy})", start, startup)

@@ -4,7 +4,7 @@ end-of-run report.
 Metrics do not travel through `ray.train.report`: in Ray Train V2 each report waits for the
 controller, which drains a one-slot queue on its health-check poll (every 2 s), so reporting at
 every log interval would throttle training to that poll. Rank 0 prints progress and writes the
-metrics log itself, as JSON lines in the run's storage (checkpoint/events.py). Nothing calls
+metrics log itself, as JSON lines in the run's storage (storage/events.py). Nothing calls
 `ray.train.report`: checkpoints are shardyard's commit records alone (checkpoint/record.py).
 """
 
@@ -18,8 +18,8 @@ from typing import Any
 
 from shardyard.checkpoint.record import newest_name
 from shardyard.spec import JobSpec
-from shardyard.checkpoint.events import METRICS_FILE, JsonLines, read_metrics
-from shardyard.checkpoint.store import RunStorage
+from shardyard.storage.events import METRICS_FILE, JsonLines, read_metrics
+from shardyard.storage.store import RunStorage
 from shardyard.tables import format_table
 from shardyard.train.tracking import open_trackers
 

@@ -54,7 +54,7 @@ from shardyard.parallel import Engine, single_process
 from shardyard.spec import JobSpec, parse_spec
 from shardyard.checkpoint.manager import CheckpointManager, Fence
 from shardyard.checkpoint.layout import TrainState
-from shardyard.checkpoint.events import log_event
+from shardyard.storage.events import Event, log_event
 from shardyard.train.metrics import MetricsLog, Progress, RunResult, Throughput, finish_run
 from shardyard.train.step_guard import PREEMPT_FILE, Diverged
 from shardyard.optim import decay_groups, decayed, lr_factor, optimizer_over
@@ -357,7 +357,7 @@ class ParameterServerRun:
         self.preempt_step: int | None = None  # SIGTERM: the step checkpointed before stopping
         self.preempted = False
 
-    def _log(self, event: str, **fields: Any) -> None:
+    def _log(self, event: Event, **fields: Any) -> None:
         log_event(self.spec.run_uri, event, **fields)
 
     def run(self) -> RunResult:
@@ -374,7 +374,7 @@ class ParameterServerRun:
             self.coordinator = Coordinator.remote(self.state.samples_seen, self.spec.run.steps * self.global_batch,
                                                   worker_batch(self.spec), cut_every,
                                                   self.spec.parallelism.max_staleness, self.spec.scaling.world_sizes[0])
-            self._log("start", restored_step=self.state.step,
+            self._log(Event.START, restored_step=self.state.step,
                       old_world_size=restored.world_size if restored else None, world_size=self.slots,
                       min_workers=self.spec.scaling.world_sizes[0], num_servers=len(self.servers),
                       max_staleness=self.spec.parallelism.max_staleness)
@@ -421,7 +421,7 @@ class ParameterServerRun:
             self._notice_preemption()
             report = ray.get(self.coordinator.progress.remote())
             for name in report["joined"]:
-                self._log("worker_joined", worker=name, step=self.state.step, workers=report["workers"])
+                self._log(Event.WORKER_JOINED, worker=name, step=self.state.step, workers=report["workers"])
             statuses = self._statuses()
             if [s["pid"] for s in statuses] != server_pids:
                 self._roll_back()
@@ -472,7 +472,7 @@ class ParameterServerRun:
                     break
                 if step == self.preempt_step:
                     self.preempted = True
-                    self._log("preempted", step=step)
+                    self._log(Event.PREEMPTED, step=step)
                     break
             if rolled_back:
                 server_pids = [s["pid"] for s in self._statuses()]
@@ -491,7 +491,7 @@ class ParameterServerRun:
             if self.preempt_step == self.state.step:  # nothing handed out past it: checkpoint it now
                 if self._checkpoint():
                     self.preempted = True
-                    self._log("preempted", step=self.state.step)
+                    self._log(Event.PREEMPTED, step=self.state.step)
                 else:  # rolled back meanwhile: cut again from where it went back to
                     self.preempt_step = None
 
@@ -506,7 +506,7 @@ class ParameterServerRun:
             except ray.exceptions.RayError as err:  # the worker died: its batch is handed out again
                 self.failures += 1
                 ray.get(self.coordinator.leave.remote(name))
-                self._log("failure", worker=name, step=self.state.step, error=type(err).__name__)
+                self._log(Event.FAILURE, worker=name, step=self.state.step, error=type(err).__name__)
                 if self.failures > self.spec.scaling.max_failures:
                     raise RuntimeError(f"{self.failures} parameter-server workers failed; scaling.max_failures "
                                        f"is {self.spec.scaling.max_failures}") from err
@@ -560,7 +560,7 @@ class ParameterServerRun:
         self.generation += 1
         self._load_servers()
         ray.get(self.coordinator.rollback.remote(self.state.samples_seen, self.generation))
-        self._log("server_restored", restored_from=name, step=self.state.step, generation=self.generation)
+        self._log(Event.SERVER_RESTORED, restored_from=name, step=self.state.step, generation=self.generation)
 
     def _statuses(self) -> list[dict[str, Any]]:
         return _once_servers_answer(lambda: ray.get([s.status.remote() for s in self.servers]))

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from shardyard.checkpoint.events import read_events
+from shardyard.storage.events import Event, read_events
 from shardyard.checkpoint.record import newest_step
-from shardyard.checkpoint.store import RunStorage
+from shardyard.storage.store import RunStorage
 
 POLL_S = 2.0  # how often the events are read: a failure is said within this of being recorded
 
@@ -57,14 +57,14 @@ def restart_lines(run_uri: str, launch_id: str, max_failures: int) -> Iterator[N
         while True:
             stopping = stop.wait(POLL_S)
             events = read_events(run_uri)
-            began = max((i for i, e in enumerate(events) if e["event"] == "launch" and e.get("id") == launch_id),
+            began = max((i for i, e in enumerate(events) if e["event"] == Event.LAUNCH and e.get("id") == launch_id),
                         default=len(events))
             for event in events[max(began, seen):]:
-                if event["event"] == "failure":
+                if event["event"] == Event.FAILURE:
                     failures += 1
                     print(failure_line(event, failures, max_failures, newest_step(RunStorage(run_uri))),
                           file=sys.stderr, flush=True)
-                elif event["event"] == "start":
+                elif event["event"] == Event.START:
                     if last_start is not None:
                         print(start_line(event, last_start), file=sys.stderr, flush=True)
                     last_start = event

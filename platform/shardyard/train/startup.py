@@ -15,7 +15,7 @@ from typing import Any
 
 import psutil
 
-from shardyard.checkpoint.events import log_event
+from shardyard.storage.events import Event, log_event
 from shardyard.train.trainer import Callback, Trainer
 
 PHASES = {"command_s": "command", "ray_start_s": "Ray", "worker_start_s": "workers", "build_s": "build",
@@ -46,7 +46,7 @@ class StartupPhases(Callback):
             return
         phases = {"command_s": self.marks["command_s"], "ray_start_s": self.marks["ray_start_s"],
                   "worker_start_s": self.entered_at - self.marks["fit_at"], **trainer.timings}
-        log_event(trainer.spec.run_uri, "first_step", launch=self.launch_id, step=trainer.state.step,
+        log_event(trainer.spec.run_uri, Event.FIRST_STEP, launch=self.launch_id, step=trainer.state.step,
                   since_command_s=time.time() - self.marks["command_at"], **phases)
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from shardyard.checkpoint.lease import LeaseLost
-from shardyard.checkpoint.store import RunStorage
+from shardyard.storage.store import RunStorage
 
 log = logging.getLogger("shardyard")
 

@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
-from shardyard.checkpoint.store import RunStorage
+from shardyard.storage.store import RunStorage
 from shardyard.spec import JobSpec
 
 TENSORBOARD_DIR = "tensorboard"

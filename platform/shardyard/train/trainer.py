@@ -26,7 +26,7 @@ from shardyard.parallel import Engine, build_engine
 from shardyard.layout.world_size import at_world_size
 from shardyard.planner import ModelShape
 from shardyard.spec import LANGUAGE_MODELS, JobSpec
-from shardyard.checkpoint.events import log_event
+from shardyard.storage.events import Event, log_event
 from shardyard.checkpoint.manager import CheckpointManager, Fence
 from shardyard.checkpoint.layout import TrainState
 from shardyard.checkpoint.lease import LeaseLost
@@ -149,7 +149,7 @@ class Trainer:
         self._last_loss = loss
         if self.engine.skipped:  # run.on_nonfinite: skip; the step's update was not applied
             if self.rank == 0:
-                log_event(self.spec.run_uri, "skipped_nonfinite", step=self.state.step + 1)
+                log_event(self.spec.run_uri, Event.SKIPPED_NONFINITE, step=self.state.step + 1)
         else:
             self._loss_sum += loss
         self.state.step += 1
@@ -193,7 +193,7 @@ class Trainer:
             if verdict.drained is not None:  # the cluster was asked at this step
                 self._drain_saved = verdict.drained
             if drain_save and self.rank == 0:
-                log_event(self.spec.run_uri, "drain_checkpoint", step=step)
+                log_event(self.spec.run_uri, Event.DRAIN_CHECKPOINT, step=step)
             save_now = self.preempted or drain_save or self.checkpoint_scheduled(step)
             every_eval = self.spec.eval.every_n_steps
             eval_now = self.validation is not None and (step == self.spec.run.steps or step % every_eval == 0)

@@ -21,7 +21,7 @@ from shardyard.checkpoint.generations import attempts, current_lease
 from shardyard.checkpoint.loaders import committed_record
 from shardyard.checkpoint.published import Published
 from shardyard.checkpoint.record import BadCheckpoint, checkpoint_name, newest_good, step_of
-from shardyard.checkpoint.store import RunStorage
+from shardyard.storage.store import RunStorage
 from shardyard.serve.follow.app_weights import Pin, Source, View, rollback_target
 from shardyard.serve.engine.backend import WeightsRefused
 from shardyard.serve.resolved import ResolvedConfig

@@ -12,7 +12,7 @@ import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardyard.checkpoint.events import read_metrics, validation_loss_at
+from shardyard.storage.events import read_metrics, validation_loss_at
 from shardyard.checkpoint.published import Published, source_step
 from shardyard.checkpoint.record import BadCheckpoint
 from shardyard.serve.follow.app_weights import Source, with_few_published

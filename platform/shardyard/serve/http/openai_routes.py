@@ -36,7 +36,7 @@ from starlette.types import Receive, Scope, Send
 from pydantic import BaseModel, ConfigDict, Field
 
 from shardyard.checkpoint.published import Published
-from shardyard.checkpoint.store import DIR_PREFIX
+from shardyard.storage.store import DIR_PREFIX
 from shardyard.serve.http import openai_api as oa
 from shardyard.serve.engine.backend import EngineBackend, EngineCoreLost, Generation
 from shardyard.serve.http.choices import ChoiceText

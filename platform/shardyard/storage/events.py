@@ -13,10 +13,12 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from shardyard.checkpoint.store import RunStorage
+from shardyard.storage.store import RunStorage
 
 EVENTS_DIR = "events"
 
@@ -87,21 +89,55 @@ class JsonLines:
 
 # ----------------------------------------------------------------------------- events
 
+class Event(StrEnum):
+    """Every kind of event a run's log holds. They are also how parts of shardyard that share no
+    process tell each other what happened (a launch's driver reads how its workers stopped, the
+    pool reads how large the run trains), so each is named here once."""
+    # A launch (train/launcher.py): begun, its spec changed from the checkpoint it resumes, ended.
+    LAUNCH = "launch"
+    SPEC_CHANGED = "spec_changed"
+    GAVE_UP = "gave_up"  # a repeated error: retrying would not help
+    DIVERGED = "diverged"
+    LEASE_LOST = "lease_lost"  # another launch took the run
+    PREEMPTED = "preempted"  # stopped on a notice after committing `step`
+    # A worker group (train/callbacks.py, train/startup.py, train/trainer.py).
+    START = "start"
+    FIRST_STEP = "first_step"
+    FAILURE = "failure"
+    REPLICA_START = "replica_start"  # hot recovery: a replica joined its peers
+    HEALED = "healed"  # hot recovery: a replica caught up from a peer
+    INJECTED_CRASH = "injected_crash"
+    HELD = "held"  # a hold point reached (run.hold_at_steps)
+    SKIPPED_NONFINITE = "skipped_nonfinite"
+    DRAIN_CHECKPOINT = "drain_checkpoint"  # a checkpoint written because a node is draining
+    # Parameter servers (train/parameter_server.py).
+    WORKER_JOINED = "worker_joined"
+    SERVER_RESTORED = "server_restored"
+    # The pool (pool/arbiter.py): its decisions, and when each took effect.
+    LEND = "lend"
+    RETURN = "return"
+    LEND_SERVING = "lend_serving"
+    RETURN_TRAINING = "return_training"
+
+
+# A launch's end that means it stopped for good, not to be retried as it stands.
+STOPPED = (Event.GAVE_UP, Event.DIVERGED, Event.LEASE_LOST)
+
 _WRITER = f"{socket.gethostname()}-{os.getpid()}"
 
 
-def log_event(run_dir: str | Path, event: str, **fields: Any) -> None:
-    """Append one event to the run's event log: `start` of a worker group, `failure`, `healed`,
-    `injected_crash`, `held`, and the parameter servers' `worker_joined` and `server_restored`.
-    Each process writes a file of its own under `events/`.
+def log_event(run_dir: str | Path, event: Event, **fields: Any) -> None:
+    """Append one event to the run's event log. Each process writes a file of its own under
+    `events/`.
 
     Events are ordered by cause, not by clocks: each carries `order`, one more than the highest
     of the events its writer can read (a Lamport clock). A worker group's `start` reads the
     `failure` that restarted it, so it comes after it even from a host whose clock is behind;
     `time` (the writer's clock) only breaks ties and is shown to people."""
+    event = Event(event)  # an unknown kind fails here, in its writer, not later in a reader
     order = 1 + max((e.get("order", 0) for e in read_events(run_dir)), default=0)
     JsonLines(RunStorage(run_dir), EVENTS_DIR, f"{_WRITER}.jsonl").append(
-        {"event": event, "order": order, "time": time.time(), **fields})
+        {"event": event.value, "order": order, "time": time.time(), **fields})
 
 
 def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -112,6 +148,23 @@ def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
     files = [p.rsplit("/", 1)[-1] for p in storage.fs.ls(storage.path(EVENTS_DIR), detail=False)]
     rows = [row for name in files if name.endswith(".jsonl") for row in JsonLines(storage, EVENTS_DIR, name).read()]
     return sorted(rows, key=lambda e: (e.get("order", 0), e["time"]))
+
+
+@dataclass(frozen=True)
+class LaunchEnd:
+    """How one launch ended, as its events say."""
+    first_step: dict[str, Any] | None  # its first training step, with how long start-up took
+    stopped: dict[str, Any] | None  # the event that stopped it for good (STOPPED), with its reason
+    preempted_at: int | None  # the step it committed and stopped at on a notice
+
+
+def launch_end(events: list[dict[str, Any]], launch_id: str) -> LaunchEnd:
+    """How launch `launch_id` ended: the one reading of the event log that the driver's exit code
+    comes from."""
+    ended = {e["event"]: e for e in events if e.get("launch") == launch_id}
+    stopped = next((ended[kind] for kind in STOPPED if kind in ended), None)
+    preempted = ended.get(Event.PREEMPTED)
+    return LaunchEnd(ended.get(Event.FIRST_STEP), stopped, None if preempted is None else preempted["step"])
 
 
 METRICS_FILE = "metrics.jsonl"  # rank 0's row per logged step (train/metrics.py writes it)
