@@ -27,7 +27,7 @@ from shardyard.checkpoint.record import FileEntry, file_entry
 from shardyard.checkpoint.safe_load import check_zero_files
 from shardyard.storage.store import RunStorage
 from shardyard.models import build_model
-from shardyard.models.blocks import names_of_each_parameter
+from shardyard.layout.blocks import names_of_each_parameter
 from shardyard.parallel import Engine
 from shardyard.runtime import import_deepspeed
 from shardyard.spec import JobSpec

@@ -120,7 +120,7 @@ def _skeleton(model: Any) -> Any:
 
 
 def _check_custom_tp_plan(model: Any) -> None:
-    from shardyard.models.blocks import repeated_blocks
+    from shardyard.layout.blocks import repeated_blocks
 
     module = _skeleton(model)
     whose = f"model.factory's module ({type(module).__name__})"

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from shardyard.models.blocks import names_of_each_parameter, repeated_blocks
+from shardyard.layout.blocks import names_of_each_parameter, repeated_blocks
 from shardyard.models.gpt import GPT, lm_loss
 from shardyard.models.initial_weights import draw_seed, fill_local
 from shardyard.models.mlp import MLP, mse_loss

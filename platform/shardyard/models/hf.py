@@ -22,7 +22,7 @@ from transformers import AttentionInterface, Cache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from shardyard.models.blocks import names_of_each_parameter
+from shardyard.layout.blocks import names_of_each_parameter
 from shardyard.layout.capabilities import hf_block_tp_plan
 from shardyard.models.initial_weights import copy_local
 from shardyard.models.kv_cache import KVCache

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from shardyard.models.blocks import repeated_blocks
+from shardyard.layout.blocks import repeated_blocks
 
 
 def draw_seed() -> int:
