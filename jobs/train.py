@@ -13,7 +13,7 @@ import argparse
 import sys
 
 try:
-    from shardyard.cli import add_train_arguments, run_train
+    from shardyard.cli.train import add_train_arguments, run_train
 except ImportError:
     sys.exit("shardyard is not installed in this Python: run `pip install -e .` in the checkout "
              "(on a cluster, cluster.yaml's setup_commands do this on every node)")

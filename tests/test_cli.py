@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from shardyard.cli import count, main
+from shardyard.cli import main
+from shardyard.cli.plan import count
 
 pytestmark = pytest.mark.timeout(60)
 

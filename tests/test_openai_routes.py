@@ -25,7 +25,7 @@ from followed_run import PROMPT, alone, commit
 from shardyard.checkpoint.record import checkpoint_name
 from shardyard.serve.http.admin_routes import Admin
 from shardyard.serve.http import openai_api as oa
-from shardyard.serve.http.guard import ClientError, GuardSettings
+from shardyard.serve.http.guard import GuardSettings
 from shardyard.serve.http.surface import http_app
 from shardyard.serve.http.openai_routes import Answering, answer
 from test_weight_follower import follower_of

@@ -85,7 +85,7 @@ def test_settings_nest_by_concern_and_every_way_of_giving_one_means_the_same() -
 def test_the_dtype_flag_is_the_configs_dtype(run_dir: Path) -> None:
     import argparse
 
-    from shardyard.serve.app.command import add_serve_arguments, serve_config
+    from shardyard.cli.serve import add_arguments as add_serve_arguments, serve_config
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
@@ -99,7 +99,7 @@ def test_the_dtype_flag_is_the_configs_dtype(run_dir: Path) -> None:
 def test_the_operators_token_file_is_the_admin_token(run_dir: Path, tmp_path: Path) -> None:
     import argparse
 
-    from shardyard.serve.app.command import add_serve_arguments, serve_config
+    from shardyard.cli.serve import add_arguments as add_serve_arguments, serve_config
     from shardyard.serve.resolved import load_config
 
     parser = argparse.ArgumentParser()
@@ -116,7 +116,7 @@ def test_decode_steps_compile_on_gpus_unless_enforce_eager_says_otherwise(run_di
     `--enforce-eager` makes every pass eager, `enforce_eager: false` compiles on CPUs too."""
     import argparse
 
-    from shardyard.serve.app.command import add_serve_arguments, serve_config
+    from shardyard.cli.serve import add_arguments as add_serve_arguments, serve_config
     from shardyard.serve.resolved import load_config
 
     parser = argparse.ArgumentParser()

@@ -27,7 +27,7 @@ from shardyard.checkpoint.loaders import find_latest
 from shardyard.checkpoint.manager import CheckpointManager
 from shardyard.checkpoint.record import COMMIT_FILE, entry
 from shardyard.storage.store import RunStorage
-from shardyard.cli import run_export
+from shardyard.cli.export import run_export
 from shardyard.models import build_model
 from shardyard.parallel import single_process
 from shardyard.spec import parse_spec

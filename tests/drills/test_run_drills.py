@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from shardyard.checkpoint.record import newest_name, read_record
-from shardyard.cli import run_train
+from shardyard.cli.train import run_train
 from shardyard.models import build_model
 from shardyard.parallel import single_process
 from shardyard.spec import parse_spec

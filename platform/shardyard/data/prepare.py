@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,7 +24,7 @@ from shardyard.data.corpus import TEXT_SUFFIXES
 from shardyard.data.shards import (INDEX_FILE, TOKENIZER_DIR, docs_name, is_remote, shard_name, token_dtype,
                                    write_index)
 from shardyard.data.tokenizer import BYTES, TokenizerInfo, encode_documents, from_directory, train_bpe
-from shardyard.spec import SpecError, Section, read_yaml, validate
+from shardyard.spec import Section, read_yaml, validate
 
 SUFFIXES = {"text": TEXT_SUFFIXES, "jsonl": {".jsonl", ".json"}, "parquet": {".parquet"}}
 
@@ -361,19 +359,3 @@ def _user_error(err: BaseException) -> Exception:
                 return PrepareError(line.split("PrepareError: ", 1)[1])
         seen = seen.__cause__ or seen.__context__
     return err if isinstance(err, Exception) else RuntimeError(str(err))
-
-
-def main(config: str, overrides: list[str]) -> int:
-    # Ray Data's usage telemetry starts a thread that polls the cluster every 10 s for as long as
-    # the process lives. A poll that falls during Ray's shutdown at interpreter exit makes Ray's
-    # core worker end the process with status 1 ("The core worker has already been shutdown"):
-    # a finished `prepare` reported as failed (seen in CI, more often on a loaded machine). This
-    # is Ray Data's own opt-out of that telemetry, for this process only.
-    os.environ.setdefault("RAY_DATA_USAGE_DISABLED", "1")
-    try:
-        prepare(load_prepare_spec(config, overrides))
-    except (SpecError, PrepareError) as err:
-        print(f"shardyard prepare: {err}", file=sys.stderr)
-        return 2
-    return 0
-

@@ -31,7 +31,7 @@ from shardyard.storage.store import RunStorage
 from shardyard.cluster import QUIET, start_local_ray
 from shardyard.pool.arbiter import RemoteArbiter, arbiter_name
 from shardyard.pool.spec import PoolSpec, check_serving, load_pool, replica_bounds
-from shardyard.serve.app.command import serve_log_levels
+from shardyard.serve.app.logs import serve_log_levels
 from shardyard.serve.engine.builtin import REPLICA_CPUS
 from shardyard.serve.engine.metrics import ARBITER_NAMESPACE
 from shardyard.spec import JobSpec, SpecError, parse_spec
@@ -193,7 +193,7 @@ def run_pool(config: str, overrides: list[str]) -> int:
     try:
         pool, job = load_pool(config, overrides)
         devices = connect(pool, job)
-        with ray_console(job.run_uri, job.run.name):  # until Ray is left: see cli.py's train
+        with ray_console(job.run_uri, job.run.name):  # until Ray is left: see cli/train.py
             try:
                 return Pool(pool, job, devices).run()
             finally:

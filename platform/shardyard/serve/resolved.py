@@ -17,7 +17,7 @@ from shardyard.checkpoint.loaders import servable
 from shardyard.checkpoint.record import step_of
 from shardyard.data.tokenizer import run_tokenizer
 from shardyard.models.kv_cache import BLOCK_TOKENS
-from shardyard.serve.config import (DEFAULT_CHECKPOINT, AuthSettings, BatchingSettings, CanarySettings,
+from shardyard.serve.config import (DEFAULT_CHECKPOINT, BatchingSettings, CanarySettings,
                                     EngineSettings, FollowSettings, LimitSettings, ServeConfig, parse_config)
 from shardyard.serve.executor.model_pass import supports_kv_cache
 from shardyard.serve.executor.shards import sharding_problem

@@ -24,7 +24,6 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 from shardyard.ports import quiet_free_port
 from shardyard.serve.app import haproxy_loopback as loopback

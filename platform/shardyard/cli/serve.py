@@ -19,14 +19,19 @@ import time
 from contextlib import ExitStack
 from typing import Any
 
+from shardyard import exit_codes
 from shardyard.serve.app.ingress import DEFAULT_HEADER_TIMEOUT_S
+from shardyard.serve.app.logs import ray_logs, serve_log_levels
 from shardyard.spec import SpecError, apply_override
 
 API_KEY_ENV = "SHARDYARD_API_KEY"  # the token from the environment (inherited by the replicas of a Ray started here)
 APP_NAME = "shardyard"
 
 
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+HELP = "serve a run, a checkpoint or a Hugging Face model directory over HTTP (OpenAI API), with vLLM's flag names"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", help="a run directory (its newest checkpoint), a checkpoint, or a Hugging "
                                        "Face model directory")
     parser.add_argument("--tensor-parallel-size", type=int, help="shards, each with a slice of every layer")
@@ -102,13 +107,13 @@ def serve_config(args: argparse.Namespace) -> dict[str, Any]:
     return config
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Validate, start (or join) Ray and Serve, run the application until Ctrl-C or SIGTERM."""
     try:
         config = serve_config(args)
     except SpecError as err:
         print(f"shardyard: {err}", file=sys.stderr)
-        return 2
+        return exit_codes.REFUSED
     import ray
     from ray import serve
 
@@ -122,7 +127,7 @@ def run_serve(args: argparse.Namespace) -> int:
     taken = claim(args.host, args.port) if own else None  # an HAProxy orphan of a killed serve is stopped
     if taken is not None:
         print(f"shardyard: {taken}", file=sys.stderr)
-        return 2
+        return exit_codes.REFUSED
     with ExitStack() as instance:
         if own:
             instance.enter_context(haproxy_ingress(args.header_timeout))
@@ -137,34 +142,13 @@ def run_serve(args: argparse.Namespace) -> int:
             app = build_app(config)
         except SpecError as err:
             print(f"shardyard: {err}", file=sys.stderr)
-            return 2
+            return exit_codes.REFUSED
         serve_logging, app_logging = serve_log_levels(own)
         serve.start(http_options={"host": args.host, "port": args.port}, logging_config=serve_logging)
         if own:  # stopped before Ray: Serve stops HAProxy, which Ray's end alone would leave holding the port
             instance.callback(serve.shutdown)
             print(f"shardyard: Ray's and Serve's logs: {ray_logs()}", flush=True)
         return run_until_stopped(app, f"http://{args.host}:{args.port}/v1", app_logging)
-
-
-def serve_log_levels(own: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """Serve's logging (`serve.start`'s, then the application's) for a command that serves. On a
-    Ray of the command's own, Serve's and HAProxy's INFO lines (dozens at each start), its access
-    log and the warning that a loopback host cannot route across nodes (there is one node) stay in
-    Ray's log files, and so do Serve's INFO lines in this process: shardyard's own lines, and
-    Serve's errors, reach the console. On a shared cluster, Serve's settings as they are."""
-    if not own:
-        return {"log_level": "INFO"}, None
-    import logging
-
-    logging.getLogger("ray.serve").setLevel(logging.WARNING)
-    return {"log_level": "ERROR"}, {"log_level": "WARNING", "enable_access_log": False}
-
-
-def ray_logs() -> str:
-    """Where the newest Ray session on this machine (this command's own) keeps its logs."""
-    from shardyard.cluster import cluster_record
-
-    return str(cluster_record().parent / "session_latest" / "logs")
 
 
 def run_until_stopped(app: Any, url: str, logging_config: dict[str, Any] | None = None) -> int:
@@ -181,9 +165,9 @@ def run_until_stopped(app: Any, url: str, logging_config: dict[str, Any] | None 
         serve.run(app, name=APP_NAME, route_prefix="/", logging_config=logging_config)
     except RuntimeError as err:  # a replica that could not start: Serve's reason, not a traceback
         print(f"shardyard: the application did not start: {err}", file=sys.stderr)
-        return 1
+        return exit_codes.NOT_STARTED
     print(f"shardyard: serving on {url} (OpenAI API; Ctrl-C stops)", flush=True)
     while not stopping:
         time.sleep(0.2)
     serve.delete(APP_NAME)
-    return 0
+    return exit_codes.DONE
