@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from shardyard.pool.spec import LendWhen, Policy, PoolSpec
 from shardyard.serve.config import VLLM_NAMES, CanarySettings, ServeConfig
-from shardyard.spec import JobSpec, _members
+from shardyard.spec import JobSpec, members
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "reference.md"
 
@@ -66,9 +66,9 @@ def reference() -> str:
            "(`python -m shardyard.docs`). [The job spec](job-spec.md) explains them by topic.\n",
            "## Job spec\n"]
     for section, field in JobSpec.model_fields.items():
-        members = _members(field.annotation)
-        if len(members) > 1:  # model: one table per kind of model
-            for member in members:
+        kinds = members(field.annotation)
+        if len(kinds) > 1:  # model: one table per kind of model
+            for member in kinds:
                 kind = member.model_fields["name"].default
                 out.append(f"### `{section}` with `name: {kind}`\n")
                 out.append(_table(_rows(member, f"{section}.")))

@@ -9,7 +9,7 @@
 - wandb: a Weights & Biases run in project `run.experiment`, id kept the same way; offline
   unless the environment says otherwise (WANDB_MODE, or an API key with WANDB_MODE=online).
 
-A client that is not installed is refused when the spec is checked (spec.py), before any worker
+A client that is not installed is refused when the spec is checked (spec/sections.py), before any worker
 starts, naming the extra that brings it.
 """
 
