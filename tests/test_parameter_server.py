@@ -150,7 +150,7 @@ def test_a_push_is_applied_at_most_once_and_an_old_generation_is_refused(ray_clu
     spec = parse_spec(ps_job(tmp_path, "ids", workers=1, servers=1, staleness=None, total=4))
     model = initial_model(spec)
     names = [n for n, _ in model.named_parameters()][:2]
-    server = ParameterServer.remote(spec.model_dump(mode="json"), names, {n: True for n in names})
+    server = ParameterServer.remote(spec, names, {n: True for n in names})
     values = [dict(model.named_parameters())[n].detach() for n in names]
     ray.get(server.load.remote(values, [{}, {}], 0, 3))
     grads = [torch.ones_like(v) for v in values]

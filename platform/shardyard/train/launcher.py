@@ -41,7 +41,7 @@ from shardyard import exit_codes
 from shardyard.cluster import connect_ray
 from shardyard.train.early_sigterm import sigterm_handler_kept, stop_if_terminated, terminated
 from shardyard.runtime import select_device
-from shardyard.spec import ZERO_STAGES, JobSpec, SpecError, parse_spec
+from shardyard.spec import ZERO_STAGES, JobSpec, SpecError
 from shardyard.train.callbacks import (
     CrashAtCheckpoint,
     HoldAtSteps,
@@ -72,11 +72,12 @@ def node_drained() -> bool:
 
 
 def train_worker(config: dict[str, Any]) -> None:
-    """Entry point of each Ray Train worker. `config["spec"]` is the validated job spec as a
-    dict; `progress_bar` says whether the driver has a terminal to draw a bar on;
+    """Entry point of each Ray Train worker. `config["spec"]` is the job spec as the driver
+    validated it (not validated again here: that would import a custom model's factory and read a
+    Hugging Face config in every worker); `progress_bar` says whether the driver has a terminal to draw a bar on;
     `crash_at_checkpoint` and `hold_at` are fault-injection settings read on the driver."""
     entered_at = time.time()
-    spec = parse_spec(config["spec"])
+    spec: JobSpec = config["spec"]
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     launch_id = config["launch_id"]
@@ -546,7 +547,7 @@ def _launch(spec: JobSpec, attach_to_running: bool, lease: RunLease, began_at: f
     trainer = TorchTrainer(
         train_worker,
         torch_config=torch_config(spec),
-        train_loop_config={"spec": spec.model_dump(mode="json"), "progress_bar": sys.stdout.isatty(),
+        train_loop_config={"spec": spec, "progress_bar": sys.stdout.isatty(),
                            "launch_id": launch_id, "lease_generation": lease.generation, "lease_id": lease.id,
                            "lease_base_step": lease.base_step,
                            "use_gpu": scaling.use_gpu, "startup": driver_marks(ray_started_at, ray_start_s, began_at),

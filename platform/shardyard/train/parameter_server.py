@@ -51,7 +51,7 @@ from shardyard.data import GlobalSampleOrder, build_dataset, micro_batch_ids
 from shardyard.data.ledger import SampleLedger
 from shardyard.models import build_model
 from shardyard.parallel import Engine, single_process
-from shardyard.spec import JobSpec, parse_spec
+from shardyard.spec import JobSpec
 from shardyard.checkpoint.manager import CheckpointManager, Fence
 from shardyard.checkpoint.layout import TrainState
 from shardyard.storage.events import Event, log_event
@@ -107,8 +107,8 @@ def load_pulled(params: dict[str, nn.Parameter], parts: list[list[str]], pulled:
 
 @ray.remote(max_restarts=-1)  # a dead server comes back empty; the driver rolls the run back
 class ParameterServer:
-    def __init__(self, spec: dict[str, Any], names: list[str], decays: dict[str, bool]) -> None:
-        self.spec = parse_spec(spec)
+    def __init__(self, spec: JobSpec, names: list[str], decays: dict[str, bool]) -> None:
+        self.spec = spec  # validated on the driver
         self.slots = worker_slots(self.spec)
         self.names = names
         with torch.device("meta"):  # shapes only: the weights come from the driver's `load`
@@ -280,9 +280,9 @@ class Coordinator:
 class PSWorker:
     """Pulls, computes one batch's gradient, pushes; until the coordinator has no batch left."""
 
-    def __init__(self, spec: dict[str, Any], name: str, servers: list, parts: list[list[str]], coordinator,
+    def __init__(self, spec: JobSpec, name: str, servers: list, parts: list[list[str]], coordinator,
                  attempt: float, slowdown: float = 1.0) -> None:
-        self.spec = parse_spec(spec)
+        self.spec = spec  # validated on the driver
         self.name, self.servers, self.parts, self.coordinator = name, servers, parts, coordinator
         self.slowdown = slowdown  # > 1 makes this worker a deliberate straggler (benchmarks)
         model = initial_model(self.spec)
@@ -338,7 +338,6 @@ class ParameterServerRun:
     def __init__(self, spec: JobSpec, slowdowns: dict[int, float] | None = None,
                  fence: Fence | None = None) -> None:
         self.spec = spec
-        self.raw = spec.model_dump(mode="json")
         self.slowdowns = slowdowns or {}
         self.slots, self.global_batch = worker_slots(spec), spec.batch.global_batch_size
         # The whole model and a single-process optimizer over it hold what checkpoints save and
@@ -366,7 +365,7 @@ class ParameterServerRun:
         if restored is not None:
             self.state = TrainState(restored.step, restored.samples_seen, self.slots)
         decays = decayed(self.engine.model)
-        self.servers = [ParameterServer.remote(self.raw, names, decays) for names in self.parts]
+        self.servers = [ParameterServer.remote(self.spec, names, decays) for names in self.parts]
         self.coordinator = None
         try:
             self._load_servers()
@@ -402,7 +401,7 @@ class ParameterServerRun:
         # the run when a node brings some (elastic growth).
         name = f"worker{self.next_worker}"
         actor = PSWorker.options(**worker_resources(self.spec)).remote(
-            self.raw, name, self.servers, self.parts, self.coordinator, self.attempt,
+            self.spec, name, self.servers, self.parts, self.coordinator, self.attempt,
             self.slowdowns.get(self.next_worker, 1.0))
         self.running[actor.run.remote()] = (name, actor)
         self.next_worker += 1
