@@ -19,7 +19,7 @@ from shardyard.checkpoint.record import COMMIT_FILE, BadCheckpoint, checkpoint_n
 from shardyard.checkpoint.manager import CheckpointManager
 from shardyard.checkpoint.layout import TrainState
 from shardyard.checkpoint.loaders import find_latest, load_model
-from shardyard.train.launcher import check_resume
+from shardyard.train.preflight import check_resume
 from shardyard.storage.events import Event, log_event, read_events
 from shardyard.train.metrics import METRICS_FILE, MetricsLog, read_metrics
 

@@ -201,7 +201,7 @@ def test_training_on_shards_resumes_at_another_world_size_using_each_sample_once
 @pytest.mark.timeout(60)
 def test_shards_whose_tokenizer_outgrows_the_model_are_refused_before_training(tmp_path: Path) -> None:
     from shardyard.spec import SpecError, load_spec
-    from shardyard.train.launcher import preflight
+    from shardyard.train.preflight import preflight
 
     writer = SplitWriter(tmp_path, "train", np.dtype("<u2"), shard_tokens=1024)
     writer.add(np.arange(3000, dtype=np.uint32) % 320)
@@ -220,7 +220,7 @@ def test_a_runs_tokenizer_is_adopted_whole_and_judged_by_every_file(tmp_path: Pa
     read), judged by every file's digest (not by tokenizer.json alone), a launch cut off part way
     completed by the next; an index that sends the read to another folder is refused."""
     from shardyard.spec import SpecError, load_spec
-    from shardyard.train.launcher import ADOPTED, adopt_tokenizer
+    from shardyard.train.preflight import ADOPTED, adopt_tokenizer
 
     def prepared(name: str, config: str, folder: str = "tokenizer") -> Path:
         data = tmp_path / name

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torchft._torchft import LighthouseClient, LighthouseServer
 
 from shardyard.spec import load_spec
-from shardyard.train.launcher import torch_config
+from shardyard.train.ray_train.config import torch_config
 from test_fault_tolerance import CONFIG
 
 STRAGGLER_LATE_S = 1.0

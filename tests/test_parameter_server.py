@@ -256,7 +256,8 @@ def test_a_diverging_parameter_server_run_stops_and_commits_nothing_non_finite(r
     """run.on_nonfinite: stop holds for parameter servers too: a loss that is not finite stops the
     run naming the step (RunGaveUp, the CLI's exit 1), and no committed checkpoint holds NaN or inf
     (before: the run went on and committed them)."""
-    from shardyard.train.launcher import RunGaveUp, launch
+    from shardyard.train.outcomes import RunGaveUp
+    from shardyard.train.launcher import launch
 
     raw = ps_job(tmp_path, "diverging", workers=2, servers=2, staleness=0, total=40,
                  optim={**SGD, "lr": 1e6, "momentum": 0.0})
@@ -276,7 +277,8 @@ def test_sigterm_checkpoints_a_parameter_server_run_at_the_step_in_flight(ray_cl
     """SIGTERM to the driver (here, this process's main thread runs it) cuts at the step being
     computed, commits it and stops (Preempted, exit 143); the next launch goes on from that step
     (before: the driver died without a checkpoint, losing everything since the last interval)."""
-    from shardyard.train.launcher import Preempted, launch
+    from shardyard.train.outcomes import Preempted
+    from shardyard.train.launcher import launch
 
     raw = ps_job(tmp_path, "preempted", workers=2, servers=2, staleness=None, total=10_000)
     raw["checkpoint"]["every_n_steps"] = 5_000  # far away: only the notice can make a checkpoint

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import REPO
 from shardyard.spec import SpecError, load_spec
-from shardyard.train.worker_resources import place_workers
+from shardyard.train.ray_train.worker_resources import place_workers
 
 pytestmark = pytest.mark.timeout(30)
 

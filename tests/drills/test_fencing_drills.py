@@ -29,7 +29,7 @@ from shardyard.storage.store import RunStorage
 from shardyard.models import build_model
 from shardyard.parallel import single_process
 from shardyard.spec import parse_spec
-from shardyard.train.launcher import repeated_failure
+from shardyard.train.outcomes import repeated_failure
 from conftest import Bucket
 
 pytestmark = pytest.mark.timeout(120)
@@ -492,7 +492,7 @@ def test_a_sigterm_just_before_training_begins_is_acted_on_and_its_notice_outlas
     import signal
 
     from shardyard.train.early_sigterm import sigterm_before_training
-    from shardyard.train.launcher import preemption_notice
+    from shardyard.train.preemption import preemption_notice
     from shardyard.train.step_guard import PREEMPT_FILE
 
     spec = spec_for(str(tmp_path))

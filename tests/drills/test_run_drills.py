@@ -174,7 +174,7 @@ def test_resuming_with_another_seed_dataset_or_model_is_refused_naming_each_key(
 def test_resuming_with_a_new_learning_rate_and_length_applies_them_and_records_the_change(tmp_path: Path) -> None:
     """The restored LR schedule used to bring the stored optim.lr back, silently: the new rate now
     applies at the restored step of the new schedule, and the run's events say what changed."""
-    from shardyard.train.launcher import check_resume
+    from shardyard.train.preflight import check_resume
 
     spec = parse_spec(job(tmp_path, run={"steps": 200}))
     trained = single_process(spec, build_model(spec.model), torch.device("cpu"))
@@ -271,7 +271,7 @@ def test_a_failed_parameter_server_run_leaves_none_of_its_actors_behind(ray_clus
     was removed once the run had been checked) until scaling.max_failures runs out."""
     import ray
 
-    from shardyard.train.launcher import preflight
+    from shardyard.train.preflight import preflight
     from shardyard.train.parameter_server import ParameterServerRun
 
     text = tmp_path / "corpus.txt"
@@ -462,7 +462,7 @@ def failure(step: int | None, error: str, from_code: bool = True) -> list[dict]:
 
 @pytest.mark.timeout(30)
 def test_only_the_same_error_from_the_same_step_twice_counts_as_deterministic() -> None:
-    from shardyard.train.launcher import repeated_failure
+    from shardyard.train.outcomes import repeated_failure
 
     launch = [{"event": "launch", "id": "this"}]
     bad = "ValueError: bad header"

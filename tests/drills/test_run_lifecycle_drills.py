@@ -22,7 +22,8 @@ import torch
 from shardyard.storage.events import read_events
 from shardyard.checkpoint.loaders import find_latest, load_model
 from shardyard.spec import load_spec
-from shardyard.train.launcher import RunGaveUp, launch
+from shardyard.train.outcomes import RunGaveUp
+from shardyard.train.launcher import launch
 from shardyard.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]

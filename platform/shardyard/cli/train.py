@@ -76,7 +76,8 @@ def _train(spec: JobSpec, attach_to_running: bool, take_over: bool) -> int:
     import ray
 
     from shardyard.train.console import ray_console
-    from shardyard.train.launcher import Preempted, RunGaveUp, launch  # imports Ray: only once the spec is valid
+    from shardyard.train.launcher import launch  # imports Ray: only once the spec is valid
+    from shardyard.train.outcomes import Preempted, RunGaveUp
 
     # Ray forwards lines until this driver leaves it (a controller's traceback as it ends): the
     # console filter stays in front of them until then. A caller already connected (a script, a

@@ -36,7 +36,8 @@ from shardyard.serve.engine.builtin import REPLICA_CPUS
 from shardyard.serve.engine.metrics import ARBITER_NAMESPACE
 from shardyard.spec import JobSpec, SpecError, parse_spec
 from shardyard.train.console import ray_console
-from shardyard.train.launcher import Preempted, RunGaveUp, launch
+from shardyard.train.outcomes import Preempted, RunGaveUp
+from shardyard.train.launcher import launch
 from shardyard.train.step_guard import PREEMPT_FILE
 
 TIMELINE = ("pool", "timeline.json")

@@ -50,6 +50,9 @@ def sigterm_before_training() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        # Heard during this launch, and answered by it: a later launch from the same process (a
+        # notebook, a script that trains twice) starts without it.
+        _TERMINATED.clear()
 
 
 @contextmanager

@@ -4,7 +4,7 @@
 checkpoint manager from a job spec and a process's place in the world; `train()` restores the
 newest committed checkpoint and runs steps until `run.steps`, logging and checkpointing on the
 spec's intervals. It needs an initialised torch.distributed process group and nothing else: Ray
-Train's workers build it (train/launcher.py), and tests build it in plain torch.distributed
+Train's workers build it (train/ray_train/worker.py), and tests build it in plain torch.distributed
 processes. What varies between runs attaches as callbacks (train/callbacks.py): the sample
 ledger, the event log, fault injection.
 """

@@ -1,0 +1,55 @@
+"""How a launch ends when it does not finish: the exceptions the driver raises (their messages are
+what the user reads) and the reading of a launch's events that decides it should not retry."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardyard.storage.events import Event
+
+
+class RunGaveUp(RuntimeError):
+    """The run stopped and retrying would not help: it failed the same way twice from the same
+    checkpoint, its loss diverged, or another launch took it over."""
+
+
+class Preempted(RuntimeError):
+    """A preemption notice stopped the run after it committed a checkpoint: launching it again
+    continues. `by`: the signal to this driver that gave the notice (SIGTERM, or Ctrl-C), or None
+    for one written by another part of shardyard (the pool resizing the run)."""
+
+    def __init__(self, message: str, by: str | None) -> None:
+        super().__init__(message)
+        self.by = by
+
+    @property
+    def signalled(self) -> bool:
+        return self.by is not None
+
+
+def repeated_failure(events: list[dict[str, Any]], launch_id: str) -> str | None:
+    """Why this launch should not start another worker group: its last two failed groups raised
+    the same errors from their training code after restoring the same step. A deterministic error
+    fails again however often `scaling.max_failures` retries it; a lost process or node (Ray's
+    errors) and an error after progress are retried as before."""
+    start = max((i for i, e in enumerate(events) if e["event"] == Event.LAUNCH and e.get("id") == launch_id), default=0)
+    step, failed = None, []
+    for event in events[start:]:
+        if event["event"] == Event.START:
+            step = event["restored_step"]
+        elif event["event"] == Event.FAILURE:
+            failed.append((step, sorted(set(event["errors"].values())), event.get("from_code", False)))
+    if len(failed) < 2 or failed[-1] != failed[-2] or not failed[-1][2]:
+        return None
+    step, errors, _ = failed[-1]
+    return (f"the same error twice from {f'step {step}' if step else 'the start'} with no progress, so not "
+            f"retried again (scaling.max_failures): {'; '.join(errors)}")
+
+
+def failure_summary(err: Exception) -> str:
+    """Ray Train's final error in a line: each failed rank's error, first line only."""
+    failures = getattr(err, "worker_failures", None) or {}
+    if not failures:
+        return str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+    return "; ".join(f"rank {rank}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+                     for rank, e in sorted(failures.items()))

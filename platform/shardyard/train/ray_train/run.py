@@ -1,0 +1,98 @@
+"""A launch as a Ray Train run: the TorchTrainer, `fit` on a thread of its own (so that this
+launcher's own Ctrl-C handling applies, not Ray Train's), and how it ended, from its events."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import uuid
+from typing import Any
+
+import ray
+from ray.train import FailureConfig, LoggingConfig, RunConfig, TrainingFailedError
+from ray.train.torch import TorchTrainer
+
+from shardyard.checkpoint.lease import RunLease
+from shardyard.checkpoint.record import newest_step
+from shardyard.spec import JobSpec
+from shardyard.storage.events import Event, launch_end, log_event, read_events
+from shardyard.storage.store import RunStorage
+from shardyard.train.early_sigterm import stop_if_terminated
+from shardyard.train.metrics import RunResult, finish_run
+from shardyard.train.outcomes import Preempted, RunGaveUp, failure_summary
+from shardyard.train.preemption import StoppedAtOnce, preemption_notice, stopped_at_once
+from shardyard.train.ray_train.config import FailureLog, scaling_config, torch_config, tune_ray_train
+from shardyard.train.ray_train.worker import train_worker
+from shardyard.train.restart_lines import restart_lines, restarts_allowed
+from shardyard.train.startup import report
+
+
+def fit(spec: JobSpec, lease: RunLease, can_grow: bool, startup: dict[str, float],
+        fault_injection: dict[str, Any]) -> RunResult:
+    """Train `spec` as a Ray Train worker group, connected to Ray and holding the run's `lease`;
+    raise RunGaveUp or Preempted as the launch's events say it ended."""
+    tune_ray_train(spec)
+    launch_id = uuid.uuid4().hex
+    scaling = scaling_config(spec, ray.cluster_resources(), can_grow)
+    log_event(spec.run_uri, Event.LAUNCH, id=launch_id, lease_generation=lease.generation)
+    trainer = TorchTrainer(
+        train_worker,
+        torch_config=torch_config(spec),
+        train_loop_config={"spec": spec, "progress_bar": sys.stdout.isatty(),
+                           "launch_id": launch_id, "lease_generation": lease.generation, "lease_id": lease.id,
+                           "lease_base_step": lease.base_step,
+                           "use_gpu": scaling.use_gpu, "startup": startup,
+                           **fault_injection},
+        scaling_config=scaling,
+        run_config=RunConfig(
+            # Ray Train's own files, apart from the checkpoints it is never told of: the workers
+            # resume from the newest good checkpoint by shardyard's commit records.
+            name=spec.run.name,
+            storage_path=RunStorage(spec.run_uri).url("ray_train"),
+            failure_config=FailureConfig(max_failures=spec.scaling.max_failures),
+            callbacks=[FailureLog(spec.run_uri)],
+            # Ray Train's per-report INFO lines would drown shardyard's own progress output.
+            logging_config=LoggingConfig(log_level="WARNING"),
+        ),
+    )
+    start = time.perf_counter()
+    stop_if_terminated()
+    with preemption_notice(spec) as notice, restart_lines(spec.run_uri, launch_id, spec.scaling.max_failures):
+        try:
+            fit_in_background(trainer)
+        except StoppedAtOnce:
+            raise StoppedAtOnce(stopped_at_once(spec)) from None
+        except TrainingFailedError as err:  # Ray Train's restarts ran out: its tracebacks are in the run's Ray log
+            raise RunGaveUp(f"run '{spec.run.name}' stopped: {failure_summary(err)}; scaling.max_failures "
+                            f"({restarts_allowed(spec.scaling.max_failures)}) restarts were used. Launching it again "
+                            f"resumes from step {newest_step(RunStorage(spec.run_uri))}") from None
+    ended = launch_end(read_events(spec.run_uri), launch_id)
+    startup = report(ended.first_step)
+    if ended.stopped is not None:
+        raise RunGaveUp(f"run '{spec.run.name}' stopped: {ended.stopped['reason']}")
+    if ended.preempted_at is not None:
+        raise Preempted(f"run '{spec.run.name}' stopped on {notice.by or 'a preemption notice'} after committing "
+                        f"step {ended.preempted_at}; launch it again to continue from there", notice.by)
+    return finish_run(spec, f"shardyard run '{spec.run.name}' ({spec.parallelism.strategy})", start, startup)
+
+
+def fit_in_background(trainer: TorchTrainer) -> None:
+    """`trainer.fit()` on a thread of its own, the main thread waiting for it: Ray Train installs
+    its Ctrl-C handler (which aborts the workers mid-step, losing what they had not committed) only
+    when fit runs on the main thread, and this launcher's own (preemption_notice) checkpoints first.
+    The main thread waits in short joins, between which Python runs its signal handlers."""
+    raised: list[BaseException] = []
+
+    def fit() -> None:
+        try:
+            trainer.fit()
+        except BaseException as err:  # noqa: BLE001 - handed to the main thread, raised there
+            raised.append(err)
+
+    thread = threading.Thread(target=fit, name="shardyard-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.5)
+    if raised:
+        raise raised[0]
