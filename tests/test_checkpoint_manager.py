@@ -147,7 +147,7 @@ def test_zero_files_are_copied_down_without_the_holds_other_readers_release_mean
     from fsspec.implementations.local import LocalFileSystem
 
     from shardyard.storage.store import RunStorage
-    from shardyard.checkpoint.zero_format import local_zero_files
+    from shardyard.checkpoint.formats.zero import local_zero_files
 
     class ReleasedWhileCopied(LocalFileSystem):
         """The local disk as an object store on which every hold is released as it is copied."""
@@ -196,7 +196,7 @@ def test_deepspeed_loads_the_zero_files_that_were_checked_not_ones_swapped_after
     (a private copy), not the swapped ones, which would run their code."""
     import pickle
 
-    from shardyard.checkpoint import zero_format
+    from shardyard.checkpoint.formats import zero as zero_format
     from shardyard.storage.store import RunStorage
 
     checkpoint = tmp_path / "run" / "checkpoint_step_00000002"
@@ -242,7 +242,8 @@ def test_export_and_serving_hand_deepspeed_the_checked_zero_files_too(tmp_path: 
     after the scan ran its code. Every path now loads the checked copy."""
     import pickle
 
-    from shardyard.checkpoint import loaders, zero_format
+    from shardyard.checkpoint import loaders
+    from shardyard.checkpoint.formats import zero as zero_format
     from shardyard.checkpoint.record import entry, make_record
 
     spec = spec_for(tmp_path)

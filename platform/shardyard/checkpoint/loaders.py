@@ -17,7 +17,7 @@ from shardyard.checkpoint.dcp_io import read_dcp
 from shardyard.checkpoint.layout import is_hf_directory, read_spec, trusted
 from shardyard.checkpoint.record import BadCheckpoint, newest_good, read_record, verify
 from shardyard.storage.store import RunStorage
-from shardyard.checkpoint.zero_format import DeepSpeedFormat, local_zero_files, parameter_names
+from shardyard.checkpoint.formats.zero import DeepSpeedFormat, local_zero_files, parameter_names
 from shardyard.models import build_model, give_storage, materialise
 from shardyard.models.initial_weights import copy_local
 from shardyard.runtime import import_deepspeed

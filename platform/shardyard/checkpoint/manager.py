@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from shardyard.checkpoint.collective import Written, barrier, rank, single_process_io, world_size, storage_errors
-from shardyard.checkpoint.dcp_format import DCPFormat
+from shardyard.checkpoint.formats.dcp import DCPFormat
 from shardyard.checkpoint.generations import Lineage
 from shardyard.checkpoint.layout import SPEC_FILE, STATE_FILE, TrainState, stored_spec
 from shardyard.checkpoint.lease import LeaseFence, LeaseLost
@@ -61,7 +61,7 @@ from shardyard.checkpoint.record import (
 )
 from shardyard.storage.store import RunStorage
 from shardyard.checkpoint.verified_reads import check_entry
-from shardyard.checkpoint.zero_format import DeepSpeedFormat
+from shardyard.checkpoint.formats.zero import DeepSpeedFormat
 from shardyard.parallel import Engine
 from shardyard.spec import JobSpec
 

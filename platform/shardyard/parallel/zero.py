@@ -65,7 +65,7 @@ def zero_config(spec: JobSpec, accum_steps: int, device: torch.device, num_param
 
 
 class ZeroEngine(Engine):
-    checkpoint_format = "deepspeed"  # DeepSpeed's own files (checkpoint/zero_format.py)
+    checkpoint_format = "deepspeed"  # DeepSpeed's own files (checkpoint/formats/zero.py)
 
     @property
     def ds(self) -> "deepspeed.DeepSpeedEngine":

@@ -1,7 +1,7 @@
 """The checkpoint format of every strategy but ZeRO: `torch.distributed.checkpoint` (DCP) shards,
 keyed by the full model's parameter names whatever the strategy, so any checkpoint loads under any
 strategy at any world size (DCP reshards by name). A ZeRO checkpoint loads into these engines
-through whole per-parameter tensors (zero_format.py)."""
+through whole per-parameter tensors (formats/zero.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
 from shardyard.checkpoint.collective import Written, barrier, node_scratch, storage_errors
 from shardyard.checkpoint.dcp_io import checksummed_writer, dcp_layout, read_dcp
 from shardyard.storage.store import RunStorage
-from shardyard.checkpoint.zero_format import state_field, write_whole, zero_full_state
+from shardyard.checkpoint.formats.zero import state_field, write_whole, zero_full_state
 from shardyard.parallel import Engine
 from shardyard.spec import JobSpec
 
