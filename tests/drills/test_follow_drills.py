@@ -404,7 +404,7 @@ def test_an_operator_rolls_back_and_promotes_with_the_admin_token_only(followed:
 
 
 @pytest.mark.drill(outcome="the old weights serve on; the checkpoint is read again", lost="nothing")
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_a_loader_killed_mid_swap_leaves_the_old_weights_serving(followed: Followed) -> None:
     """Long requests keep the engine busy; a checkpoint is committed and read beside the serving
     weights, and while it waits to be swapped in (the swap waits for running requests), one shard,
@@ -414,9 +414,7 @@ def test_a_loader_killed_mid_swap_leaves_the_old_weights_serving(followed: Follo
     serves it."""
     from ray.util.state import list_actors
 
-    url, old = followed.url, followed.served_step()
-    long_tokens, streams = 2000, 4  # the app's max_batch_size: the swap waits for all four
-    answers: list[dict] = [{"text": "", "fingerprints": set(), "running": threading.Event()} for _ in range(streams)]
+    url, long_tokens, streams = followed.url, 2000, 4  # the app's max_batch_size: the swap waits for all four
 
     def long_request(answer: dict) -> None:
         with requests.post(f"{url}/v1/completions", stream=True, timeout=300, headers=AUTH,
@@ -433,25 +431,37 @@ def test_a_loader_killed_mid_swap_leaves_the_old_weights_serving(followed: Follo
     def describe() -> list:
         return [(a.get("status"), len(a["text"]), a["fingerprints"]) for a in answers]
 
-    # The checkpoint is written and committed beside the run first, then moved into it (one
-    # rename, as atomic as a commit): writing it takes longer than the requests run.
-    followed.step += 10
-    new, staging = followed.step, followed.run_dir.parent / "staging" / followed.run_dir.name
-    commit(staging, new)
     shards = list_actors(filters=[("class_name", "=", "PipelineShard"), ("state", "=", "ALIVE")])
     assert len(shards) == 2, shards
-    workers = [threading.Thread(target=long_request, args=(a,), daemon=True) for a in answers]
-    for worker in workers:
-        worker.start()
-    for answer in answers:
-        assert answer["running"].wait(60), describe()  # decoding: the swap will wait for them
-    os.rename(staging / checkpoint_name(new), followed.run_dir / checkpoint_name(new))
-    deadline = time.monotonic() + 60
-    while served(url)["candidate_step"] != new:  # being read or judged: not served yet
-        assert all(w.is_alive() for w in workers), f"a long request ended before the checkpoint was read: {describe()}"
-        assert time.monotonic() < deadline, served(url)
-        time.sleep(0.05)
-    assert all(w.is_alive() for w in workers), f"a long request ended before the loader was killed: {describe()}"
+    # Reading the checkpoint races the streams: on a fast machine four 2,000-token streams can end
+    # before it is read, and the swap then lands with nothing to wait for. Such a round is
+    # finished (the new weights serve) and tried again with the next checkpoint.
+    for _ in range(3):
+        old = followed.served_step()
+        answers: list[dict] = [{"text": "", "fingerprints": set(), "running": threading.Event()}
+                               for _ in range(streams)]
+        # The checkpoint is written and committed beside the run first, then moved into it (one
+        # rename, as atomic as a commit): writing it takes longer than the requests run.
+        followed.step += 10
+        new, staging = followed.step, followed.run_dir.parent / "staging" / followed.run_dir.name
+        commit(staging, new)
+        workers = [threading.Thread(target=long_request, args=(a,), daemon=True) for a in answers]
+        for worker in workers:
+            worker.start()
+        for answer in answers:
+            assert answer["running"].wait(60), describe()  # decoding: the swap will wait for them
+        os.rename(staging / checkpoint_name(new), followed.run_dir / checkpoint_name(new))
+        deadline = time.monotonic() + 60
+        while served(url)["candidate_step"] != new and all(w.is_alive() for w in workers):
+            assert time.monotonic() < deadline, served(url)  # being read or judged: not served yet
+            time.sleep(0.05)
+        if all(w.is_alive() for w in workers):
+            break
+        for worker in workers:
+            worker.join(timeout=300)
+        wait_for_step(url, new)
+    else:
+        pytest.fail(f"in three rounds the long requests ended before the checkpoint was read: {describe()}")
     before_kill = [a["text"] for a in answers]
     os.kill(shards[-1].pid, signal.SIGKILL)  # as the kernel's OOM killer does
     for worker in workers:
