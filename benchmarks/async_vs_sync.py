@@ -78,7 +78,7 @@ def collective_worker(rank: int, world: int, args: list[str], slow: bool) -> tup
 
 
 def parameter_server_run(args: list[str], slow: bool, storage: str) -> tuple[list[float], list[float]]:
-    from shardyard.train import parameter_server
+    from shardyard.train.parameter_server import run as parameter_server
     from shardyard.train.metrics import read_metrics
 
     spec = load_spec(None, [*args, f"checkpoint.storage_path={storage}", "checkpoint.every_n_steps=1000"])

@@ -145,7 +145,7 @@ def test_a_killed_worker_is_replaced_and_a_killed_server_rolls_back_to_the_last_
 
 @pytest.mark.timeout(120)
 def test_a_push_is_applied_at_most_once_and_an_old_generation_is_refused(ray_cluster, tmp_path: Path) -> None:
-    from shardyard.train.parameter_server import ParameterServer, initial_model
+    from shardyard.train.parameter_server.actors import ParameterServer, initial_model
 
     spec = parse_spec(ps_job(tmp_path, "ids", workers=1, servers=1, staleness=None, total=4))
     model = initial_model(spec)

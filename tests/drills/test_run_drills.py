@@ -241,7 +241,7 @@ def test_a_parameter_server_that_fails_at_every_restart_fails_the_run_instead_of
     fails (its constructor raising) hung the run. A restart that answers is still waited for."""
     import ray
 
-    from shardyard.train.parameter_server import _once_servers_answer
+    from shardyard.train.parameter_server.run import _once_servers_answer
 
     answers = iter([ray.exceptions.ActorUnavailableError("restarting", b"\0" * 16), None])
 
@@ -272,7 +272,7 @@ def test_a_failed_parameter_server_run_leaves_none_of_its_actors_behind(ray_clus
     import ray
 
     from shardyard.train.preflight import preflight
-    from shardyard.train.parameter_server import ParameterServerRun
+    from shardyard.train.parameter_server.run import ParameterServerRun
 
     text = tmp_path / "corpus.txt"
     text.write_text("every sample of this corpus " * 64)

@@ -110,7 +110,7 @@ class Event(StrEnum):
     HELD = "held"  # a hold point reached (run.hold_at_steps)
     SKIPPED_NONFINITE = "skipped_nonfinite"
     DRAIN_CHECKPOINT = "drain_checkpoint"  # a checkpoint written because a node is draining
-    # Parameter servers (train/parameter_server.py).
+    # Parameter servers (train/parameter_server/).
     WORKER_JOINED = "worker_joined"
     SERVER_RESTORED = "server_restored"
     # The pool (pool/arbiter.py): its decisions, and when each took effect.

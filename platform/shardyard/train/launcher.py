@@ -43,7 +43,7 @@ def _launch_parameter_servers(spec: JobSpec, lease: RunLease) -> RunResult:
     """The parameter-server run in this driver, with the guarantees of the others: SIGTERM
     checkpoints the step being computed and stops; a non-finite loss or weights stop the run
     before anything from them is committed; a lost lease stops it."""
-    from shardyard.train.parameter_server import ParameterServerRun
+    from shardyard.train.parameter_server.run import ParameterServerRun
 
     ps = ParameterServerRun(spec, fence=lease.fence())
     stop_if_terminated()
