@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import nn
@@ -55,3 +56,36 @@ def lr_factor(step: int, spec: OptimSpec, total_steps: int) -> float:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, spec: OptimSpec, total_steps: int) -> LambdaLR:
     return LambdaLR(optimizer, lambda step: lr_factor(step, spec, total_steps))
+
+
+class Schedule:
+    """An engine's learning-rate schedules (one per optimizer, all at the same step) as one object
+    a checkpoint saves and restores (torch.distributed.checkpoint's Stateful protocol): saved as
+    LambdaLR saves itself; restored, each resumes at the stored step with its own base rates, so a
+    run launched again with another optim.lr trains at that rate from the step it resumes."""
+
+    def __init__(self, schedulers: list[LambdaLR]) -> None:
+        self.schedulers = schedulers
+
+    def state_dict(self) -> dict:
+        return self.schedulers[0].state_dict()
+
+    def load_state_dict(self, stored: dict) -> None:
+        for scheduler in self.schedulers:
+            base_lrs = list(scheduler.base_lrs)  # the stored rates would silently override a changed optim.lr
+            scheduler.load_state_dict(stored)
+            scheduler.base_lrs = base_lrs
+            # A schedule sets the learning rate only when it steps; the step about to run needs the
+            # resumed one now (formats that do not carry the optimizer's settings, and
+            # `load_optimizer: false`, would otherwise train one step at the stored rate).
+            for group, base, factor in zip(scheduler.optimizer.param_groups, base_lrs, scheduler.lr_lambdas):
+                group["lr"] = base * factor(scheduler.last_epoch)
+
+    def resume_at(self, step: int) -> None:
+        """Every schedule as a synchronous run's is after `step` optimizer steps (the parameter
+        servers' cut: the servers' updates are not steps of these schedules)."""
+        for scheduler in self.schedulers:
+            scheduler.last_epoch = step - 1
+            with warnings.catch_warnings():  # "scheduler stepped before the optimizer": meant here
+                warnings.simplefilter("ignore", UserWarning)
+                scheduler.step()

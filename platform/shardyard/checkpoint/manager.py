@@ -178,18 +178,8 @@ class CheckpointManager:
             stored = stored.model_copy(update={"model": self.spec.model})
         with single_process_io():
             FORMATS[engine.checkpoint_format].load(engine, self.storage, where, record, stored, self.load_optimizer)
-        scheduler_state = meta.pop("scheduler")
-        for scheduler in engine.schedulers:
-            # The schedule resumes at its step, with this spec's optim.lr (the stored base rate
-            # would silently override a changed one).
-            base_lrs = list(scheduler.base_lrs)
-            scheduler.load_state_dict(scheduler_state)
-            scheduler.base_lrs = base_lrs
-            # A restored schedule sets the learning rate only at its next step; the step about
-            # to run needs it now (formats that do not carry the optimizer's settings, and
-            # `load_optimizer: false`, would otherwise train one step at the stored rate).
-            for group, base, factor in zip(scheduler.optimizer.param_groups, base_lrs, scheduler.lr_lambdas):
-                group["lr"] = base * factor(scheduler.last_epoch)
+        for key, part in engine.checkpointed().items():
+            part.load_state_dict(meta.pop(key))
         return TrainState(**meta)
 
     def _read_checked(self, name: str, record: dict[str, Any], relative: str) -> bytes:
@@ -240,7 +230,8 @@ class CheckpointManager:
             written = fmt.save(engine, self.storage, at, group)
         if rank() == 0:
             buffer = io.BytesIO()
-            torch.save({**asdict(state), "scheduler": engine.schedulers[0].state_dict()}, buffer)
+            torch.save({**asdict(state), **{key: part.state_dict() for key, part in engine.checkpointed().items()}},
+                       buffer)
             self.storage.write_bytes(buffer.getvalue(), at, STATE_FILE)
             own[STATE_FILE] = entry(buffer.getvalue())
         record = {"step": state.step, "world_size": world_size(), "format": fmt.name}

@@ -15,9 +15,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from shardyard.models import LossFn
+from shardyard.optim import Schedule
 from shardyard.runtime import autocast
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]
@@ -63,6 +65,11 @@ class Engine:
     def module(self) -> nn.Module:
         """The user's model without any wrapper, for exporting and inspection."""
         return self.model
+
+    def checkpointed(self) -> dict[str, Stateful]:
+        """What a checkpoint holds of this engine beside the model and optimizer state (which
+        the engine's checkpoint format writes), by the key it is stored under."""
+        return {"scheduler": Schedule(self.schedulers)}
 
     @property
     def lr(self) -> float:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +16,7 @@ from shardyard.checkpoint.layout import TrainState
 from shardyard.checkpoint.manager import CheckpointManager, Fence
 from shardyard.checkpoint.record import newest_name
 from shardyard.data.ledger import SampleLedger
-from shardyard.optim import decayed
+from shardyard.optim import Schedule, decayed
 from shardyard.parallel import Engine, single_process
 from shardyard.spec import JobSpec
 from shardyard.storage.events import Event, log_event
@@ -234,11 +233,7 @@ class ParameterServerRun:
                     self.params[name].copy_(value)
                     optimizer.state[self.params[name]] = state
         # The schedule as a synchronous run's at this step, so any strategy resumes from it.
-        scheduler = self.engine.schedulers[0]
-        scheduler.last_epoch = self.state.step - 1
-        with warnings.catch_warnings():  # "scheduler stepped before the optimizer": meant here
-            warnings.simplefilter("ignore", UserWarning)
-            scheduler.step()
+        Schedule(self.engine.schedulers).resume_at(self.state.step)
         if self.ledger is not None:
             # Before the checkpoint commits: a job killed between the two would otherwise resume
             # after steps whose commit lines it never wrote. Lines for a checkpoint that then fails
