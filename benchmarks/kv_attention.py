@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from common import print_table, write_json
-from shardyard.models.kv_cache import BLOCK_TOKENS, CacheStep, KVCache
+from shardyard.models.kv_cache import KVCache
+from shardyard.models.kv_layout import BLOCK_TOKENS, CacheStep
 
 POOL_BLOCKS = 4096
 SHAPES = {"hd64": dict(heads=8, kv_heads=4, head_dim=64), "hd128": dict(heads=4, kv_heads=2, head_dim=128)}

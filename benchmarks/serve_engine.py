@@ -157,7 +157,8 @@ def sweep(app: str, application: serve.Application, port: int, duration: float, 
 def decode_steps(batch: int, repeats: int = 20) -> list[dict[str, Any]]:
     """One decode step at each context length: cached (the engine) and recomputed (static)."""
     from shardyard.models.gpt import GPT
-    from shardyard.models.kv_cache import BLOCK_TOKENS, CacheStep, KVCache
+    from shardyard.models.kv_cache import KVCache
+    from shardyard.models.kv_layout import BLOCK_TOKENS, CacheStep
     from shardyard.serve.executor.model_pass import run_model
     from shardyard.spec import GPTSpec
 

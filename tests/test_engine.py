@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardyard.models.kv_cache import BLOCK_TOKENS, CacheStep, KVCache
+from shardyard.models.kv_cache import KVCache
+from shardyard.models.kv_layout import BLOCK_TOKENS, CacheStep
 from shardyard.serve.engine.decoding import DecodingEngine, TokenBudget
 from shardyard.serve.executor.local_model import LocalModel
 from shardyard.serve.sampling import Sampling

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardyard.models.kv_cache import BLOCK_TOKENS, CacheStep
+from shardyard.models.kv_layout import BLOCK_TOKENS, CacheStep
 from shardyard.serve.executor.packed_linear import ENV, PackedLinear, pack_linears, packing_available
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN linear operators")

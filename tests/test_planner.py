@@ -104,7 +104,8 @@ def test_the_serving_estimate_is_what_a_bfloat16_replica_allocates(model: dict) 
     model's parameters, its KV cache the blocks every layer allocates, and its lanes what they
     take when the last of 16 requests reaches the end of the context: grown to it, or fixed at
     start for compiled decode steps (every lane whole, and a scratch lane)."""
-    from shardyard.models.kv_cache import BLOCK_TOKENS, CacheStep, KVCache
+    from shardyard.models.kv_cache import KVCache
+    from shardyard.models.kv_layout import BLOCK_TOKENS, CacheStep
     from shardyard.planner import serving_memory
     from shardyard.serve.executor.precision import cast_for_serving
     from shardyard.serve.executor.model_pass import run_model

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shardyard.layout.capabilities import check_tensor_parallel, pipeline_blocks
-from shardyard.models.kv_cache import largest_lanes
+from shardyard.models.kv_layout import largest_lanes
 from shardyard.spec import LANGUAGE_MODELS, ZERO_STAGES, GPTSpec, HFSpec, JobSpec, ModelSpec
 
 FP32 = 4

@@ -26,58 +26,29 @@ import logging
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from shardyard.checkpoint.collective import Written, barrier, rank, single_process_io, world_size, storage_errors
+from shardyard.checkpoint.formats import FORMATS
 from shardyard.checkpoint.formats.dcp import DCPFormat
 from shardyard.checkpoint.generations import Lineage
 from shardyard.checkpoint.layout import SPEC_FILE, STATE_FILE, TrainState, stored_spec
 from shardyard.checkpoint.lease import LeaseFence, LeaseLost
 from shardyard.checkpoint.reader_holds import HoldWatch, holding, live_holds
-from shardyard.checkpoint.record import (
-    ATTEMPT_MARK,
-    BadCheckpoint,
-    CommitRefused,
-    FileEntry,
-    attempt_generation,
-    attempt_name,
-    checkpoint_name,
-    commit,
-    committed,
-    entry,
-    files_at,
-    has_record,
-    make_record,
-    newest_good,
-    read_record,
-    record_keys,
-    saves_named,
-    step_of,
-    valid_record,
-    writer_of,
-)
+from shardyard.checkpoint.record import (ATTEMPT_MARK, BadCheckpoint, CommitRefused, FileEntry, attempt_generation,
+                                         attempt_name, checkpoint_name, commit, committed, entry, files_at,
+                                         has_record, make_record, newest_good, read_record, record_keys, saves_named,
+                                         step_of, valid_record, writer_of)
 from shardyard.storage.store import RunStorage
 from shardyard.checkpoint.verified_reads import check_entry
-from shardyard.checkpoint.formats.zero import DeepSpeedFormat
 from shardyard.parallel import Engine
 from shardyard.spec import JobSpec
 
 log = logging.getLogger("shardyard")
 
-
-class CheckpointFormat(Protocol):
-    name: str
-
-    def save(self, engine: Engine, storage: RunStorage, name: str, group: dist.ProcessGroup | None) -> Written: ...
-
-    def load(self, engine: Engine, storage: RunStorage, name: str, record: dict, stored: JobSpec,
-             load_optimizer: bool) -> None: ...
-
-
-FORMATS: dict[str, CheckpointFormat] = {f.name: f for f in (DCPFormat(), DeepSpeedFormat())}
 
 Fence = LeaseFence  # raises when this launch no longer holds the run (checkpoint/lease.py)
 

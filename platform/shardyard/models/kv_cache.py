@@ -2,23 +2,12 @@
 without recomputing it: the cost of a decode step no longer grows with the context (beyond
 attention reading the cached keys).
 
-A paged cache, as vLLM's: memory is a pool of fixed-size blocks (BLOCK_TOKENS positions each)
-per attention layer, and a sequence's positions live in the blocks its block table names, in
-order. A sequence takes blocks for what it may hold, not a whole context window, and blocks whose
-tokens (and every token before them) are the same in two sequences can be one block read by both
-(prefix caching).
-
-Who decides what: the scheduler owns the blocks (serve/engine/kv_blocks.py: which are free, which hold
-what, which are shared) and every forward pass carries its decision as a `CacheStep`: each row's
-block table and how many of its tokens are cached already. A cache here is only the memory a
-step writes and reads as it is told, so every shard of a sharded model (pipeline: its layers;
-tensor: its heads) applies the same steps with nothing of its own to keep in line, and a lost
-shard's cache is recovered by the scheduler forgetting what its blocks held.
+Memory is a pool of blocks per layer, addressed as models/kv_layout.py says; the scheduler decides
+what each pass writes and reads, and the cache does as it is told.
 
 Attention reads the past one of two ways, chosen when the cache is made (`paged`):
-- paged (the default on GPUs): FlexAttention reads every row's keys and values from its blocks
-  where they lie, under a block mask made from the block tables (each row visits its own blocks;
-  within them, the positions up to each token's own). Nothing else holds them.
+- paged (the default on GPUs): attention reads every row's keys and values from its blocks where
+  they lie (models/paged_attention.py). Nothing else holds them.
 - lanes (the default on CPUs, where it measured faster): each running sequence also has a lane, a
   row of positions in one tensor per layer (lanes x kv heads x positions x head_dim), which every
   step appends its new keys and values to, beside its blocks. A batch of rows attends over a view
@@ -28,9 +17,7 @@ Attention reads the past one of two ways, chosen when the cache is made (`paged`
   names no lanes gets every row's past read from the blocks each step). The lanes cost memory: at
   most the running sequences' positions again, twice (keys, values).
 benchmarks/kv_attention.py measures the choices side by side: on a 2-core CPU the blocks gathered
-into a tensor and attended took 1.5-1.8x the lanes' time, paged attention (FlexAttention compiled,
-Inductor's C++ kernel) 4.9-6.7x; on GPUs FlexAttention's kernel is the one vLLM's FlexAttention
-backend runs.
+into a tensor and attended took 1.5-1.8x the lanes' time, paged attention 4.9-6.7x.
 The cache attends itself (`attend`), so that query heads sharing a key head (grouped-query
 attention) read it without a copy whichever transformers is installed, and so that a packed pass
 (decode steps and prompt chunks of several sequences in one row of tokens) attends each sequence
@@ -40,44 +27,14 @@ over its own past: the model's other layers see only a row of tokens with their 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
-from itertools import accumulate, chain
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask
 
-BLOCK_TOKENS = 16  # positions per block: vLLM's default
-LANE_POSITIONS = 64  # the fewest positions a lane is grown to, and the narrowest width a padded step attends
-
-
-@dataclass(frozen=True)
-class CacheStep:
-    """One forward pass over B rows of T new tokens each (a prompt or a chunk of one: B = 1; a
-    decode step: T = 1). Row b's tokens take positions starts[b] .. starts[b] + T - 1 and go into
-    the blocks tables[b] (its block i holds positions i * BLOCK_TOKENS onwards); each token
-    attends over its row's positions up to its own. `lengths`: a packed pass instead, one row of
-    tokens holding sequence b's lengths[b] tokens after those of the sequences before it (decode
-    steps and prompt chunks in one pass, so the weights are read once for both). `lanes`: each
-    row's lane, which holds its first held[b] positions already (the rest before starts[b] are
-    read from its blocks into it); none named: row b's lane is b, holding nothing. `reset`:
-    nothing is computed (a caller checking that a rebuilt shard group answers)."""
-    tables: tuple[tuple[int, ...], ...] = ()
-    starts: tuple[int, ...] = ()
-    lengths: tuple[int, ...] = ()
-    lanes: tuple[int, ...] = ()
-    held: tuple[int, ...] = ()
-    reset: bool = False
-
-    def ends(self, seq: int) -> list[int]:
-        """Where in a pass of `seq` tokens per row each sequence's last token is: (row, column)
-        flattened, as the logits' rows and positions run."""
-        if not self.lengths:
-            return [row * seq + seq - 1 for row in range(len(self.tables))]
-        return [end - 1 for end in accumulate(self.lengths)]
-
+from shardyard.models.kv_layout import BLOCK_TOKENS, LANE_POSITIONS, CacheStep, over_lanes, power_of_two
+from shardyard.models.paged_attention import attend_blocks, block_mask, positions_of_blocks
 
 @dataclass(frozen=True)
 class _Group:
@@ -174,13 +131,13 @@ class KVCache:
         fills = () if self.paged else tuple(
             self._fill(lane, table, holds, start, device)
             for lane, table, holds, start in zip(lanes, step.tables, held, step.starts) if holds < start)
-        positions_of_blocks = self._positions_of_blocks(step.tables, device) if self.paged else None
+        block_indices = positions_of_blocks(step.tables, self.blocks + 1, device) if self.paged else None
         common = dict(ends=torch.tensor(step.ends(seq), device=device), fills=fills, lanes=max(lanes) + 1,
                       width=max(start + length for start, length in zip(step.starts, lengths)),
                       token_lanes=torch.tensor(lanes, device=device).repeat_interleave(
                           torch.tensor(lengths, device=device)))
         if not step.lengths:
-            slots, positions, group = self._group(step.tables, step.starts, lanes, seq, device, positions_of_blocks)
+            slots, positions, group = self._group(step.tables, step.starts, lanes, seq, device, block_indices)
             self.plan = _Plan(slots, positions, groups=(group,), packed=False, **common)
             return
         # Decode steps (one token each) attend as one batch; each longer chunk attends alone.
@@ -191,7 +148,7 @@ class KVCache:
                 end += 1
             spans.append((at, end))
             at = end
-        planned = [self._group(step.tables[a:b], step.starts[a:b], lanes[a:b], lengths[a], device, positions_of_blocks)
+        planned = [self._group(step.tables[a:b], step.starts[a:b], lanes[a:b], lengths[a], device, block_indices)
                    for a, b in spans]
         self.plan = _Plan(torch.cat([slots for slots, _, _ in planned]),
                           torch.cat([positions.flatten() for _, positions, _ in planned])[None],
@@ -215,14 +172,15 @@ class KVCache:
             tables = step.tables + ((self.blocks,),) * pads  # a padding row reads its key in the scratch block
             table = self._table(tables, -(-positions // size), device)
             group = _Group(rows, 1, None, None, mask, None,
-                           self._block_mask(table, starts, 1, self._positions_of_blocks(tables, device)))
+                           block_mask(table, starts, 1, positions_of_blocks(tables, self.blocks + 1, device),
+                                      self.block_tokens, self._pool_slots))
         elif 2 * rows <= lanes + 1:
             # Few rows over many lanes: copying the rows' own lanes out reads less than attending over
             # every lane (at 1 row of 16 lanes, a 17th of the keys and values; an 8-layer step's
             # pass at 1 row went from 11.7 to 7.7 ms, compiled, on a 2-core CPU).
             group = _Group(rows, 1, placed, None, mask, None)
         else:
-            group = _Group(rows, 1, slice(0, lanes + 1), placed, mask, _over_lanes(mask, placed, lanes + 1))
+            group = _Group(rows, 1, slice(0, lanes + 1), placed, mask, over_lanes(mask, placed, lanes + 1))
         return _Plan(torch.tensor(slots + [self.blocks * size] * pads, device=device), starts[:, None], placed,
                      (group,),
                      packed=False,
@@ -234,7 +192,7 @@ class KVCache:
         return _Fill(lane, first, blocks * self.block_tokens + positions % self.block_tokens)
 
     def _group(self, tables: tuple[tuple[int, ...], ...], starts: tuple[int, ...], lanes: tuple[int, ...],
-               seq: int, device: torch.device, positions_of_blocks: torch.Tensor | None
+               seq: int, device: torch.device, block_indices: torch.Tensor | None
                ) -> tuple[torch.Tensor, torch.Tensor, _Group]:
         """Slots and positions of rows of `seq` new tokens each, and how they attend."""
         size = self.block_tokens
@@ -248,11 +206,12 @@ class KVCache:
             return slots, positions, _Group(len(tables), seq, None, None, mask, None)
         keys = torch.arange(max(starts) + seq, device=device)
         mask = (keys[None, None, :] <= positions[:, :, None])[:, None]
-        if positions_of_blocks is not None:
+        if block_indices is not None:
             past_slots = named.gather(1, (keys // size)[None].expand(len(tables), -1)
                                       .clamp(max=table.shape[1] - 1)) * size + keys % size
             return slots, positions, _Group(len(tables), seq, None, None, mask, None,
-                                            self._block_mask(table, first, seq, positions_of_blocks), past_slots)
+                                            block_mask(table, first, seq, block_indices, self.block_tokens,
+                                                       self._pool_slots), past_slots)
         low, high = min(lanes), max(lanes) + 1
         if lanes == tuple(range(low, high)):
             return slots, positions, _Group(len(tables), seq, slice(low, high), None, mask, None)
@@ -260,58 +219,12 @@ class KVCache:
         # its first key only, and their output is dropped: cheaper than copying the rows' lanes out.
         placed = torch.tensor(lanes, device=device) - low
         return slots, positions, _Group(len(tables), seq, slice(low, high), placed, mask,
-                                        _over_lanes(mask, placed, high - low))
+                                        over_lanes(mask, placed, high - low))
 
     @staticmethod
     def _table(tables: tuple[tuple[int, ...], ...], width: int, device: torch.device) -> torch.Tensor:
         """Block tables as one (rows, width) tensor, each padded with -1 (a block no row has)."""
         return torch.tensor([list(t) + [-1] * (width - len(t)) for t in tables], device=device)
-
-    def _positions_of_blocks(self, tables: tuple[tuple[int, ...], ...], device: torch.device) -> torch.Tensor:
-        """Each block's index in the tables that name it (-1: none does), one for the pool (and its
-        scratch block): a block two sequences share (a cached prefix) is at the same index in both,
-        as its tokens and all before them are the same. Made on the CPU in a few tensor operations
-        (a step may name thousands of blocks), then moved at once."""
-        blocks = torch.tensor(list(chain.from_iterable(tables)), dtype=torch.long)
-        lengths = torch.tensor([len(table) for table in tables])
-        index = torch.arange(blocks.numel()) - (lengths.cumsum(0) - lengths).repeat_interleave(lengths)
-        found = torch.full((self.blocks + 1,), -1, dtype=torch.long)
-        found[blocks] = index  # where a block is named twice, either index lands: checked next
-        if (wrong := (found[blocks] != index).nonzero()).numel():
-            at = int(wrong[0, 0])
-            raise RuntimeError(f"block {int(blocks[at])} is at two indices of the step's tables: "
-                               f"{sorted({int(index[at]), int(found[blocks[at]])})}")
-        return found.to(device, non_blocking=True)
-
-    def _block_mask(self, table: torch.Tensor, first: torch.Tensor, seq: int,
-                    positions_of_blocks: torch.Tensor) -> BlockMask:
-        """FlexAttention's block mask for rows of `seq` new tokens starting at `first` (rows,):
-        each block of BLOCK_TOKENS queries of row b visits row b's blocks up to its last token's
-        (the pool's slots are the keys), and within them the positions up to each token's own."""
-        size, (rows, width) = self.block_tokens, table.shape
-        # On CPUs a decode step is given a second query (a copy, whose output is dropped): Inductor's
-        # C++ kernel for one query a row over a large pool did not build (torch 2.13).
-        queries = 2 if seq == 1 and table.device.type == "cpu" else seq
-        query_blocks = -(-queries // size)
-        ends = torch.arange(1, query_blocks + 1, device=table.device).mul(size).clamp(max=queries)
-        counts = (first[:, None] + ends[None, :] - 1) // size + 1
-        slots = self._pool_slots
-        # Inductor's CPU kernel takes a row of indices as wide as the pool (its blocks after a row's
-        # own are never visited); a GPU's only as wide as the longest table.
-        wide = slots // size if table.device.type == "cpu" else width
-        indices = F.pad(table.clamp(min=0), (0, wide - width))[:, None, None, :].expand(rows, 1, query_blocks, wide)
-
-        def visible(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-            # The mask alone decides (an eager pass computes every slot): the slot's block is the
-            # row's own, at an index whose positions the token may see.
-            block = kv // size
-            index = positions_of_blocks[block]
-            owned = (index >= 0) & (table[b, index.clamp(0, width - 1)] == block)
-            return owned & (index * size + kv % size <= first[b] + q)
-
-        return BlockMask.from_kv_blocks(counts[:, None].to(torch.int32), indices.to(torch.int32).contiguous(),
-                                        BLOCK_SIZE=(size, size), mask_mod=visible, seq_lengths=(queries, slots),
-                                        compute_q_blocks=False)
 
     def last_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """Each sequence's last new token of this pass's (B, T, D) hidden states, as (sequences, 1, D):
@@ -375,7 +288,8 @@ class KVCache:
     def _attend_group(self, layer: str, group: _Group, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       scale: float | None) -> torch.Tensor:
         if group.blocks is not None:
-            return self._attend_blocks(layer, group, q, scale)
+            keys, values = (pool[layer].permute(1, 0, 2)[None] for pool in (self.keys, self.values))
+            return attend_blocks(q, keys, values, group.blocks, self.block_tokens, scale)
         mask, keys, values = group.mask, k, v
         if group.lanes is not None:
             keys, values = self._lanes(layer, group)
@@ -393,22 +307,6 @@ class KVCache:
                 keys, values = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (keys, values))
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
         return out if group.placed is None else out[group.placed]
-
-    def _attend_blocks(self, layer: str, group: _Group, q: torch.Tensor, scale: float | None) -> torch.Tensor:
-        """FlexAttention of the group's rows (rows, heads, seq, head_dim) over the pool as it lies
-        (one batch of slots, read by every row under the block mask). Compiled outside a compiled
-        pass: FlexAttention's eager form computes every slot's score."""
-        keys, values = (pool[layer].permute(1, 0, 2)[None] for pool in (self.keys, self.values))
-        attend = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention(q.device.type)
-        # On GPUs the kernel's tiles are the mask's (16 queries by a block): vLLM's choice.
-        options = ({"BACKEND": "TRITON", "BLOCK_M": self.block_tokens, "BLOCK_N": self.block_tokens}
-                   if q.device.type == "cuda" else None)
-        seq = q.shape[2]
-        if group.blocks.shape[-2] > seq:  # a CPU's decode step: its second query (`_block_mask`)
-            q = q.expand(-1, -1, group.blocks.shape[-2], -1)
-        out = attend(q, keys, values, block_mask=group.blocks, scale=scale, enable_gqa=q.shape[1] != keys.shape[1],
-                     kernel_options=options)
-        return out[:, :, :seq]
 
     def update(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this pass's keys and values (B, heads, T, head_dim) for `layer`; return the keys
@@ -496,32 +394,3 @@ class KVCache:
             grown[:old_count, :, :old_width] = have
         lanes[layer] = grown
         return grown
-
-
-@cache
-def _compiled_flex_attention(device: str) -> Callable:
-    """FlexAttention compiled once for the process. On GPUs its shapes as the compiler's default
-    takes them (dynamic from the second); on CPUs a graph per shape: Inductor's C++ kernel for it
-    failed to build with dynamic shapes (torch 2.13), so paged attention there compiles for each
-    new (rows, tokens) and, past the compiler's recompile limit, runs eagerly (every slot's score)."""
-    return torch.compile(flex_attention, dynamic=None if device == "cuda" else False)
-
-
-def _over_lanes(mask: torch.Tensor, placed: torch.Tensor, lanes: int) -> torch.Tensor:
-    """Rows' masks (rows, 1, seq, W) laid over `lanes` lanes at their places; a lane no row is on
-    sees its first key only (a row of nothing attended to nothing would be NaN)."""
-    over = torch.zeros((lanes, *mask.shape[1:]), dtype=torch.bool, device=mask.device)
-    over[..., 0] = True
-    over[placed] = mask
-    return over
-
-
-def power_of_two(n: int) -> int:
-    """The smallest power of two at least `n`."""
-    return 1 << (n - 1).bit_length()
-
-
-def largest_lanes(running: int, positions: int) -> tuple[int, int]:
-    """The most lanes, and positions each, a cache takes for `running` sequences of up to
-    `positions` positions: grown to powers of two, or fixed whole with a scratch lane (`fix`)."""
-    return max(power_of_two(running), running + 1), max(power_of_two(positions), LANE_POSITIONS)

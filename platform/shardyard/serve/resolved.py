@@ -16,7 +16,7 @@ from shardyard.checkpoint.layout import is_hf_directory, serving_spec
 from shardyard.checkpoint.loaders import servable
 from shardyard.checkpoint.record import step_of
 from shardyard.data.tokenizer import run_tokenizer
-from shardyard.models.kv_cache import BLOCK_TOKENS
+from shardyard.models.kv_layout import BLOCK_TOKENS
 from shardyard.serve.config import (DEFAULT_CHECKPOINT, BatchingSettings, CanarySettings,
                                     EngineSettings, FollowSettings, LimitSettings, ServeConfig, parse_config)
 from shardyard.serve.executor.model_pass import supports_kv_cache

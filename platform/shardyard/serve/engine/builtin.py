@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 
 from shardyard.checkpoint.published import Published
-from shardyard.models.kv_cache import BLOCK_TOKENS
+from shardyard.models.kv_layout import BLOCK_TOKENS
 from shardyard.planner import serving_memory
 from shardyard.serve.engine.backend import Generation, WeightsRefused
 from shardyard.serve.engine.batching import AdaptiveBatchSize, calibrate, prefill_budget

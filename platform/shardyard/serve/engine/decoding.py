@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from shardyard.models.kv_cache import BLOCK_TOKENS, CacheStep
+from shardyard.models.kv_layout import BLOCK_TOKENS, CacheStep
 from shardyard.serve.generation import Completion
 from shardyard.serve.engine.kv_blocks import BlockPool
 from shardyard.serve.sampling import Draw, Outcome

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardyard.models.kv_cache import CacheStep
+from shardyard.models.kv_layout import CacheStep
 from shardyard.serve.generation import Completion
 from shardyard.serve.engine.kv_blocks import BlockPool, block_hashes
 from shardyard.serve.sampling import Draw, Outcome

@@ -25,7 +25,8 @@ from collections.abc import Callable
 import torch
 import torch._inductor.config
 
-from shardyard.models.kv_cache import LANE_POSITIONS, CacheStep, KVCache, power_of_two
+from shardyard.models.kv_cache import KVCache
+from shardyard.models.kv_layout import LANE_POSITIONS, CacheStep, power_of_two
 from shardyard.serve.executor.model_pass import run_model
 
 

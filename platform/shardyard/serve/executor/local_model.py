@@ -15,7 +15,8 @@ import torch
 from shardyard.checkpoint.layout import serving_spec, trusted
 from shardyard.checkpoint.loaders import servable
 from shardyard.checkpoint.published import Published, load_source_part
-from shardyard.models.kv_cache import CacheStep, KVCache
+from shardyard.models.kv_cache import KVCache
+from shardyard.models.kv_layout import CacheStep
 from shardyard.runtime import select_device
 from shardyard.serve.executor.compiled_decode import CompiledDecode
 from shardyard.serve.executor.model_thread import ModelThread, one_intra_op_thread

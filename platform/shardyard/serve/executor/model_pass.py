@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shardyard.models.kv_cache import CacheStep, KVCache
+from shardyard.models.kv_cache import KVCache
+from shardyard.models.kv_layout import CacheStep
 from shardyard.serve.sampling import Draw, Outcome, choose_rows
 from shardyard.spec import CustomSpec, GPTSpec, HFSpec
 

@@ -43,7 +43,7 @@ from shardyard.checkpoint.loaders import servable
 from shardyard.checkpoint.published import Published
 from shardyard.layout.capabilities import check_tensor_parallel, pipeline_blocks
 from shardyard.models import build_model, repeated_blocks
-from shardyard.models.kv_cache import CacheStep
+from shardyard.models.kv_layout import CacheStep
 from shardyard.parallel.pipeline import balanced_split
 from shardyard.serve.executor.checkpoint_holds import CheckpointHolds, hold_served
 from shardyard.serve.executor.model_pass import Draws, Extra
