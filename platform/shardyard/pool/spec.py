@@ -11,19 +11,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from shardyard.serve.config import ServeConfig
-from shardyard.spec import JobSpec, SpecError, load_spec, read_yaml, validate
+from shardyard.spec import JobSpec, Section, SpecError, load_spec, read_yaml, validate
 
 SIGNALS = ("queue_length", "ttft_p90_ms", "kv_occupancy")
 
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class Devices(Strict):
+class Devices(Section):
     resource: str = Field("GPU", min_length=1, description="the Ray resource one device is: GPU on a GPU "
                           "cluster, or a custom resource the nodes carry (one unit a device)")
     units: int | None = Field(None, ge=2, description="devices in the pool: a local Ray instance started for "
@@ -38,12 +34,12 @@ class Devices(Strict):
         return self
 
 
-class Training(Strict):
+class Training(Section):
     job: str = Field(description="the job spec of the elastic run (scaling.min_workers .. max_workers)")
     set: list[str] = Field(default_factory=list, description="overrides of the job spec, key=value")
 
 
-class Serving(Strict):
+class Serving(Section):
     app: str = Field("shardyard", min_length=1, description="the Serve application's name")
     host: str = Field("127.0.0.1", description="where Serve's HTTP proxy listens")
     port: int = Field(8000, ge=1, le=65535, description="Serve's HTTP port")
@@ -51,7 +47,7 @@ class Serving(Strict):
                                  "args); checkpoint is the run's directory, max_replicas is required")
 
 
-class LendWhen(Strict):
+class LendWhen(Section):
     signal: Literal["queue_length", "ttft_p90_ms", "kv_occupancy"] = Field(
         "ttft_p90_ms", description="queue_length: requests at a replica (decoding or waiting), averaged over "
         "replicas; ttft_p90_ms: time to first token from a request's arrival at its replica (its wait for admission "
@@ -62,7 +58,7 @@ class LendWhen(Strict):
                          "place) lends a device")
 
 
-class Policy(Strict):
+class Policy(Section):
     priority: Literal["serving", "training"] = Field(
         "serving", description="serving: training lends devices down to its min_workers when the SLO is "
         "breached; training: the run never shrinks for serving, which scales only into devices left free")
@@ -80,7 +76,7 @@ class Policy(Strict):
                                     "next one waits for")
 
 
-class PoolSpec(Strict):
+class PoolSpec(Section):
     pool: Devices = Field(default_factory=Devices)
     training: Training
     serving: Serving = Field(default_factory=Serving)
