@@ -274,7 +274,7 @@ def test_export_and_serving_hand_deepspeed_the_checked_zero_files_too(tmp_path: 
 def zero_save_recording_flushes(rank: int, world: int, storage: str) -> list[str]:
     """Train ZeRO-2 to its first checkpoint; the names of the files this rank flushed to disk."""
     from shardyard.storage import store
-    from test_strategies import job, train, with_storage
+    from helpers.oracle import job, train, with_storage
 
     flushed: list[str] = []
     real = store.fsync_path

@@ -168,7 +168,7 @@ def test_training_on_shards_resumes_at_another_world_size_using_each_sample_once
     from shardyard.data.ledger import audit
     from shardyard.localdist import run_distributed
     from shardyard.checkpoint.loaders import find_latest, load_model
-    from test_strategies import PARAM_TOL, SGD, job, train
+    from helpers.oracle import PARAM_TOL, SGD, job, train
 
     data = tmp_path / "data"
     data.mkdir()
@@ -391,7 +391,7 @@ def test_validation_loss_equals_one_process_evaluating_the_checkpoint(tmp_path: 
     from shardyard.localdist import run_distributed
     from shardyard.checkpoint.loaders import find_latest, load_model
     from shardyard.train.metrics import read_metrics
-    from test_strategies import job, train
+    from helpers.oracle import job, train
 
     (tmp_path / "data").mkdir()
     data = prepared_with_validation(tmp_path / "data")

@@ -39,7 +39,7 @@ from shardyard.train.callbacks import HOLD_ENV, release
 from shardyard.train.callbacks import held_at as held
 from shardyard.storage.events import read_events
 from shardyard.train.metrics import read_metrics
-from test_strategies import steps
+from helpers.oracle import steps
 
 SHARDYARD = str(Path(sys.executable).with_name("shardyard"))
 RAY = str(Path(sys.executable).with_name("ray"))

@@ -12,7 +12,7 @@ from shardyard.models import build_model
 from shardyard.parallel import single_process
 from shardyard.parallel.float8 import apply_float8, float8_linears, float8_unsupported
 from shardyard.spec import SpecError, parse_spec
-from test_strategies import steps
+from helpers.oracle import steps
 
 pytestmark = pytest.mark.timeout(120)
 

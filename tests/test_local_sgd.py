@@ -10,7 +10,7 @@ from shardyard.localdist import run_distributed
 from shardyard.models import build_model
 from shardyard.parallel import build_engine, single_process
 from shardyard.spec import parse_spec
-from test_strategies import job, steps
+from helpers.oracle import job, steps
 
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.01, "grad_clip": 0.0, "warmup_steps": 1}
 

@@ -32,7 +32,7 @@ from shardyard.checkpoint.loaders import committed_record, find_latest, load_mod
 from shardyard.checkpoint.record import checkpoint_name
 from shardyard.train.metrics import read_metrics
 from shardyard.train.trainer import Trainer
-from test_strategies import PARAM_TOL, steps, train
+from helpers.oracle import PARAM_TOL, steps, train
 
 STEPS = 3
 SGD = {"name": "sgd", "lr": 0.2, "momentum": 0.0, "weight_decay": 0.0, "grad_clip": 0.0, "warmup_steps": 1}

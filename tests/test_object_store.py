@@ -21,7 +21,7 @@ from shardyard.spec import parse_spec
 from shardyard.checkpoint.manager import CheckpointManager
 from shardyard.storage.store import RunStorage
 from conftest import Bucket
-from test_strategies import steps, train
+from helpers.oracle import steps, train
 
 VOCAB = 64
 

@@ -23,7 +23,7 @@ from shardyard.data.ledger import audit
 from shardyard.checkpoint.loaders import find_latest, load_model
 from shardyard.storage.events import read_events
 from shardyard.train.metrics import read_metrics
-from test_strategies import steps
+from helpers.oracle import steps
 
 LOSS_TOLERANCE = 0.05  # relative, on the mean loss of the last 10 steps
 SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9, "grad_clip": 0.0, "warmup_steps": 1, "schedule": "constant"}
@@ -173,7 +173,7 @@ def test_checkpoints_pass_between_parameter_servers_and_the_other_strategies(ray
     Train's workers run: a Ray launch would only add half a minute each)."""
     from shardyard.localdist import run_distributed
     from shardyard.train.launcher import launch
-    from test_strategies import train
+    from helpers.oracle import train
 
     raw = ps_job(tmp_path, "chain", workers=1, servers=2, staleness=0, total=12, optim={**SGD, "momentum": 0.0})
     raw["checkpoint"]["every_n_steps"] = 4

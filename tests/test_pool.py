@@ -38,7 +38,7 @@ from shardyard.pool.load import LoadBook, ReplicaLoad
 from shardyard.pool.policy import Arbitration, Observation
 from shardyard.pool.spec import Policy, load_pool
 from shardyard.spec import SpecError
-from test_strategies import steps
+from helpers.oracle import steps
 
 ROOT = Path(__file__).resolve().parents[1]
 POOL = ROOT / "jobs" / "configs" / "pool.yaml"

@@ -18,7 +18,7 @@ import torch
 from shardyard.localdist import run_distributed
 from shardyard.checkpoint.loaders import committed_record, find_latest, load_model
 from shardyard.train.metrics import read_metrics
-from test_strategies import PARAM_TOL, RESUME_AT, job, oracle_run, train
+from helpers.oracle import PARAM_TOL, RESUME_AT, job, oracle_run, train
 
 
 @pytest.mark.timeout(240)

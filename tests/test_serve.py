@@ -26,7 +26,7 @@ from shardyard.serve.generation import Completion, decode, decode_steps, encode,
 from shardyard.checkpoint.layout import read_spec
 from shardyard.checkpoint.loaders import find_latest, load_model
 from shardyard.checkpoint.record import step_of
-from test_strategies import job, train, with_storage
+from helpers.oracle import job, train, with_storage
 from conftest import trickled_bodies, private_file
 
 STRATEGIES = ("ddp", "fsdp", "zero2")

@@ -18,7 +18,7 @@ import requests
 from shardyard.localdist import free_port, run_distributed
 from shardyard.spec import parse_spec
 from shardyard.train.metrics import read_metrics
-from test_strategies import SGD, job, train, with_storage
+from helpers.oracle import SGD, job, train, with_storage
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -1,0 +1,2 @@
+"""What tests share: each module here is imported by several test modules, and no test module
+imports another."""
