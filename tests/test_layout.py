@@ -102,9 +102,6 @@ FLOORS = [
     {"train", "serve"},
     {"pool", "cli", "docs"},
 ]
-# The one import that still runs up: a Hugging Face model reads its own directory's weights through
-# the checkpoint side's DCP reader (models/hf.py's load_pretrained_in_place).
-UPWARD_STILL = {("shardyard.models.hf", "shardyard.checkpoint.dcp_io")}
 
 
 def room_of(module: str) -> str:
@@ -122,10 +119,8 @@ def test_every_room_is_on_a_floor_and_no_import_runs_up_one() -> None:
     unplaced = sorted({room_of(name) for name in graph} - set().union(*FLOORS) - {"shardyard"})
     assert not unplaced, f"rooms on no floor: {unplaced}"
     upward = sorted((name, used) for name, uses in graph.items() if name != "shardyard" for used in uses
-                    if floor_of(used) > floor_of(name) and (name, used) not in UPWARD_STILL)
+                    if floor_of(used) > floor_of(name))
     assert not upward, upward
-    still = {(name, used) for name, uses in graph.items() for used in uses} & UPWARD_STILL
-    assert still == UPWARD_STILL, f"no longer imported, take it off UPWARD_STILL: {UPWARD_STILL - still}"
 
 
 @pytest.mark.timeout(30)

@@ -6,7 +6,8 @@
 - Reads run no code from the checkpoint (safe_load.py) and, for tensors DCP cannot describe,
   go through a stand-in: DCP cannot write a strided shard (tensor parallelism's packed gate and
   up projections: its chunks of a tensor are not contiguous), so checkpoints hold such tensors as
-  plain shards of the same dimension (`dcp_layout`), and what DCP reads into those is copied back.
+  plain shards of the same dimension, and what DCP reads into those is copied back
+  (layout/dcp_placements.py).
 """
 
 from __future__ import annotations
@@ -17,62 +18,32 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter, StorageReader
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # torch exports no public name for it
-from torch.distributed.tensor import DTensor, Placement, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardyard.checkpoint.record import BadCheckpoint, Checksum, FileEntry
 from shardyard.checkpoint.safe_load import SafeLoadPlanner, safe_reader
+from shardyard.layout.dcp_placements import through_stand_ins
 
 
-def _dcp_placements(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
-    """A strided shard that no later mesh dimension refines becomes a plain shard of its
-    dimension (FSDP's own strided shard over tensor-parallel slices is one DCP can write)."""
-    return tuple(Shard(p.dim) if isinstance(p, _StridedShard) and not any(
-        isinstance(q, Shard) and q.dim == p.dim for q in placements[i + 1:]) else p
-        for i, p in enumerate(placements))
-
-
-def dcp_layout(state: dict[str, Any]) -> dict[str, Any]:
-    """`state` with each tensor DCP cannot describe (a packed parameter, or its optimizer state)
-    redistributed as a plain shard of the same dimension; everything else as it was."""
-    def storable(value: Any) -> Any:
-        if isinstance(value, DTensor) and (plain := _dcp_placements(value.placements)) != value.placements:
-            return value.redistribute(placements=plain)
-        return value
-
-    return {key: storable(value) for key, value in state.items()}
-
-
-def read_dcp(state: dict[str, Any], checkpoint_id: str | Path | None = None, *,
-             reader: StorageReader | None = None, expected: dict[str, FileEntry] | None = None,
+def read_dcp(state: dict[str, Any], checkpoint_id: str | Path, *, expected: dict[str, FileEntry] | None = None,
              **kwargs: Any) -> None:
-    """Fill `state` in place from the DCP checkpoint at `checkpoint_id` (or through `reader`,
-    such as a Hugging Face directory's), running no code from it; a packed tensor is read
-    through a plain-shard stand-in and copied back into its own layout. `expected`: the commit
-    record's files, each file read checked against them (BadCheckpoint, on every rank, if one
-    does not match). `kwargs` go to `dcp.load` (`no_dist`, `process_group`)."""
-    if reader is None:
-        reader = safe_reader(checkpoint_id, expected)
-        reader.read_metadata()  # refused here, as BadCheckpoint, before DCP wraps the error
-    read = dcp_layout(state)
-    stand_ins = [key for key, value in state.items() if read[key] is not value]
-    try:
-        dcp.load(read, storage_reader=reader, planner=SafeLoadPlanner(), **kwargs)
-    except CheckpointException as err:  # DCP gives every rank each rank's error
-        bad = [f"rank {r}: {exc}" for r, (exc, _) in sorted(err.failures.items()) if isinstance(exc, BadCheckpoint)]
-        if bad:
-            raise BadCheckpoint("; ".join(bad)) from None
-        raise
-    with torch.no_grad():
-        for key in stand_ins:
-            state[key].copy_(read[key].redistribute(placements=state[key].placements))
-    # DCP replaces values that are not tensors (an optimizer's step count, its settings).
-    state.update({key: value for key, value in read.items() if key not in stand_ins})
+    """Fill `state` in place from the DCP checkpoint at `checkpoint_id`, running no code from it;
+    a packed tensor is read through a plain-shard stand-in and copied back into its own layout.
+    `expected`: the commit record's files, each file read checked against them (BadCheckpoint, on
+    every rank, if one does not match). `kwargs` go to `dcp.load` (`no_dist`, `process_group`)."""
+    reader = safe_reader(checkpoint_id, expected)
+    reader.read_metadata()  # refused here, as BadCheckpoint, before DCP wraps the error
+    with through_stand_ins(state) as read:
+        try:
+            dcp.load(read, storage_reader=reader, planner=SafeLoadPlanner(), **kwargs)
+        except CheckpointException as err:  # DCP gives every rank each rank's error
+            bad = [f"rank {r}: {exc}" for r, (exc, _) in sorted(err.failures.items()) if isinstance(exc, BadCheckpoint)]
+            if bad:
+                raise BadCheckpoint("; ".join(bad)) from None
+            raise
 
 
 class _ChecksummedStream:

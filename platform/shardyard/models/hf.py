@@ -23,6 +23,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from shardyard.layout.blocks import names_of_each_parameter
+from shardyard.layout.dcp_placements import through_stand_ins
 from shardyard.layout.capabilities import hf_block_tp_plan
 from shardyard.models.initial_weights import copy_local
 from shardyard.models.kv_cache import KVCache
@@ -92,17 +93,15 @@ class HFCausalLM(nn.Module):
         with its directory's weights, each rank reading only the slices it holds: DCP reads the
         safetensors files straight into the (FSDP-sharded) state dict. Non-persistent buffers
         (rotary frequencies) are not in the files: `compute_buffers` comes first."""
-        from torch.distributed.checkpoint import HuggingFaceStorageReader
-
-        from shardyard.checkpoint.dcp_io import read_dcp
+        from torch.distributed.checkpoint import HuggingFaceStorageReader, load
 
         if (converted := self._converted_weights) is not None:
             for name, target in self.hf.state_dict(keep_vars=True).items():
                 copy_local(target, converted[name])
             return
         # A tied head is one tensor under two names; the files hold it once.
-        read_dcp({k: v for k, v in self.hf.state_dict().items() if k in self._stored_keys},
-                 reader=HuggingFaceStorageReader(self.spec.path))
+        with through_stand_ins({k: v for k, v in self.hf.state_dict().items() if k in self._stored_keys}) as read:
+            load(read, storage_reader=HuggingFaceStorageReader(self.spec.path))
 
     @functools.cached_property
     def _stored_keys(self) -> set[str]:

@@ -22,7 +22,7 @@ rank routes the same tokens to the same experts, computes its share of each expe
 features, and the ranks' outputs are summed; the gradients of its inputs (hidden states, routing
 weights) are summed in backward, as each rank's covers its features only.
 
-DCP cannot write a strided shard: checkpoint/dcp_io.py stores such tensors as plain shards.
+DCP cannot write a strided shard: layout/dcp_placements.py stores such tensors as plain shards.
 """
 
 from __future__ import annotations

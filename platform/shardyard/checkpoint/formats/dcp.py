@@ -17,7 +17,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from shardyard.checkpoint.collective import Written, barrier, node_scratch, storage_errors
-from shardyard.checkpoint.dcp_io import checksummed_writer, dcp_layout, read_dcp
+from shardyard.checkpoint.dcp_io import checksummed_writer, read_dcp
+from shardyard.layout.dcp_placements import dcp_layout
 from shardyard.storage.store import RunStorage
 from shardyard.checkpoint.formats.zero import state_field, write_whole, zero_full_state
 from shardyard.parallel import Engine
