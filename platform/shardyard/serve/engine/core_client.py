@@ -73,6 +73,8 @@ class Request:
     out: asyncio.Queue = field(default_factory=asyncio.Queue)  # tokens; None when done; an error
     submitted: bool = False
     weights: str | None = None
+    streamed: bool = False  # a token has gone out: it cannot be started again unseen
+    resubmitted: bool = False
 
 
 class EngineCoreClient:
@@ -143,6 +145,7 @@ class EngineCoreClient:
 
     def _take(self, rid: str, request: Request, update: Update) -> None:
         request.weights = update.weights or request.weights
+        request.streamed = request.streamed or bool(update.picks)
         for pick in update.picks:
             request.out.put_nowait(request.request.accept(pick))
         if update.error is not None:
@@ -154,14 +157,20 @@ class EngineCoreClient:
         del self._live[rid]
 
     def _lost(self, core: Any) -> None:
-        """The core died: its requests fail, a new one starts, the waiting go to it."""
+        """The core died: a request it had streamed from fails; one with nothing out yet (it may
+        have reached the core after its death) goes to the next core, once, as if it had come
+        while that one started."""
         if core is not self._core:
             return
         self._core, self._earlier = None, self._last
-        held = [rid for rid, request in self._live.items() if request.submitted]
-        print(f"shardyard: the engine core died under {len(held)} requests; starting another", flush=True)
-        for rid in held:
+        cut = [rid for rid, request in self._live.items()
+               if request.submitted and (request.streamed or request.resubmitted)]
+        print(f"shardyard: the engine core died under {len(cut)} streaming requests; starting another", flush=True)
+        for rid in cut:
             self._live.pop(rid).out.put_nowait(EngineCoreLost("the engine core was lost under this request; retry"))
+        for request in self._live.values():
+            if request.submitted:
+                request.submitted, request.resubmitted = False, True
         self._restarting = asyncio.get_running_loop().create_task(self._restart())
 
     async def _restart(self) -> None:
