@@ -1,4 +1,4 @@
-"""The peer issue 15 measures the engine against: transformers' own `generate` (its KV cache,
+"""The peer the engine is measured against: transformers' own `generate` (its KV cache,
 static batches) behind the same HTTP front as shardyard's app, a Ray Serve deployment on the same
 proxy answering `POST /v1/completions` with the same OpenAI streaming chunks, so that the
 benchmark's clients, proxy and wire format are the same for both and only the decoding differs.

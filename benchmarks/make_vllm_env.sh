@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Makes the environment vLLM's CPU build runs in (for tests/test_vllm_client.py, `engine: vllm`
-# with tests/test_vllm_engine.py, and the serving benchmark): apart from the project's, since vLLM
+# Makes the environment vLLM's CPU build runs in (for tests/serve/engine/test_vllm_client.py, `engine: vllm`
+# with tests/serve/engine/test_vllm_engine.py, and the serving benchmark): apart from the project's, since vLLM
 # pins its own transformers. shardyard is installed into it too (editable), so that a Serve
 # replica started from it can import vLLM.
 #   benchmarks/make_vllm_env.sh [DIR]      (default .vllm-env; tests also read SHARDYARD_VLLM_ENV)

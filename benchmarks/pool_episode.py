@@ -100,7 +100,7 @@ def start_pool(storage: Path, name: str, shape: list[str], priority: str, port: 
                  f"policy.lend_when.signal={signal_}", f"policy.lend_when.above={above}",
                  "policy.lend_when.for_s=2", f"policy.cool_down_s={cool_down_s}",
                  # One lend and one return, timed: the bounds against flapping (a breach as long as a
-                 # resize, dwell, budget) would only add their waits (tests/test_pool.py holds them).
+                 # resize, dwell, budget) would only add their waits (tests/pool/test_pool.py holds them).
                  "policy.resize_cost_s=0", "policy.min_dwell_s=0", "serving.args.autoscaling.downscale_delay_s=3",
                  "serving.args.autoscaling.upscale_delay_s=1", "serving.args.autoscaling.look_back_period_s=11", "serving.args.batching.max_batch_size=2"]
     command = [SHARDYARD, "pool", str(CONFIG)] + [a for o in overrides for a in ("--set", o)]

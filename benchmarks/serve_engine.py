@@ -16,7 +16,7 @@ Serve proxy, route and streaming chunks, against the engine serving the same mod
 default GPT's size (4 layers x 128, 4 heads, 64-token context, byte vocabulary) saved by
 transformers, untrained (the tokens do not matter here; every request runs to MAX_TOKENS).
 
-Targets (issue 15): the engine at >= 5x no batching's tokens/s at 32 streams, its p95 inter-token
+Targets: the engine at >= 5x no batching's tokens/s at 32 streams, its p95 inter-token
 latency no worse than no batching's at 1 stream plus one decode step of the batch; ahead of the
 `generate` peer's tokens/s; a cached decode step at 1024 within 2x of the one at 16.
 

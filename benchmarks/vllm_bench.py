@@ -1,5 +1,5 @@
 """vLLM's load client (`vllm bench serve`) and the Llama directories it loads, shared by the
-serving comparison (serve_vs_vllm.py) and tests/test_vllm_client.py.
+serving comparison (serve_vs_vllm.py) and tests/serve/engine/test_vllm_client.py.
 
 vLLM (its CPU build) lives in an environment of its own, which make_vllm_env.sh makes at
 `.vllm-env` in the checkout (or where SHARDYARD_VLLM_ENV points).

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.repo import REPO
 
-from conftest import REPO
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,11 +15,10 @@ from shardyard.localdist import run_distributed
 from shardyard.spec import parse_spec
 from shardyard.checkpoint.loaders import find_latest, load_model
 from shardyard.train.trainer import Trainer
-from test_engine import alone, fresh, serve_all
-from test_models import MODELS, STEPS, job, oracle
-from test_serve import train_and_save
-from test_serve_run import save_default_job_checkpoint
-
+from helpers.engine import alone, fresh, serve_all
+from helpers.models import MODELS, STEPS, job, oracle
+from helpers.serving import train_and_save
+from helpers.serving import save_default_job_checkpoint
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
@@ -118,8 +117,7 @@ def test_decode_steps_replayed_as_cuda_graphs_give_each_request_its_tokens_alone
     or lanes): greedy and seeded requests get the tokens each gets decoded alone without a cache,
     and the decode steps ran compiled."""
     from shardyard.serve.executor.local_model import LocalModel
-    from test_engine import served_compiled
-
+    from helpers.engine import served_compiled
     run_distributed(train_and_save, 2, str(tmp_path), ("ddp",))
     run = tmp_path / "ddp" / "run"
     local = LocalModel(str(run), use_gpu=True, cache_blocks=3, compile_for=3, paged=paged)
@@ -134,9 +132,8 @@ def test_a_model_directory_served_on_the_gpu_with_dtype_auto_decodes_in_bfloat16
     weights and KV cache in bfloat16 on the GPU, rows sampled there (one transfer of ids per pass),
     each greedy token the same bfloat16 model's pick without a cache, within bfloat16's rounding."""
     from shardyard.serve.executor.precision import serving_dtype
-    from test_models import save_llama
-    from test_precision import decodes_as_without_a_cache
-
+    from helpers.models import save_llama
+    from helpers.engine import decodes_as_without_a_cache
     directory = str(save_llama(tmp_path / "llama", initializer_range=0.5))
     dtype = serving_dtype("auto", use_gpu=True, checkpoint=directory)
     assert dtype == torch.bfloat16

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, ray_files_of_their_own, user_environment
+from helpers.user_shell import ray_files_of_their_own, user_environment
+from helpers.repo import REPO
 
 
 def device_check(out: Path, stages: str, ray_tmp: str | None = None) -> dict:

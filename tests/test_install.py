@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.repo import REPO
 
-REPO = Path(__file__).parents[1]
 PLATFORMS = {"macOS arm64": "aarch64-apple-darwin", "Linux aarch64": "aarch64-unknown-linux-gnu"}
 
 

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.repo import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "platform" / "shardyard"
 
 
@@ -184,3 +184,25 @@ def test_validating_a_config_imports_no_torch() -> None:
              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'ray')))")
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
     assert loaded.stdout.strip() == "[]", loaded.stdout[:500]
+
+
+TESTS = REPO / "tests"
+# Folders of tests that are not a room of the package: the hardening drills, and what tests share.
+NOT_ROOMS = {"drills", "helpers"}
+
+
+@pytest.mark.timeout(30)
+def test_the_tests_mirror_the_package_and_share_through_helpers_only() -> None:
+    """Each folder of tests is a room of the package (a folder or a module: tests/cluster/ tests
+    cluster.py), the drills' or the helpers'; no test module imports another, nor a conftest (fixtures are
+    reached by name: a conftest imported as a module is whichever one pytest loaded last)."""
+    rooms = {p.relative_to(PACKAGE).with_suffix("") for p in PACKAGE.rglob("*")
+             if p.name != "__pycache__" and (p.is_dir() or p.suffix == ".py")}
+    for path in TESTS.rglob("*.py"):
+        folder = path.parent.relative_to(TESTS)
+        if folder.parts and folder.parts[0] not in NOT_ROOMS:
+            assert folder in rooms, \
+                f"{path.relative_to(REPO)}: tests/{folder} is no room of platform/shardyard/"
+        imported = {name.partition(".")[0] for name in external_imports(path)}
+        shared = sorted(n for n in imported if n.startswith("test_") or n == "conftest")
+        assert not shared, f"{path.relative_to(REPO)} imports {shared}: move what it needs to tests/helpers/"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import REPO
 from shardyard.localdist import run_distributed
 from shardyard.models import build_model
 from shardyard.models.gpt import lm_loss
@@ -15,6 +14,7 @@ from shardyard.planner import Cluster, ModelShape, estimate, recommend
 from shardyard.spec import load_spec, parse_spec
 
 import memory as memory_benchmark
+from helpers.repo import REPO
 
 TOLERANCE = 0.15
 GiB = 2**30

@@ -6,19 +6,18 @@ local Ray instance with this machine's CPUs. Only the run's length and storage a
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, ray_files_of_their_own, user_environment
+from helpers.user_shell import ray_files_of_their_own, user_environment
 from shardyard.storage.events import read_events
 from shardyard.checkpoint.layout import serving_spec
 from shardyard.checkpoint.loaders import find_latest
 from shardyard.checkpoint.record import checkpoint_name
 from shardyard.train.metrics import LOSS_PLOT, read_metrics
+from helpers.repo import REPO, SHARDYARD
 
-SHARDYARD = str(Path(sys.executable).with_name("shardyard"))
 
 
 @pytest.mark.ray

@@ -1,6 +1,6 @@
 """Drills where distribution begins: a stale writer, a store that cannot refuse a second create,
-containers that share a host name, clocks that disagree. Each failed before its fix (issue 52,
-items 1-4). None needs Ray: they act on the lease, the commit records and the event log directly.
+containers that share a host name, clocks that disagree. Each failed before its fix (CHANGELOG).
+None needs Ray: they act on the lease, the commit records and the event log directly.
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ from shardyard.models import build_model
 from shardyard.parallel import single_process
 from shardyard.spec import parse_spec
 from shardyard.train.outcomes import repeated_failure
-from conftest import Bucket
-
+from helpers.buckets import Bucket
 pytestmark = pytest.mark.timeout(120)
 
 

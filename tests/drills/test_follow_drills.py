@@ -22,15 +22,14 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import private_file
-from followed_run import PROMPT, alone, alone_cached, commit
+from helpers.http import private_file
+from helpers.followed_run import PROMPT, alone, alone_cached, commit
 from shardyard.storage.events import METRICS_FILE, JsonLines
 from shardyard.checkpoint.loaders import find_latest
 from shardyard.checkpoint.record import checkpoint_name
 from shardyard.storage.store import RunStorage
 from shardyard.localdist import free_port
-from test_serve import TOKEN, metric
-
+from helpers.serving import TOKEN, metric
 AUTH = {"Authorization": f"Bearer {TOKEN}"}  # the token test_serve.metric sends to /metrics too
 ADMIN_TOKEN = "the-operators-own"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}

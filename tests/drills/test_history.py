@@ -49,8 +49,7 @@ from shardyard.parallel import single_process
 from shardyard.serve.follow.app_weights import AppWeightsState
 from shardyard.serve.follow.follower import follows_publish
 from shardyard.spec import parse_spec
-from conftest import Bucket
-
+from helpers.buckets import Bucket
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 LAUNCH = r"""

@@ -17,7 +17,7 @@ import pytest
 import requests
 from fastapi import FastAPI, Request
 
-from conftest import private_file, served_by_uvicorn, trickled_bodies
+from helpers.http import private_file, served_by_uvicorn, trickled_bodies
 from shardyard.serve.http.openai_routes import PredictRequest
 from shardyard.serve.http.guard import GuardSettings, install
 from shardyard.spec import SpecError
@@ -170,8 +170,7 @@ def test_the_bearer_token_never_travels_in_deployment_arguments_and_is_never_emp
             parse_config({name: TOKEN})
         with pytest.raises(SpecError, match=f"{name}: deployment arguments are shown by Serve's dashboard"):
             parse_config({f"auth.{name}": TOKEN})
-    from test_run_drills import job, write_checkpoint
-
+    from helpers.drills import job, write_checkpoint
     write_checkpoint(job(tmp_path))
     private_file(tmp_path / "token", TOKEN + "\n")
     cfg = load_config({"checkpoint": str(tmp_path / "run"), "auth.bearer_token_file": str(tmp_path / "token")},

@@ -30,6 +30,7 @@ from shardyard.checkpoint.layout import TrainState
 from shardyard.checkpoint.lease import LEASE_DIR, LeaseHeld, RunLease, current_lease
 from shardyard.storage.events import Event, log_event, read_events
 from shardyard.optim import lr_factor
+from helpers.drills import job, write_checkpoint
 
 HOLD = """
 import sys, time
@@ -40,16 +41,6 @@ time.sleep(600)
 """
 
 
-def job(storage: Path, **sections: dict) -> dict:
-    raw = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 8},
-           "data": {"name": "synthetic", "num_samples": 64}, "scaling": {"num_workers": 1},
-           "batch": {"global_batch_size": 8, "micro_batch_size": 8},
-           "checkpoint": {"storage_path": str(storage)}, "run": {"name": "run", "steps": 4}}
-    for key, value in sections.items():
-        raw[key] = {**raw.get(key, {}), **value}
-    return raw
-
-
 def train(tmp_path: Path, raw: dict, capsys: pytest.CaptureFixture) -> tuple[int, str]:
     """What `shardyard train CONFIG` exits with and prints on stderr (run in this process: the
     command's own function, without a new interpreter's imports)."""
@@ -57,14 +48,6 @@ def train(tmp_path: Path, raw: dict, capsys: pytest.CaptureFixture) -> tuple[int
     config.write_text(json.dumps(raw))  # JSON is YAML
     code = run_train(str(config), [], attach_to_running=False)
     return code, capsys.readouterr().err
-
-
-def write_checkpoint(raw: dict) -> None:
-    """A committed checkpoint at step 2 of `raw`, as a run that trained 2 steps leaves it."""
-    spec = parse_spec(raw)
-    torch.manual_seed(spec.run.seed)
-    engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
-    CheckpointManager(spec.run_uri, keep=2).save(engine, TrainState(2, 16, 1), spec)
 
 
 @pytest.mark.drill(outcome="refused", lost="nothing")
@@ -314,8 +297,7 @@ def test_a_checkpoint_being_read_is_not_pruned_under_its_reader(tmp_path: Path) 
     recovery), or a serving group, lost it mid-read. A reader holds it: pruning keeps it until
     the reader is done, and a hold whose reader was killed does not keep it for ever."""
     from shardyard.checkpoint.reader_holds import holding
-    from test_serving_drills import checkpoints
-
+    from helpers.drills import checkpoints
     spec = parse_spec(job(tmp_path))
     engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
     manager = CheckpointManager(spec.run_uri, keep=1)
@@ -484,8 +466,7 @@ def test_a_deterministic_error_is_not_retried_until_max_failures_runs_out(ray_cl
     loading it. With scaling.max_failures 5 the run used to start 6 groups that all failed the same
     way; it stops after the second, saying why (exit 1, no traceback)."""
     from shardyard.storage.events import read_events
-    from test_models import save_llama
-
+    from helpers.models import save_llama
     save_llama(tmp_path / "llama")
     (tmp_path / "llama" / "model.safetensors").write_bytes(b"\xff" * 64)  # a download cut short
     raw = job(tmp_path, scaling={"num_workers": 1, "max_failures": 5})

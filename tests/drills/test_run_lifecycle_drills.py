@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,10 +24,9 @@ from shardyard.spec import load_spec
 from shardyard.train.outcomes import RunGaveUp
 from shardyard.train.launcher import launch
 from shardyard.train.metrics import read_metrics
+from helpers.repo import REPO, SHARDYARD
 
-REPO = Path(__file__).resolve().parents[2]
 DEFAULT_JOB = REPO / "jobs" / "configs" / "gpt_ddp.yaml"
-SHARDYARD = str(Path(sys.executable).with_name("shardyard"))
 
 
 def job(storage: Path, steps: int, *extra: str) -> list[str]:
@@ -216,4 +214,4 @@ def test_a_diverging_run_stops_naming_the_step_and_commits_nothing_non_finite(ra
             weights = load_model(checkpoint).state_dict().values()
             assert all(torch.isfinite(v).all() for v in weights), checkpoint.name
             assert int(checkpoint.name[-8:]) < diverged[0]["step"]
-    # (`run.on_nonfinite: skip` is tested on two gloo ranks in tests/test_step_guard.py.)
+    # (`run.on_nonfinite: skip` is tested on two gloo ranks in tests/train/test_step_guard.py.)

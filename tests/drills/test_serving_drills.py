@@ -9,13 +9,12 @@ import asyncio
 import pytest
 import torch
 
-from shardyard.checkpoint.record import step_of
-from shardyard.storage.store import RunStorage
 from shardyard.models import build_model
 from shardyard.serve.sampling import Sampling, choose_rows
 from shardyard.serve.generation import Completion, encode, generate
 from shardyard.spec import GPTSpec
-from test_engine import CachedModel, engine_for, serve_all
+from helpers.engine import CachedModel, engine_for, serve_all
+from helpers.drills import checkpoints
 
 
 def requests() -> list[Completion]:
@@ -81,10 +80,6 @@ def test_a_request_that_fails_in_a_shared_step_fails_alone() -> None:
     assert got[:1] + got[2:] == expected
 
 
-def checkpoints(storage) -> list[int]:
-    return sorted(step_of(name) for name in RunStorage(str(storage / "run")).checkpoint_names())  # not saves in flight
-
-
 @pytest.mark.ray
 @pytest.mark.drill(outcome="recovered", lost="nothing")
 @pytest.mark.timeout(180)
@@ -99,8 +94,7 @@ def test_shards_served_from_a_run_directory_follow_it_past_pruning(ray_cluster, 
     from shardyard.spec import parse_spec
     from shardyard.checkpoint.manager import CheckpointManager
     from shardyard.checkpoint.layout import TrainState
-    from test_run_drills import job
-
+    from helpers.drills import job
     spec = parse_spec(job(tmp_path))
     torch.manual_seed(0)
     engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
@@ -133,8 +127,7 @@ def test_a_checkpoint_whose_vocabulary_cannot_hold_the_served_text_is_refused_at
     health checks passed). The server refuses to start instead, saying why."""
     from shardyard.serve.resolved import load_config
     from shardyard.spec import SpecError
-    from test_run_drills import job, write_checkpoint
-
+    from helpers.drills import job, write_checkpoint
     small = job(tmp_path / "small", model={"vocab_size": 64})
     write_checkpoint(small)
     with pytest.raises(SpecError, match=r"vocabulary has 64 ids but the text is tokenized with UTF-8 bytes"):

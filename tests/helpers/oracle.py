@@ -1,5 +1,5 @@
 """The small job every strategy test trains, and the oracle it is checked against: the same model,
-data and global batch trained in one process (tests/test_strategies.py says why two optimizers)."""
+data and global batch trained in one process (tests/parallel/test_strategies.py says why two optimizers)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from shardyard.data import GlobalSampleOrder, build_dataset, micro_batch_ids
 from shardyard.layout.world_size import grad_accum_steps
 from shardyard.models import build_model
 from shardyard.parallel import single_process
-from shardyard.spec import parse_spec
+from shardyard.spec import load_spec, parse_spec
 from shardyard.train.trainer import Trainer
 
 STEPS, RESUME_AT = 4, 2
@@ -89,3 +89,8 @@ def oracle_run(tie_weights: bool, optim: str = "adamw",
 
 
 ORACLE_GRAD_NORMS: dict[tuple, list[float]] = {}  # oracle_run's, per step, by its arguments
+
+
+def train_locally(rank: int, world: int, config: Path | None, overrides: list[str]) -> None:
+    """What a Ray Train worker of rank `rank` runs, on a local gloo rank: a reference run."""
+    Trainer.build(load_spec(config, overrides), rank, world, torch.device("cpu")).train()

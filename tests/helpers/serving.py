@@ -1,0 +1,60 @@
+"""Checkpoints that serving tests load: small GPTs trained two steps by several strategies, and
+what README's default training job leaves behind."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import requests
+import torch
+
+from shardyard.checkpoint.layout import TrainState
+from shardyard.checkpoint.manager import CheckpointManager
+from shardyard.models import build_model
+from shardyard.parallel import build_engine
+from shardyard.spec import load_spec
+
+from helpers.oracle import job, train, with_storage
+from helpers.repo import REPO
+
+STRATEGIES = ("ddp", "fsdp", "zero2")
+
+
+def train_and_save(rank: int, world: int, out: str, strategies: tuple[str, ...] = STRATEGIES) -> None:
+    """Each strategy in turn, in one pair of processes (a launch costs seconds here): the
+    Trainer stopped after its committed checkpoint of step 2."""
+    for strategy in strategies:
+        train(rank, world, with_storage(job({"strategy": strategy}, 2, 4), Path(out, strategy)), until=2)
+
+
+def save_default_job_checkpoint(rank: int, world: int, run_dir: str) -> None:
+    """What README's default training job leaves in runs/gpt_ddp (untrained weights: serving
+    does not care how good they are)."""
+    spec = load_spec(REPO / "jobs" / "configs" / "gpt_ddp.yaml")
+    torch.manual_seed(spec.run.seed)
+    engine = build_engine(spec, build_model(spec.model), torch.device("cpu"))
+    CheckpointManager(run_dir, keep=1).save(engine, TrainState(0, 0, world), spec)
+
+
+TOKEN = "s3cret-of-this-test"
+
+
+HEADERS = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def metric(url: str, series: str, app: str, until: Callable[[float], bool] = lambda v: True,
+           timeout_s: float = 90) -> float:
+    """An app's series in /metrics (Ray's export: `ray_` + the name), summed over its replicas,
+    once `until` holds for it. Ray's agents publish every few seconds: the value is waited for."""
+    pattern = re.compile(rf'^{re.escape(series)}\{{([^}}]*)\}} (\S+)$', re.M)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = requests.get(f"{url}/metrics", headers=HEADERS, timeout=30).text
+        values = [float(v) for labels, v in pattern.findall(text) if f'application="{app}"' in labels]
+        if values and until(sum(values)):
+            return sum(values)
+        assert time.monotonic() < deadline, f"{series} of {app}: {values or 'absent'}"
+        time.sleep(1)

@@ -1,0 +1,38 @@
+"""vLLM's own load client, `vllm bench serve`, unmodified, against the app: what people use to
+compare LLM servers must complete every request (it sends vLLM's sampling extensions:
+`repetition_penalty` always, `ignore_eos` on random prompts), on the completions and the chat
+endpoint, for a Hugging Face model directory and for a training run.
+
+vLLM (its CPU build, about 3.5 GB) lives in an environment of its own:
+`benchmarks/make_vllm_env.sh` makes it at `.vllm-env` (or where SHARDYARD_VLLM_ENV points).
+Without it these tests are skipped, saying so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vllm_bench import VLLM, VLLM_ENV, bench, model_directory
+
+pytestmark = pytest.mark.skipif(not VLLM.exists(), reason=f"no vLLM environment at {VLLM_ENV}: make it with "
+                                                          f"benchmarks/make_vllm_env.sh")
+
+
+@pytest.mark.timeout(900)
+def test_vllms_bench_client_completes_every_request_against_a_model_directory_and_a_run(
+        serving, tmp_path: Path, default_job_run: Path) -> None:
+    """The run's model reads UTF-8 bytes, not the client's tokens: its prompts are kept short
+    (6 of the client's tokens) so that prompt and output fit the 64-byte context."""
+    directory = model_directory(tmp_path / "llama")
+    apps = {"hf": (serving("hf", {"checkpoint": str(directory), "batching.max_batch_size": 8,
+                                  "engine.cpus_per_shard": 0.5}), 32),
+            "run": (serving("run", {"checkpoint": str(default_job_run), "batching.max_batch_size": 8,
+                                    "engine.cpus_per_shard": 0.5}), 6)}
+    for name, (url, prompt_tokens) in apps.items():
+        for backend in ("openai", "openai-chat"):
+            result = bench(url, directory, tmp_path / name, backend=backend, prompt_tokens=prompt_tokens)
+            # Every request completed, each with its 16 tokens (ignore_eos: none ended early).
+            assert (result["completed"], result["failed"]) == (24, 0), (name, backend, result.get("errors"))
+            assert result["total_output_tokens"] == 24 * 16, (name, backend, result["total_output_tokens"])
