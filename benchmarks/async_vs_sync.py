@@ -2,8 +2,10 @@
 
 Four workers train the same model on the same data and global batch with: synchronous DDP, local
 SGD (H = 4 and 16), and parameter servers (bounded staleness S = 1, and fully asynchronous).
-Each runs twice: all workers at full speed, and with one worker deliberately 2x slower (it sleeps
-as long again as each of its batches took). Reported: samples/s, wall-clock time from the end of
+Each runs twice: all workers at full speed, and with one worker deliberately 2x slower (a
+collective rank sleeps as long again as each of its batches took; a parameter-server worker's
+process is stopped from outside for as long again as each stretch it runs, as a busy machine
+slows one). Reported: samples/s, wall-clock time from the end of
 the first step until the smoothed training loss first reaches the target (the loss synchronous
 DDP without a straggler reaches at 3/4 of the run), and the final smoothed loss.
 
@@ -20,11 +22,17 @@ ratios, not the absolute times.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import common  # noqa: F401  (puts the package on sys.path)
+import psutil
 import ray
 import torch
 
@@ -37,6 +45,7 @@ from shardyard.parallel import build_engine
 from shardyard.spec import load_spec
 
 WORKERS, SLOWDOWN, SMOOTHING = 4, 2.0, 0.8
+STRAGGLE_PERIOD_S = 0.05  # how long the straggler runs between its stops
 
 
 def overrides(steps: int, strategy: str, extra: list[str] = ()) -> list[str]:
@@ -77,12 +86,44 @@ def collective_worker(rank: int, world: int, args: list[str], slow: bool) -> tup
     return losses, times
 
 
+@contextmanager
+def straggling(slowdown: float) -> Iterator[None]:
+    """While in it, one parameter-server worker's process (Ray titles it `ray::PSWorker`) runs
+    `slowdown` times slower: stopped for (slowdown - 1) x STRAGGLE_PERIOD_S after each period it
+    runs. The platform is not told: to it the worker is on a slow machine."""
+    done = threading.Event()
+
+    def duty_cycle() -> None:
+        worker = None
+        while worker is None and not done.wait(0.1):
+            titled = [p for p in psutil.process_iter(["cmdline"]) if "ray::PSWorker" in " ".join(p.info["cmdline"] or [])]
+            worker = max(titled, key=lambda p: p.pid, default=None)
+        while worker is not None and not done.wait(STRAGGLE_PERIOD_S):
+            try:
+                os.kill(worker.pid, signal.SIGSTOP)
+                time.sleep((slowdown - 1) * STRAGGLE_PERIOD_S)
+                os.kill(worker.pid, signal.SIGCONT)
+            except ProcessLookupError:  # the run ended and its workers with it
+                return
+
+    thread = threading.Thread(target=duty_cycle, daemon=True) if slowdown > 1 else None
+    if thread is not None:
+        thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        if thread is not None:
+            thread.join()
+
+
 def parameter_server_run(args: list[str], slow: bool, storage: str) -> tuple[list[float], list[float]]:
     from shardyard.train.parameter_server import run as parameter_server
     from shardyard.train.metrics import read_metrics
 
     spec = load_spec(None, [*args, f"checkpoint.storage_path={storage}", "checkpoint.every_n_steps=1000"])
-    parameter_server.run(spec, slowdowns={WORKERS - 1: SLOWDOWN} if slow else None)
+    with straggling(SLOWDOWN if slow else 1.0):
+        parameter_server.run(spec)
 
     rows = read_metrics(Path(storage) / spec.run.name)
     return [r["loss"] for r in rows], [r["time"] - rows[0]["time"] for r in rows]

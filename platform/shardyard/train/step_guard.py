@@ -33,6 +33,15 @@ PREEMPT_FILE = "PREEMPT"
 class Diverged(RuntimeError):
     """The loss (or gradient norm) is not finite: nothing from this state is committed."""
 
+    @classmethod
+    def at(cls, step: int, what: str, can_skip: bool) -> Diverged:
+        """`what` (the loss, the weights, ...) is not finite at `step`, with what to do about it
+        (`can_skip`: run.on_nonfinite: skip would pass over such steps)."""
+        remedy = "Lower optim.lr, set optim.grad_clip" + (
+            ", or set run.on_nonfinite: skip to pass over such steps" if can_skip else "")
+        return cls(f"{what} not finite at step {step} (run.on_nonfinite: stop): nothing from this state "
+                   f"was committed. {remedy}")
+
 
 @dataclass
 class Verdict:

@@ -31,7 +31,7 @@ from shardyard.checkpoint.manager import CheckpointManager, Fence
 from shardyard.checkpoint.layout import TrainState
 from shardyard.checkpoint.lease import LeaseLost
 from shardyard.train.efficiency import device_peak_flops, flops_per_token, peak_memory_bytes
-from shardyard.train.metrics import MetricsLog, Progress, Throughput
+from shardyard.train.cadence import Cadence, checkpoint_scheduled
 from shardyard.train.step_guard import Diverged, StepGuard
 
 
@@ -164,11 +164,7 @@ class Trainer:
         self.restore()
         for callback in self.callbacks:
             callback.on_train_start(self)
-        is_logger = self.rank == 0
-        progress = Progress(self.spec.run.steps, self.state.step, self.progress_bar) if is_logger else None
-        log = MetricsLog(self.spec, self.state.step) if is_logger else None
-        throughput = Throughput()
-        since_report = 0
+        cadence = Cadence(self.spec, self.state.step, self.rank == 0, self.progress_bar)
         last = self.spec.run.steps if until is None else min(until, self.spec.run.steps)
         first_step = time.perf_counter()
         while self.state.step < last:
@@ -178,39 +174,32 @@ class Trainer:
                 self.timings["first_step_s"] = time.perf_counter() - first_step
                 for callback in self.callbacks:
                     callback.on_first_step(self)
-            since_report += 1
-            throughput.add(self.global_batch, self.global_batch * self.tokens_per_sample)
+            cadence.stepped(self.global_batch, self.global_batch * self.tokens_per_sample)
             step = self.state.step
             verdict = self.guard.check(self._last_loss, self.engine.grad_norm)
             if verdict.lease_lost is not None:
                 raise LeaseLost(verdict.lease_lost)
             if verdict.nonfinite and not self.engine.skipped:
-                raise Diverged(f"the loss or gradient norm is not finite at step {step} (run.on_nonfinite: "
-                               f"stop): nothing from this state was committed. Lower optim.lr, set "
-                               f"optim.grad_clip, or set run.on_nonfinite: skip to pass over such steps")
+                raise Diverged.at(step, "the loss or gradient norm is", can_skip=True)
             self.preempted = verdict.preempt
             drain_save = bool(verdict.drained) and not self._drain_saved
             if verdict.drained is not None:  # the cluster was asked at this step
                 self._drain_saved = verdict.drained
             if drain_save and self.rank == 0:
                 log_event(self.spec.run_uri, Event.DRAIN_CHECKPOINT, step=step)
-            save_now = self.preempted or drain_save or self.checkpoint_scheduled(step)
-            every_eval = self.spec.eval.every_n_steps
-            eval_now = self.validation is not None and (step == self.spec.run.steps or step % every_eval == 0)
-            if not (save_now or eval_now or step % self.spec.run.log_every == 0):
+            due = cadence.due(step, checkpoint_now=self.preempted or drain_save,
+                              can_evaluate=self.validation is not None)
+            if not due.row:
                 continue
-            metrics = {**self._mean_loss(since_report), "lr": self.engine.lr, "world_size": self.world_size,
+            metrics = {**self._mean_loss(cadence.since_row(step)), "lr": self.engine.lr, "world_size": self.world_size,
                        "global_batch": self.global_batch, "samples_seen": self.state.samples_seen,
-                       "epoch": self.state.samples_seen / len(self.dataset), **throughput.read()}
+                       "epoch": self.state.samples_seen / len(self.dataset), **cadence.rate()}
             metrics |= self._efficiency(metrics["tokens_per_s"])
-            if eval_now:
+            if due.evaluate:
                 metrics |= self.evaluate()
-                throughput.restart()  # the evaluation's time is not training time
-            if is_logger:  # before the checkpoint commits: a run resumed from it has this row
-                log.append(metrics)
-                progress.update(since_report, metrics)
-            since_report = 0
-            if save_now:
+                cadence.pause_clock()
+            cadence.record(metrics)
+            if due.checkpoint:
                 for callback in self.callbacks:
                     callback.on_checkpoint_start(self)
                 self.checkpoints.save(self.engine, self.state, self.written)
@@ -222,15 +211,11 @@ class Trainer:
         self.engine.close()
         for callback in self.callbacks:
             callback.on_train_end(self)
-        if is_logger:
-            progress.close()
-            log.close()
+        cadence.close()
         return self.state
 
     def checkpoint_scheduled(self, step: int) -> bool:
-        """Whether the loop checkpoints after `step` by schedule (every `checkpoint.every_n_steps`
-        and at the end; a preemption or a drain adds others)."""
-        return step == self.spec.run.steps or step % self.spec.checkpoint.every_n_steps == 0
+        return checkpoint_scheduled(self.spec, step)
 
     def evaluate(self) -> dict[str, float]:
         """Collective: the mean loss over the first `eval.batches` global batches of validation

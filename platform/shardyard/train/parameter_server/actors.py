@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from typing import Any
 
 import ray
@@ -241,10 +240,9 @@ class PSWorker:
     """Pulls, computes one batch's gradient, pushes; until the coordinator has no batch left."""
 
     def __init__(self, spec: JobSpec, name: str, servers: list, parts: list[list[str]], coordinator,
-                 attempt: float, slowdown: float = 1.0) -> None:
+                 attempt: float) -> None:
         self.spec = spec  # validated on the driver
         self.name, self.servers, self.parts, self.coordinator = name, servers, parts, coordinator
-        self.slowdown = slowdown  # > 1 makes this worker a deliberate straggler (benchmarks)
         model = initial_model(self.spec)
         self.params = dict(model.named_parameters())
         # The single-process engine's forward/backward and clipping; its optimizer stays unused.
@@ -273,14 +271,11 @@ class PSWorker:
             return None
         load_pulled(self.params, self.parts, [tensors for _, _, tensors in pulled])
         ids = micro_batch_ids(self.order, offset, 0, 1, self.spec.batch.micro_batch_size, self.accum)
-        started = time.perf_counter()
         for p in self.params.values():
             p.grad = None
         loss = self.engine.forward_backward([self.dataset.batch(i) for i in ids])
         if self.spec.optim.grad_clip > 0:
             self.engine.clip_grad_norm(self.spec.optim.grad_clip)
-        if self.slowdown > 1:
-            time.sleep((self.slowdown - 1) * (time.perf_counter() - started))
         answers = ray.get([server.push.remote([self.params[n].grad for n in names], (generation, offset), version)
                            for server, names, (_, version, _) in zip(self.servers, self.parts, pulled)])
         if "refused" in answers:

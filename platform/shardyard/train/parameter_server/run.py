@@ -13,6 +13,7 @@ import ray
 import torch
 
 from shardyard.checkpoint.layout import TrainState
+from shardyard.checkpoint.lease import LeaseLost
 from shardyard.checkpoint.manager import CheckpointManager, Fence
 from shardyard.checkpoint.record import newest_name
 from shardyard.data.ledger import SampleLedger
@@ -20,7 +21,8 @@ from shardyard.optim import Schedule, decayed
 from shardyard.parallel import Engine, single_process
 from shardyard.spec import JobSpec
 from shardyard.storage.events import Event, log_event
-from shardyard.train.metrics import MetricsLog, Progress, RunResult, Throughput, finish_run
+from shardyard.train.cadence import Cadence
+from shardyard.train.metrics import RunResult, finish_run
 from shardyard.train.parameter_server.actors import (
     SERVER_LOST,
     Coordinator,
@@ -32,17 +34,15 @@ from shardyard.train.parameter_server.actors import (
     worker_resources,
     worker_slots,
 )
-from shardyard.train.step_guard import PREEMPT_FILE, Diverged
+from shardyard.train.step_guard import Diverged, StepGuard
 
 
 class ParameterServerRun:
     """The driver: starts the actors, replaces dead workers, rolls back after a server died,
     checkpoints each cut and logs metrics like the Trainer."""
 
-    def __init__(self, spec: JobSpec, slowdowns: dict[int, float] | None = None,
-                 fence: Fence | None = None) -> None:
+    def __init__(self, spec: JobSpec, fence: Fence | None = None) -> None:
         self.spec = spec
-        self.slowdowns = slowdowns or {}
         self.slots, self.global_batch = worker_slots(spec), spec.batch.global_batch_size
         # The whole model and a single-process optimizer over it hold what checkpoints save and
         # restore; the servers hold the live partitions.
@@ -57,6 +57,7 @@ class ParameterServerRun:
         self.state = TrainState(world_size=self.slots)
         self.running: dict[ray.ObjectRef, tuple[str, Any]] = {}
         self.next_worker, self.failures = 0, 0
+        self.guard = StepGuard(spec.run_uri, 0, torch.device("cpu"), fence, spec.checkpoint.lease_ttl_s / 3)
         self.preempt_step: int | None = None  # SIGTERM: the step checkpointed before stopping
         self.preempted = False
 
@@ -105,19 +106,16 @@ class ParameterServerRun:
         # the run when a node brings some (elastic growth).
         name = f"worker{self.next_worker}"
         actor = PSWorker.options(**worker_resources(self.spec)).remote(
-            self.spec, name, self.servers, self.parts, self.coordinator, self.attempt,
-            self.slowdowns.get(self.next_worker, 1.0))
+            self.spec, name, self.servers, self.parts, self.coordinator, self.attempt)
         self.running[actor.run.remote()] = (name, actor)
         self.next_worker += 1
 
     def _train(self) -> None:
-        log = MetricsLog(self.spec, self.state.step)
-        progress = Progress(self.spec.run.steps, self.state.step, sys.stdout.isatty())
-        throughput = Throughput()
+        cadence = Cadence(self.spec, self.state.step, writes=True, progress_bar=sys.stdout.isatty())
         tokens_per_sample = getattr(self.spec.model, "block_size", 1)
         losses: dict[int, list[float]] = {}  # step -> the losses of its batches
         staleness: list[int] = []
-        since_report, last_loss = 0, float("nan")
+        last_loss = float("nan")
         server_pids = [s["pid"] for s in self._statuses()]
         while self.state.step < self.spec.run.steps and not self.preempted:
             self._replace_dead_workers()
@@ -134,43 +132,37 @@ class ParameterServerRun:
             rolled_back = False
             for offset, loss in report["losses"]:
                 if not math.isfinite(loss):  # run.on_nonfinite: stop (the spec offers no skip here)
-                    raise Diverged(f"the loss is not finite at step {offset // self.global_batch + 1} "
-                                   f"(run.on_nonfinite: stop): nothing from this state was committed. Lower "
-                                   f"optim.lr or set optim.grad_clip")
+                    raise Diverged.at(offset // self.global_batch + 1, "the loss is", can_skip=False)
                 losses.setdefault(offset // self.global_batch + 1, []).append(loss)
             staleness += [s for status in statuses for s in status["staleness"]]
             reached = report["samples"] // self.global_batch
-            if reached > self.state.step:
-                # Steps arrive several per report: each row logged from this report gets the
-                # rate since the previous one (read per row, the rows after the first would
-                # count their steps over no time at all).
-                for _ in range(reached - self.state.step):
-                    throughput.add(self.global_batch, self.global_batch * tokens_per_sample)
-                rate = throughput.read()
+            # Steps arrive several per report: every row logged from this report gets the rate
+            # since the previous one (read per row, the rows after the first would count their
+            # steps over no time at all).
+            for _ in range(reached - self.state.step):
+                cadence.stepped(self.global_batch, self.global_batch * tokens_per_sample)
+            rate = cadence.rate() if reached > self.state.step else {}
             while self.state.step < reached:
                 self.state.step += 1
                 self.state.samples_seen = self.state.step * self.global_batch
-                since_report += 1
                 step = self.state.step
-                save_now = step in (self.spec.run.steps, self.preempt_step) or step % self.spec.checkpoint.every_n_steps == 0
-                if not (save_now or step % self.spec.run.log_every == 0):
+                due = cadence.due(step, checkpoint_now=step == self.preempt_step)
+                if not due.row:
                     continue
                 # Batches finish out of order: a row takes every loss of its steps and earlier
                 # ones not yet counted (only if none arrived, the previous row's loss again).
                 window = [x for s in sorted(k for k in losses if k <= step) for x in losses.pop(s)]
                 loss = sum(window) / len(window) if window else last_loss
                 last_loss = loss
-                metrics = {"step": step, "loss": loss, "lr": statuses[0]["lr"], "world_size": report["workers"],
-                           "global_batch": self.global_batch, "samples_seen": self.state.samples_seen,
-                           # Updates the servers applied since the last row (none: several rows at once).
-                           "staleness_mean": sum(staleness) / len(staleness) if staleness else None,
-                           "staleness_max": max(staleness) if staleness else None,
-                           "largest_clock_gap": report["largest_gap"], **rate}
+                cadence.record({
+                    "step": step, "loss": loss, "lr": statuses[0]["lr"], "world_size": report["workers"],
+                    "global_batch": self.global_batch, "samples_seen": self.state.samples_seen,
+                    # Updates the servers applied since the last row (none: several rows at once).
+                    "staleness_mean": sum(staleness) / len(staleness) if staleness else None,
+                    "staleness_max": max(staleness) if staleness else None,
+                    "largest_clock_gap": report["largest_gap"], **rate})
                 staleness = []
-                log.append(metrics)  # before the checkpoint commits: a run resumed from it has this row
-                progress.update(since_report, metrics)
-                since_report = 0
-                if save_now and not self._checkpoint():
+                if due.checkpoint and not self._checkpoint():
                     rolled_back = True
                     break
                 if step == self.preempt_step:
@@ -182,13 +174,16 @@ class ParameterServerRun:
                 losses.clear()
             elif not report["at_cut"]:
                 time.sleep(0.2)
-        progress.close()
-        log.close()
+        cadence.close()
 
     def _notice_preemption(self) -> None:
-        """At the driver's SIGTERM notice (`<run>/PREEMPT`), cut at the step now being computed:
-        it is checkpointed, then the run stops."""
-        if self.preempt_step is None and self.checkpoints.storage.exists(PREEMPT_FILE):
+        """The Trainer's guard, asked between reports: a launch that lost the run's lease stops at
+        once; at the driver's SIGTERM notice (`<run>/PREEMPT`) the run cuts at the step now being
+        computed, checkpoints it and stops."""
+        verdict = self.guard.check(torch.zeros(()), None)
+        if verdict.lease_lost is not None:
+            raise LeaseLost(verdict.lease_lost)
+        if self.preempt_step is None and verdict.preempt:
             cut = ray.get(self.coordinator.cut_now.remote(self.global_batch))
             self.preempt_step = max(cut // self.global_batch, self.state.step)
             if self.preempt_step == self.state.step:  # nothing handed out past it: checkpoint it now
@@ -224,8 +219,7 @@ class ParameterServerRun:
             self._roll_back()
             return False
         if not all(torch.isfinite(t).all() for _, tensors, _ in snapshots for t in tensors):
-            raise Diverged(f"the weights are not finite at step {self.state.step} (run.on_nonfinite: stop): "
-                           f"nothing from this state was committed")
+            raise Diverged.at(self.state.step, "the weights are", can_skip=False)
         optimizer = self.engine.optimizers[0]
         with torch.no_grad():
             for names, (_, tensors, states) in zip(self.parts, snapshots):
@@ -283,8 +277,7 @@ def _once_servers_answer(call: Callable[[], Any], timeout_s: float = SERVER_RECO
             time.sleep(0.5)
 
 
-def run(spec: JobSpec, slowdowns: dict[int, float] | None = None, fence: Fence | None = None) -> RunResult:
-    """Train `spec` with parameter servers on the connected Ray cluster. `slowdowns` maps worker
-    index to a slowdown factor (benchmarks' deliberate stragglers); `fence` raises once the run's
-    lease is lost (nothing is committed after)."""
-    return ParameterServerRun(spec, slowdowns, fence).run()
+def run(spec: JobSpec, fence: Fence | None = None) -> RunResult:
+    """Train `spec` with parameter servers on the connected Ray cluster. `fence` raises once the
+    run's lease is lost (nothing is committed after)."""
+    return ParameterServerRun(spec, fence).run()
