@@ -10,8 +10,11 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# Benchmarks run from a checkout; make the package importable without installing it again.
+# Benchmarks run from a checkout; make the package importable without installing it again, and
+# the journeys the tests run too (tests/helpers/: a fake autoscaling cluster, a pool episode,
+# vLLM's load client), which some benchmarks time.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
 def print_table(title: str, rows: list[dict[str, Any]]) -> None:

@@ -241,7 +241,7 @@ def serving(work: Path) -> dict[str, Any]:
     from shardyard.serve.executor.local_model import LocalModel
     from shardyard.serve.resolved import load_config
     from shardyard.serve.sampling import Sampling
-    from vllm_bench import model_directory
+    from helpers.vllm_bench import model_directory
 
     streams, prompt_tokens, new_tokens = 16, 128, 64
     directory = model_directory(work / "llama", hidden=2048 if CUDA else 64, layers=16 if CUDA else 2,

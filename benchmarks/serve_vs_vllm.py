@@ -63,7 +63,7 @@ import requests
 from common import print_table, write_json
 from shardyard.serve.engine.decoding import PHASES
 from shardyard.spec import apply_override
-from vllm_bench import VLLM, bench, model_directory
+from helpers.vllm_bench import VLLM, bench, model_directory
 
 PROMPT_TOKENS, OUTPUT_TOKENS, SHARED_PREFIX_TOKENS, CONTEXT = 128, 64, 1000, 2048
 # `vllm serve` on a CPU: its max_num_seqs (the API server's default there; 256 is the LLM class's), and

@@ -20,10 +20,9 @@ import pytest
 
 from shardyard.localdist import free_port
 from shardyard.serve.executor.model_thread import one_intra_op_thread
-from helpers.repo import RAY, REPO
+from helpers.repo import RAY
 from helpers.buckets import Bucket, s3_bucket
 
-sys.path.insert(0, str(REPO / "benchmarks"))  # the tests share the benchmarks' cluster helpers
 # Ray 2.59+ clusters use token auth; clients (ray job submit, ray.init) must opt in to send it.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 

@@ -189,13 +189,15 @@ def test_validating_a_config_imports_no_torch() -> None:
 TESTS = REPO / "tests"
 # Folders of tests that are not a room of the package: the hardening drills, and what tests share.
 NOT_ROOMS = {"drills", "helpers"}
+BENCHMARKS = {p.stem for p in (REPO / "benchmarks").glob("*.py")}
 
 
 @pytest.mark.timeout(30)
 def test_the_tests_mirror_the_package_and_share_through_helpers_only() -> None:
     """Each folder of tests is a room of the package (a folder or a module: tests/cluster/ tests
     cluster.py), the drills' or the helpers'; no test module imports another, nor a conftest (fixtures are
-    reached by name: a conftest imported as a module is whichever one pytest loaded last)."""
+    reached by name: a conftest imported as a module is whichever one pytest loaded last), nor a
+    benchmark (the benchmarks are off the tests' path; what both run lives in tests/helpers/)."""
     rooms = {p.relative_to(PACKAGE).with_suffix("") for p in PACKAGE.rglob("*")
              if p.name != "__pycache__" and (p.is_dir() or p.suffix == ".py")}
     for path in TESTS.rglob("*.py"):
@@ -206,3 +208,5 @@ def test_the_tests_mirror_the_package_and_share_through_helpers_only() -> None:
         imported = {name.partition(".")[0] for name in external_imports(path)}
         shared = sorted(n for n in imported if n.startswith("test_") or n == "conftest")
         assert not shared, f"{path.relative_to(REPO)} imports {shared}: move what it needs to tests/helpers/"
+        timed = sorted(imported & BENCHMARKS)
+        assert not timed, f"{path.relative_to(REPO)} imports the benchmarks' {timed}: tests/helpers/ holds what both use"

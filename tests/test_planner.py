@@ -13,7 +13,7 @@ from shardyard.models.gpt import lm_loss
 from shardyard.planner import Cluster, ModelShape, estimate, recommend
 from shardyard.spec import load_spec, parse_spec
 
-import memory as memory_benchmark
+from helpers import memory as memory_benchmark
 from helpers.repo import REPO
 
 TOLERANCE = 0.15

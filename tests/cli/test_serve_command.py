@@ -229,7 +229,7 @@ def test_shardyard_serve_answers_with_vllms_flags_on_a_two_core_machine(run_dir:
 def haproxy_of(ray_tmp: str) -> list[psutil.Process]:
     """The HAProxy processes of the Ray instance whose files are in `ray_tmp` (they inherit its
     environment)."""
-    from fake_cluster import processes_of
+    from helpers.fake_cluster import processes_of
 
     running = []
     for process in processes_of(ray_tmp):

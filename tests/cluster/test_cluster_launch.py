@@ -35,7 +35,7 @@ from shardyard.train.callbacks import held_at as held
 from shardyard.train.callbacks import release
 from helpers.repo import DEFAULT_JOB as CONFIG
 from helpers.elastic import EVERY, check_run, events, job
-from fake_cluster import wait_for
+from helpers.fake_cluster import wait_for
 from helpers.repo import RAY, REPO
 
 SERVE = str(Path(sys.executable).with_name("serve"))

@@ -13,7 +13,7 @@ import psutil
 import pytest
 import ray
 import torch
-from fake_cluster import wait_for
+from helpers.fake_cluster import wait_for
 
 from shardyard.checkpoint.loaders import find_latest, load_model
 from shardyard.data.ledger import audit

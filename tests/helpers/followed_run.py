@@ -32,7 +32,6 @@ from helpers.repo import REPO
 PROMPT = "def main():\n    "
 LONG_CONTEXT = ("model.n_layer=2", "model.n_head=2", "model.n_embd=64", "model.block_size=2048")
 
-
 # Weights spread around the initialisation as training spreads them: a freshly initialised GPT
 # (tied embeddings) repeats its prompt's last byte whatever its seed, so two steps would answer alike.
 SPREAD = 0.3

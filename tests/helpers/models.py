@@ -16,7 +16,6 @@ from helpers.oracle import steps
 
 STEPS = 3
 
-
 SGD = {"name": "sgd", "lr": 0.2, "momentum": 0.0, "weight_decay": 0.0, "grad_clip": 0.0, "warmup_steps": 1}
 
 
@@ -32,7 +31,6 @@ GPT2 = {"architecture": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_
 # Plans beyond column/row-wise: Qwen3's per-head q/k norms are replicated with their gradients
 # summed over the tp ranks; OLMo-2 gathers q, k and v to normalise them over all heads.
 QWEN3 = {**LLAMA, "architecture": "qwen3", "head_dim": 8}
-
 
 OLMO2 = {**LLAMA, "architecture": "olmo2"}
 

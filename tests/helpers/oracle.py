@@ -42,7 +42,6 @@ def job(parallelism: dict, world: int, micro_batch: int, optim: dict = ADAMW, ti
     }
 
 
-
 OPTIMIZERS = {"adamw": ADAMW, "sgd": SGD}
 
 

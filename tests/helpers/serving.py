@@ -41,7 +41,6 @@ def save_default_job_checkpoint(rank: int, world: int, run_dir: str) -> None:
 
 TOKEN = "s3cret-of-this-test"
 
-
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 
 

@@ -31,7 +31,7 @@ def ray_files_of_their_own() -> Iterator[str]:
     is killed on the way out: `ray stop` would stop the session's cluster too. (Ray's client server
     names neither its session's directory nor a parent once `ray start` has exited: only its
     environment tells whose it is.)"""
-    from fake_cluster import stop_processes_of
+    from helpers.fake_cluster import stop_processes_of
 
     ray_tmp = tempfile.mkdtemp(prefix="sy-", dir="/tmp")
     try:

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fake_cluster import wait_for
-from pool_episode import SHAPES, episode_job, run_episode, served, stop
+from helpers.fake_cluster import wait_for
+from helpers.pool_episode import SHAPES, episode_job, run_episode, served, stop
 from shardyard.storage.events import read_events
 from shardyard.checkpoint.loaders import find_latest, load_model
 from shardyard.data.ledger import audit

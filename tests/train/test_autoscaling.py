@@ -3,7 +3,7 @@ for 2 asks for 4; the autoscaler adds nodes and the run grows; a preemption noti
 (`ray drain-node`) makes the run checkpoint at once, and when the node is reclaimed the run goes on
 smaller from that checkpoint; once the run ends the autoscaler removes the idle nodes. The
 scenario is the recovery benchmark's (benchmarks/recovery.py, `measure_autoscaled`), on Ray's fake
-multi-node provider (benchmarks/fake_cluster.py): the real autoscaler, nodes that are raylets on
+multi-node provider (tests/helpers/fake_cluster.py): the real autoscaler, nodes that are raylets on
 this machine.
 
 Checked: the run grew to 4 on the nodes the autoscaler added; the drain checkpoint is the one the
@@ -21,7 +21,7 @@ import pytest
 from helpers.elastic import GLOBAL_BATCH, NUM_SAMPLES, assert_matches_single_process, events, job
 from shardyard.data.ledger import audit
 
-from recovery import measure_autoscaled
+from helpers.autoscaled import measure_autoscaled
 
 STEPS = 100
 

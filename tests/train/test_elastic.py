@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fake_cluster import wait_for
+from helpers.fake_cluster import wait_for
 from shardyard.data.ledger import audit
 from shardyard.train.callbacks import HOLD_ENV, release
 from shardyard.train.callbacks import held_at as held

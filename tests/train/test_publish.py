@@ -18,7 +18,7 @@ import pytest
 import requests
 import torch
 
-from fake_cluster import wait_for
+from helpers.fake_cluster import wait_for
 from shardyard.checkpoint.loaders import load_model
 from shardyard.checkpoint.record import checkpoint_name
 from shardyard.localdist import free_port

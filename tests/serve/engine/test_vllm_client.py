@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_bench import VLLM, VLLM_ENV, bench, model_directory
+from helpers.vllm_bench import VLLM, VLLM_ENV, bench, model_directory
 
 pytestmark = pytest.mark.skipif(not VLLM.exists(), reason=f"no vLLM environment at {VLLM_ENV}: make it with "
                                                           f"benchmarks/make_vllm_env.sh")

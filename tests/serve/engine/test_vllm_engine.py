@@ -24,7 +24,7 @@ pytest.importorskip("vllm", reason="engine: vllm needs vLLM in this interpreter'
 from helpers.http import private_file
 from helpers.followed_run import PROMPT, alone, commit  # noqa: E402
 from shardyard.checkpoint.record import checkpoint_name  # noqa: E402
-from vllm_bench import bench, model_directory
+from helpers.vllm_bench import bench, model_directory
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 TOKEN = "vllm-engine-test-token"

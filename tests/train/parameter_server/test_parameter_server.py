@@ -203,7 +203,7 @@ def test_workers_join_when_a_node_brings_room_and_a_killed_job_resumes(ray_clust
 
     from shardyard.train.launcher import launch
     from helpers.elastic import SLOT, WorkerNode
-    from fake_cluster import wait_for
+    from helpers.fake_cluster import wait_for
     total = 800  # one worker alone for ~15 s of it while the second node starts
     raw = ps_job(tmp_path, "grow", workers=1, servers=2, staleness=None, total=total)
     raw["checkpoint"]["every_n_steps"] = 25

@@ -1,7 +1,7 @@
 """vLLM's load client (`vllm bench serve`) and the Llama directories it loads, shared by the
 serving comparison (serve_vs_vllm.py) and tests/serve/engine/test_vllm_client.py.
 
-vLLM (its CPU build) lives in an environment of its own, which make_vllm_env.sh makes at
+vLLM (its CPU build) lives in an environment of its own, which benchmarks/make_vllm_env.sh makes at
 `.vllm-env` in the checkout (or where SHARDYARD_VLLM_ENV points).
 """
 
@@ -13,8 +13,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-VLLM_ENV = Path(os.environ.get("SHARDYARD_VLLM_ENV", ROOT / ".vllm-env"))
+from helpers.repo import REPO
+
+VLLM_ENV = Path(os.environ.get("SHARDYARD_VLLM_ENV", REPO / ".vllm-env"))
 VLLM = VLLM_ENV / "bin" / "vllm"
 
 
