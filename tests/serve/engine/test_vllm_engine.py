@@ -4,8 +4,10 @@ with the guard's answers unchanged; a model vLLM does not load (the own GPT) is 
 built-in engine instead; vLLM's own load client completes every request.
 
 Needs vLLM importable by the interpreter running the tests: the environment
-benchmarks/make_vllm_env.sh makes (vLLM's CPU build, with shardyard installed into it), then
-`.vllm-env/bin/python -m pytest tests/serve/engine/test_vllm_engine.py`. Elsewhere (the main environment, CI) these tests are skipped, saying so.
+benchmarks/make_vllm_env.sh makes (vLLM's CPU build, with shardyard installed into it). The main
+suite runs this module under that environment's python (test_vllm_client.py); by hand:
+`.vllm-env/bin/python -m pytest tests/serve/engine/test_vllm_engine.py`. Under an interpreter
+without vLLM these tests are skipped, saying so.
 """
 
 from __future__ import annotations
