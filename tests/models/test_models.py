@@ -33,6 +33,7 @@ from shardyard.train.metrics import read_metrics
 from shardyard.train.trainer import Trainer
 from helpers.oracle import PARAM_TOL, train
 from helpers.models import LLAMA, MIXTRAL, MODELS, SGD, STEPS, job, oracle, save_llama
+from helpers.repo import REPO
 
 STRATEGIES = {
     "ddp": {"strategy": "ddp"},
@@ -362,7 +363,7 @@ def test_streamed_text_is_the_whole_decode_from_windows_of_the_newest_tokens() -
 
 def documented_shrink() -> list[str]:
     """The `--set` overrides docs/models.md gives to train the real model shapes on a CPU."""
-    text = (Path(__file__).parents[1] / "docs" / "models.md").read_text()
+    text = (REPO / "docs" / "models.md").read_text()
     command = text[text.index("shardyard train jobs/configs/llama3_8b_fsdp.yaml \\"):]
     return re.findall(r"--set (\S+)", command[:command.index("```")])
 
@@ -379,7 +380,7 @@ def test_a_real_model_config_shrunk_as_the_docs_say_trains_on_a_cpu(config: str,
     """The Llama-3-8B and Qwen2.5-7B configs, shrunk by the docs' --set lines, keep their
     architecture, attention layout, parallelism and optimizer and train on 4 CPU ranks (FSDP over
     4; FSDP x TP as a 2 x 2 mesh)."""
-    path = str(Path(__file__).parents[1] / "jobs" / "configs" / f"{config}.yaml")
+    path = str(REPO / "jobs" / "configs" / f"{config}.yaml")
     full = load_spec(path)
     overrides = [*documented_shrink(), f"checkpoint.storage_path={tmp_path}", "run.log_every=1"]
     shrunk = load_spec(path, overrides)
