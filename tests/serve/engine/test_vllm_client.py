@@ -42,6 +42,7 @@ def test_vllms_bench_client_completes_every_request_against_a_model_directory_an
             assert result["total_output_tokens"] == 24 * 16, (name, backend, result["total_output_tokens"])
 
 
+@pytest.mark.ray  # its session starts a Ray cluster of its own
 @pytest.mark.timeout(1800)
 def test_the_engine_vllm_tests_pass_under_the_vllm_environments_python(tmp_path: Path) -> None:
     """`engine: vllm` decodes in the replica's process, so its tests need vLLM importable by the
