@@ -80,14 +80,16 @@ def test_the_trainer_needs_no_ray_and_nothing_reaches_into_library_internals() -
 @pytest.mark.timeout(30)
 def test_strategies_know_no_model_library() -> None:
     """Strategies see models through one interface (models/__init__.py): repeated blocks and a
-    tensor-parallel plan. Only the Hugging Face adapter, the spec's model section and the data's
-    tokenizers (a model directory's tokenizer, a trained one saved as transformers reads it) import
-    transformers."""
+    tensor-parallel plan. Only the Hugging Face adapter, the spec's model section, the data's
+    tokenizers (a model directory's tokenizer, a trained one saved as transformers reads it) and the
+    reader of a model directory's weights (transformers converts files laid out otherwise than the
+    model) import transformers."""
     for path in (PACKAGE / "parallel").rglob("*.py"):
         assert not any(m.split(".")[0] == "transformers" for m in external_imports(path)), path
     users = {module_name(p) for p in PACKAGE.rglob("*.py")
              if any(m.split(".")[0] == "transformers" for m in external_imports(p))}
-    assert users == {"shardyard.models.hf", "shardyard.spec.models", "shardyard.data.tokenizer"}, users
+    assert users == {"shardyard.models.hf", "shardyard.spec.models", "shardyard.data.tokenizer",
+                     "shardyard.checkpoint.pretrained"}, users
 
 
 # The floors of the house, lowest first (docs/architecture.md draws them): a room imports only

@@ -90,7 +90,7 @@ class ModelShape:
         from shardyard.models import build_model, repeated_blocks
 
         with torch.device("meta"):  # shapes only, no memory (and no pretrained weights read)
-            model = build_model(spec, pretrained=False)
+            model = build_model(spec)
         blocks = [getattr(parent, name) for parent, name in repeated_blocks(model)]
         block_params = sum(p.numel() for b in blocks for p in b.parameters())
         linear = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0)

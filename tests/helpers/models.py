@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from shardyard.checkpoint.pretrained import pretrained_weights
 from shardyard.models import build_model
 from shardyard.parallel import single_process
 from shardyard.spec import parse_spec
@@ -96,7 +97,7 @@ def oracle(model: str, steps_: int = STEPS, optim: dict = SGD) -> tuple[dict[str
     raw["batch"] = {"global_batch_size": 8, "micro_batch_size": 8}
     spec = parse_spec(raw)
     torch.manual_seed(spec.run.seed)
-    engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
+    engine = single_process(spec, build_model(spec.model, pretrained_weights(spec.model)), torch.device("cpu"))
     initial = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
     steps(engine, spec, 0, steps_)
     return initial, engine.model.state_dict()

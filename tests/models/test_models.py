@@ -28,6 +28,7 @@ from shardyard.models import build_for_job, build_model
 from shardyard.spec import SpecError, load_spec, parse_spec
 from shardyard.checkpoint.layout import read_spec
 from shardyard.checkpoint.loaders import committed_record, find_latest, load_model
+from shardyard.checkpoint.pretrained import pretrained_weights
 from shardyard.checkpoint.record import checkpoint_name
 from shardyard.train.metrics import read_metrics
 from shardyard.train.trainer import Trainer
@@ -150,7 +151,8 @@ def test_training_starts_from_a_model_directory_and_resumes_at_another_world_siz
     save_llama(tmp_path / "llama")
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "llama").state_dict()
     pretrained = {"name": "hf", "path": str(tmp_path / "llama"), "block_size": 16}
-    built = build_model(parse_spec(job(pretrained, {"strategy": "ddp"}, 1)).model).state_dict()
+    model_spec = parse_spec(job(pretrained, {"strategy": "ddp"}, 1)).model
+    built = build_model(model_spec, pretrained_weights(model_spec)).state_dict()
     for name, value in saved.items():
         torch.testing.assert_close(built[f"hf.{name}"], value, rtol=0, atol=0, msg=name)
 

@@ -15,6 +15,7 @@ from torch import nn
 from shardyard.checkpoint.collective import single_process_io
 from shardyard.checkpoint.dcp_io import read_dcp
 from shardyard.checkpoint.layout import is_hf_directory, read_spec, trusted
+from shardyard.checkpoint.pretrained import PretrainedWeights
 from shardyard.checkpoint.record import BadCheckpoint, newest_good, read_record, verify
 from shardyard.storage.store import RunStorage
 from shardyard.checkpoint.formats.zero import DeepSpeedFormat, local_zero_files, parameter_names
@@ -79,10 +80,10 @@ def load_model(checkpoint_dir: str | Path, trust_factory: str | None = None, ver
     commit record first (`verify`; False where `servable` just did)."""
     checkpoint_dir = Path(checkpoint_dir)
     if is_hf_directory(checkpoint_dir):
-        return build_model(read_spec(checkpoint_dir).model)  # its own pretrained weights
+        return build_model(read_spec(checkpoint_dir).model, PretrainedWeights(checkpoint_dir))
     record = checked_record(checkpoint_dir, verify)
     stored = trusted(read_spec(checkpoint_dir), str(checkpoint_dir), trust_factory)
-    model = build_model(stored.model, pretrained=False)  # weights: the checkpoint's
+    model = build_model(stored.model)  # weights: the checkpoint's
     if record["format"] == ZERO_FORMAT:
         import_deepspeed()  # its accelerator chosen before any of its modules load
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -121,9 +122,9 @@ def load_model_part(checkpoint_dir: str | Path, part: Callable[[nn.Module], nn.M
     if isinstance(spec, CustomSpec):
         return part(load_model(checkpoint_dir, trust_factory, verify=False).to(device))
     with torch.device("meta"):  # shapes; a model directory's weights are read once split
-        piece = part(build_model(spec, pretrained=hf_directory))
+        piece = part(build_model(spec))
     if hf_directory:
-        return materialise(piece, device)
+        return materialise(piece, device, weights=PretrainedWeights(checkpoint_dir))
     give_storage(piece, device)
     if record["format"] == ZERO_FORMAT:
         _fill_from_zero(piece, checkpoint_dir, stored)

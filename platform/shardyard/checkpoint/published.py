@@ -54,7 +54,7 @@ def load_published_part(published: Published, part: Callable[[nn.Module], nn.Mod
     it, for a tensor-parallel part) copied from the published state dict."""
     state: dict[str, torch.Tensor] = ray.get(published.refs[0])
     with torch.device("meta"):
-        piece = part(build_model(published.model, pretrained=False))
+        piece = part(build_model(published.model))
     give_storage(piece, device)
     for name, target in piece.state_dict(keep_vars=True).items():
         if name not in state:

@@ -13,18 +13,17 @@ from torch import nn
 
 from shardyard.layout.blocks import names_of_each_parameter, repeated_blocks
 from shardyard.models.gpt import GPT, lm_loss
-from shardyard.models.initial_weights import draw_seed, fill_local
+from shardyard.models.initial_weights import InitialWeights, draw_seed, fill_local
 from shardyard.models.mlp import MLP, mse_loss
 from shardyard.spec import CustomSpec, GPTSpec, HFSpec, JobSpec, MLPSpec
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def build_model(spec: GPTSpec | MLPSpec | HFSpec | CustomSpec, pretrained: bool = True) -> nn.Module:
+def build_model(spec: GPTSpec | MLPSpec | HFSpec | CustomSpec, weights: InitialWeights | None = None) -> nn.Module:
     """The model, whole, on the caller's default device (under `torch.device("meta")`: shapes
-    only). `pretrained=False` skips reading a Hugging Face directory's weights (its shapes and a
-    random init instead). A model drawn at random (the GPT, a Hugging Face config) is drawn one
-    unit at a time (initial_weights.py), as every strategy that shards it draws it."""
+    only), with `weights` (a model directory's: checkpoint/pretrained.py) or, without, drawn at
+    random one unit at a time (initial_weights.py), as every strategy that shards it draws it."""
     if isinstance(spec, MLPSpec):
         return MLP(spec)
     if isinstance(spec, CustomSpec):
@@ -32,30 +31,26 @@ def build_model(spec: GPTSpec | MLPSpec | HFSpec | CustomSpec, pretrained: bool 
 
         return build_custom(spec)
     device = torch.get_default_device()
-    if isinstance(spec, HFSpec) and spec.path is not None and pretrained and device.type != "meta":
-        from shardyard.models.hf import HFCausalLM  # imports transformers: only when asked for
-
-        return HFCausalLM(spec)  # transformers reads the directory itself
     with torch.device("meta"):
-        model = new_model(spec, pretrained)
-    return model if device.type == "meta" else materialise(model, device)
+        model = new_model(spec)
+    return model if device.type == "meta" else materialise(model, device, weights=weights)
 
 
-def new_model(spec: GPTSpec | HFSpec, pretrained: bool = True) -> nn.Module:
+def new_model(spec: GPTSpec | HFSpec) -> nn.Module:
     """The GPT or a Hugging Face model as its constructor builds it, on the caller's device (or
     under DeepSpeed's `zero.Init`); `init_seed` (the seed its units are drawn from) is drawn from
     the caller's generator, so ranks seeded alike build alike."""
     if isinstance(spec, GPTSpec):
         model: nn.Module = GPT(spec)
     else:
-        from shardyard.models.hf import HFCausalLM
+        from shardyard.models.hf import HFCausalLM  # imports transformers: only when asked for
 
-        model = HFCausalLM(spec, pretrained)
+        model = HFCausalLM(spec)
     model.init_seed = draw_seed()
     return model
 
 
-def build_for_job(spec: JobSpec) -> nn.Module:
+def build_for_job(spec: JobSpec, weights: InitialWeights | None = None) -> nn.Module:
     """The model a job trains. Under a strategy that splits the model (FSDP, tensor parallelism,
     pipeline stages, and their combinations; ZeRO-3) the GPT and Hugging Face models are built on
     the meta device, with no weights: the engine shards or splits them, then each rank gives its
@@ -63,24 +58,27 @@ def build_for_job(spec: JobSpec) -> nn.Module:
     each unit drawn at random; ZeRO-3 rebuilds the model partitioned and fills one gathered unit
     at a time), so a model larger than one rank's memory never materialises whole. Everything
     else is built whole, from the same seed on every rank (DDP and ZeRO-1/2 hold the whole model
-    on every rank anyway; a custom module's initialisation is its factory's own)."""
+    on every rank anyway; a custom module's initialisation is its factory's own). `weights`: a
+    model directory's (checkpoint/pretrained.py), for a model built whole here; the engine fills
+    a split one with them (parallel.build_engine)."""
     model, par = spec.model, spec.parallelism
     splits = par.pp > 1 or par.strategy in ("fsdp", "tensor", "zero3")
     if isinstance(model, (GPTSpec, HFSpec)) and splits and spec.scaling.recovery != "hot":
         with torch.device("meta"):
             return build_model(model)
-    return build_model(model)
+    return build_model(model, weights)
 
 
-def materialise(part: nn.Module, device: torch.device, shapes: nn.Module | None = None) -> nn.Module:
+def materialise(part: nn.Module, device: torch.device, shapes: nn.Module | None = None,
+                weights: InitialWeights | None = None) -> nn.Module:
     """Storage on `device` for a part built on the meta device (build_for_job) once it is sharded
-    or split off, then its weights: each rank reads or draws only the tensors (or slices) it
-    holds. `shapes`: the model as it was before sharding, on the meta device (for a part that is
-    not sharded, the part itself)."""
-    shapes = copy.deepcopy(part) if shapes is None else shapes
+    or split off, then its weights: each rank reads (from `weights`) or draws only the tensors (or
+    slices) it holds. `shapes`: the model as it was before sharding, on the meta device (for a part
+    that is not sharded, the part itself), to draw from."""
+    shapes = copy.deepcopy(part) if shapes is None and weights is None else shapes
     give_storage(part, device)
-    if getattr(part, "has_pretrained_weights", False):
-        part.load_pretrained_in_place()
+    if weights is not None:
+        weights.fill(part)
     else:
         fill_local(part, shapes)
     return part

@@ -10,8 +10,6 @@ what leaves the platform is an ordinary Hugging Face model directory.
 from __future__ import annotations
 
 import copy
-import functools
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -22,10 +20,7 @@ from transformers import AttentionInterface, Cache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from shardyard.layout.blocks import names_of_each_parameter
-from shardyard.layout.dcp_placements import through_stand_ins
 from shardyard.layout.capabilities import hf_block_tp_plan
-from shardyard.models.initial_weights import copy_local
 from shardyard.models.kv_cache import KVCache
 from shardyard.models.stages import PipelineLayout
 from shardyard.spec import HFSpec
@@ -57,20 +52,14 @@ AttentionMaskInterface.register(PAGED_ATTENTION, sdpa_mask)
 
 
 class HFCausalLM(nn.Module):
-    def __init__(self, spec: HFSpec, pretrained: bool = True) -> None:
+    def __init__(self, spec: HFSpec) -> None:
         from transformers import AutoModelForCausalLM
 
         super().__init__()
         self.spec = spec
-        # Built on the meta device, a model directory's model is shapes until `materialise` reads
-        # each rank's part of its weights (load_pretrained_in_place, or pretrained_tensor).
-        self.has_pretrained_weights = spec.path is not None and pretrained
-        if self.has_pretrained_weights and torch.get_default_device().type != "meta":
-            self.hf = AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch.float32)
-        else:
-            # From the config (a directory's, when its weights are not wanted or come later). A
-            # random init is drawn again, unit by unit, by models.materialise.
-            self.hf = AutoModelForCausalLM.from_config(spec.hf_config(), dtype=torch.float32)
+        # From the config (a model directory's too): its weights are the checkpoint side's to read
+        # (checkpoint/pretrained.py), or drawn again, unit by unit, by models.materialise.
+        self.hf = AutoModelForCausalLM.from_config(spec.hf_config(), dtype=torch.float32)
         # One the config asked for (eager, flash) stays, and so does sdpa for a model whose scores
         # are soft-capped (Gemma 2), which the cache's attention does not compute.
         config = self.hf.config
@@ -87,58 +76,6 @@ class HFCausalLM(nn.Module):
         (`paged_attention`), so that the engine may pack prompt chunks and decode steps into one
         pass; a model attending itself gets the past through `EngineCache` as a batch of rows."""
         return self.hf.config._attn_implementation == PAGED_ATTENTION
-
-    def load_pretrained_in_place(self) -> None:
-        """Fill a model that was built on the meta device, sharded, and given storage (`to_empty`)
-        with its directory's weights, each rank reading only the slices it holds: DCP reads the
-        safetensors files straight into the (FSDP-sharded) state dict. Non-persistent buffers
-        (rotary frequencies) are not in the files: `compute_buffers` comes first."""
-        from torch.distributed.checkpoint import HuggingFaceStorageReader, load
-
-        if (converted := self._converted_weights) is not None:
-            for name, target in self.hf.state_dict(keep_vars=True).items():
-                copy_local(target, converted[name])
-            return
-        # A tied head is one tensor under two names; the files hold it once.
-        with through_stand_ins({k: v for k, v in self.hf.state_dict().items() if k in self._stored_keys}) as read:
-            load(read, storage_reader=HuggingFaceStorageReader(self.spec.path))
-
-    @functools.cached_property
-    def _stored_keys(self) -> set[str]:
-        from torch.distributed.checkpoint import HuggingFaceStorageReader
-
-        return set(HuggingFaceStorageReader(self.spec.path).read_metadata().state_dict_metadata)
-
-    @functools.cached_property
-    def _converted_weights(self) -> dict[str, torch.Tensor] | None:
-        """None when the directory's files hold every weight under the model's own name (each rank
-        then reads its slices alone). Otherwise transformers converts the files' layout as it
-        loads (Mixtral's files keep each expert's projections apart; the model packs them into
-        3-D parameters): the model is loaded whole once in this process, and parts copied from it."""
-        from transformers import AutoModelForCausalLM
-
-        if all(any(name in self._stored_keys for name in names) for names in names_of_each_parameter(self.hf)):
-            return None
-        return AutoModelForCausalLM.from_pretrained(self.spec.path, dtype=torch.float32).state_dict()
-
-    @functools.cached_property
-    def _weight_files(self) -> dict[str, str] | None:
-        """The directory's key -> safetensors file map, read once (None: one file holds all)."""
-        index = Path(self.spec.path) / "model.safetensors.index.json"
-        return json.loads(index.read_text())["weight_map"] if index.is_file() else None
-
-    def pretrained_tensor(self, name: str) -> torch.Tensor:
-        """One parameter of the model directory, by its name here (`hf.` and the file's key),
-        read alone from the safetensors file that holds it (or taken from the model transformers
-        loaded, for files in another layout: `_converted_weights`)."""
-        from safetensors import safe_open
-
-        key = name.removeprefix("hf.")
-        if (converted := self._converted_weights) is not None:
-            return converted[key]
-        file = self._weight_files[key] if self._weight_files is not None else "model.safetensors"
-        with safe_open(str(Path(self.spec.path) / file), framework="pt") as weights:
-            return weights.get_tensor(key)
 
     def reset_weights(self, module: nn.Module) -> None:
         """Initialise `module` (a part of this model, whole) as transformers initialises the

@@ -19,12 +19,24 @@ from __future__ import annotations
 import copy
 import hashlib
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardyard.layout.blocks import repeated_blocks
+
+
+class InitialWeights(Protocol):
+    """Weights a model starts from instead of drawn ones: a model directory's, which the
+    checkpoint side reads (checkpoint/pretrained.py). Names are the model's."""
+
+    def fill(self, part: nn.Module) -> None:
+        """Fill `part` (given storage; perhaps sharded or split off) with its tensors or slices."""
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """One tensor, whole."""
 
 
 def draw_seed() -> int:
@@ -82,12 +94,12 @@ def _draw(shapes: nn.Module, module: nn.Module, is_block: bool, seed: int) -> nn
     return unit
 
 
-def initial_values(shapes: nn.Module, wanted: set[str] | None = None) -> Iterator[dict[str, torch.Tensor]]:
-    """The model's initial tensors, one unit's full-size tensors at a time, by name. `shapes`: the
-    model, unsharded, on the meta device (drawing needs its structure only). A weight tied under
-    several names is given once, under its first. `wanted`: the names a caller holds (units with
-    none of them are not drawn: a pipeline stage's other layers)."""
-    pretrained = getattr(shapes, "has_pretrained_weights", False)
+def initial_values(shapes: nn.Module, wanted: set[str] | None = None,
+                   weights: InitialWeights | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """The model's initial tensors, one unit's full-size tensors at a time, by name: `weights`',
+    or drawn. `shapes`: the model, unsharded, on the meta device (drawing needs its structure
+    only). A weight tied under several names is given once, under its first. `wanted`: the names
+    a caller holds (units with none of them are not drawn: a pipeline stage's other layers)."""
     seen: set[int] = set()
     for prefix, module, is_block in units(shapes):
         own = [(n, t) for n, t in _own(module, prefix, is_block) if wanted is None or n in wanted]
@@ -95,8 +107,8 @@ def initial_values(shapes: nn.Module, wanted: set[str] | None = None) -> Iterato
         seen.update(id(t) for _, t in own)
         if not fresh:
             continue
-        if pretrained:  # the model directory's values
-            yield {n: shapes.pretrained_tensor(n) for n in fresh}
+        if weights is not None:
+            yield {n: weights.tensor(n) for n in fresh}
             continue
         drawn = dict(_own(_draw(shapes, module, is_block, unit_seed(shapes.init_seed, prefix)), prefix, is_block))
         yield {n: drawn[n] for n in fresh}

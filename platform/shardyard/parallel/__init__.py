@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardyard.models import loss_fn_for, materialise
+from shardyard.models.initial_weights import InitialWeights
 from shardyard.parallel.compile import apply_compile
 from shardyard.parallel.ddp import DDPEngine, apply_ddp
 from shardyard.parallel.engine import Engine, MicroBatch
@@ -43,10 +44,12 @@ def single_process(spec: JobSpec, model: nn.Module, device: torch.device) -> Eng
                   device, autocast_dtype(spec.run.precision, device))
 
 
-def build_engine(spec: JobSpec, model: nn.Module, device: torch.device, replica_id: str = "") -> Engine:
+def build_engine(spec: JobSpec, model: nn.Module, device: torch.device, replica_id: str = "",
+                 weights: InitialWeights | None = None) -> Engine:
     """Wrap `model` for the spec's parallelism. Call inside an initialised process group, with
     the same seed on every rank so every rank starts from the same weights. `replica_id` names
-    this worker to its peers under hot recovery."""
+    this worker to its peers under hot recovery. `weights`: what a model built on the meta device
+    (models.build_for_job) is filled with once split (a model directory's), instead of drawn ones."""
     par, world = spec.parallelism, dist.get_world_size()
     loss_fn, accum = loss_fn_for(spec.model), grad_accum_steps(spec, world)
     amp = autocast_dtype(spec.run.precision, device)
@@ -75,7 +78,7 @@ def build_engine(spec: JobSpec, model: nn.Module, device: torch.device, replica_
 
         zero.start(device)
         if on_meta:  # ZeRO-3: see models.build_for_job
-            model = zero.build_partitioned(spec, model, accum, device)
+            model = zero.build_partitioned(spec, model, accum, device, weights)
         optimizers, schedulers = _optimizers(spec, [model.to(device)])
         ds = zero.initialize(model, optimizers[0], schedulers[0], spec, accum, device)
         # DeepSpeed casts to bf16 itself on GPU, so no autocast on top.
@@ -89,7 +92,7 @@ def build_engine(spec: JobSpec, model: nn.Module, device: torch.device, replica_
                   data_owner=mesh["pp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0)
 
     if par.pp > 1:
-        parts, ids = build_stages(model, par, mesh, device)
+        parts, ids = build_stages(model, par, mesh, device, weights)
         parts = [_data_parallel(_tensor_parallel(part, par, mesh), par, dp_mesh, device) for part in parts]
         schedule = build_schedule(parts, ids, par, mesh, device, accum, loss_fn)
         optimizers, schedulers = _optimizers(spec, parts)
@@ -100,7 +103,7 @@ def build_engine(spec: JobSpec, model: nn.Module, device: torch.device, replica_
     model = _data_parallel(_tensor_parallel(model if on_meta else model.to(device), par, mesh), par, dp_mesh,
                            device)
     if on_meta:  # sharded while empty: now each rank allocates and fills only its shards
-        materialise(model, device, shapes)
+        materialise(model, device, shapes, weights)
     if par.strategy == "fsdp" and par.mixed_precision and device.type == "cuda":
         common["amp_dtype"] = None  # FSDP's policy already computes in bf16
     # tensor: every rank holds a slice of every block; nothing else to synchronise.

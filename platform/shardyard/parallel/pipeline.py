@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from shardyard.models import materialise
+from shardyard.models.initial_weights import InitialWeights
 from shardyard.parallel.engine import Engine, MicroBatch, evaluating
 from shardyard.runtime import autocast
 from shardyard.spec import ParallelismSpec
@@ -91,14 +92,14 @@ class PipelineEngine(Engine):
         return torch.stack([loss.detach() for loss in losses]).mean()
 
 
-def build_stages(model: nn.Module, par: ParallelismSpec, mesh: DeviceMesh,
-                 device: torch.device) -> tuple[list[nn.Module], list[int]]:
+def build_stages(model: nn.Module, par: ParallelismSpec, mesh: DeviceMesh, device: torch.device,
+                 weights: InitialWeights | None = None) -> tuple[list[nn.Module], list[int]]:
     points = par.split_points or balanced_split(model, par.num_stages)
     bounds = [0, *points, len(model.pipeline_layout().blocks)]
     ids = stage_ids(mesh["pp"].get_local_rank(), par)
     stages = [model.pipeline_stage(bounds[i], bounds[i + 1]) for i in ids]
     # A model built on the meta device (models.build_for_job): each rank fills only its stages.
-    return [materialise(s, device) if any(p.is_meta for p in s.parameters()) else s.to(device)
+    return [materialise(s, device, weights=weights) if any(p.is_meta for p in s.parameters()) else s.to(device)
             for s in stages], ids
 
 

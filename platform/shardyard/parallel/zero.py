@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardyard.models import new_model
-from shardyard.models.initial_weights import initial_values
+from shardyard.models.initial_weights import InitialWeights, initial_values
 from shardyard.parallel.engine import Engine, MicroBatch
 from shardyard.parallel.deepspeed_ops import ensure_deepspeed_ops
 from shardyard.runtime import autocast, import_deepspeed
@@ -111,20 +111,21 @@ def start(device: torch.device) -> None:
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
 
 
-def build_partitioned(spec: JobSpec, shapes: nn.Module, accum_steps: int, device: torch.device) -> nn.Module:
+def build_partitioned(spec: JobSpec, shapes: nn.Module, accum_steps: int, device: torch.device,
+                      weights: InitialWeights | None = None) -> nn.Module:
     """ZeRO-3 without the whole model on any rank: built under DeepSpeed's `zero.Init` (each
     module's parameters partitioned over the ranks as soon as the module exists), then each unit
     (a decoder layer, an embedding: models/initial_weights.py) gathered in turn, filled by rank 0
-    from the model directory or from the unit drawn at random, and partitioned again. `shapes`:
-    the model on the meta device (models.build_for_job)."""
+    from `weights` (a model directory's) or from the unit drawn at random, and partitioned again.
+    `shapes`: the model on the meta device (models.build_for_job)."""
     deepspeed = import_deepspeed()
     # The constructor's own random init is overwritten below: kept off the caller's generator,
     # which then goes on (dropout) as it would after any other strategy's build.
     with torch.random.fork_rng(devices=[]), \
             deepspeed.zero.Init(config_dict_or_path=_config_for(shapes, spec, accum_steps, device)):
-        model = new_model(spec.model, pretrained=False)
+        model = new_model(spec.model)
     params = dict(model.named_parameters(remove_duplicate=False))
-    for values in initial_values(shapes, wanted=set(params)):
+    for values in initial_values(shapes, wanted=set(params), weights=weights):
         with deepspeed.zero.GatheredParameters([params[name] for name in values], modifier_rank=0):
             if dist.get_rank() == 0:
                 for name, value in values.items():

@@ -30,6 +30,7 @@ from shardyard.storage.events import Event, log_event
 from shardyard.checkpoint.manager import CheckpointManager, Fence
 from shardyard.checkpoint.layout import TrainState
 from shardyard.checkpoint.lease import LeaseLost
+from shardyard.checkpoint.pretrained import pretrained_weights
 from shardyard.train.efficiency import device_peak_flops, flops_per_token, peak_memory_bytes
 from shardyard.train.cadence import Cadence, checkpoint_scheduled
 from shardyard.train.step_guard import Diverged, StepGuard
@@ -104,9 +105,11 @@ class Trainer:
         a worker's node is about to be reclaimed (the run then checkpoints at once and trains on)."""
         start = time.perf_counter()
         spec = at_world_size(written, world_size)
-        # Same seed on every rank: identical initial weights, as a single process would build them.
+        # Same seed on every rank: identical initial weights, as a single process would build them
+        # (or a model directory's, read by each rank where its part lies).
         torch.manual_seed(spec.run.seed)
-        engine = build_engine(spec, build_for_job(spec), device, replica_id=replica_id)
+        weights = pretrained_weights(spec.model)
+        engine = build_engine(spec, build_for_job(spec, weights), device, replica_id=replica_id, weights=weights)
         checkpoints = CheckpointManager(spec.run_uri, spec.checkpoint.keep, asynchronous=spec.checkpoint.async_write,
                                         writer=checkpoint_writer, load_optimizer=spec.checkpoint.load_optimizer,
                                         fence=fence, spec=written)

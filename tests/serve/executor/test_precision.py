@@ -47,10 +47,12 @@ def test_auto_is_float32_on_a_cpu_and_the_checkpoints_16_bit_type_on_a_gpu(tmp_p
 
 
 def test_a_model_cast_for_serving_keeps_its_ties_and_its_float32_rotary_frequencies(tmp_path: Path) -> None:
+    from shardyard.checkpoint.pretrained import PretrainedWeights
     from shardyard.models import build_model
     from shardyard.spec import HFSpec
 
-    model = build_model(HFSpec(path=str(save_llama(tmp_path / "llama", tie_word_embeddings=True))))
+    directory = save_llama(tmp_path / "llama", tie_word_embeddings=True)
+    model = build_model(HFSpec(path=str(directory)), PretrainedWeights(directory))
     cast_for_serving(model, torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.hf.lm_head.weight is model.hf.model.embed_tokens.weight

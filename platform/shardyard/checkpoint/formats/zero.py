@@ -47,7 +47,7 @@ FullState = Callable[[str, str], torch.Tensor]  # (parameter name, field) -> the
 def parameter_names(stored: JobSpec) -> dict[str, list[str]]:
     """Every name of each parameter (a tied weight has two; checkpoints may keep one)."""
     with torch.device("meta"):
-        model = build_model(stored.model, pretrained=False)
+        model = build_model(stored.model)
     return {name: names for names in names_of_each_parameter(model) for name in names}
 
 
@@ -99,7 +99,7 @@ def write_whole(full: FullState, stored: JobSpec, fields: list[str], directory: 
     """Every parameter (under each of its names) and its optimizer `fields` as one process's DCP
     checkpoint."""
     with torch.device("meta"):
-        model = build_model(stored.model, pretrained=False)
+        model = build_model(stored.model)
     state: dict[str, torch.Tensor] = {}
     for fqn, p in model.named_parameters(remove_duplicate=False):
         state[f"model.{fqn}"] = full(fqn, "param").reshape(p.shape)

@@ -123,7 +123,7 @@ class ShardedModel:
             raise ValueError(problem)
         self.block_size = spec.block_size
         with torch.device("meta"):  # the model's shape only, no weights: to plan the split
-            skeleton = build_model(spec, pretrained=False)
+            skeleton = build_model(spec)
         self.cache_attends = getattr(skeleton, "cache_attends", False)  # KVCache: packed passes run
         points = balanced_split(skeleton, num_shards) if sharding == "pipeline" and num_shards > 1 else []
         self.ranges = list(zip([0, *points], [*points, len(repeated_blocks(skeleton))]))

@@ -13,6 +13,7 @@ from torch import nn
 
 from shardyard.data import GlobalSampleOrder, build_dataset, micro_batch_ids
 from shardyard.data.ledger import SampleLedger
+from shardyard.checkpoint.pretrained import pretrained_weights
 from shardyard.models import build_model
 from shardyard.optim import decay_groups, lr_factor, optimizer_over
 from shardyard.parallel import single_process
@@ -53,7 +54,7 @@ def worker_resources(spec: JobSpec) -> dict[str, Any]:
 
 def initial_model(spec: JobSpec) -> nn.Module:
     torch.manual_seed(spec.run.seed)  # every actor builds the same initial weights
-    return build_model(spec.model)
+    return build_model(spec.model, pretrained_weights(spec.model))
 
 
 @torch.no_grad()
