@@ -213,7 +213,8 @@ def pytest_gpu(work: Path) -> dict[str, Any]:
     """`pytest -m gpu`, each test's outcome as it ends: a run the stage's cap cuts short still
     says which tests passed, failed and were not reached."""
     outcomes: dict[str, str] = {}
-    with subprocess.Popen([sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider", "tests/"],
+    with subprocess.Popen([sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider",
+                           "-o", "addopts=-ra", "tests/"],  # in one process, one GPU test at a time
                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as tests:
         for line in tests.stdout:
             print(line, end="", flush=True)

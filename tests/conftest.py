@@ -7,10 +7,12 @@ machine.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,12 +29,40 @@ from helpers.buckets import Bucket, s3_bucket
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
+# README's commands, run as a user runs them, bind Ray's and Serve's fixed default ports (6379, 8265,
+# 8000): these modules run one after another, on one worker (each checks that the ports are free).
+ON_DEFAULT_PORTS = frozenset({"tests/test_quick_start.py", "tests/test_gpu_check.py", "tests/cluster/test_job_submit.py",
+                              "tests/cli/test_serve_command.py", "tests/serve/test_serve_run.py", "tests/pool/test_pool.py"})
+
+
+def module_of(nodeid: str) -> str:
+    return nodeid.partition("::")[0]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test on the session's Ray cluster is marked `ray`: `pytest -m "not ray"` runs the
-    parallel math, checkpoint, spec and drill tests alone, in a few minutes."""
+    parallel math, checkpoint, spec and drill tests alone, in a few minutes. Modules on Ray go
+    first: they are the long ones, and the short ones fill pytest-xdist's workers in at the end."""
     for item in items:
         if "ray_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)
+    on_ray = {module_of(item.nodeid) for item in items if item.get_closest_marker("ray")}
+    items.sort(key=lambda item: module_of(item.nodeid) not in on_ray)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """The suite runs on pytest-xdist's workers (`-n`), each a session with a Ray cluster of its
+    own. A module is one unit of work, so that its module-scoped runs and apps are made once; the
+    modules on README's default ports are one unit together."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = module_of(nodeid)
+            return "on default ports" if module in ON_DEFAULT_PORTS else module
+
+    return ByModule(config, log)
 
 
 @pytest.fixture(autouse=True)
@@ -60,8 +90,11 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory):
     port, dashboard = free_port(), free_port()
     log = tmp_path_factory.mktemp("ray") / "ray_start.log"
     # With token auth on, `ray start` needs a token and makes none (a fresh machine has none):
-    # the command Ray's own error message gives creates ~/.ray/auth_token once, if missing.
-    subprocess.run([RAY, "get-auth-token", "--generate"], check=True, capture_output=True, timeout=60)
+    # the command Ray's own error message gives creates ~/.ray/auth_token once, if missing. One
+    # worker at a time: two making it at once on a fresh machine would start clusters whose tokens differ.
+    with open(Path(tempfile.gettempdir()) / "shardyard-tests-ray-token.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        subprocess.run([RAY, "get-auth-token", "--generate"], check=True, capture_output=True, timeout=60)
     # Every port Ray would otherwise take at a fixed default (the client server's 10001, the
     # dashboard agent's 52365) is a free one: README's `ray start --head` runs beside this cluster.
     proc = subprocess.Popen(

@@ -22,8 +22,8 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+from ray.util.state import list_actors
 
 from helpers.fake_cluster import wait_for
 from shardyard.data.ledger import audit
@@ -111,7 +111,6 @@ def test_hot_recovery_survivors_train_on_and_the_replacement_heals_from_a_peer(
     hot = ("scaling.min_workers=null", "scaling.max_workers=null", "scaling.num_workers=3",
            "scaling.recovery=hot", "scaling.resources_per_worker={CPU: 0.5}",  # 3 on 2 cores
            "checkpoint.every_n_steps=100")
-    started = time.time()
     # Held after step HOT_KILL while a replica is killed, and after HOT_HOLD until Ray Train's
     # replacement has started (its manager heartbeats: from then on every quorum waits for it), so
     # it rejoins before the end however slow its start, and behind the survivors however fast.
@@ -119,13 +118,13 @@ def test_hot_recovery_survivors_train_on_and_the_replacement_heals_from_a_peer(
     run_dir = tmp_path / "ddp"
     try:
         wait_for(lambda: held(run_dir, HOT_KILL) is not None or proc.poll() is not None, 180, "no hold")
-        # This run's workers only: an earlier test's may still be exiting.
-        victims = [p for p in psutil.process_iter(["cmdline", "create_time"])
-                   if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])
-                   and p.info["create_time"] >= started]
+        # This run's workers only: those on this session's cluster (another session's run may share the
+        # machine) that are alive (an earlier test's may still be exiting).
+        victims = [actor.pid for actor in list_actors(filters=[("class_name", "=", "RayTrainWorker"),
+                                                               ("state", "=", "ALIVE")])]
         assert proc.poll() is None and victims, "the run ended before a replica could be killed"
         killed_at = time.time()
-        victims[-1].send_signal(signal.SIGKILL)
+        os.kill(victims[-1], signal.SIGKILL)
         release(run_dir, HOT_KILL)
         wait_for(lambda: any(e["event"] == "replica_start" and e["time"] > killed_at for e in events(run_dir))
                  or proc.poll() is not None, 240, "no replacement replica started")

@@ -51,6 +51,7 @@ def test_the_engine_vllm_tests_pass_under_the_vllm_environments_python(tmp_path:
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("this interpreter imports vLLM: tests/serve/engine/test_vllm_engine.py runs in this session")
     done = subprocess.run([str(VLLM_ENV / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-o", "addopts=-ra",  # one session of its own: not split over workers as this one is
                            f"--basetemp={tmp_path}", "tests/serve/engine/test_vllm_engine.py"],
                           cwd=REPO, capture_output=True, text=True, timeout=1750)
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
