@@ -62,13 +62,14 @@ def training_text(vocab_size: int) -> list[str]:
 
 def bench(url: str, tokenizer: Path, out: Path, *, backend: str = "openai", prompt_tokens: int = 32,
           output_tokens: int = 16, prompts: int = 24, concurrency: int = 8, prefix_tokens: int = 0,
-          model_id: str | None = None) -> dict[str, Any]:
+          model_id: str | None = None, api_key: str | None = None) -> dict[str, Any]:
     """`vllm bench serve` on random prompts against the server at `url` (base, without /v1),
-    each after the same `prefix_tokens` random tokens; its saved result (completed, failed,
-    throughput, TTFT, TPOT, ...)."""
+    each after the same `prefix_tokens` random tokens, with `api_key` as its bearer token if
+    given; its saved result (completed, failed, throughput, TTFT, TPOT, ...)."""
     import requests
 
-    model_id = model_id or requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    model_id = model_id or requests.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
     endpoint = "/v1/chat/completions" if backend == "openai-chat" else "/v1/completions"
     name = f"{backend}-{concurrency}-{prefix_tokens}.json"
     command = [str(VLLM), "bench", "serve", "--backend", backend, "--base-url", url, "--endpoint", endpoint,
@@ -77,8 +78,9 @@ def bench(url: str, tokenizer: Path, out: Path, *, backend: str = "openai", prom
                "--random-prefix-len", str(prefix_tokens),
                "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--save-result",
                "--result-dir", str(out), "--result-filename", name, "--ready-check-timeout-sec", "120"]
+    key = {"OPENAI_API_KEY": api_key} if api_key else {}  # what the client sends as its bearer token
     done = subprocess.run(command, capture_output=True, text=True, timeout=1200,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **key})
     if done.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return json.loads((out / name).read_text())

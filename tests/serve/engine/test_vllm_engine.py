@@ -38,6 +38,9 @@ def complete(url: str, body: dict, token: str | None = TOKEN) -> requests.Respon
 
 
 def test_vllm_decodes_a_model_directory_as_transformers_does_behind_the_guard(serving, tmp_path: Path) -> None:
+    """A Llama directory served by vLLM behind the guard (a bearer token): greedy decodes equal
+    transformers', the guard's answers are its own, and vLLM's load client, sending the token,
+    completes every request."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -78,6 +81,11 @@ def test_vllm_decodes_a_model_directory_as_transformers_does_behind_the_guard(se
     too_long = complete(url, {"prompt": "the " * 400, "max_tokens": 4})
     assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
 
+    for backend in ("openai", "openai-chat"):
+        result = bench(url, directory, tmp_path / backend, backend=backend, prompt_tokens=32, api_key=TOKEN)
+        assert (result["completed"], result["failed"]) == (24, 0), (backend, result.get("errors"))
+        assert result["total_output_tokens"] == 24 * 16
+
 
 def test_a_model_vllm_does_not_load_is_served_by_the_builtin_engine(serving, default_job_run: Path) -> None:
     url = serving("gpt", {"checkpoint": str(default_job_run), "engine": {"backend": "vllm", "cpus_per_shard": 0.5},
@@ -85,16 +93,6 @@ def test_a_model_vllm_does_not_load_is_served_by_the_builtin_engine(serving, def
     assert requests.get(f"{url}/healthz", timeout=30).json()["engine"] == "builtin"
     answer = requests.post(f"{url}/v1/completions", json={"prompt": "def", "max_tokens": 4}, timeout=60)
     assert answer.status_code == 200 and len(answer.json()["choices"][0]["text"]) > 0
-
-
-def test_vllms_bench_client_completes_every_request_against_vllm_behind_shardyard(serving, tmp_path: Path) -> None:
-    directory = model_directory(tmp_path / "llama", hidden=256, layers=2, heads=4, context=256)
-    url = serving("bench", {"checkpoint": str(directory), "engine": {"backend": "vllm", "cpus_per_shard": 1.0},
-                            "batching.max_batch_size": 8})
-    for backend in ("openai", "openai-chat"):
-        result = bench(url, directory, tmp_path / backend, backend=backend, prompt_tokens=32)
-        assert (result["completed"], result["failed"]) == (24, 0), (backend, result.get("errors"))
-        assert result["total_output_tokens"] == 24 * 16
 
 
 # README's Llama job made one that vLLM's CPU attention takes (head_dim 64), on one process.
