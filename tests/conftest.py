@@ -41,13 +41,22 @@ def module_of(nodeid: str) -> str:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test on the session's Ray cluster is marked `ray`: `pytest -m "not ray"` runs the
-    parallel math, checkpoint, spec and drill tests alone, in a few minutes. Modules on Ray go
-    first: they are the long ones, and the short ones fill pytest-xdist's workers in at the end."""
+    parallel math, checkpoint, spec and drill tests alone, in a few minutes.
+
+    Modules are handed to pytest-xdist's workers longest first, so that no long one starts last
+    while the other worker idles: those on Ray before the rest, and among each, those whose tests
+    may run longest (their timeouts) first."""
     for item in items:
         if "ray_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)
-    on_ray = {module_of(item.nodeid) for item in items if item.get_closest_marker("ray")}
-    items.sort(key=lambda item: module_of(item.nodeid) not in on_ray)
+    default_timeout = float(config.getini("timeout") or 0)
+    longest: dict[str, tuple[bool, float]] = {}
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        allowed = float(marker.args[0]) if marker and marker.args else default_timeout
+        on_ray, most = longest.get(module_of(item.nodeid), (False, 0.0))
+        longest[module_of(item.nodeid)] = (on_ray or item.get_closest_marker("ray") is not None, max(most, allowed))
+    items.sort(key=lambda item: (not longest[module_of(item.nodeid)][0], -longest[module_of(item.nodeid)][1]))
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without it

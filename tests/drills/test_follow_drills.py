@@ -430,8 +430,15 @@ def test_a_loader_killed_mid_swap_leaves_the_old_weights_serving(followed: Follo
     def describe() -> list:
         return [(a.get("status"), len(a["text"]), a["fingerprints"]) for a in answers]
 
-    shards = list_actors(filters=[("class_name", "=", "PipelineShard"), ("state", "=", "ALIVE")])
-    assert len(shards) == 2, shards
+    def live_shards() -> list:
+        """The app's two shards, once both are alive (on a loaded machine Serve may be replacing a
+        replica that missed its health check, and its shards with it)."""
+        deadline = time.monotonic() + 120
+        while len(shards := list_actors(filters=[("class_name", "=", "PipelineShard"), ("state", "=", "ALIVE")])) != 2:
+            assert time.monotonic() < deadline, shards
+            time.sleep(1)
+        return shards
+
     # Reading the checkpoint races the streams: on a fast machine four 2,000-token streams can end
     # before it is read, and the swap then lands with nothing to wait for. Such a round is
     # finished (the new weights serve) and tried again with the next checkpoint.
@@ -462,7 +469,7 @@ def test_a_loader_killed_mid_swap_leaves_the_old_weights_serving(followed: Follo
     else:
         pytest.fail(f"in three rounds the long requests ended before the checkpoint was read: {describe()}")
     before_kill = [a["text"] for a in answers]
-    os.kill(shards[-1].pid, signal.SIGKILL)  # as the kernel's OOM killer does
+    os.kill(live_shards()[-1].pid, signal.SIGKILL)  # as the kernel's OOM killer does
     for worker in workers:
         worker.join(timeout=300)
     outcomes = {(a.get("status"), frozenset(a["fingerprints"])) for a in answers}

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ray.util.state import list_actors
+from ray.util.state import list_actors, list_jobs
 
 from helpers.fake_cluster import wait_for
 from shardyard.data.ledger import audit
@@ -118,10 +118,11 @@ def test_hot_recovery_survivors_train_on_and_the_replacement_heals_from_a_peer(
     run_dir = tmp_path / "ddp"
     try:
         wait_for(lambda: held(run_dir, HOT_KILL) is not None or proc.poll() is not None, 180, "no hold")
-        # This run's workers only: those on this session's cluster (another session's run may share the
-        # machine) that are alive (an earlier test's may still be exiting).
+        # This run's workers only: the live ones of the Ray job its driver (`shardyard train`) runs
+        # (an earlier test's may still be exiting; another session's run may share the machine).
+        job = next(j.job_id for j in list_jobs() if j.driver_info and j.driver_info.pid == str(proc.pid))
         victims = [actor.pid for actor in list_actors(filters=[("class_name", "=", "RayTrainWorker"),
-                                                               ("state", "=", "ALIVE")])]
+                                                               ("state", "=", "ALIVE"), ("job_id", "=", job)])]
         assert proc.poll() is None and victims, "the run ended before a replica could be killed"
         killed_at = time.time()
         os.kill(victims[-1], signal.SIGKILL)

@@ -39,7 +39,7 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> str:
             try:
                 if requests.get(f"{url}/health", timeout=2).ok:
                     break
-            except requests.ConnectionError:
+            except requests.RequestException:  # not listening yet, or listening and still starting up
                 pass
             if server.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"mlflow server did not start: {(root / 'server.log').read_text()[-2000:]}")
