@@ -411,6 +411,7 @@ def test_a_loader_killed_mid_swap_leaves_the_old_weights_serving(followed: Follo
     requests finish on the old weights (what they streamed before the kill exactly as those
     weights decode alone); the follower reads the new checkpoint again with the new group and
     serves it."""
+    import ray
     from ray.util.state import list_actors
 
     url, long_tokens, streams = followed.url, 2000, 4  # the app's max_batch_size: the swap waits for all four
@@ -430,11 +431,14 @@ def test_a_loader_killed_mid_swap_leaves_the_old_weights_serving(followed: Follo
     def describe() -> list:
         return [(a.get("status"), len(a["text"]), a["fingerprints"]) for a in answers]
 
+    cluster = ray.get_runtime_context().gcs_address  # this session's (without it, the newest on the machine)
+
     def live_shards() -> list:
         """The app's two shards, once both are alive (on a loaded machine Serve may be replacing a
         replica that missed its health check, and its shards with it)."""
         deadline = time.monotonic() + 120
-        while len(shards := list_actors(filters=[("class_name", "=", "PipelineShard"), ("state", "=", "ALIVE")])) != 2:
+        while len(shards := list_actors(address=cluster, filters=[("class_name", "=", "PipelineShard"),
+                                                                  ("state", "=", "ALIVE")])) != 2:
             assert time.monotonic() < deadline, shards
             time.sleep(1)
         return shards

@@ -22,6 +22,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from ray.util.state import list_actors, list_jobs
 
@@ -120,12 +121,16 @@ def test_hot_recovery_survivors_train_on_and_the_replacement_heals_from_a_peer(
         wait_for(lambda: held(run_dir, HOT_KILL) is not None or proc.poll() is not None, 180, "no hold")
         # This run's workers only: the live ones of the Ray job its driver (`shardyard train`) runs
         # (an earlier test's may still be exiting; another session's run may share the machine).
-        job = next(j.job_id for j in list_jobs() if j.driver_info and j.driver_info.pid == str(proc.pid))
-        victims = [actor.pid for actor in list_actors(filters=[("class_name", "=", "RayTrainWorker"),
-                                                               ("state", "=", "ALIVE"), ("job_id", "=", job)])]
+        # The session's cluster by its address: without one, the state API asks the newest on the machine.
+        job = next(j.job_id for j in list_jobs(address=ray_cluster.gcs_address)
+                   if j.driver_info and j.driver_info.pid == str(proc.pid))
+        victims = [psutil.Process(actor.pid) for actor in list_actors(address=ray_cluster.gcs_address, filters=[
+            ("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE"), ("job_id", "=", job)])]
         assert proc.poll() is None and victims, "the run ended before a replica could be killed"
         killed_at = time.time()
-        os.kill(victims[-1], signal.SIGKILL)
+        # The newest worker, the one this drill has always killed. (Killing the run's first worker
+        # instead left it without a replacement for 4 minutes: a case of its own, not checked here.)
+        max(victims, key=lambda victim: victim.create_time()).send_signal(signal.SIGKILL)
         release(run_dir, HOT_KILL)
         wait_for(lambda: any(e["event"] == "replica_start" and e["time"] > killed_at for e in events(run_dir))
                  or proc.poll() is not None, 240, "no replacement replica started")
