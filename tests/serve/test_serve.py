@@ -44,8 +44,9 @@ def ragged_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.timeout(300)
+# pipeline-compiled: hops through a Ray compiled graph, as GPU shards pass them (CPU shards use tasks).
 @pytest.mark.parametrize("sharding, strategy, num_shards", [
-    ("pipeline", "ddp", 1), ("pipeline", "ddp", 2), ("pipeline", "ddp", 4), ("pipeline", "fsdp", 2),
+    ("pipeline", "ddp", 1), ("pipeline", "ddp", 2), ("pipeline", "ddp", 4), ("pipeline-compiled", "fsdp", 2),
     ("pipeline", "zero2", 2), ("tensor", "ddp", 1), ("tensor", "ddp", 2), ("tensor", "ddp", 4),
     ("tensor", "fsdp", 2), ("tensor", "zero2", 4)])
 def test_sharded_outputs_equal_unsharded(ray_cluster, checkpoints, sharding: str, strategy: str,
@@ -58,8 +59,11 @@ def test_sharded_outputs_equal_unsharded(ray_cluster, checkpoints, sharding: str
     whole = load_model(checkpoints[strategy]).eval()
     expected = whole(tokens, pad)
     # Half a CPU a shard: 4 shards fit this machine's 2 cores.
-    sharded = ShardedModel(str(checkpoints[strategy]), num_shards, sharding=sharding, cpus_per_shard=0.5)
+    compiled, sharding = sharding == "pipeline-compiled", sharding.removesuffix("-compiled")
+    sharded = ShardedModel(str(checkpoints[strategy]), num_shards, sharding=sharding, cpus_per_shard=0.5,
+                           compiled=compiled)
     try:
+        assert (sharded.graph is not None) == compiled
         parts = ray.get([s.describe.remote() for s in sharded.shards])
         assert len(parts) == num_shards
         if sharding == "pipeline":
@@ -85,13 +89,14 @@ def test_the_engine_over_sharded_caches_gives_each_request_its_tokens_alone(ray_
                                                                              sharding: str) -> None:
     """Each pipeline shard caches its own layers, each tensor shard its own heads: the engine over
     two shards gives every request what decoding it alone without a cache gives, even when the
-    group is rebuilt mid-way behind its back (as Serve's health check does after a shard died)."""
+    group is rebuilt mid-way behind its back (as Serve's health check does after a shard died).
+    The pipeline's hops go through a compiled graph, as on GPUs: the rebuild tears it down."""
     from shardyard.serve.engine.decoding import DecodingEngine, TokenBudget
     from shardyard.serve.executor.shards import SHARD_LOST, CachesLost, ShardedModel
     from helpers.engine import alone, fresh, serve_all
     model = load_model(checkpoints["ddp"]).eval()
     sharded = ShardedModel(str(checkpoints["ddp"]), 2, sharding=sharding, cache_blocks=3,  # a 16-token block a request
-                           cpus_per_shard=0.5)
+                           cpus_per_shard=0.5, compiled=sharding == "pipeline")
     try:
         engine = DecodingEngine(sharded.forward, 3, model.spec.block_size, 3, TokenBudget(8, 60.0, 4),
                                 lambda: sharded.heal(rebuild_if_slow=True), (*SHARD_LOST, CachesLost))

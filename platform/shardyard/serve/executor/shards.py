@@ -3,11 +3,14 @@ bundle (one device) per shard, each shard holding only its part of the weights.
 
 Pipeline mode: shard i holds a contiguous run of blocks (the first also the embeddings, the last
 the final norm and head, split balanced by parameters as in training), and a forward pass hands
-the hidden states from shard to shard. By default the chain is a Ray compiled graph: each hop is
+the hidden states from shard to shard. On GPUs the chain is a Ray compiled graph: each hop is
 a shared-memory (or, across nodes, a network) channel written by one shard and read by the next,
 set up once, instead of a task submitted and an object stored per hop per call
-(benchmarks/serve_load.py measures both). `compiled=False` submits tasks that pass Ray object
-references, still straight from shard to shard, never through the caller.
+(benchmarks/serve_load.py measures both). On CPUs the hops are tasks that pass Ray object
+references, still straight from shard to shard, never through the caller: a compiled graph's
+reader polls its channel, so every idle shard keeps a core busy, and under load those are the
+cores the shards compute on (with 8 streams on 2 cores the tasks served more tokens per second;
+the graph won only at one stream).
 
 Pipeline mode splits any model that says how (models/stages.py: the GPT, Hugging Face models
 with a `base_model_pp_plan`, a custom module with the hooks); with one shard a model is served whole.
@@ -92,7 +95,7 @@ class ShardedModel:
     executor: Executor | None = None  # a pass waits on the shard actors: any thread of asyncio's executor
 
     def __init__(self, source: str, num_shards: int, use_gpu: bool = False,
-                 multi_node: bool = False, sharding: Sharding = "pipeline", compiled: bool = True,
+                 multi_node: bool = False, sharding: Sharding = "pipeline", compiled: bool | None = None,
                  cpus_per_shard: float = 1.0, cache_blocks: int = 0, trust_factory: str | None = None,
                  dtype: torch.dtype = torch.float32, paged: bool = False) -> None:
         """`source`: a checkpoint, a model directory, or a run directory, whose newest good
@@ -102,7 +105,8 @@ class ShardedModel:
         steps).
         `trust_factory`: a custom model's factory, named by the user (checkpoint/layout.py).
         `dtype`: the shards' weights' (and KV caches') dtype (serve/executor/precision.py).
-        `paged`: their attention reads the KV caches' blocks in place (models/kv_cache.py)."""
+        `paged`: their attention reads the KV caches' blocks in place (models/kv_cache.py).
+        `compiled`: pipeline hops through a Ray compiled graph (default: on GPUs only)."""
         self.source, self.num_shards, self.use_gpu = source, num_shards, use_gpu
         self.trust_factory, self.dtype = trust_factory, dtype
         found = servable(source)
@@ -111,7 +115,8 @@ class ShardedModel:
         self.checkpoint_dir = str(found)
         self.bundle = shard_bundle(use_gpu, cpus_per_shard)
         self.multi_node, self.sharding, self.cache_blocks, self.paged = multi_node, sharding, cache_blocks, paged
-        self.compiled = compiled and sharding == "pipeline"  # tensor shards talk over torch.distributed
+        # Tensor shards talk over torch.distributed; pipeline hops default to the graph on GPUs only.
+        self.compiled = (use_gpu if compiled is None else compiled) and sharding == "pipeline"
         self.graph = None
         self.holds = CheckpointHolds()
         self._staged_group: int | None = None  # the group that read the candidate (prepare)
