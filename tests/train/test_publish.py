@@ -3,9 +3,11 @@ through Ray's object store, and the app's shards take their own parts of them ho
 split the model. Checked for the two splits people reshard across most and a ZeRO one, each a real run
 (`shardyard train` on the session's cluster) and a real app: FSDP over 2 workers into 2 tensor
 shards, DDP over 2 workers into 2 pipeline shards, ZeRO-3 over 2 workers into 2 tensor shards.
-The run publishes step 8, commits its checkpoint of step 8 and waits there; the app must serve step 8 from the object store (not from that checkpoint), and the
-log-probabilities it answers with must be those of the training model at step 8 (its checkpoint,
-loaded in this process), token by token.
+The run starts before the app exists (its publish of step 4 finds no app, and training goes on),
+waits at its checkpoint of step 4 while the app is deployed from it, then publishes step 8,
+commits its checkpoint of step 8 and waits there; the app must serve step 8 from the object store
+(not from that checkpoint), and the log-probabilities it answers with must be those of the
+training model at step 8 (its checkpoint, loaded in this process), token by token.
 """
 
 from __future__ import annotations
@@ -30,8 +32,7 @@ PROMPT = "def main():\n    "
 TOKENS = 16
 
 
-def train(ray_cluster, storage: Path, strategy: str, steps: int, *extra: str, hold_at: int | None = None
-          ) -> subprocess.Popen:
+def train(ray_cluster, storage: Path, strategy: str, steps: int, *extra: str, hold_at: str = "") -> subprocess.Popen:
     settings = ["model.n_layer=2", "model.n_head=4", "model.n_embd=64", "model.block_size=64",
                 "data.name=synthetic", "data.num_samples=512", "batch.global_batch_size=8",
                 "batch.micro_batch_size=4", "optim.name=sgd", "optim.lr=0.5", "optim.grad_clip=0",
@@ -43,7 +44,7 @@ def train(ray_cluster, storage: Path, strategy: str, steps: int, *extra: str, ho
     command = [SHARDYARD, "train", str(REPO / "jobs" / "configs" / "gpt_ddp.yaml")]
     for item in settings:
         command += ["--set", item]
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster.gcs_address, HOLD_ENV: "" if hold_at is None else str(hold_at)}
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.gcs_address, HOLD_ENV: hold_at}
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -72,18 +73,21 @@ def test_published_weights_serve_resharded_with_the_training_models_logits(ray_c
 
     from shardyard.serve.app.deployment import build_app
 
-    finished(train(ray_cluster, tmp_path, strategy, 4))  # a run to serve
     run_dir = tmp_path / strategy
     app = f"publish_{strategy}"
+    proc = train(ray_cluster, tmp_path, strategy, 12, f"checkpoint.publish_to={app}",
+                 "checkpoint.publish_every_n_steps=4", hold_at="4,8")
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"checkpoint": str(run_dir), "engine": {"num_shards": 2, "sharding": sharding, "cpus_per_shard": 0.25},
-                         "batching.max_batch_size": 4, "follow.interval_s": 0.5}), name=app, route_prefix=f"/{app}")
     url = f"http://127.0.0.1:{port}/{app}"
     models = lambda: requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]  # noqa: E731
-    proc = train(ray_cluster, tmp_path, strategy, 12, f"checkpoint.publish_to={app}",
-                 "checkpoint.publish_every_n_steps=4", hold_at=8)
     try:
+        wait_for(lambda: held_at(run_dir, 4) or proc.poll() is not None, 240, "the run to commit step 4 and wait")
+        assert proc.poll() is None, finished(proc)
+        serve.run(build_app({"checkpoint": str(run_dir), "engine": {"num_shards": 2, "sharding": sharding,
+                                                                    "cpus_per_shard": 0.25},
+                             "batching.max_batch_size": 4, "follow.interval_s": 0.5}), name=app, route_prefix=f"/{app}")
+        release(run_dir, 4)
         wait_for(lambda: held_at(run_dir, 8), 240, "the run to publish step 8 and wait at its checkpoint")
         wait_for(lambda: models()["served_step"] == 8, 120, "the app to serve step 8")
         assert models()["served_from"] == "object store", models()
@@ -96,6 +100,7 @@ def test_published_weights_serve_resharded_with_the_training_models_logits(ray_c
         assert served["token_logprobs"] == pytest.approx(logprobs, abs=1e-4)
         release(run_dir, 8)
         output = finished(proc)
+        assert f"could not publish step 4 to the Serve app '{app}'" in output, output[-3000:]
         assert f"published step 8 to '{app}'" in output and f"published step 12 to '{app}'" in output, output[-3000:]
     finally:
         if proc.poll() is None:
