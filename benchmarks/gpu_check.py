@@ -215,6 +215,8 @@ def pytest_gpu(work: Path) -> dict[str, Any]:
     outcomes: dict[str, str] = {}
     with subprocess.Popen([sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider",
                            "-o", "addopts=-ra", "tests/"],  # in one process, one GPU test at a time
+                          # A calling session's own options (PYTEST_ADDOPTS: its workers, say) are not this one's.
+                          env={k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as tests:
         for line in tests.stdout:
             print(line, end="", flush=True)

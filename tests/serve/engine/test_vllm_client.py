@@ -12,6 +12,7 @@ vLLM (its CPU build, about 3.5 GB) lives in an environment of its own:
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 from pathlib import Path
 
@@ -53,6 +54,8 @@ def test_the_engine_vllm_tests_pass_under_the_vllm_environments_python(tmp_path:
     done = subprocess.run([str(VLLM_ENV / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "-o", "addopts=-ra",  # one session of its own: not split over workers as this one is
                            f"--basetemp={tmp_path}", "tests/serve/engine/test_vllm_engine.py"],
+                          # This session's own options (PYTEST_ADDOPTS: its workers, say) are not that one's.
+                          env={k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
                           cwd=REPO, capture_output=True, text=True, timeout=1750)
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     assert done.returncode == 0 and "skipped" not in summary, done.stdout[-6000:] + done.stderr[-3000:]
