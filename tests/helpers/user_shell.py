@@ -12,6 +12,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
+
+from helpers.fake_cluster import stop_processes_of, wait_for
 from helpers.repo import RAY
 
 
@@ -31,8 +34,6 @@ def ray_files_of_their_own() -> Iterator[str]:
     is killed on the way out: `ray stop` would stop the session's cluster too. (Ray's client server
     names neither its session's directory nor a parent once `ray start` has exited: only its
     environment tells whose it is.)"""
-    from helpers.fake_cluster import stop_processes_of
-
     ray_tmp = tempfile.mkdtemp(prefix="sy-", dir="/tmp")
     try:
         yield ray_tmp
@@ -46,14 +47,25 @@ def readme_ray_cluster(cwd: Path) -> Iterator[dict[str, str]]:
     """README's local cluster, exactly: `ray get-auth-token --generate`, `export RAY_AUTH_MODE=token`,
     `ray start --head --node-ip-address=127.0.0.1` (this machine's real CPUs, Ray's default ports).
     Yields the user's environment for the commands that follow (`ray job submit`, ...)."""
-    import socket
-
-    for port in (6379, 8265, 10001, 52365):  # the fixed defaults README's `ray start` binds
-        with socket.socket() as probe:
-            assert probe.connect_ex(("127.0.0.1", port)) != 0, f"port {port} (Ray's default) is taken"
+    wait_for(lambda: not default_ports_taken(), 60,
+             "Ray's default ports stayed taken (README's `ray start` binds them): " + str(default_ports_taken()))
     with ray_files_of_their_own() as ray_tmp:
         env = {**user_environment(ray_tmp), "RAY_AUTH_MODE": "token"}
         for command in (["get-auth-token", "--generate"], ["start", "--head", "--node-ip-address=127.0.0.1"]):
             started = subprocess.run([RAY, *command], cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
             assert started.returncode == 0, f"ray {' '.join(command)}:\n{started.stdout}{started.stderr}"
         yield env
+
+
+def default_ports_taken() -> dict[int, str]:
+    """The fixed defaults README's `ray start --head` binds that something listens on, each with
+    the command line holding it (a local Ray of an earlier test may still be exiting)."""
+    defaults = (6379, 8265, 10001, 52365)
+    taken: dict[int, str] = {}
+    for conn in psutil.net_connections("tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port in defaults:
+            try:
+                taken[conn.laddr.port] = " ".join(psutil.Process(conn.pid).cmdline())[:200] if conn.pid else "?"
+            except psutil.Error:
+                taken[conn.laddr.port] = "?"
+    return taken
