@@ -61,11 +61,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hooks: absent without it
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """`-n auto`: one worker per two cores, at most four. Every test is written for a 2-core
-    machine's share (Ray counts the machine's cores, README's commands run on them): a 2-core
-    machine runs one worker, as one session would; two workers there measured little faster
-    (45m45s against 54m29s: the cores were already busy) and some tests missed their deadlines."""
-    return max(1, min(4, (os.cpu_count() or 2) // 2))
+    """`-n auto`: one worker per core, at most four. Much of a test's time is waiting (for Ray to
+    start workers, a run to reach a step, an app to swap weights), which another worker's tests
+    fill: on a 2-core machine two workers ran the suite in 39m29s against about 50 minutes in one
+    session, once idle serving shards stopped holding the cores (a compiled graph's readers poll)."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 @pytest.hookimpl(optionalhook=True)
