@@ -63,8 +63,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto`: one worker per core, at most four. Much of a test's time is waiting (for Ray to
     start workers, a run to reach a step, an app to swap weights), which another worker's tests
-    fill: on a 2-core machine two workers ran the suite in 39m29s against about 50 minutes in one
-    session, once idle serving shards stopped holding the cores (a compiled graph's readers poll)."""
+    fill: on a 2-core machine two workers ran the suite in 42m15s against 54m29s in one session,
+    once idle serving shards stopped holding the cores (a compiled graph's readers poll)."""
     return max(1, min(4, os.cpu_count() or 1))
 
 

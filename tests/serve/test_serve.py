@@ -44,13 +44,14 @@ def ragged_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.timeout(300)
-# pipeline-compiled: hops through a Ray compiled graph, as GPU shards pass them (CPU shards use tasks).
-@pytest.mark.parametrize("sharding, strategy, num_shards", [
-    ("pipeline", "ddp", 1), ("pipeline", "ddp", 2), ("pipeline", "ddp", 4), ("pipeline-compiled", "fsdp", 2),
-    ("pipeline", "zero2", 2), ("tensor", "ddp", 1), ("tensor", "ddp", 2), ("tensor", "ddp", 4),
-    ("tensor", "fsdp", 2), ("tensor", "zero2", 4)])
+# compiled: hops through a Ray compiled graph, as GPU shards pass them (CPU shards use tasks).
+@pytest.mark.parametrize("sharding, strategy, num_shards, compiled", [
+    ("pipeline", "ddp", 1, False), ("pipeline", "ddp", 2, False), ("pipeline", "ddp", 4, False),
+    ("pipeline", "fsdp", 2, True), ("pipeline", "zero2", 2, False), ("tensor", "ddp", 1, False),
+    ("tensor", "ddp", 2, False), ("tensor", "ddp", 4, False), ("tensor", "fsdp", 2, False),
+    ("tensor", "zero2", 4, False)])
 def test_sharded_outputs_equal_unsharded(ray_cluster, checkpoints, sharding: str, strategy: str,
-                                         num_shards: int) -> None:
+                                         num_shards: int, compiled: bool) -> None:
     import ray
 
     from shardyard.serve.executor.shards import ShardedModel
@@ -59,7 +60,6 @@ def test_sharded_outputs_equal_unsharded(ray_cluster, checkpoints, sharding: str
     whole = load_model(checkpoints[strategy]).eval()
     expected = whole(tokens, pad)
     # Half a CPU a shard: 4 shards fit this machine's 2 cores.
-    compiled, sharding = sharding == "pipeline-compiled", sharding.removesuffix("-compiled")
     sharded = ShardedModel(str(checkpoints[strategy]), num_shards, sharding=sharding, cpus_per_shard=0.5,
                            compiled=compiled)
     try:
