@@ -108,6 +108,7 @@ def test_sigterm_checkpoints_at_the_next_step_and_the_next_launch_loses_nothing(
     assert [row["step"] for row in read_metrics(run)] == list(range(1, stopped_at + 3))
 
 
+@pytest.mark.ray  # README's local Ray, started by `shardyard train` itself
 @pytest.mark.drill(outcome="checkpointed and exits 130; a second Ctrl-C stops at once, saying from which step",
                    lost="nothing; after a second Ctrl-C the steps since the last checkpoint")
 @pytest.mark.timeout(600)
