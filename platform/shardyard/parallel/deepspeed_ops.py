@@ -6,6 +6,12 @@ op's build directory under `~/.cache/torch_extensions` (or TORCH_EXTENSIONS_DIR)
 during the build (a failed worker, a user's Ctrl-C, a kill test) leaves that file behind, and
 every later start then sleeps forever waiting for it.
 
+torch's default directory is one per Python version, shared by every virtual environment on the
+machine; but the build's command names the environment's own include paths, so two environments
+(two checkouts, a CI clone beside a working copy) would each find the other's build stale and
+rebuild it, 30 s to minutes each time. Unless the user names a directory, shardyard builds in one
+of each environment's own.
+
 `ensure_deepspeed_ops` builds the op before DeepSpeed starts, holding a kernel lock of its own
 (`fcntl.flock`): the kernel releases it when its holder dies, however it dies. Every shardyard
 process builds under that lock, so while one holds it no live shardyard build owns torch's lock
@@ -16,8 +22,12 @@ its lock removed; none runs DeepSpeed's op build on a shardyard machine.)
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
+import sys
 from pathlib import Path
+
+import torch
 
 from torch.utils.cpp_extension import get_default_build_root
 
@@ -27,12 +37,17 @@ OP_NAME = "deepspeed_shm_comm"  # the build directory's name (ShareMemCommBuilde
 
 
 def extensions_root() -> Path:
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    """TORCH_EXTENSIONS_DIR where the user sets it, otherwise a directory of this Python
+    environment's own under torch's default root."""
+    if chosen := os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(chosen)
+    environment = f"{sys.prefix}|{torch.__version__}"
+    tag = hashlib.sha256(environment.encode()).hexdigest()[:12]
+    return Path(get_default_build_root()) / f"shardyard-py{sys.version_info.major}{sys.version_info.minor}-{tag}"
 
 
 def stale_locks(root: Path) -> list[Path]:
-    """torch's build locks of the op, in the default layout (<root>/<py>_<cpu|cuXY>/<op>/lock)
-    or under TORCH_EXTENSIONS_DIR (<root>/<op>/lock)."""
+    """torch's build locks of the op (<root>/<op>/lock)."""
     return [p for p in root.rglob("lock") if p.parent.name.startswith(OP_NAME)]
 
 
@@ -48,6 +63,7 @@ def ensure_deepspeed_ops() -> None:
         return  # not used on this accelerator (CUDA communicates through NCCL)
     root = extensions_root()
     root.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(root)  # where torch builds and DeepSpeed later loads it
     with (root / "shardyard-build.lock").open("w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)  # released by the kernel if this process dies
         for lock in stale_locks(root):
