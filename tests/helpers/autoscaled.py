@@ -53,9 +53,14 @@ def measure_autoscaled(overrides: list[str], run_dir: Path, hold_at: tuple[int, 
         for item in [*overrides, f"scaling.resources_per_worker={{CPU: 1, {AUTOSCALED_SLOT}: 1}}"]:
             command += ["--set", item]
         env = {**cluster.env, "RAY_ADDRESS": cluster.gcs_address, HOLD_ENV: f"{grown_at},{drain_at}"}
+        # Its nodes launch once the run has started on the head's room: else, on a busy machine,
+        # they could join before the first group starts and the run would begin at 4, not grow.
+        cluster.hold_autoscaler()
         run = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             starts = lambda: [e for e in read_events(run_dir) if e["event"] == "start"]  # noqa: E731
+            wait_for(lambda: starts() or run.poll() is not None, 300, "the run never started")
+            cluster.release_autoscaler()
             wait_for(lambda: held(run_dir, grown_at) or run.poll() is not None, 300, f"no step {grown_at}")
             wait_for(lambda: any(e["world_size"] == 4 for e in starts()) or run.poll() is not None, 180,
                        "the autoscaler's nodes never joined the run")

@@ -132,6 +132,23 @@ class FakeAutoscalingCluster:
                 continue
         return raylets
 
+    def hold_autoscaler(self) -> None:
+        """Stops Ray's autoscaler (the head's monitor process, which launches the nodes) until
+        `release_autoscaler`: a cloud slow to provision, so a run surely starts before its nodes come."""
+        self._autoscaler().suspend()
+
+    def release_autoscaler(self) -> None:
+        self._autoscaler().resume()
+
+    def _autoscaler(self) -> psutil.Process:
+        for proc in processes_of(self.ray_tmp):
+            try:
+                if any(arg.endswith("autoscaler/_private/monitor.py") for arg in proc.cmdline()):
+                    return proc
+            except psutil.Error:
+                continue
+        raise LookupError(f"no autoscaler runs for the cluster in {self.ray_tmp}")
+
     def reclaim(self, node_id: str) -> None:
         """The cloud takes the instance back: every process of that node dies at once."""
         victims = []
