@@ -163,10 +163,11 @@ class FakeAutoscalingCluster:
         kill_all(victims)
 
 
-def wait_for(condition: Callable[[], object], timeout_s: float, message: str) -> None:
-    """Polls `condition` until it holds; TimeoutError with `message` after `timeout_s`."""
+def wait_for(condition: Callable[[], object], timeout_s: float, message: str | Callable[[], str]) -> None:
+    """Polls `condition` until it holds; TimeoutError with `message` after `timeout_s` (a callable
+    is asked then, so that it can say how things stood at the timeout)."""
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
-            raise TimeoutError(message)
+            raise TimeoutError(message() if callable(message) else message)
         time.sleep(0.2)

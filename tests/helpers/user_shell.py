@@ -48,7 +48,7 @@ def readme_ray_cluster(cwd: Path) -> Iterator[dict[str, str]]:
     `ray start --head --node-ip-address=127.0.0.1` (this machine's real CPUs, Ray's default ports).
     Yields the user's environment for the commands that follow (`ray job submit`, ...)."""
     wait_for(lambda: not default_ports_taken(), 60,
-             "Ray's default ports stayed taken (README's `ray start` binds them): " + str(default_ports_taken()))
+             lambda: f"Ray's default ports stayed taken (README's `ray start` binds them): {default_ports_taken()}")
     with ray_files_of_their_own() as ray_tmp:
         env = {**user_environment(ray_tmp), "RAY_AUTH_MODE": "token"}
         for command in (["get-auth-token", "--generate"], ["start", "--head", "--node-ip-address=127.0.0.1"]):
