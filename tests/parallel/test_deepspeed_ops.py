@@ -1,10 +1,11 @@
 """DeepSpeed's CPU communication op is JIT-compiled under torch's build lock file. A process killed
 during that build leaves the lock behind; without shardyard's guard every later DeepSpeed start
 waits for it forever (seen in a fresh virtual environment). Here a real build is killed mid-way
-and the next start must build the op and return.
+and the next start must build the op and return; then a start whose PATH finds another ninja
+first must find it built, not build it again.
 
 On a machine where the op is not built yet (a fresh one, as CI's) the test builds it where every
-later DeepSpeed start looks (torch's default extensions directory), so the suite compiles it once,
+later DeepSpeed start looks (this environment's extensions directory), so the suite compiles it once,
 not twice; where it is built already, in a directory of its own."""
 
 from __future__ import annotations
@@ -41,7 +42,18 @@ def test_a_build_killed_mid_way_does_not_stop_the_next_start(tmp_path: Path) -> 
     first.wait()
     assert stale_locks(root), "the killed build left no lock: nothing was tested"
 
-    second = subprocess.run([sys.executable, "-c", BUILD], env=env, capture_output=True, text=True, timeout=300)
+    # The environment's bin first on PATH, as in Ray's workers: its ninja would run the build.
+    on_path = {**env, "PATH": os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])}
+    second = subprocess.run([sys.executable, "-c", BUILD], env=on_path, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
     assert not stale_locks(root)
-    assert list(root.rglob(f"{OP_NAME}*.so")), "no op was built"
+    built = {op: op.stat().st_mtime_ns for op in root.rglob(f"{OP_NAME}*.so")}
+    assert built, "no op was built"
+
+    # A start without it on PATH (a `python` run by its path) finds the op built: it must not run
+    # the system's ninja, which reads the other's build log as stale and builds everything again.
+    off_path = {**env, "PATH": os.pathsep.join(d for d in env["PATH"].split(os.pathsep)
+                                               if Path(d) != Path(sys.executable).parent)}
+    third = subprocess.run([sys.executable, "-c", BUILD], env=off_path, capture_output=True, text=True, timeout=300)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert {op: op.stat().st_mtime_ns for op in root.rglob(f"{OP_NAME}*.so")} == built, "built again"

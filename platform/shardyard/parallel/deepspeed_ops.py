@@ -10,7 +10,11 @@ torch's default directory is one per Python version, shared by every virtual env
 machine; but the build's command names the environment's own include paths, so two environments
 (two checkouts, a CI clone beside a working copy) would each find the other's build stale and
 rebuild it, 30 s to minutes each time. Unless the user names a directory, shardyard builds in one
-of each environment's own.
+of each environment's own. Within one environment, torch runs whichever `ninja` comes first on
+the process's PATH: the environment's own (1.13, DeepSpeed's dependency) where its `bin` is on
+PATH, as in Ray's workers, and the system's (1.11 here) where it is not. The two record their
+builds under different hashes of the same command, so each rebuilt what the other had built; the
+build now runs the environment's ninja in every process.
 
 `ensure_deepspeed_ops` builds the op before DeepSpeed starts, holding a kernel lock of its own
 (`fcntl.flock`): the kernel releases it when its holder dies, however it dies. Every shardyard
@@ -68,4 +72,22 @@ def ensure_deepspeed_ops() -> None:
         fcntl.flock(guard, fcntl.LOCK_EX)  # released by the kernel if this process dies
         for lock in stale_locks(root):
             lock.unlink(missing_ok=True)  # left by a builder that died: none builds outside this lock
+        use_the_environments_ninja(root / "bin")
         builder.load(verbose=False)
+
+
+def use_the_environments_ninja(directory: Path) -> None:
+    """Puts a directory holding only a link to this environment's ninja first on PATH, for this
+    process's JIT builds (this op, and any DeepSpeed builds later, such as CPU Adam's)."""
+    import ninja
+
+    link = directory / "ninja"
+    target = Path(ninja.BIN_DIR) / "ninja"
+    if not (link.is_symlink() and link.readlink() == target):
+        directory.mkdir(exist_ok=True)
+        staged = directory / f"ninja.{os.getpid()}"
+        staged.unlink(missing_ok=True)
+        staged.symlink_to(target)
+        staged.replace(link)  # atomic: a process starting a build never finds the link missing
+    if os.environ.get("PATH", "").split(os.pathsep)[0] != str(directory):
+        os.environ["PATH"] = os.pathsep.join([str(directory), os.environ.get("PATH", "")])
