@@ -22,12 +22,14 @@ from shardyard.train.trainer import Callback, Trainer
 
 class RunEvents(Callback):
     """Rank 0 logs each worker-group start (fresh, resumed, or restarted after a failure); under
-    hot recovery every other replica logs its own start too (a replacement's among them: from
-    then on the quorum waits for it), and each replica the steps at which it healed from a peer."""
+    hot recovery every other replica logs its own start too, and so does a replacement of any
+    rank, rank 0's included (the group did not restart: from then on the quorum waits for it),
+    and each replica the steps at which it healed from a peer."""
 
     def on_train_start(self, trainer: Trainer) -> None:
-        if trainer.rank != 0:
-            if trainer.spec.scaling.recovery == "hot":
+        hot = trainer.spec.scaling.recovery == "hot"
+        if trainer.rank != 0 or (hot and replaces_lost_replicas(read_events(trainer.spec.run_uri), trainer.world_size)):
+            if hot:
                 log_event(trainer.spec.run_uri, Event.REPLICA_START, rank=trainer.rank, step=trainer.state.step)
             return
         spec, restored, par = trainer.spec, trainer.restored, trainer.spec.parallelism
@@ -43,6 +45,15 @@ class RunEvents(Callback):
 
     def on_healed(self, trainer: Trainer, from_step: int) -> None:
         log_event(trainer.spec.run_uri, Event.HEALED, rank=trainer.rank, from_step=from_step, to_step=trainer.state.step)
+
+
+def replaces_lost_replicas(events: list[dict], world_size: int) -> bool:
+    """Under hot recovery, whether a worker starting now replaces replicas lost while their peers
+    trained on: the newest failure since the group's start lost some ranks, not all (Ray Train
+    then starts replacements for those alone; losing all restarts the group)."""
+    last_start = max((i for i, e in enumerate(events) if e["event"] == Event.START), default=-1)
+    failures = [e for e in events[last_start + 1:] if e["event"] == Event.FAILURE]
+    return last_start >= 0 and bool(failures) and len(failures[-1]["ranks"]) < world_size
 
 
 def _since_failure(run_uri: str) -> float | None:
@@ -144,7 +155,9 @@ class HoldAtSteps(Callback):
         if trainer.rank != 0 or step not in self.steps:
             return
         storage = RunStorage(trainer.spec.run_uri)
-        log_event(storage.uri, Event.HELD, step=step, world_size=trainer.world_size, checkpoint=checkpoint)
+        # The holding process's id: drills act on it (kill rank 0 while it holds).
+        log_event(storage.uri, Event.HELD, step=step, world_size=trainer.world_size, checkpoint=checkpoint,
+                  pid=os.getpid())
         while not storage.exists(release_file(step)):
             time.sleep(0.1)
 
