@@ -32,7 +32,6 @@ import sys
 from pathlib import Path
 
 import torch
-
 from torch.utils.cpp_extension import get_default_build_root
 
 from shardyard.runtime import import_deepspeed

@@ -49,11 +49,13 @@ class RunEvents(Callback):
 
 def replaces_lost_replicas(events: list[dict], world_size: int) -> bool:
     """Under hot recovery, whether a worker starting now replaces replicas lost while their peers
-    trained on: the newest failure since the group's start lost some ranks, not all (Ray Train
-    then starts replacements for those alone; losing all restarts the group)."""
+    trained on: this launch's group has started, and the newest failure since then lost some
+    ranks, not all (Ray Train then starts replacements for those alone; losing all restarts the
+    group)."""
+    launched = max((i for i, e in enumerate(events) if e["event"] == Event.LAUNCH), default=-1)
     last_start = max((i for i, e in enumerate(events) if e["event"] == Event.START), default=-1)
     failures = [e for e in events[last_start + 1:] if e["event"] == Event.FAILURE]
-    return last_start >= 0 and bool(failures) and len(failures[-1]["ranks"]) < world_size
+    return last_start > launched and bool(failures) and len(failures[-1]["ranks"]) < world_size
 
 
 def _since_failure(run_uri: str) -> float | None:
