@@ -28,16 +28,20 @@ class RunEvents(Callback):
 
     def on_train_start(self, trainer: Trainer) -> None:
         hot = trainer.spec.scaling.recovery == "hot"
-        if trainer.rank != 0 or (hot and replaces_lost_replicas(read_events(trainer.spec.run_uri), trainer.world_size)):
+        if trainer.rank != 0:
             if hot:
                 log_event(trainer.spec.run_uri, Event.REPLICA_START, rank=trainer.rank, step=trainer.state.step)
+            return
+        events = read_events(trainer.spec.run_uri)
+        if hot and replaces_lost_replicas(events, trainer.world_size):
+            log_event(trainer.spec.run_uri, Event.REPLICA_START, rank=trainer.rank, step=trainer.state.step)
             return
         spec, restored, par = trainer.spec, trainer.restored, trainer.spec.parallelism
         log_event(spec.run_uri, Event.START, restored_step=trainer.state.step,
                   old_world_size=restored.world_size if restored else None, world_size=trainer.world_size,
                   restore_s=trainer.restore_s, global_batch=trainer.global_batch,
                   mesh={"pp": par.pp, "dp": par.dp_size(trainer.world_size), "tp": par.tp},
-                  downtime_s=_since_failure(spec.run_uri))
+                  downtime_s=_since_failure(events))
         if trainer.global_batch != trainer.written.batch.global_batch_size:
             print(f"shardyard: world size {trainer.world_size} cannot keep batch.global_batch_size "
                   f"{trainer.written.batch.global_batch_size}; training with {trainer.global_batch} "
@@ -53,17 +57,20 @@ def replaces_lost_replicas(events: list[dict], world_size: int) -> bool:
     ranks, not all (Ray Train then starts replacements for those alone; losing all restarts the
     group)."""
     launched = max((i for i, e in enumerate(events) if e["event"] == Event.LAUNCH), default=-1)
-    last_start = max((i for i, e in enumerate(events) if e["event"] == Event.START), default=-1)
-    failures = [e for e in events[last_start + 1:] if e["event"] == Event.FAILURE]
+    last_start, failures = _failures_since_last_start(events)
     return last_start > launched and bool(failures) and len(failures[-1]["ranks"]) < world_size
 
 
-def _since_failure(run_uri: str) -> float | None:
+def _since_failure(events: list[dict]) -> float | None:
     """Seconds from the failure that caused this worker-group start to now (None if none did)."""
-    events = read_events(run_uri)
-    last_start = max((i for i, e in enumerate(events) if e["event"] == Event.START), default=-1)
-    failures = [e for e in events[last_start + 1:] if e["event"] == Event.FAILURE]
+    _, failures = _failures_since_last_start(events)
     return time.time() - failures[0]["time"] if failures else None
+
+
+def _failures_since_last_start(events: list[dict]) -> tuple[int, list[dict]]:
+    """The index of the newest worker-group start (-1 if none) and the failures logged after it."""
+    last_start = max((i for i, e in enumerate(events) if e["event"] == Event.START), default=-1)
+    return last_start, [e for e in events[last_start + 1:] if e["event"] == Event.FAILURE]
 
 
 class LedgerCallback(Callback):
