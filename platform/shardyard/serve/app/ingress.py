@@ -27,6 +27,7 @@ from contextlib import contextmanager
 
 from shardyard.ports import quiet_free_port
 from shardyard.serve.app import haproxy_loopback as loopback
+from shardyard.serve.app.port_holder import HAPROXY_DIR_PREFIX, stop_haproxy_of
 
 ENABLE = "RAY_SERVE_ENABLE_HA_PROXY"
 CLIENT_TIMEOUT = "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S"
@@ -36,7 +37,6 @@ HAPROXY_DEFAULT_CLIENT_TIMEOUT_S = 3600  # Ray's, when CLIENT_TIMEOUT is unset
 DEFAULT_HEADER_TIMEOUT_S = 15
 MIN_DRAINING_PERIOD_S = 2
 # Ray's variables for HAProxy's files (each under a directory per node inside the one named).
-HAPROXY_DIR_PREFIX = "sy-haproxy-"  # HAProxy's files for a `shardyard serve`: port_holder.py knows them by it
 FILES = {"RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": "haproxy.cfg", "RAY_SERVE_HAPROXY_SOCKET_PATH": "admin.sock",
          "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": "server-state", "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": "metrics.sock"}
 
@@ -57,8 +57,10 @@ def haproxy_environment(header_timeout_s: int, files: str) -> dict[str, str]:
 @contextmanager
 def haproxy_ingress(header_timeout_s: int) -> Iterator[None]:
     """Within: a Ray instance this process starts (its workers inherit this environment) takes
-    HTTP through HAProxy with that header deadline. Stop Serve before leaving, so HAProxy stops
-    with it: a Ray instance killed under it leaves HAProxy running, holding the port."""
+    HTTP through HAProxy with that header deadline. Leave after that Ray instance has ended: its
+    end leaves HAProxy running, holding the port, and HAProxy is stopped here. (Not by Serve's
+    shutdown: that stops HAProxy while Serve's own updates of it are still coming, and each one
+    left logs a traceback on the console.)"""
     # Mode 0700; short, as HAProxy takes socket paths of 97 characters at most (node ids take 56).
     files = tempfile.mkdtemp(prefix=HAPROXY_DIR_PREFIX, dir="/tmp")
     environment = haproxy_environment(header_timeout_s, files)
@@ -67,6 +69,7 @@ def haproxy_ingress(header_timeout_s: int) -> Iterator[None]:
     try:
         yield
     finally:
+        stop_haproxy_of(files)
         for variable, value in before.items():
             if value is None:
                 os.environ.pop(variable, None)

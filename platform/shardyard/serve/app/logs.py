@@ -9,9 +9,10 @@ from typing import Any
 def serve_log_levels(own: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Serve's logging (`serve.start`'s, then the application's) for a command that serves. On a
     Ray of the command's own, Serve's and HAProxy's INFO lines (dozens at each start), its access
-    log and the warning that a loopback host cannot route across nodes (there is one node) stay in
-    Ray's log files, and so do Serve's INFO lines in this process: shardyard's own lines, and
-    Serve's errors, reach the console. On a shared cluster, Serve's settings as they are."""
+    log and the warning that a loopback host cannot route across nodes (there is one node) are not
+    logged (Serve takes one level for its files and the console alike), nor are Serve's INFO lines
+    in this process: shardyard's own lines and Serve's errors reach the console, and Ray's own logs
+    stay whole. On a shared cluster, Serve's settings as they are."""
     if not own:
         return {"log_level": "INFO"}, None
     import logging

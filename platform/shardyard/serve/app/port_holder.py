@@ -5,17 +5,18 @@ Serve's proxy actor runs as a child process. Killed abruptly (SIGKILL, or Ray st
 the command leaves that HAProxy running, re-parented, holding the port for good. The next
 `shardyard serve` on the port takes it back when the holder is such an orphan: an `haproxy`
 process running a configuration from a directory `shardyard serve` made (HAPROXY_DIR_PREFIX),
-whose parent is no longer a Ray process. Any other holder is named, for the user to stop.
+whose parent is no longer a Ray process. Any other holder is named, for the user to stop. A
+`shardyard serve` that stops normally stops its own HAProxy the same way, after its Ray instance.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 
 import psutil
 
-from shardyard.serve.app.ingress import HAPROXY_DIR_PREFIX
-
+HAPROXY_DIR_PREFIX = "sy-haproxy-"  # the directories of HAProxy's files that `shardyard serve` makes
 STOP_WAIT_S = 5.0
 
 
@@ -74,10 +75,27 @@ def claim(host: str, port: int) -> str | None:
         return f"{host}:{port} is taken by {describe(holder)}: stop it, or choose another with --port"
     print(f"shardyard: {host}:{port} is held by HAProxy ({describe(holder)}) left by a shardyard serve whose Ray "
           f"instance is gone: stopping it", flush=True)
-    holder.terminate()
-    try:
-        holder.wait(STOP_WAIT_S)
-    except psutil.TimeoutExpired:
-        holder.kill()
-        holder.wait(STOP_WAIT_S)
+    stop(holder)
     return None if can_listen(host, port) else f"{host}:{port} is still taken after stopping {describe(holder)}"
+
+
+def stop(process: psutil.Process) -> None:
+    """SIGTERM (HAProxy closes its listeners at once), SIGKILL if it lingers."""
+    try:
+        process.terminate()
+        try:
+            process.wait(STOP_WAIT_S)
+        except psutil.TimeoutExpired:
+            process.kill()
+            process.wait(STOP_WAIT_S)
+    except psutil.NoSuchProcess:
+        pass
+
+
+def stop_haproxy_of(files: str) -> None:
+    """Stop every HAProxy running a configuration from `files` (one instance's: the process serving
+    and any still draining after a reload), as Ray's end leaves them."""
+    inside = os.path.join(files, "")
+    for process in psutil.process_iter(["name", "cmdline"]):
+        if process.info["name"] == "haproxy" and any(arg.startswith(inside) for arg in process.info["cmdline"] or ()):
+            stop(process)
