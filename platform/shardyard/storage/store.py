@@ -14,9 +14,10 @@ import os
 import re
 import shutil
 import secrets
+import sys
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import fsspec
@@ -43,6 +44,29 @@ def fsync_path(path: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+TREE_REMOVAL_PASSES = 5
+
+
+def remove_tree(path: str) -> None:
+    """Remove a local directory that another process may still be writing in: a launch taken over
+    (its lease lost, which it learns at its next fence check) finishing a file of a save the new
+    holder deletes. A file it renames away meanwhile is gone already; one it adds is removed on
+    the next pass. (shutil.rmtree alone raised FileNotFoundError there, and the restore failed.)"""
+
+    def tolerate_the_writer(_function: object, _name: str, raised: BaseException | tuple) -> None:
+        error = raised[1] if isinstance(raised, tuple) else raised  # onerror's exc_info, or onexc's error
+        if isinstance(error, FileNotFoundError) or getattr(error, "errno", None) == errno.ENOTEMPTY:
+            return  # renamed or removed by the writer; or a directory it added to: the next pass
+        raise error
+
+    handler = {"onexc" if sys.version_info >= (3, 12) else "onerror": tolerate_the_writer}
+    for _ in range(TREE_REMOVAL_PASSES):
+        shutil.rmtree(path, **handler)
+        if not os.path.lexists(path):
+            return
+    shutil.rmtree(path)  # a writer still adding files: said as shutil says it
 
 
 class RunStorage:
@@ -162,8 +186,15 @@ class RunStorage:
         return aside
 
     def delete(self, *parts: str) -> None:
-        if self.exists(*parts):
+        if not self.exists(*parts):
+            return
+        if self.remote:
             self.fs.rm(self.path(*parts), recursive=True)
+        elif os.path.isdir(self.path(*parts)):
+            remove_tree(self.path(*parts))
+        else:
+            with suppress(FileNotFoundError):
+                os.remove(self.path(*parts))
 
     def list(self, *parts: str) -> list[str]:
         """Names directly under `parts` (none if it does not exist)."""
