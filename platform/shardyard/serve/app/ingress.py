@@ -59,8 +59,8 @@ def haproxy_ingress(header_timeout_s: int) -> Iterator[None]:
     """Within: a Ray instance this process starts (its workers inherit this environment) takes
     HTTP through HAProxy with that header deadline. Leave after that Ray instance has ended: its
     end leaves HAProxy running, holding the port, and HAProxy is stopped here. (Not by Serve's
-    shutdown: that stops HAProxy while Serve's own updates of it are still coming, and each one
-    left logs a traceback on the console.)"""
+    shutdown: it stops HAProxy while Serve's own updates of it may still be coming, and an update
+    that finds it gone logs a traceback on the console.)"""
     # Mode 0700; short, as HAProxy takes socket paths of 97 characters at most (node ids take 56).
     files = tempfile.mkdtemp(prefix=HAPROXY_DIR_PREFIX, dir="/tmp")
     environment = haproxy_environment(header_timeout_s, files)
