@@ -28,13 +28,10 @@ class RunEvents(Callback):
 
     def on_train_start(self, trainer: Trainer) -> None:
         hot = trainer.spec.scaling.recovery == "hot"
-        if trainer.rank != 0:
+        events = read_events(trainer.spec.run_uri) if trainer.rank == 0 else []  # rank 0 logs the start
+        if trainer.rank != 0 or (hot and replaces_lost_replicas(events, trainer.world_size)):
             if hot:
                 log_event(trainer.spec.run_uri, Event.REPLICA_START, rank=trainer.rank, step=trainer.state.step)
-            return
-        events = read_events(trainer.spec.run_uri)
-        if hot and replaces_lost_replicas(events, trainer.world_size):
-            log_event(trainer.spec.run_uri, Event.REPLICA_START, rank=trainer.rank, step=trainer.state.step)
             return
         spec, restored, par = trainer.spec, trainer.restored, trainer.spec.parallelism
         log_event(spec.run_uri, Event.START, restored_step=trainer.state.step,
