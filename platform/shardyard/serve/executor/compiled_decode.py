@@ -86,6 +86,12 @@ class CompiledDecode:
     def _for(self, model: torch.nn.Module) -> Callable:
         """`model` compiled (again after a weight swap put another model in its place)."""
         if self._compiled is None or self._compiled[0] is not model:
+            # The compiler keeps its graphs by the forward's code, whichever model they were made
+            # for, and at its recompile limit (8) runs further shapes eagerly without a word: the
+            # graphs of a model no longer served (a weight swap put another in its place) would
+            # leave the new one a few graphs and then eager steps. A process serves one model at
+            # a time, so the old graphs go.
+            torch.compiler.reset()
             # Shapes as the compiler's default takes them: the first step's exactly, then, once a
             # second bucket or width comes, one graph whatever the rows and width (a CUDA graph is
             # still recorded per shape, which costs a replay's time, not a compile's).
