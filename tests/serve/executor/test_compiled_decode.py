@@ -28,14 +28,13 @@ def test_a_swapped_in_model_gets_graphs_of_its_own_and_its_own_logits() -> None:
         models.append(GPT(spec).eval())
     cache = KVCache(blocks=8)
     decode = CompiledDecode(cache, 2, spec.block_size, torch.device("cpu"))
-    prompt = [1, 2, 3, 4]
+    prompt, tables = [1, 2, 3, 4], ((0, 1), (2, 3))  # two requests' blocks
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=2):
         for model in models:
             graphs = counters["stats"]["unique_graphs"]
-            run_model(model, torch.tensor([prompt] * 2), CacheStep(((0, 1), (2, 3)), (0, 0), lanes=(0, 1),
-                                                                      held=(0, 0)), cache)
+            run_model(model, torch.tensor([prompt] * 2), CacheStep(tables, (0, 0), lanes=(0, 1), held=(0, 0)), cache)
             for rows in (1, 2):  # two shapes: two graphs, the limit
-                step = CacheStep(((0, 1), (2, 3))[:rows], (4,) * rows, lanes=tuple(range(rows)), held=(4,) * rows)
+                step = CacheStep(tables[:rows], (4,) * rows, lanes=tuple(range(rows)), held=(4,) * rows)
                 logits = decode(model, torch.tensor([[5]] * rows), step)
                 expected = model(torch.tensor([prompt + [5]] * rows))[:, -1]
                 torch.testing.assert_close(logits[:, -1], expected, rtol=0, atol=1e-5)
