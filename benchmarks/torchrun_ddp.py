@@ -37,7 +37,7 @@ def main() -> None:
     model = DistributedDataParallel(build_model(spec.model))
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.optim.lr, betas=spec.optim.betas,
                                   weight_decay=spec.optim.weight_decay)
-    loss_fn = loss_fn_for(spec.model)
+    loss_fn = loss_fn_for(spec)
     dataset = build_dataset(spec)
     order = GlobalSampleOrder(len(dataset), spec.run.seed)
     accum = grad_accum_steps(spec, world)

@@ -56,6 +56,14 @@ def _rows(cls: type[BaseModel], prefix: str, sections: bool = True) -> list[str]
     return rows
 
 
+def _section_class(annotation: Any) -> type[BaseModel] | None:
+    """The section a field holds: its class, or the class of an optional one (`X | None`)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        kinds = [a for a in typing.get_args(annotation) if a is not type(None)]
+        annotation = kinds[0] if len(kinds) == 1 else None
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
 def _table(rows: list[str]) -> str:
     return "| key | type | default | meaning |\n| --- | --- | --- | --- |\n" + "\n".join(rows) + "\n"
 
@@ -72,9 +80,9 @@ def reference() -> str:
                 kind = member.model_fields["name"].default
                 out.append(f"### `{section}` with `name: {kind}`\n")
                 out.append(_table(_rows(member, f"{section}.")))
-        elif isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            out.append(f"### `{section}`\n")
-            out.append(_table(_rows(field.annotation, f"{section}.")))
+        elif (cls := _section_class(field.annotation)) is not None:
+            out.append(f"### `{section}`{' (optional)' if field.default is None else ''}\n")
+            out.append(_table(_rows(cls, f"{section}.")))
     out.append("## Serving config\n")
     out.append("The arguments of `serve_apps.gpt:app` (a Serve config file's `args:`, each section nested; "
                "`serve run ... section.key=value`) and of `shardyard serve` (`--set section.key=value`). "

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardyard.spec import STORED, CustomSpec, DataSpec, HFSpec, JobSpec, SpecError
+from shardyard.spec import FACTORY_MODELS, LANGUAGE_MODELS, STORED, DataSpec, HFSpec, JobSpec, SpecError
 
 STATE_FILE = "trainer_state.pt"
 SPEC_FILE = "spec.json"
@@ -43,21 +43,21 @@ def stored_spec(data: bytes | str) -> JobSpec:
     """A spec as a checkpoint stores it, validated without importing what it names; a custom
     model section refuses to call its factory (`trusted` gives one that may)."""
     spec = JobSpec.model_validate(json.loads(data), context=STORED)
-    if isinstance(spec.model, CustomSpec):
+    if isinstance(spec.model, FACTORY_MODELS):
         spec.model._from_storage = True
     return spec
 
 
 def trusted(stored: JobSpec, where: str, trust_factory: str | None) -> JobSpec:
     """`stored`, safe to build: a custom model's factory is the one the user named."""
-    if not isinstance(stored.model, CustomSpec):
+    if not isinstance(stored.model, FACTORY_MODELS):
         return stored
     if trust_factory is None:
         raise UntrustedFactory(
-            f"{where} was trained with the custom model factory '{stored.model.factory}', named by a file in "
+            f"{where} was trained with the model factory '{stored.model.factory}', named by a file in "
             f"the run directory; shardyard imports a factory only when you name it: pass --trust-factory "
             f"{stored.model.factory} (serving: trust_factory) if you trust that code")
-    model = CustomSpec.model_validate(stored.model.model_dump() | {"factory": trust_factory})
+    model = type(stored.model).model_validate(stored.model.model_dump() | {"factory": trust_factory})
     return stored.model_copy(update={"model": model})
 
 
@@ -88,6 +88,8 @@ def serving_context(model: Any) -> int:
 def serving_spec(checkpoint_dir: str | Path) -> JobSpec:
     """The spec a checkpoint is served with: read_spec's, its model's block_size the serving context."""
     spec = read_spec(checkpoint_dir)
+    if not isinstance(spec.model, LANGUAGE_MODELS):  # no context: the MLP, a module of the user's own
+        return spec
     context = serving_context(spec.model)
     if context == spec.model.block_size:
         return spec

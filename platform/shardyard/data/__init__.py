@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -10,13 +10,16 @@ from shardyard.data.corpus import corpus_windows
 from shardyard.data.sampler import GlobalSampleOrder, SequentialOrder, micro_batch_ids
 from shardyard.data.shards import open_split, validation_source
 from shardyard.data.synthetic import SyntheticRegression, SyntheticTokens
+from shardyard.data.user_dataset import user_dataset
 from shardyard.spec import LANGUAGE_MODELS, JobSpec
 
 
 class Dataset(Protocol):
     def __len__(self) -> int: ...
 
-    def batch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def batch(self, ids: torch.Tensor) -> tuple[Any, Any]:
+        """(the model's input, what the loss reads with its output): tensors (inputs, targets) for
+        the built-in data, the user's own batch for data.factory (data/user_dataset.py)."""
 
 
 def build_dataset(spec: JobSpec) -> Dataset:
@@ -30,6 +33,8 @@ def build_dataset(spec: JobSpec) -> Dataset:
         return corpus_windows(data.path, model.block_size, data.max_bytes, tokenizer)
     if data.name == "shards":
         return open_split(data.path, "train", model.block_size, data.cache_dir, data.cache_bytes)
+    if data.name == "factory":
+        return user_dataset(data)
     if isinstance(model, LANGUAGE_MODELS):
         return SyntheticTokens(data.num_samples, model.block_size, model.vocab_size, spec.run.seed)
     return SyntheticRegression(data.num_samples, model.in_dim, model.out_dim, spec.run.seed)

@@ -53,6 +53,9 @@ def pipeline_blocks(model: Any, training: bool = True) -> int:
                              f"into pipeline stages: give it pipeline_layout() and pipeline_stage(start, end) "
                              f"(docs/models.md), or {DATA_PARALLEL_ONLY}")
         return len(module.pipeline_layout().blocks)
+    if model.name == "module":
+        raise ValueError(f"a module of the user's own (model.name 'module') is not split into pipeline stages: "
+                         f"{DATA_PARALLEL_ONLY}")
     raise ValueError(f"pipeline parallelism splits a language model's blocks; for model.name "
                      f"'{model.name}' {DATA_PARALLEL_ONLY}")
 
@@ -67,6 +70,9 @@ def check_tensor_parallel(model: Any, tp: int, key: str = "parallelism.tp") -> N
         hf_block_tp_plan(model, tp, key)
     elif model.name == "custom":
         _check_custom_tp_plan(model)
+    elif model.name == "module":
+        raise ValueError(f"a module of the user's own (model.name 'module') is not split by tensor parallelism: "
+                         f"{DATA_PARALLEL_ONLY}")
     else:
         raise ValueError(f"tensor parallelism follows a model's plan and the {model.name.upper()} has none; "
                          f"for model.name '{model.name}' {DATA_PARALLEL_ONLY}")

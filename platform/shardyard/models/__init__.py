@@ -1,5 +1,6 @@
 """Models built from the `model` section of a job spec: the reference GPT and MLP, Hugging Face
-causal LMs (hf.py) and the user's own modules (custom.py). The engines see one interface: a
+causal LMs (hf.py) and the user's own modules (custom.py: language models, or any module for a
+task of the user's own). The engines see one interface: a
 module's forward maps inputs to outputs the spec's loss reads, and `repeated_blocks` names the
 blocks to wrap one by one."""
 
@@ -15,18 +16,19 @@ from shardyard.layout.blocks import names_of_each_parameter, repeated_blocks
 from shardyard.models.gpt import GPT, lm_loss
 from shardyard.models.initial_weights import InitialWeights, draw_seed, fill_local
 from shardyard.models.mlp import MLP, mse_loss
-from shardyard.spec import CustomSpec, GPTSpec, HFSpec, JobSpec, MLPSpec
+from shardyard.spec import CustomSpec, GPTSpec, HFSpec, JobSpec, MLPSpec, ModuleSpec
+from shardyard.spec.factories import load_factory
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def build_model(spec: GPTSpec | MLPSpec | HFSpec | CustomSpec, weights: InitialWeights | None = None) -> nn.Module:
+def build_model(spec: GPTSpec | MLPSpec | HFSpec | CustomSpec | ModuleSpec, weights: InitialWeights | None = None) -> nn.Module:
     """The model, whole, on the caller's default device (under `torch.device("meta")`: shapes
     only), with `weights` (a model directory's: checkpoint/pretrained.py) or, without, drawn at
     random one unit at a time (initial_weights.py), as every strategy that shards it draws it."""
     if isinstance(spec, MLPSpec):
         return MLP(spec)
-    if isinstance(spec, CustomSpec):
+    if isinstance(spec, (CustomSpec, ModuleSpec)):
         from shardyard.models.custom import build_custom
 
         return build_custom(spec)
@@ -104,8 +106,12 @@ def _to_empty_keeping_ties(part: nn.Module, device: torch.device) -> None:
             setattr(part.get_submodule(parent), leaf, part.get_parameter(first))
 
 
-def loss_fn_for(spec: GPTSpec | MLPSpec | HFSpec | CustomSpec) -> LossFn:
-    return mse_loss if isinstance(spec, MLPSpec) else lm_loss
+def loss_fn_for(spec: JobSpec) -> LossFn:
+    """The job's loss: the user's own (`loss.factory`, for model.name 'module'), the MLP's mean
+    squared error, or a language model's next-token cross-entropy."""
+    if spec.loss is not None:
+        return load_factory(spec.loss.factory)(**spec.loss.options)
+    return mse_loss if isinstance(spec.model, MLPSpec) else lm_loss
 
 
 __all__ = ["GPT", "MLP", "LossFn", "build_for_job", "build_model", "give_storage", "loss_fn_for", "materialise",

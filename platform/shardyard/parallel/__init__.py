@@ -40,7 +40,7 @@ def _optimizers(spec: JobSpec, parts: list[nn.Module]) -> tuple[list, list]:
 def single_process(spec: JobSpec, model: nn.Module, device: torch.device) -> Engine:
     """No parallelism: the reference every strategy is tested against."""
     optimizers, schedulers = _optimizers(spec, [model.to(device)])
-    return Engine([model], optimizers, schedulers, loss_fn_for(spec.model), spec.optim.grad_clip,
+    return Engine([model], optimizers, schedulers, loss_fn_for(spec), spec.optim.grad_clip,
                   device, autocast_dtype(spec.run.precision, device))
 
 
@@ -51,7 +51,7 @@ def build_engine(spec: JobSpec, model: nn.Module, device: torch.device, replica_
     this worker to its peers under hot recovery. `weights`: what a model built on the meta device
     (models.build_for_job) is filled with once split (a model directory's), instead of drawn ones."""
     par, world = spec.parallelism, dist.get_world_size()
-    loss_fn, accum = loss_fn_for(spec.model), grad_accum_steps(spec, world)
+    loss_fn, accum = loss_fn_for(spec), grad_accum_steps(spec, world)
     amp = autocast_dtype(spec.run.precision, device)
     on_meta = any(p.is_meta for p in model.parameters())  # see models.build_for_job
     if spec.run.precision == "float8":  # the spec allows it under ddp, fsdp and local_sgd only

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,20 @@ from shardyard.models import LossFn
 from shardyard.optim import Schedule
 from shardyard.runtime import autocast
 
-MicroBatch = tuple[torch.Tensor, torch.Tensor]
+# (the model's input, what the loss reads with its output): tensors for the built-in data, any
+# nesting of tensors in tuples, lists and dicts for a dataset of the user's own.
+MicroBatch = tuple[Any, Any]
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """`batch` with every tensor in it on `device` (a copy that may overlap the next work)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(value, device) for value in batch)
+    return batch
 
 
 class Engine:
@@ -105,8 +119,8 @@ class Engine:
         for i, (inputs, targets) in enumerate(micro_batches):
             with self.accumulating(i == steps - 1):
                 with autocast(self.device, self.amp_dtype):
-                    outputs = self.model(inputs.to(self.device, non_blocking=True))
-                loss = self.loss_fn(outputs, targets.to(self.device, non_blocking=True)) / steps
+                    outputs = self.model(to_device(inputs, self.device))
+                loss = self.loss_fn(outputs, to_device(targets, self.device)) / steps
                 loss.backward()
             total += loss.detach()
         return total
@@ -119,8 +133,8 @@ class Engine:
             total = torch.zeros((), device=self.device)
             for inputs, targets in micro_batches:
                 with autocast(self.device, self.amp_dtype):
-                    outputs = self.model(inputs.to(self.device, non_blocking=True))
-                total += self.loss_fn(outputs, targets.to(self.device, non_blocking=True)) / len(micro_batches)
+                    outputs = self.model(to_device(inputs, self.device))
+                total += self.loss_fn(outputs, to_device(targets, self.device)) / len(micro_batches)
         return total
 
     def train_step(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:

@@ -16,7 +16,7 @@ from torch import nn
 
 from shardyard.models import new_model
 from shardyard.models.initial_weights import InitialWeights, initial_values
-from shardyard.parallel.engine import Engine, MicroBatch
+from shardyard.parallel.engine import Engine, MicroBatch, to_device
 from shardyard.parallel.deepspeed_ops import ensure_deepspeed_ops
 from shardyard.runtime import autocast, import_deepspeed
 from shardyard.spec import ZERO_STAGES, JobSpec
@@ -87,8 +87,8 @@ class ZeroEngine(Engine):
         total = torch.zeros((), device=self.device)
         for inputs, targets in micro_batches:
             with autocast(self.device, self.amp_dtype):
-                outputs = self.ds(inputs.to(self.device))
-            loss = self.loss_fn(outputs, targets.to(self.device))
+                outputs = self.ds(to_device(inputs, self.device))
+            loss = self.loss_fn(outputs, to_device(targets, self.device))
             self.ds.backward(loss)  # scaled by 1/accumulation inside
             self.ds.step()          # optimizer + LR step on the accumulation boundary only
             total += loss.detach() / len(micro_batches)

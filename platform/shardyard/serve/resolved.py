@@ -22,7 +22,7 @@ from shardyard.serve.config import (DEFAULT_CHECKPOINT, BatchingSettings, Canary
 from shardyard.serve.executor.model_pass import supports_kv_cache
 from shardyard.serve.executor.shards import sharding_problem
 from shardyard.serve.generation import TextCodec
-from shardyard.spec import LANGUAGE_MODELS, SpecError
+from shardyard.spec import LANGUAGE_MODELS, ModuleSpec, SpecError
 
 
 @dataclass(frozen=True)
@@ -132,6 +132,10 @@ def _resolve(config: ServeConfig, use_gpu: bool) -> ResolvedConfig:
     checkpoint = str(resolve_checkpoint(config.checkpoint))
     spec = serving_spec(checkpoint)
     model, engine, batching, follow = spec.model, config.engine, config.batching, config.follow
+    if isinstance(model, ModuleSpec):
+        raise ValueError(f"checkpoint: {checkpoint} holds a module of the user's own (model.name 'module'); serving "
+                         f"answers language models (and the MLP): `shardyard export {checkpoint} model.safetensors` "
+                         f"gives its weights for code of yours to serve")
     language = isinstance(model, LANGUAGE_MODELS)
     problem = sharding_problem(model, engine.num_shards, engine.sharding) if language else None
     if problem:

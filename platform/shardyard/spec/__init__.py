@@ -10,20 +10,23 @@ transformers only for a Hugging Face model, whose config it checks).
 
     base.py      sections, errors that name the key, did-you-mean
     loading.py   YAML, `base:` files, `--set` overrides
-    models.py    the model section (gpt, mlp, hf, custom)
-    sections.py  data, optim, batch, parallelism, scaling, checkpoint, eval, run
+    factories.py the user's functions a spec names ('package.module:function')
+    models.py    the model section (gpt, mlp, hf, custom, module)
+    sections.py  data, loss, optim, batch, parallelism, scaling, checkpoint, eval, run
     job.py       JobSpec, the rules across its sections, load_spec
 """
 
 from shardyard.spec.base import STORED, Section, SpecError, did_you_mean, members, read_from_storage, validate
 from shardyard.spec.job import JobSpec, load_spec, parse_spec, refuse_storage_in_job_copy
 from shardyard.spec.loading import apply_override, read_yaml
-from shardyard.spec.models import LANGUAGE_MODELS, TOKENIZER_FILES, CustomSpec, GPTSpec, HFSpec, MLPSpec, ModelSpec
-from shardyard.spec.sections import (PUBLISHING, ZERO_STAGES, BatchSpec, CheckpointSpec, DataSpec, EvalSpec, OptimSpec,
-                                     ParallelismSpec, RunSpec, ScalingSpec, Strategy)
+from shardyard.spec.models import (FACTORY_MODELS, LANGUAGE_MODELS, TOKENIZER_FILES, CustomSpec, GPTSpec, HFSpec, MLPSpec,
+                                   ModelSpec, ModuleSpec)
+from shardyard.spec.sections import (PUBLISHING, ZERO_STAGES, BatchSpec, CheckpointSpec, DataSpec, EvalSpec, LossSpec,
+                                     OptimSpec, ParallelismSpec, RunSpec, ScalingSpec, Strategy)
 
 __all__ = ["STORED", "Section", "SpecError", "did_you_mean", "members", "read_from_storage", "validate", "JobSpec",
-           "load_spec", "parse_spec", "refuse_storage_in_job_copy", "apply_override", "read_yaml", "LANGUAGE_MODELS",
+           "load_spec", "parse_spec", "refuse_storage_in_job_copy", "apply_override", "read_yaml", "FACTORY_MODELS",
+           "LANGUAGE_MODELS", "ModuleSpec", "LossSpec",
            "TOKENIZER_FILES", "CustomSpec", "GPTSpec", "HFSpec", "MLPSpec", "ModelSpec", "PUBLISHING", "ZERO_STAGES",
            "BatchSpec", "CheckpointSpec", "DataSpec", "EvalSpec", "OptimSpec", "ParallelismSpec", "RunSpec",
            "ScalingSpec", "Strategy"]

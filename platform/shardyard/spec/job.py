@@ -15,7 +15,7 @@ from shardyard.spec.base import Section, SpecError, read_from_storage, validate
 from shardyard.spec.loading import read_yaml
 from shardyard.spec.models import GPTSpec, ModelSpec
 from shardyard.spec.sections import (PUBLISHING, ZERO_STAGES, BatchSpec, CheckpointSpec, DataSpec, EvalSpec,
-                                     OptimSpec, ParallelismSpec, RunSpec, ScalingSpec)
+                                     LossSpec, OptimSpec, ParallelismSpec, RunSpec, ScalingSpec)
 from shardyard.storage.store import local_path_of
 
 
@@ -29,6 +29,7 @@ class JobSpec(Section):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     run: RunSpec = Field(default_factory=RunSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
+    loss: LossSpec | None = Field(None, description="the loss of a task of the user's own (model.name 'module')")
 
     @model_validator(mode="before")
     @classmethod
@@ -42,7 +43,8 @@ class JobSpec(Section):
     def _combinations(self, info: ValidationInfo) -> JobSpec:
         if self.model.name == "mlp" and self.data.name != "synthetic":
             raise ValueError("model.name 'mlp' trains on data.name 'synthetic' only")
-        if (self.data.name == "corpus" and self.model.name != "mlp" and self.model.vocab_size < 256
+        self._check_own_task()
+        if (self.data.name == "corpus" and self.model.name not in ("mlp", "module") and self.model.vocab_size < 256
                 and not getattr(self.model, "brings_tokenizer", False)):
             raise ValueError(f"data.name 'corpus' yields byte ids 0-255 for a model without a tokenizer: "
                              f"the model's vocab_size ({self.model.vocab_size}) must be at least 256")
@@ -74,7 +76,7 @@ class JobSpec(Section):
         if par.strategy == "parameter_server":
             self._check_parameter_server()
         if self.checkpoint.publish_to is not None and (par.strategy not in PUBLISHING or par.pp > 1
-                                                       or self.model.name == "custom"):
+                                                       or self.model.name in ("custom", "module")):
             raise ValueError(f"checkpoint.publish_to sends the whole model from rank 0: built for the ddp, fsdp, "
                              f"tensor and zero1/2/3 strategies without pipeline stages and a GPT or Hugging Face "
                              f"model, not parallelism.strategy '{par.strategy}' with pp {par.pp} and model.name "
@@ -98,6 +100,21 @@ class JobSpec(Section):
             for ws in self.scaling.step_sizes:
                 at_world_size(self, ws)  # raises, naming the key, if nothing can run at this size
         return self
+
+    def _check_own_task(self) -> None:
+        """A task of the user's own: their module, their dataset and their loss, together."""
+        own = self.model.name == "module"
+        if own and self.data.name != "factory":
+            raise ValueError("model.name 'module' trains on a dataset of the user's own: data.name 'factory' with "
+                             "data.factory")
+        if own and self.loss is None:
+            raise ValueError("model.name 'module' needs loss.factory: the loss of its output and the batch")
+        if not own and self.loss is not None:
+            raise ValueError(f"loss.factory is the loss of a module of the user's own (model.name 'module'); "
+                             f"model.name '{self.model.name}' has its own")
+        if not own and self.data.name == "factory":
+            raise ValueError(f"data.name 'factory' feeds a module of the user's own (model.name 'module'), not "
+                             f"model.name '{self.model.name}'")
 
     def _check_parameter_server(self) -> None:
         slots, batch = self.scaling.world_sizes[-1], self.batch

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib
 import json
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -11,6 +10,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import Field, PrivateAttr, ValidationInfo, model_validator
 
 from shardyard.spec.base import Section, SpecError, read_from_storage
+from shardyard.spec.factories import check_factory, load_factory
 
 
 class GPTSpec(Section):
@@ -125,7 +125,28 @@ class HFSpec(Section):
         return self.path is not None and any((Path(self.path) / name).is_file() for name in TOKENIZER_FILES)
 
 
-class CustomSpec(Section):
+class FactorySection(Section):
+    """A model section whose module a function of the user's makes (`factory`, checked when the
+    spec is validated). A section read from a checkpoint (checkpoint/layout.py) never calls it:
+    code named by a file in a run directory runs only when the reader names it."""
+
+    # Each kind declares `factory` itself, after its `name`, so that its keys read in that order.
+    _from_storage: bool = PrivateAttr(default=False)
+
+    @model_validator(mode="after")
+    def _factory_exists(self, info: ValidationInfo) -> FactorySection:
+        if not read_from_storage(info):  # a stored spec's factory is never imported
+            check_factory("model.factory", self.factory)
+        return self
+
+    def _trusted_factory(self) -> Any:
+        if self._from_storage:
+            raise SpecError(f"model.factory '{self.factory}' is named by a spec stored in a run directory; it is "
+                            f"imported only when the reader names it (--trust-factory, serving: trust_factory)")
+        return load_factory(self.factory)
+
+
+class CustomSpec(FactorySection):
     """The user's own `nn.Module`: `factory` returns it, given this section."""
 
     name: Literal["custom"] = "custom"
@@ -134,35 +155,29 @@ class CustomSpec(Section):
     block_size: int = Field(64, ge=2, description="training sequence length in tokens")
     vocab_size: int = Field(256, ge=2, description="256 for the byte-level corpus")
     options: dict[str, Any] = Field(default_factory=dict, description="passed to the factory as they are")
-    # Set on a section read from a checkpoint (checkpoint/layout.py): its factory is never called.
-    _from_storage: bool = PrivateAttr(default=False)
-
-    @model_validator(mode="after")
-    def _factory_exists(self, info: ValidationInfo) -> CustomSpec:
-        module, _, function = self.factory.partition(":")
-        if not module or not function:
-            raise ValueError(f"model.factory must be 'package.module:function', got '{self.factory}'")
-        if read_from_storage(info):  # a stored spec's factory is never imported (checkpoint/layout.py)
-            return self
-        try:
-            found = getattr(importlib.import_module(module), function, None)
-        except ImportError as err:
-            raise ValueError(f"model.factory: cannot import '{module}': {err} (shardyard imports it from the directory "
-                             f"it runs in, an installed package or PYTHONPATH; on a cluster, submit the job with "
-                             f"`ray job submit --working-dir .`)") from None
-        if not callable(found):
-            raise ValueError(f"model.factory: '{module}' has no function '{function}'")
-        return self
 
     def build(self) -> Any:
         """Call the factory (the models package checks what it returns)."""
-        if self._from_storage:
-            raise SpecError(f"model.factory '{self.factory}' is named by a spec stored in a run directory; it is "
-                            f"imported only when the reader names it (--trust-factory, serving: trust_factory)")
-        module, _, function = self.factory.partition(":")
-        return getattr(importlib.import_module(module), function)(self)
+        return self._trusted_factory()(self)
 
 
-ModelSpec = Annotated[Union[GPTSpec, MLPSpec, HFSpec, CustomSpec], Field(discriminator="name")]
+class ModuleSpec(FactorySection):
+    """Any `nn.Module` of the user's, for a task of their own (an image classifier, a U-Net, ...):
+    `factory(**options)` returns it. It is called on each batch the data section's collation
+    makes: on its first element when the batch is a tuple or list (inputs, targets, ...), else on
+    the whole batch; `loss.factory` turns its output and the batch into the loss."""
+
+    name: Literal["module"] = "module"
+    factory: str = Field(description="'package.module:function'; called with `options` as keyword arguments, "
+                         "returns the nn.Module")
+    options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the factory")
+
+    def build(self) -> Any:
+        return self._trusted_factory()(**self.options)
+
+
+ModelSpec = Annotated[Union[GPTSpec, MLPSpec, HFSpec, CustomSpec, ModuleSpec], Field(discriminator="name")]
+# Models whose factory is the user's code: a spec read back from a run never runs it unasked.
+FACTORY_MODELS = (CustomSpec, ModuleSpec)  # FactorySection's kinds
 # Models that read token ids and predict the next one: the corpus and token data feed them.
 LANGUAGE_MODELS = (GPTSpec, HFSpec, CustomSpec)

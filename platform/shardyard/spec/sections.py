@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from shardyard.spec.base import Section
+from shardyard.spec.base import Section, read_from_storage
+from shardyard.spec.factories import check_factory
 from shardyard.storage.store import local_path_of
 
 
 class DataSpec(Section):
-    name: Literal["corpus", "synthetic", "shards"] = Field(
+    name: Literal["corpus", "synthetic", "shards", "factory"] = Field(
         "corpus", description="corpus: byte-level text read into memory; shards: what `shardyard prepare` wrote; "
-        "synthetic: random regression data (the MLP)")
+        "synthetic: random regression data (the MLP); factory: a dataset of the user's own (data.factory)")
     path: str | None = Field(
         None, description="text file or folder for `corpus` (default: the Python stdlib sources); the "
                           "directory `shardyard prepare` wrote for `shards` (local or object storage)"
@@ -28,11 +29,39 @@ class DataSpec(Section):
     )
     cache_dir: str | None = Field(None, description="`shards` in object storage: local download folder")
     cache_bytes: int = Field(2 << 30, ge=1 << 20, description="`shards` in object storage: local cache cap per rank")
+    factory: str | None = Field(
+        None, description="`factory`: 'package.module:function', called with data.options, returning a map-style "
+        "dataset (len() and [i], any sample type) that is the same on every worker (make it from a seed)")
+    options: dict[str, Any] = Field(default_factory=dict, description="`factory`: keyword arguments of data.factory")
+    collate: str | None = Field(
+        None, description="`factory`: 'package.module:function' making a batch of a list of samples (default: "
+        "torch's default_collate, which stacks tensors and numbers and keeps tuples and dicts)")
 
     @model_validator(mode="after")
-    def _shards_have_a_path(self) -> DataSpec:
+    def _shards_have_a_path(self, info: ValidationInfo) -> DataSpec:
         if self.name == "shards" and not self.path:
             raise ValueError("data.name 'shards' needs data.path: the directory `shardyard prepare` wrote")
+        if (self.name == "factory") != (self.factory is not None):
+            raise ValueError("data.factory names the dataset of data.name 'factory', and only of it")
+        if self.collate is not None and self.name != "factory":
+            raise ValueError("data.collate applies to data.name 'factory' only")
+        if not read_from_storage(info):
+            for key, reference in (("data.factory", self.factory), ("data.collate", self.collate)):
+                if reference is not None:
+                    check_factory(key, reference)
+        return self
+
+
+class LossSpec(Section):
+    factory: str = Field(description="'package.module:function', called with loss.options, returning the loss: "
+                         "a function of the model's output and the batch giving a scalar tensor, the mean over "
+                         "the batch's samples (micro-batches are averaged as equal shares of the global batch)")
+    options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of loss.factory")
+
+    @model_validator(mode="after")
+    def _factory_exists(self, info: ValidationInfo) -> LossSpec:
+        if not read_from_storage(info):
+            check_factory("loss.factory", self.factory)
         return self
 
 

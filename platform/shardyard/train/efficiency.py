@@ -6,7 +6,8 @@ parameter (a multiply and an add, forward and twice backward) plus the attention
 12 x layers x width x context. Recomputation (activation checkpointing) is not counted: it is
 hardware work, not model work. MFU divides by the devices' dense bf16 peak, the figure MFU is
 quoted against; on CPUs there is no such figure, so no MFU is reported unless the user gives the
-peak (`run.peak_tflops`, also for GPUs the table does not list).
+peak (`run.peak_tflops`, also for GPUs the table does not list). A module of the user's own is
+counted by torch's FLOP counter instead (module_flops_per_sample).
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ import resource
 import sys
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from shardyard.data import Dataset
+from shardyard.models import build_model
+from shardyard.parallel.engine import to_device
+from shardyard.spec import ModuleSpec
 
 # Dense bf16 tensor-core peak, FLOP/s, by the name CUDA reports (the first match wins).
 PEAK_BF16 = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12), ("A10G", 70e12),
@@ -24,6 +31,18 @@ PEAK_BF16 = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e
 def flops_per_token(parameters: int, layers: int, width: int, context: int) -> float:
     """Model FLOPs to train on one token (forward and backward)."""
     return 6.0 * parameters + 12.0 * layers * width * context
+
+
+def module_flops_per_sample(spec: ModuleSpec, dataset: Dataset) -> float:
+    """Model FLOPs to train on one sample of a module of the user's own, where no formula knows
+    its layers: torch's FlopCounterMode counts a forward of one sample, run on the meta device
+    (shapes only), and training is three forwards' worth (the backward computes two gradients)."""
+    with torch.device("meta"):
+        model = build_model(spec)
+    inputs, _ = dataset.batch(torch.tensor([0]))
+    with FlopCounterMode(display=False) as counter:
+        model(to_device(inputs, torch.device("meta")))
+    return 3.0 * counter.get_total_flops()
 
 
 def device_peak_flops(device: torch.device, given_tflops: float | None = None) -> float | None:

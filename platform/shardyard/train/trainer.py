@@ -25,13 +25,13 @@ from shardyard.models import build_for_job
 from shardyard.parallel import Engine, build_engine
 from shardyard.layout.world_size import at_world_size
 from shardyard.planner import ModelShape
-from shardyard.spec import LANGUAGE_MODELS, JobSpec
+from shardyard.spec import LANGUAGE_MODELS, JobSpec, ModuleSpec
 from shardyard.storage.events import Event, log_event
 from shardyard.checkpoint.manager import CheckpointManager, Fence
 from shardyard.checkpoint.layout import TrainState
 from shardyard.checkpoint.lease import LeaseLost
 from shardyard.checkpoint.pretrained import pretrained_weights
-from shardyard.train.efficiency import device_peak_flops, flops_per_token, peak_memory_bytes
+from shardyard.train.efficiency import device_peak_flops, flops_per_token, module_flops_per_sample, peak_memory_bytes
 from shardyard.train.cadence import Cadence, checkpoint_scheduled
 from shardyard.train.step_guard import Diverged, StepGuard
 
@@ -89,9 +89,12 @@ class Trainer:
         self._drain_saved = False  # the drain under way of a worker's node has its checkpoint
         engine.skip_nonfinite = spec.run.on_nonfinite == "skip"
         self.tokens_per_sample = spec.model.block_size if isinstance(spec.model, LANGUAGE_MODELS) else 1
-        shape = ModelShape.of(spec)
-        self.flops_per_token = flops_per_token(shape.total, shape.n_layer, shape.n_embd,
-                                               self.tokens_per_sample if shape.n_embd else 0)
+        if isinstance(spec.model, ModuleSpec):
+            self.flops_per_token = module_flops_per_sample(spec.model, dataset)
+        else:
+            shape = ModelShape.of(spec)
+            self.flops_per_token = flops_per_token(shape.total, shape.n_layer, shape.n_embd,
+                                                   self.tokens_per_sample if shape.n_embd else 0)
         self.peak_flops = device_peak_flops(engine.device, spec.run.peak_tflops)
 
     @classmethod
