@@ -163,22 +163,54 @@ def test_readme_default_job_on_a_one_gpu_machine_trains_at_once_and_says_where(t
 
 @pytest.mark.ray
 @pytest.mark.timeout(420)
-def test_a_model_of_the_users_own_trains_from_the_directory_they_run_in(tmp_path: Path) -> None:
-    """`model.factory` naming a module in the user's own directory, `shardyard train` run there
-    without PYTHONPATH: the spec's check on the driver and the Ray Train workers of the local Ray
-    it starts all import it from that directory."""
+def test_a_task_of_the_users_own_trains_from_their_directory_and_resumes_under_fsdp_on_one_worker(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """jobs/vision.py's image classifier as a user's own module, dataset and loss in their own
+    directory, `shardyard train` run there without PYTHONPATH (the spec's check on the driver and
+    the Ray Train workers of the local Ray it starts import it from there): DDP on 2 workers to
+    step 2, then the same run launched again under FSDP on 1 worker to step 4. Every sample once
+    (the ledger), and the parameters those of one process trained on the whole batch (plain SGD)."""
     import shutil
+
+    import torch
+
+    from shardyard.checkpoint.loaders import load_model
+    from shardyard.data.ledger import audit
+    from shardyard.models import build_model
+    from shardyard.parallel import single_process
+    from shardyard.spec import load_spec
+    from helpers.oracle import steps
 
     project = tmp_path / "project"
     project.mkdir()
-    shutil.copy(REPO / "tests" / "custom_model.py", project / "my_model.py")
-    (project / "job.yaml").write_text(f"base: {REPO / 'jobs' / 'configs' / 'gpt_ddp.yaml'}\n"
-                                      "model: {name: custom, factory: 'my_model:build', block_size: 16}\n")
-    command = [SHARDYARD, "train", "job.yaml", "--set", "run.steps=2", "--set", "run.log_every=1",
-               "--set", f"checkpoint.storage_path={tmp_path / 'runs'}"]
-    with ray_files_of_their_own() as ray_tmp:
-        environment = {k: v for k, v in user_environment(ray_tmp).items() if k != "PYTHONPATH"}
-        done = subprocess.run(command, cwd=project, env=environment, capture_output=True, text=True, timeout=400)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0 and "step 2/2" in output, output[-4000:]
-    assert find_latest(tmp_path / "runs" / "gpt_ddp").name == "checkpoint_step_00000002"
+    shutil.copy(REPO / "jobs" / "vision.py", project / "vision.py")
+    (project / "job.yaml").write_text(
+        f"base: {REPO / 'jobs' / 'configs' / 'vision_ddp.yaml'}\n"
+        "model: {factory: 'vision:small_cnn', options: {channels: 4, size: 8}}\n"
+        "data: {factory: 'vision:SyntheticImages', options: {num_samples: 96, size: 8}}\n"
+        "loss: {factory: 'vision:cross_entropy'}\n"
+        "optim: {name: sgd, lr: 0.2, grad_clip: 0.0, schedule: constant}\n"  # a schedule spans run.steps
+        "batch: {global_batch_size: 16, micro_batch_size: 4}\n"
+        f"checkpoint: {{storage_path: {tmp_path / 'runs'}, every_n_steps: 2}}\n"
+        "run: {log_every: 1, sample_ledger: true}\n")
+    launches = (["--set", "run.steps=2"],
+                ["--set", "run.steps=4", "--set", "parallelism.strategy=fsdp", "--set", "scaling.num_workers=1"])
+    for overrides in launches:
+        with ray_files_of_their_own() as ray_tmp:
+            environment = {k: v for k, v in user_environment(ray_tmp).items() if k != "PYTHONPATH"}
+            done = subprocess.run([SHARDYARD, "train", "job.yaml", *overrides], cwd=project, env=environment,
+                                  capture_output=True, text=True, timeout=300)
+        output = done.stdout + done.stderr
+        assert done.returncode == 0 and f"step {overrides[1][-1]}/{overrides[1][-1]}" in output, output[-4000:]
+    run_dir = tmp_path / "runs" / "vision_ddp"
+    report = audit(run_dir, 96)
+    assert report.steps == 4 and report.exact and report.world_sizes == [2, 2, 1, 1], report
+
+    monkeypatch.syspath_prepend(str(project))  # the oracle imports the user's module as the run did
+    spec = load_spec(project / "job.yaml", ["scaling.num_workers=1", "batch.micro_batch_size=16", "run.steps=4"])
+    torch.manual_seed(spec.run.seed)
+    oracle = single_process(spec, build_model(spec.model), torch.device("cpu"))
+    steps(oracle, spec, 0, 4)
+    trained = load_model(find_latest(run_dir), trust_factory="vision:small_cnn").state_dict()
+    for name, value in oracle.model.state_dict().items():
+        torch.testing.assert_close(trained[name], value, rtol=0, atol=2e-5, msg=name)

@@ -1,0 +1,126 @@
+"""A task of the user's own (jobs/vision.py: a CNN, synthetic images, cross-entropy) through the
+real Trainer on torch.distributed gloo ranks: under DDP, FSDP2 and ZeRO-2 it ends where one
+process trained on the whole global batch ends (plain SGD, no clipping: a wrong gradient scale
+would show), a run stopped at step 2 on 2 ranks and resumed on 1 ends there too with every
+sample used once, and the spec refuses what such a task cannot do, before any worker starts."""
+
+from __future__ import annotations
+
+import re
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardyard.checkpoint.loaders import find_latest, load_model
+from shardyard.checkpoint.record import checkpoint_name
+from shardyard.localdist import run_distributed
+from shardyard.models import build_model
+from shardyard.parallel import single_process
+from shardyard.spec import JobSpec, SpecError, parse_spec, validate
+from shardyard.train.trainer import Trainer
+from helpers.oracle import PARAM_TOL, SGD, steps
+
+STEPS = 4
+STRATEGIES = ("ddp", "fsdp", "zero2")
+
+
+def vision_job(strategy: str, world: int, storage: Path | None = None, steps_: int = STEPS) -> dict:
+    return {
+        "model": {"name": "module", "factory": "jobs.vision:small_cnn", "options": {"channels": 4, "size": 8}},
+        "data": {"name": "factory", "factory": "jobs.vision:SyntheticImages",
+                 "options": {"num_samples": 96, "size": 8, "seed": 3}},
+        "loss": {"factory": "jobs.vision:cross_entropy"},
+        "optim": SGD | {"lr": 0.2},
+        "batch": {"global_batch_size": 16, "micro_batch_size": 4},  # accumulation 2 on 2 ranks, 4 on 1
+        "parallelism": {"strategy": strategy},
+        "scaling": {"num_workers": world} if world > 1 else {"min_workers": 1, "max_workers": 2},
+        "checkpoint": {"every_n_steps": 2, "keep": 5, **({"storage_path": str(storage)} if storage else {})},
+        "run": {"steps": steps_, "seed": 7, "log_every": 1, "name": "run"},
+    }
+
+
+def oracle() -> dict[str, torch.Tensor]:
+    """STEPS steps in one process on the whole global batch of 16."""
+    raw = vision_job("ddp", 1)
+    raw["batch"] = {"global_batch_size": 16, "micro_batch_size": 16}
+    raw["scaling"] = {"num_workers": 1}
+    spec = parse_spec(raw)
+    torch.manual_seed(spec.run.seed)
+    engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
+    steps(engine, spec, 0, STEPS)
+    return {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+
+
+def train_each_strategy(rank: int, world: int, out: str) -> dict[str, str | None]:
+    """Every strategy to STEPS on `world` ranks, each in its own storage; a failure by name."""
+    failures: dict[str, str | None] = {}
+    for strategy in STRATEGIES:
+        try:
+            raw = vision_job(strategy, world, Path(out) / strategy)
+            Trainer.build(parse_spec(raw), rank, world, torch.device("cpu")).train()
+            failures[strategy] = None
+        except Exception:  # noqa: BLE001 - reported by name in the main process
+            failures[strategy] = traceback.format_exc()
+    return failures
+
+
+def train_until(rank: int, world: int, raw: dict, until: int | None) -> None:
+    Trainer.build(parse_spec(raw), rank, world, torch.device("cpu")).train(until)
+
+
+@pytest.mark.timeout(600)
+def test_own_model_data_and_loss_train_as_one_process_under_each_strategy(tmp_path: Path) -> None:
+    failures = run_distributed(train_each_strategy, 2, str(tmp_path))[0]
+    expected = oracle()
+    for strategy in STRATEGIES:
+        assert failures[strategy] is None, f"{strategy}:\n{failures[strategy]}"
+        got = load_model(find_latest(tmp_path / strategy / "run"), trust_factory="jobs.vision:small_cnn").state_dict()
+        for name, value in expected.items():
+            torch.testing.assert_close(got[name], value, rtol=0, atol=PARAM_TOL, msg=f"{strategy}: {name}")
+        moved = max((got[n] - build_reference_start()[n]).abs().max().item() for n in expected)
+        assert moved > 100 * PARAM_TOL, f"{strategy}: training moved nothing ({moved})"
+
+
+def build_reference_start() -> dict[str, torch.Tensor]:
+    spec = parse_spec(vision_job("ddp", 2))
+    torch.manual_seed(spec.run.seed)
+    return build_model(spec.model).state_dict()
+
+
+@pytest.mark.timeout(300)
+def test_own_task_stopped_on_two_ranks_resumes_on_one_with_every_sample_once(tmp_path: Path) -> None:
+    raw = vision_job("ddp", 1, tmp_path)
+    run_distributed(train_until, 2, raw, 2)
+    run_distributed(train_until, 1, raw, None)
+    final = load_model(find_latest(tmp_path / "run"), trust_factory="jobs.vision:small_cnn").state_dict()
+    for name, value in oracle().items():
+        torch.testing.assert_close(final[name], value, rtol=0, atol=PARAM_TOL, msg=name)
+    # The second launch resumed from the first one's checkpoint of step 2 (it saved at 2 only).
+    saved = sorted(p.name for p in (tmp_path / "run").glob("checkpoint_step_*"))
+    assert saved == [checkpoint_name(2), checkpoint_name(STEPS)], saved
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"data": {"name": "corpus"}}, "model.name 'module' trains on a dataset of the user's own"),
+    ({"loss": None}, "model.name 'module' needs loss.factory"),
+    ({"parallelism": {"strategy": "pipeline", "pp": 2}}, "is not split into pipeline stages"),
+    ({"parallelism": {"strategy": "tensor", "tp": 2}}, "is not split by tensor parallelism"),
+    ({"loss": {"factory": "jobs.vision:no_such_loss"}}, "loss.factory: 'jobs.vision' has no function 'no_such_loss'"),
+    ({"data": {"name": "factory", "factory": "no_such_package:images"}}, "data.factory: cannot import 'no_such_package'"),
+    ({"data": {"name": "factory"}}, "data.factory names the dataset of data.name 'factory'"),
+])
+def test_the_spec_refuses_what_a_task_of_ones_own_cannot_do(change: dict, message: str) -> None:
+    raw = vision_job("ddp", 2)
+    raw.update(change)
+    if raw["loss"] is None:
+        del raw["loss"]
+    with pytest.raises(SpecError, match=re.escape(message)):
+        validate(JobSpec, raw, "job spec")
+
+
+def test_a_language_model_keeps_its_own_loss_and_data() -> None:
+    raw = {"model": {"name": "gpt"}, "loss": {"factory": "jobs.vision:cross_entropy"}}
+    with pytest.raises(SpecError, match="model.name 'gpt' has its own"):
+        validate(JobSpec, raw, "job spec")
