@@ -2,7 +2,8 @@
 real Trainer on torch.distributed gloo ranks: under DDP, FSDP2 and ZeRO-2 it ends where one
 process trained on the whole global batch ends (plain SGD, no clipping: a wrong gradient scale
 would show), a run stopped at step 2 on 2 ranks and resumed on 1 ends there too with every
-sample used once, and the spec refuses what such a task cannot do, before any worker starts."""
+sample used once, and the spec refuses what such a task cannot do, before any worker starts
+(serving, which answers language models, refuses its runs)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from shardyard.checkpoint.loaders import find_latest, load_model
 from shardyard.checkpoint.record import checkpoint_name
 from shardyard.localdist import run_distributed
+from shardyard.serve.resolved import load_config
 from shardyard.models import build_model
 from shardyard.parallel import single_process
 from shardyard.spec import JobSpec, SpecError, parse_spec, validate
@@ -90,7 +92,7 @@ def build_reference_start() -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(300)
-def test_own_task_stopped_on_two_ranks_resumes_on_one_with_every_sample_once(tmp_path: Path) -> None:
+def test_own_task_stopped_on_two_ranks_resumes_on_one_and_is_not_served(tmp_path: Path) -> None:
     raw = vision_job("ddp", 1, tmp_path)
     run_distributed(train_until, 2, raw, 2)
     run_distributed(train_until, 1, raw, None)
@@ -100,6 +102,9 @@ def test_own_task_stopped_on_two_ranks_resumes_on_one_with_every_sample_once(tmp
     # The second launch resumed from the first one's checkpoint of step 2 (it saved at 2 only).
     saved = sorted(p.name for p in (tmp_path / "run").glob("checkpoint_step_*"))
     assert saved == [checkpoint_name(2), checkpoint_name(STEPS)], saved
+    # Serving answers language models: the run is refused with what to do instead, not a traceback.
+    with pytest.raises(SpecError, match="holds a module of the user's own .* `shardyard export"):
+        load_config({"checkpoint": str(tmp_path / "run")}, use_gpu=False)
 
 
 @pytest.mark.parametrize(("change", "message"), [
