@@ -16,11 +16,13 @@ import torch
 
 from shardyard.checkpoint.loaders import find_latest, load_model
 from shardyard.checkpoint.record import checkpoint_name
+from shardyard.data import build_dataset
 from shardyard.localdist import run_distributed
 from shardyard.serve.resolved import load_config
 from shardyard.models import build_model
 from shardyard.parallel import single_process
 from shardyard.spec import JobSpec, SpecError, parse_spec, validate
+from shardyard.train.efficiency import module_flops_per_sample
 from shardyard.train.trainer import Trainer
 from helpers.oracle import PARAM_TOL, SGD, steps
 
@@ -129,3 +131,30 @@ def test_a_language_model_keeps_its_own_loss_and_data() -> None:
     raw = {"model": {"name": "gpt"}, "loss": {"factory": "jobs.vision:cross_entropy"}}
     with pytest.raises(SpecError, match="model.name 'gpt' has its own"):
         validate(JobSpec, raw, "job spec")
+
+
+class ReadsAValue(torch.nn.Module):
+    """A forward that reads a tensor's value: it cannot run on shapes alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(3 * 8 * 8, 10)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        scale = float(images.abs().max().item())
+        return self.linear(images.flatten(1)) / scale
+
+
+def reads_a_value() -> torch.nn.Module:
+    return ReadsAValue()
+
+
+def test_a_modules_flops_are_counted_on_one_sample_or_not_reported() -> None:
+    spec = parse_spec(vision_job("ddp", 2))
+    dataset = build_dataset(spec)
+    # 2 x multiply-adds of the two 3x3 convolutions (4 channels at 8x8, 8 at 4x4) and the
+    # classifier (32 -> 10), forward; training is three forwards' worth.
+    forward = 2 * (4 * 8 * 8 * 3 * 9 + 8 * 4 * 4 * 4 * 9 + 32 * 10)
+    assert module_flops_per_sample(spec.model, dataset) == 3 * forward
+    unreadable = spec.model.model_copy(update={"factory": f"{__name__}:reads_a_value", "options": {}})
+    assert module_flops_per_sample(unreadable, dataset) is None

@@ -33,15 +33,20 @@ def flops_per_token(parameters: int, layers: int, width: int, context: int) -> f
     return 6.0 * parameters + 12.0 * layers * width * context
 
 
-def module_flops_per_sample(spec: ModuleSpec, dataset: Dataset) -> float:
+def module_flops_per_sample(spec: ModuleSpec, dataset: Dataset) -> float | None:
     """Model FLOPs to train on one sample of a module of the user's own, where no formula knows
     its layers: torch's FlopCounterMode counts a forward of one sample, run on the meta device
-    (shapes only), and training is three forwards' worth (the backward computes two gradients)."""
+    (shapes only), and training is three forwards' worth (the backward computes two gradients).
+    None where the forward cannot run on shapes alone (it reads a value: `.item()`, data-dependent
+    control flow): the run then reports no FLOP/s or MFU rather than a wrong one."""
     with torch.device("meta"):
         model = build_model(spec)
     inputs, _ = dataset.batch(torch.tensor([0]))
-    with FlopCounterMode(display=False) as counter:
-        model(to_device(inputs, torch.device("meta")))
+    try:
+        with FlopCounterMode(display=False) as counter:
+            model(to_device(inputs, torch.device("meta")))
+    except Exception:  # noqa: BLE001 - the user's forward; any failure means: not countable this way
+        return None
     return 3.0 * counter.get_total_flops()
 
 

@@ -248,10 +248,12 @@ class Trainer:
         peak = torch.tensor(float(peak_memory_bytes(device)), device=device)
         if dist.is_initialized():
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        achieved = tokens_per_s * self.flops_per_token
-        out: dict[str, Any] = {"model_tflops_per_s": achieved / 1e12, "peak_memory_gib": peak.item() / 2**30}
-        if self.peak_flops is not None:
-            out["mfu"] = achieved / (self.peak_flops * self.world_size)
+        out: dict[str, Any] = {"peak_memory_gib": peak.item() / 2**30}
+        if self.flops_per_token is not None:  # None: a module of the user's own whose FLOPs cannot be counted
+            achieved = tokens_per_s * self.flops_per_token
+            out["model_tflops_per_s"] = achieved / 1e12
+            if self.peak_flops is not None:
+                out["mfu"] = achieved / (self.peak_flops * self.world_size)
         if self.engine.grad_norm is not None:
             out["grad_norm"] = float(self.engine.grad_norm)
         return out
