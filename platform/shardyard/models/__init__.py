@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,10 +20,11 @@ from shardyard.models.mlp import MLP, mse_loss
 from shardyard.spec import CustomSpec, GPTSpec, HFSpec, JobSpec, MLPSpec, ModuleSpec
 from shardyard.spec.factories import load_factory
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[Any, Any], torch.Tensor]  # (the model's output, the targets or the user's whole batch)
 
 
-def build_model(spec: GPTSpec | MLPSpec | HFSpec | CustomSpec | ModuleSpec, weights: InitialWeights | None = None) -> nn.Module:
+def build_model(spec: GPTSpec | MLPSpec | HFSpec | CustomSpec | ModuleSpec,
+                weights: InitialWeights | None = None) -> nn.Module:
     """The model, whole, on the caller's default device (under `torch.device("meta")`: shapes
     only), with `weights` (a model directory's: checkpoint/pretrained.py) or, without, drawn at
     random one unit at a time (initial_weights.py), as every strategy that shards it draws it."""

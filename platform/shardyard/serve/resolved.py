@@ -134,8 +134,8 @@ def _resolve(config: ServeConfig, use_gpu: bool) -> ResolvedConfig:
     model, engine, batching, follow = spec.model, config.engine, config.batching, config.follow
     if isinstance(model, ModuleSpec):
         raise ValueError(f"checkpoint: {checkpoint} holds a module of the user's own (model.name 'module'); serving "
-                         f"answers language models (and the MLP): `shardyard export {checkpoint} model.safetensors` "
-                         f"gives its weights for code of yours to serve")
+                         f"answers language models (and the MLP): `shardyard export {checkpoint} model.safetensors "
+                         f"--trust-factory {model.factory}` gives its weights for code of yours to serve")
     language = isinstance(model, LANGUAGE_MODELS)
     problem = sharding_problem(model, engine.num_shards, engine.sharding) if language else None
     if problem:
