@@ -44,7 +44,7 @@ class JobSpec(Section):
         if self.model.name == "mlp" and self.data.name != "synthetic":
             raise ValueError("model.name 'mlp' trains on data.name 'synthetic' only")
         self._check_own_task()
-        if (self.data.name == "corpus" and self.model.name not in ("mlp", "module") and self.model.vocab_size < 256
+        if (self.data.name == "corpus" and self.model.name != "mlp" and self.model.vocab_size < 256
                 and not getattr(self.model, "brings_tokenizer", False)):
             raise ValueError(f"data.name 'corpus' yields byte ids 0-255 for a model without a tokenizer: "
                              f"the model's vocab_size ({self.model.vocab_size}) must be at least 256")
