@@ -6,6 +6,7 @@ local Ray instance with this machine's CPUs. Only the run's length and storage a
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -163,13 +164,14 @@ def test_readme_default_job_on_a_one_gpu_machine_trains_at_once_and_says_where(t
 
 @pytest.mark.ray
 @pytest.mark.timeout(420)
-def test_a_task_of_the_users_own_trains_from_their_directory_and_resumes_under_fsdp_on_one_worker(
+def test_a_task_of_the_users_own_trains_from_their_directory_and_python_continues_it_under_fsdp(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """jobs/vision.py's image classifier as a user's own module, dataset and loss in their own
-    directory, `shardyard train` run there without PYTHONPATH (the spec's check on the driver and
-    the Ray Train workers of the local Ray it starts import it from there): DDP on 2 workers to
-    step 2, then the same run launched again under FSDP on 1 worker to step 4. Every sample once
-    (the ledger), and the parameters those of one process trained on the whole batch (plain SGD)."""
+    directory, run there without PYTHONPATH (the spec's check on the driver and the Ray Train
+    workers of the local Ray started for it import it from there): `shardyard train` with DDP on 2
+    workers to step 2, then the same run continued from Python (`shardyard.api.fit`, the functions
+    passed as objects) under FSDP on 1 worker to step 4. Every sample once (the ledger), and the
+    parameters those of one process trained on the whole batch (plain SGD)."""
     import shutil
 
     import torch
@@ -193,16 +195,21 @@ def test_a_task_of_the_users_own_trains_from_their_directory_and_resumes_under_f
         "batch: {global_batch_size: 16, micro_batch_size: 4}\n"
         f"checkpoint: {{storage_path: {tmp_path / 'runs'}, every_n_steps: 2}}\n"
         "run: {log_every: 1, sample_ledger: true}\n")
-    launches = (["--set", "run.steps=2"],
-                ["--set", "run.steps=4", "--set", "parallelism.strategy=fsdp", "--set", "scaling.num_workers=1"])
-    for overrides in launches:
+    (project / "train_more.py").write_text(
+        "from shardyard.api import fit, job\n"
+        "from vision import SyntheticImages, cross_entropy, small_cnn\n"
+        "spec = job('job.yaml', ['run.steps=4', 'parallelism.strategy=fsdp', 'scaling.num_workers=1'])\n"
+        "result = fit(spec, model=small_cnn, data=SyntheticImages, loss=cross_entropy)\n"
+        "print('trained to', result.checkpoint)\n")
+    run_dir = tmp_path / "runs" / "vision_ddp"
+    for command, steps_ in (([SHARDYARD, "train", "job.yaml", "--set", "run.steps=2"], 2),
+                            ([sys.executable, "train_more.py"], 4)):
         with ray_files_of_their_own() as ray_tmp:
             environment = {k: v for k, v in user_environment(ray_tmp).items() if k != "PYTHONPATH"}
-            done = subprocess.run([SHARDYARD, "train", "job.yaml", *overrides], cwd=project, env=environment,
-                                  capture_output=True, text=True, timeout=300)
+            done = subprocess.run(command, cwd=project, env=environment, capture_output=True, text=True, timeout=300)
         output = done.stdout + done.stderr
-        assert done.returncode == 0 and f"step {overrides[1][-1]}/{overrides[1][-1]}" in output, output[-4000:]
-    run_dir = tmp_path / "runs" / "vision_ddp"
+        assert done.returncode == 0 and f"step {steps_}/{steps_}" in output, output[-4000:]
+    assert f"trained to {run_dir / checkpoint_name(4)}" in output, output[-4000:]
     report = audit(run_dir, 96)
     assert report.steps == 4 and report.exact and report.world_sizes == [2, 2, 1, 1], report
 

@@ -4,7 +4,6 @@ unless RAY_ADDRESS names a cluster). jobs/train.py, the `ray job submit` entrypo
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import yaml
@@ -59,40 +58,18 @@ def run_train(config: str, overrides: list[str], attach_to_running: bool, take_o
 
 
 def _train(spec: JobSpec, attach_to_running: bool, take_over: bool) -> int:
-    from shardyard.checkpoint.record import newest_step
-    from shardyard.storage.store import RunStorage
-
-    for key in ("path", "validation_path"):  # said before Ray and torch load; the preflight checks the rest
-        path = getattr(spec.data, key)
-        if path is not None and "://" not in path and not os.path.exists(path):
-            print(f"shardyard: data.{key} {path!r} does not exist", file=sys.stderr)
-            return exit_codes.REFUSED
-    done = newest_step(RunStorage(spec.run_uri))
-    if done >= spec.run.steps:  # nothing to train: no Ray, no summary of 0 steps
-        print(f"shardyard: run '{spec.run.name}' is already at step {done} (run.steps={spec.run.steps}): "
-              f"nothing to train. Train it longer with --set run.steps={done + spec.run.steps}, or start "
-              f"a new run with --set run.name=NAME", file=sys.stderr)
-        return exit_codes.DONE
-    import ray
-
-    from shardyard.train.console import ray_console
-    from shardyard.train.launcher import launch  # imports Ray: only once the spec is valid
+    from shardyard.train.job import NothingToTrain, train_job
     from shardyard.train.outcomes import Preempted, RunGaveUp
 
-    # Ray forwards lines until this driver leaves it (a controller's traceback as it ends): the
-    # console filter stays in front of them until then. A caller already connected (a script, a
-    # notebook) stays connected.
-    connected_before = ray.is_initialized()
-    with ray_console(spec.run_uri, spec.run.name):
-        try:
-            launch(spec, attach_to_running=attach_to_running, take_over=take_over)
-        except RunGaveUp as err:  # a deterministic error: its message is the first line of the worker's
-            print(f"shardyard: {err}", file=sys.stderr)
-            return exit_codes.GAVE_UP
-        except Preempted as err:
-            print(f"shardyard: {err}", file=sys.stderr)
-            return exit_codes.INTERRUPTED if err.by == "Ctrl-C" else exit_codes.PREEMPTED
-        finally:
-            if not connected_before:
-                ray.shutdown()
+    try:
+        train_job(spec, attach_to_running, take_over)
+    except NothingToTrain as err:
+        print(f"shardyard: {err}", file=sys.stderr)
+        return exit_codes.DONE
+    except RunGaveUp as err:  # a deterministic error: its message is the first line of the worker's
+        print(f"shardyard: {err}", file=sys.stderr)
+        return exit_codes.GAVE_UP
+    except Preempted as err:
+        print(f"shardyard: {err}", file=sys.stderr)
+        return exit_codes.INTERRUPTED if err.by == "Ctrl-C" else exit_codes.PREEMPTED
     return exit_codes.DONE

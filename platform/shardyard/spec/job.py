@@ -166,8 +166,9 @@ class JobSpec(Section):
         return f"{self.checkpoint.storage_path.rstrip('/')}/{self.run.name}"
 
 
-def load_spec(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
-    """Read a YAML job spec (or start from defaults), apply `key.path=value` overrides, validate."""
+def load_spec(path: str | Path | dict[str, Any] | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
+    """Read a YAML job spec (or a mapping of what it would hold, or start from defaults), apply
+    `key.path=value` overrides, validate."""
     spec = parse_spec(read_yaml(path, overrides, "job spec"))
     refuse_storage_in_job_copy(spec.checkpoint.storage_path)
     # Absolute, so that Ray Train workers and the serving side agree on where runs and data live.

@@ -3,6 +3,7 @@ overrides, as one mapping for validation."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -11,11 +12,16 @@ import yaml
 from shardyard.spec.base import SpecError
 
 
-def read_yaml(path: str | Path | None, overrides: list[str] | tuple[str, ...], what: str) -> dict[str, Any]:
-    """A YAML spec file as a mapping (empty without a file), with `key.path=value` overrides applied.
-    A file may extend another (`base: other.yaml`, relative to the file): its keys are merged into
-    the base's, section by section, and the overrides come last."""
-    raw = _read_file(Path(path), what, ()) if path is not None else {}
+def read_yaml(path: str | Path | dict[str, Any] | None, overrides: list[str] | tuple[str, ...],
+              what: str) -> dict[str, Any]:
+    """A YAML spec file as a mapping (empty without a file; a mapping given instead of a file, as
+    the Python API takes one, copied), with `key.path=value` overrides applied. A file may extend
+    another (`base: other.yaml`, relative to the file): its keys are merged into the base's,
+    section by section, and the overrides come last."""
+    if isinstance(path, dict):
+        raw = copy.deepcopy(path)
+    else:
+        raw = _read_file(Path(path), what, ()) if path is not None else {}
     for item in overrides:
         apply_override(raw, item)
     return raw
