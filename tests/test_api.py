@@ -24,6 +24,15 @@ def test_a_job_from_a_file_or_a_dict_is_validated_with_its_overrides() -> None:
         job({"run": {"stepz": 3}})
 
 
+def test_a_dicts_factories_may_be_the_functions_themselves() -> None:
+    spec = job({"model": {"name": "module", "factory": small_cnn, "options": {"channels": 4}},
+                "data": {"name": "factory", "factory": SyntheticImages}, "loss": {"factory": cross_entropy}})
+    assert (spec.model.factory, spec.model.options) == ("jobs.vision:small_cnn", {"channels": 4})
+    assert (spec.data.factory, spec.loss.factory) == ("jobs.vision:SyntheticImages", "jobs.vision:cross_entropy")
+    with pytest.raises(SpecError, match="data.factory: 'inner' is defined in .*test_api, not at its top level"):
+        job({"data": {"name": "factory", "factory": make_inner()}})
+
+
 def test_functions_become_the_factories_workers_import() -> None:
     spec = with_functions(job({"model": {"name": "gpt"}}), small_cnn, SyntheticImages, cross_entropy)
     assert (spec.model.name, spec.model.factory) == ("module", "jobs.vision:small_cnn")

@@ -28,9 +28,16 @@ from shardyard.train.metrics import RunResult
 
 def job(config: str | Path | dict[str, Any] | None = None, overrides: Sequence[str] = ()) -> JobSpec:
     """A job spec, validated: from a YAML file (its `base:` files merged) or a dict holding what
-    the YAML would, with `--set`-style overrides ("optim.lr=3e-4"). Raises SpecError naming each
-    bad key, before anything starts."""
-    return load_spec(config, list(overrides))
+    the YAML would, where a section's `factory` may be the function itself, with `--set`-style
+    overrides ("optim.lr=3e-4"). Raises SpecError naming each bad key, before anything starts."""
+    return load_spec(_named_factories(config) if isinstance(config, dict) else config, list(overrides))
+
+
+def _named_factories(raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw` with each section's callable `factory` replaced by the name workers import it by."""
+    return {key: {**section, "factory": reference(section["factory"], f"{key}.factory")}
+            if isinstance(section, dict) and callable(section.get("factory")) else section
+            for key, section in raw.items()}
 
 
 def fit(spec: JobSpec, *, model: Callable[..., Any] | None = None, data: Callable[..., Any] | None = None,

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,11 +47,12 @@ SCRIPT_JOB = ["python", "jobs/train.py", "--config", "jobs/configs/gpt_ddp.yaml"
 
 
 def submit(cluster: dict[str, str], overrides: list[str], env: dict[str, str] | None = None,
-           entrypoint: list[str] = SCRIPT_JOB) -> str:
-    runtime = ["--runtime-env-json", json.dumps({"env_vars": env})] if env else []
+           entrypoint: list[str] = SCRIPT_JOB, working_dir: str = ".", py_modules: tuple[str, ...] = ()) -> str:
+    runtime_env = {**({"env_vars": env} if env else {}), **({"py_modules": list(py_modules)} if py_modules else {})}
+    runtime = ["--runtime-env-json", json.dumps(runtime_env)] if runtime_env else []
     deadline = time.monotonic() + 60
     while True:
-        answer = ray_job(cluster, "submit", "--no-wait", "--working-dir", ".", *runtime, "--",
+        answer = ray_job(cluster, "submit", "--no-wait", "--working-dir", working_dir, *runtime, "--",
                          *entrypoint, *[arg for o in overrides for arg in ("--set", o)])
         # Right after `ray start` the node's job agent may not be up yet; Ray says to try again.
         if "No available agent" not in answer.stderr or time.monotonic() > deadline:
@@ -143,3 +146,71 @@ def test_a_job_with_a_relative_storage_path_is_refused_with_the_fix(cluster) -> 
     assert re.search(r"failed", status, re.IGNORECASE), f"{status}\n{logs[-3000:]}"
     assert "checkpoint.storage_path 'runs' is relative" in logs, logs[-3000:]
     assert "--set checkpoint.storage_path=$PWD/runs" in logs and "Traceback" not in logs, logs[-3000:]
+
+
+USERS_SCRIPT = '''"""A user's training script: their model from a package of theirs, their data and loss
+from the directory beside this script, the spec a dict naming the functions themselves."""
+import sys
+
+from shardyard.api import fit, job
+
+from nets import tiny_cnn
+from vision import SyntheticImages, cross_entropy
+
+SPEC = {
+    "model": {"name": "module", "factory": tiny_cnn, "options": {"size": 8}},
+    "data": {"name": "factory", "factory": SyntheticImages, "options": {"num_samples": 96, "size": 8}},
+    "loss": {"factory": cross_entropy},
+    "optim": {"name": "sgd", "lr": 0.2, "schedule": "constant"},
+    "batch": {"global_batch_size": 16, "micro_batch_size": 4},
+    "checkpoint": {"every_n_steps": 2},
+    "run": {"name": "mine", "log_every": 1, "sample_ledger": True},
+}
+
+if __name__ == "__main__":
+    print("trained to", fit(job(SPEC, sys.argv[1:])).checkpoint)
+'''
+
+USERS_NETS = '''from torch import nn
+
+
+def tiny_cnn(channels: int = 4, classes: int = 10, size: int = 8) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(channels * size * size, classes))
+'''
+
+
+@pytest.mark.timeout(480)
+def test_a_users_own_code_reaches_the_workers_through_the_runtime_environment(cluster, tmp_path: Path) -> None:
+    """Code that is neither in the checkout nor installed: a script calling `shardyard.api.fit`,
+    with the dataset and loss beside it, submitted with `--working-dir` and the model's package
+    with `py_modules`, trains on 2 workers to step 2; then the same run goes on to step 4 on 1
+    worker the way a notebook on the cluster does, `ray.init(runtime_env=...)` and `fit`. Every
+    sample once across both."""
+    from shardyard.data.ledger import audit
+
+    project, packages = tmp_path / "project", tmp_path / "packages"
+    (packages / "nets").mkdir(parents=True)
+    (packages / "nets" / "__init__.py").write_text(USERS_NETS)
+    project.mkdir()
+    shutil.copy(REPO / "jobs" / "vision.py", project / "vision.py")
+    (project / "train_mine.py").write_text(USERS_SCRIPT)
+    runs = f"checkpoint.storage_path={tmp_path / 'runs'}"
+    status, logs = wait_until_done(cluster, submit(
+        cluster, [], entrypoint=["python", "train_mine.py", runs, "run.steps=2", "scaling.num_workers=2"],
+        working_dir=str(project), py_modules=(str(packages / "nets"),)))
+    assert re.search(r"succeeded", status, re.IGNORECASE) and "step 2/2" in logs, f"{status}\n{logs[-3000:]}"
+
+    notebook = ("import sys, ray\n"
+                f"sys.path.insert(0, {str(packages)!r})\n"  # where the notebook's kernel finds the package
+                f"ray.init(address='auto', runtime_env={{'working_dir': '.', 'py_modules': [{str(packages / 'nets')!r}]}})\n"
+                "from shardyard.api import fit, job\n"
+                "from train_mine import SPEC\n"
+                f"print('trained to', fit(job(SPEC, [{runs!r}, 'run.steps=4', 'scaling.num_workers=1'])).checkpoint)\n")
+    done = subprocess.run([sys.executable, "-c", notebook], cwd=project, capture_output=True, text=True,
+                          timeout=300, env=cluster)
+    output = done.stdout + done.stderr
+    run_dir = tmp_path / "runs" / "mine"
+    assert done.returncode == 0 and f"trained to {run_dir / 'checkpoint_step_00000004'}" in output, output[-4000:]
+    report = audit(run_dir, 96)
+    assert report.exact and report.world_sizes == [2, 2, 1, 1], report
