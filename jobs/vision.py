@@ -1,11 +1,13 @@
 """An image classifier, as a task of your own: a small CNN, a synthetic image dataset made in the
 process (no download) and the cross-entropy loss, named by jobs/configs/vision_ddp.yaml as
-`model.factory`, `data.factory` and `loss.factory`. Any module, map-style dataset and loss of
+`model.factory`, `data.factory` and `loss.factory`, and the accuracy it is validated by
+(`metrics.factory`). Any module, map-style dataset and loss of
 yours plug in the same way."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -22,12 +24,15 @@ def small_cnn(channels: int = 16, classes: int = 10, size: int = 16) -> nn.Modul
 
 class SyntheticImages(torch.utils.data.Dataset):
     """`num_samples` 3 x size x size images, each one of `classes` fixed random patterns plus
-    noise, labelled with its pattern: learnable, and the same on every worker (drawn from `seed`)."""
+    noise, labelled with its pattern: learnable, and the same on every worker (drawn from `seed`).
+    The validation split shows the same patterns with labels and noise drawn apart."""
 
     def __init__(self, num_samples: int = 1024, classes: int = 10, size: int = 16, noise: float = 0.5,
-                 seed: int = 0) -> None:
+                 seed: int = 0, split: Literal["train", "validation"] = "train") -> None:
         g = torch.Generator().manual_seed(seed)
         patterns = torch.randn(classes, 3, size, size, generator=g)
+        if split == "validation":
+            g.manual_seed(seed + (1 << 32))
         self.labels = torch.randint(classes, (num_samples,), generator=g)
         self.images = patterns[self.labels] + noise * torch.randn(num_samples, 3, size, size, generator=g)
 
@@ -43,3 +48,10 @@ def cross_entropy() -> Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor]
     def loss(logits: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return F.cross_entropy(logits.float(), batch[1])
     return loss
+
+
+def accuracy() -> Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]:
+    """The validation metric: the fraction of a batch's images whose highest logit is their label."""
+    def measure(logits: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"accuracy": (logits.argmax(dim=-1) == batch[1]).float().mean()}
+    return measure

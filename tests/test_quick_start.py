@@ -191,6 +191,7 @@ def test_a_task_of_the_users_own_trains_from_their_directory_and_python_continue
         "model: {factory: 'vision:small_cnn', options: {channels: 4, size: 8}}\n"
         "data: {factory: 'vision:SyntheticImages', options: {num_samples: 96, size: 8}}\n"
         "loss: {factory: 'vision:cross_entropy'}\n"
+        "metrics: {factory: 'vision:accuracy'}\n"
         "optim: {name: sgd, lr: 0.2, grad_clip: 0.0, schedule: constant}\n"  # a schedule spans run.steps
         "batch: {global_batch_size: 16, micro_batch_size: 4}\n"
         f"checkpoint: {{storage_path: {tmp_path / 'runs'}, every_n_steps: 2}}\n"
@@ -209,6 +210,7 @@ def test_a_task_of_the_users_own_trains_from_their_directory_and_python_continue
             done = subprocess.run(command, cwd=project, env=environment, capture_output=True, text=True, timeout=300)
         output = done.stdout + done.stderr
         assert done.returncode == 0 and f"step {steps_}/{steps_}" in output, output[-4000:]
+        assert "val accuracy" in output, output[-4000:]  # validated at each launch's last step (metrics.factory)
     assert f"trained to {run_dir / checkpoint_name(4)}" in output, output[-4000:]
     report = audit(run_dir, 96)
     assert report.steps == 4 and report.exact and report.world_sizes == [2, 2, 1, 1], report

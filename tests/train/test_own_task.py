@@ -16,17 +16,20 @@ import torch
 
 from shardyard.checkpoint.loaders import find_latest, load_model
 from shardyard.checkpoint.record import checkpoint_name
-from shardyard.data import build_dataset
+from shardyard.data import build_dataset, build_validation
 from shardyard.localdist import run_distributed
 from shardyard.serve.resolved import load_config
-from shardyard.models import build_model
+from shardyard.models import build_model, metrics_fn_for
 from shardyard.parallel import single_process
+from shardyard.parallel.engine import measured
 from shardyard.spec import JobSpec, SpecError, parse_spec, validate
 from shardyard.train.efficiency import module_flops_per_sample
+from shardyard.train.metrics import read_metrics
 from shardyard.train.trainer import Trainer
 from helpers.oracle import PARAM_TOL, SGD, steps
 
 STEPS = 4
+VALIDATION = 40  # 2 whole global batches of 16 are validated, the 8 left over never
 STRATEGIES = ("ddp", "fsdp", "zero2")
 
 
@@ -34,8 +37,11 @@ def vision_job(strategy: str, world: int, storage: Path | None = None, steps_: i
     return {
         "model": {"name": "module", "factory": "jobs.vision:small_cnn", "options": {"channels": 4, "size": 8}},
         "data": {"name": "factory", "factory": "jobs.vision:SyntheticImages",
-                 "options": {"num_samples": 96, "size": 8, "seed": 3}},
+                 "options": {"num_samples": 96, "size": 8, "seed": 3},
+                 "validation_options": {"num_samples": VALIDATION, "split": "validation"}},
         "loss": {"factory": "jobs.vision:cross_entropy"},
+        "metrics": {"factory": "jobs.vision:accuracy"},
+        "eval": {"every_n_steps": 2, "batches": 4},  # the 2 whole global batches there are
         "optim": SGD | {"lr": 0.2},
         "batch": {"global_batch_size": 16, "micro_batch_size": 4},  # accumulation 2 on 2 ranks, 4 on 1
         "parallelism": {"strategy": strategy},
@@ -47,6 +53,12 @@ def vision_job(strategy: str, world: int, storage: Path | None = None, steps_: i
 
 def oracle() -> dict[str, torch.Tensor]:
     """STEPS steps in one process on the whole global batch of 16."""
+    return oracle_run()[0]
+
+
+def oracle_run() -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The parameters after STEPS steps in one process on the whole global batch of 16, and its
+    validation then: the loss and accuracy over the first 32 validation samples in one pass."""
     raw = vision_job("ddp", 1)
     raw["batch"] = {"global_batch_size": 16, "micro_batch_size": 16}
     raw["scaling"] = {"num_workers": 1}
@@ -54,7 +66,9 @@ def oracle() -> dict[str, torch.Tensor]:
     torch.manual_seed(spec.run.seed)
     engine = single_process(spec, build_model(spec.model), torch.device("cpu"))
     steps(engine, spec, 0, STEPS)
-    return {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    validated = engine.validate([build_validation(spec).batch(torch.arange(32))], metrics_fn_for(spec))
+    return ({k: v.detach().clone() for k, v in engine.model.state_dict().items()},
+            {f"val_{name}": value.item() for name, value in validated.items()})
 
 
 def train_each_strategy(rank: int, world: int, out: str) -> dict[str, str | None]:
@@ -77,9 +91,14 @@ def train_until(rank: int, world: int, raw: dict, until: int | None) -> None:
 @pytest.mark.timeout(600)
 def test_own_model_data_and_loss_train_as_one_process_under_each_strategy(tmp_path: Path) -> None:
     failures = run_distributed(train_each_strategy, 2, str(tmp_path))[0]
-    expected = oracle()
+    expected, validated = oracle_run()
+    assert 0 < validated["val_accuracy"] < 1, validated  # a metric that can differ
     for strategy in STRATEGIES:
         assert failures[strategy] is None, f"{strategy}:\n{failures[strategy]}"
+        last = read_metrics(tmp_path / strategy / "run")[-1]
+        assert last["step"] == STEPS and "val_perplexity" not in last, last
+        for name, value in validated.items():  # the validation of ranks' shares is the whole one's
+            assert last[name] == pytest.approx(value, abs=1e-5), f"{strategy}: {name} {last}"
         got = load_model(find_latest(tmp_path / strategy / "run"), trust_factory="jobs.vision:small_cnn").state_dict()
         for name, value in expected.items():
             torch.testing.assert_close(got[name], value, rtol=0, atol=PARAM_TOL, msg=f"{strategy}: {name}")
@@ -117,6 +136,10 @@ def test_own_task_stopped_on_two_ranks_resumes_on_one_and_is_not_served(tmp_path
     ({"loss": {"factory": "jobs.vision:no_such_loss"}}, "loss.factory: 'jobs.vision' has no function 'no_such_loss'"),
     ({"data": {"name": "factory", "factory": "no_such_package:images"}}, "data.factory: cannot import 'no_such_package'"),
     ({"data": {"name": "factory"}}, "data.factory names the dataset of data.name 'factory'"),
+    ({"eval": {}}, "metrics.factory is computed at validation: set eval.every_n_steps"),
+    ({"data": {"name": "factory", "factory": "jobs.vision:SyntheticImages"}},
+     "eval.every_n_steps validates a task of the user's own on data.validation_options"),
+    ({"metrics": {"factory": "jobs.vision:no_such_metric"}}, "metrics.factory: 'jobs.vision' has no function"),
 ])
 def test_the_spec_refuses_what_a_task_of_ones_own_cannot_do(change: dict, message: str) -> None:
     raw = vision_job("ddp", 2)
@@ -127,10 +150,18 @@ def test_the_spec_refuses_what_a_task_of_ones_own_cannot_do(change: dict, messag
         validate(JobSpec, raw, "job spec")
 
 
-def test_a_language_model_keeps_its_own_loss_and_data() -> None:
+def test_a_language_model_keeps_its_own_loss_data_and_validation() -> None:
     raw = {"model": {"name": "gpt"}, "loss": {"factory": "jobs.vision:cross_entropy"}}
     with pytest.raises(SpecError, match="model.name 'gpt' has its own"):
         validate(JobSpec, raw, "job spec")
+    with pytest.raises(SpecError, match="model.name 'gpt' is validated by its loss and perplexity"):
+        validate(JobSpec, {"model": {"name": "gpt"}, "metrics": {"factory": "jobs.vision:accuracy"}}, "job spec")
+
+
+def test_metrics_that_are_not_a_dict_of_names_are_refused_by_name() -> None:
+    for wrong in (lambda outputs, batch: 0.5, lambda outputs, batch: {"loss": 0.5}):
+        with pytest.raises(TypeError, match="must return a dict of names .other than 'loss'"):
+            measured(wrong, None, None)
 
 
 class ReadsAValue(torch.nn.Module):

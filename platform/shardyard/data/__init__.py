@@ -45,6 +45,8 @@ def build_validation(spec: JobSpec) -> Dataset | None:
     data = spec.data
     if spec.eval.every_n_steps is None:
         return None
+    if data.name == "factory":
+        return user_dataset(data, "validation")
     path, split = validation_source(data.path, data.validation_path)
     return open_split(path, split, spec.model.block_size, data.cache_dir, data.cache_bytes)
 

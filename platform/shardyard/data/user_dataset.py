@@ -35,6 +35,9 @@ def model_input(batch: Any) -> Any:
     return batch[0] if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)) else batch
 
 
-def user_dataset(data: DataSpec) -> UserDataset:
-    samples = load_factory(data.factory)(**data.options)
+def user_dataset(data: DataSpec, split: str = "train") -> UserDataset:
+    """The training split: data.factory(**data.options); the validation split: data.factory called
+    with data.validation_options over them."""
+    options = data.options if split == "train" else {**data.options, **(data.validation_options or {})}
+    samples = load_factory(data.factory)(**options)
     return UserDataset(samples, load_factory(data.collate) if data.collate else default_collate)

@@ -7,7 +7,7 @@ blocks to wrap one by one."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -21,6 +21,8 @@ from shardyard.spec import CustomSpec, GPTSpec, HFSpec, JobSpec, MLPSpec, Module
 from shardyard.spec.factories import load_factory
 
 LossFn = Callable[[Any, Any], torch.Tensor]  # (the model's output, the targets or the user's whole batch)
+# (the model's output, a validation batch) -> {name: the mean over the batch's samples}
+MetricsFn = Callable[[Any, Any], Mapping[str, Any]]
 
 
 def build_model(spec: GPTSpec | MLPSpec | HFSpec | CustomSpec | ModuleSpec,
@@ -116,5 +118,10 @@ def loss_fn_for(spec: JobSpec) -> LossFn:
     return mse_loss if isinstance(spec.model, MLPSpec) else lm_loss
 
 
-__all__ = ["GPT", "MLP", "LossFn", "build_for_job", "build_model", "give_storage", "loss_fn_for", "materialise",
-           "new_model", "repeated_blocks"]
+def metrics_fn_for(spec: JobSpec) -> MetricsFn | None:
+    """The validation metrics of a task of the user's own (`metrics.factory`), if it names them."""
+    return None if spec.metrics is None else load_factory(spec.metrics.factory)(**spec.metrics.options)
+
+
+__all__ = ["GPT", "MLP", "LossFn", "MetricsFn", "build_for_job", "build_model", "give_storage", "loss_fn_for",
+           "materialise", "metrics_fn_for", "new_model", "repeated_blocks"]

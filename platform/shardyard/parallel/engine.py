@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from shardyard.models import LossFn
+from shardyard.models import LossFn, MetricsFn
 from shardyard.optim import Schedule
 from shardyard.runtime import autocast
 
@@ -126,16 +126,20 @@ class Engine:
         return total
 
     @torch.no_grad()
-    def eval_loss(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
-        """This rank's mean loss over its micro-batches of one global batch, in eval mode (no
-        dropout) and without gradients: validation. Zero where the rank holds no loss."""
+    def validate(self, micro_batches: Sequence[MicroBatch], metrics: MetricsFn | None = None) -> dict[str, torch.Tensor]:
+        """This rank's mean loss (and `metrics`' values) over its micro-batches of one global batch,
+        in eval mode (no dropout) and without gradients. Zero where the rank holds no loss."""
+        totals: dict[str, torch.Tensor] = {}
         with evaluating(self.parts):
-            total = torch.zeros((), device=self.device)
             for inputs, targets in micro_batches:
                 with autocast(self.device, self.amp_dtype):
                     outputs = self.model(to_device(inputs, self.device))
-                total += self.loss_fn(outputs, to_device(targets, self.device)) / len(micro_batches)
-        return total
+                targets = to_device(targets, self.device)
+                values = {"loss": self.loss_fn(outputs, targets), **measured(metrics, outputs, targets)}
+                for name, value in values.items():
+                    share = torch.as_tensor(value, dtype=torch.float32, device=self.device) / len(micro_batches)
+                    totals[name] = totals.get(name, 0) + share
+        return totals
 
     def train_step(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
         """One optimizer step; returns this rank's mean loss (zero where it holds none)."""
@@ -193,6 +197,17 @@ class Engine:
             for same_kind in kinds.values():  # DTensors of different meshes cannot be scaled in one call
                 torch.nn.utils.clip_grads_with_norm_(same_kind, max_norm, total, foreach=True)
         return total
+
+
+def measured(metrics: MetricsFn | None, outputs: Any, batch: Any) -> Mapping[str, Any]:
+    """The user's metrics of one validation batch, checked: a mapping of names to scalars."""
+    if metrics is None:
+        return {}
+    values = metrics(outputs, batch)
+    if not isinstance(values, Mapping) or "loss" in values:
+        raise TypeError(f"metrics.factory's function returned {type(values).__name__}: it must return a dict of "
+                        f"names (other than 'loss', which val_loss reports) to scalars")
+    return values
 
 
 @contextlib.contextmanager

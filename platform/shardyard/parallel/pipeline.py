@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from shardyard.models import materialise
+from shardyard.models import MetricsFn, materialise
 from shardyard.models.initial_weights import InitialWeights
 from shardyard.parallel.engine import Engine, MicroBatch, evaluating
 from shardyard.runtime import autocast
@@ -75,9 +75,10 @@ class PipelineEngine(Engine):
         return self._run(self.schedule.step, micro_batches)
 
     @torch.no_grad()
-    def eval_loss(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
+    def validate(self, micro_batches: Sequence[MicroBatch], metrics: MetricsFn | None = None) -> dict[str, torch.Tensor]:
+        # A language model's loss only: metrics.factory is for modules of the user's own, never pipelined.
         with evaluating(self.parts):
-            return self._run(self.schedule.eval, micro_batches)  # the same schedule, forward only
+            return {"loss": self._run(self.schedule.eval, micro_batches)}  # the same schedule, forward only
 
     def _run(self, schedule_step, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
         inputs = torch.cat([x for x, _ in micro_batches]).to(self.device)

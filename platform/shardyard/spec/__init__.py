@@ -12,7 +12,7 @@ transformers only for a Hugging Face model, whose config it checks).
     loading.py   YAML, `base:` files, `--set` overrides
     factories.py the user's functions a spec names ('package.module:function')
     models.py    the model section (gpt, mlp, hf, custom, module)
-    sections.py  data, loss, optim, batch, parallelism, scaling, checkpoint, eval, run
+    sections.py  data, loss, metrics, optim, batch, parallelism, scaling, checkpoint, eval, run
     job.py       JobSpec, the rules across its sections, load_spec
 """
 
@@ -22,11 +22,11 @@ from shardyard.spec.loading import apply_override, read_yaml
 from shardyard.spec.models import (FACTORY_MODELS, LANGUAGE_MODELS, TOKENIZER_FILES, CustomSpec, GPTSpec, HFSpec, MLPSpec,
                                    ModelSpec, ModuleSpec)
 from shardyard.spec.sections import (PUBLISHING, ZERO_STAGES, BatchSpec, CheckpointSpec, DataSpec, EvalSpec, LossSpec,
-                                     OptimSpec, ParallelismSpec, RunSpec, ScalingSpec, Strategy)
+                                     MetricsSpec, OptimSpec, ParallelismSpec, RunSpec, ScalingSpec, Strategy)
 
 __all__ = ["STORED", "Section", "SpecError", "did_you_mean", "members", "read_from_storage", "validate", "JobSpec",
            "load_spec", "parse_spec", "refuse_storage_in_job_copy", "apply_override", "read_yaml", "FACTORY_MODELS",
-           "LANGUAGE_MODELS", "ModuleSpec", "LossSpec",
+           "LANGUAGE_MODELS", "ModuleSpec", "LossSpec", "MetricsSpec",
            "TOKENIZER_FILES", "CustomSpec", "GPTSpec", "HFSpec", "MLPSpec", "ModelSpec", "PUBLISHING", "ZERO_STAGES",
            "BatchSpec", "CheckpointSpec", "DataSpec", "EvalSpec", "OptimSpec", "ParallelismSpec", "RunSpec",
            "ScalingSpec", "Strategy"]

@@ -15,7 +15,7 @@ from shardyard.spec.base import Section, SpecError, read_from_storage, validate
 from shardyard.spec.loading import read_yaml
 from shardyard.spec.models import GPTSpec, ModelSpec
 from shardyard.spec.sections import (PUBLISHING, ZERO_STAGES, BatchSpec, CheckpointSpec, DataSpec, EvalSpec,
-                                     LossSpec, OptimSpec, ParallelismSpec, RunSpec, ScalingSpec)
+                                     LossSpec, MetricsSpec, OptimSpec, ParallelismSpec, RunSpec, ScalingSpec)
 from shardyard.storage.store import local_path_of
 
 
@@ -30,6 +30,8 @@ class JobSpec(Section):
     run: RunSpec = Field(default_factory=RunSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
     loss: LossSpec | None = Field(None, description="the loss of a task of the user's own (model.name 'module')")
+    metrics: MetricsSpec | None = Field(None, description="validation metrics of a task of the user's own "
+                                        "(model.name 'module', with eval.every_n_steps)")
 
     @model_validator(mode="before")
     @classmethod
@@ -50,8 +52,9 @@ class JobSpec(Section):
                              f"the model's vocab_size ({self.model.vocab_size}) must be at least 256")
         if self.eval.every_n_steps is not None and self.parallelism.strategy == "parameter_server":
             raise ValueError("eval.every_n_steps is not supported with parallelism.strategy 'parameter_server'")
-        if self.eval.every_n_steps is not None and self.data.name != "shards":
-            raise ValueError("eval.every_n_steps needs data.name 'shards' (a validation split, or data.validation_path)")
+        if self.eval.every_n_steps is not None and self.data.name not in ("shards", "factory"):
+            raise ValueError("eval.every_n_steps needs data.name 'shards' (a validation split, or "
+                             "data.validation_path) or 'factory' (data.validation_options)")
         if self.data.validation_path is not None and self.data.name != "shards":
             raise ValueError("data.validation_path applies to data.name 'shards' only")
         if self.data.path is not None and self.data.name == "synthetic":
@@ -115,6 +118,16 @@ class JobSpec(Section):
         if not own and self.data.name == "factory":
             raise ValueError(f"data.name 'factory' feeds a module of the user's own (model.name 'module'), not "
                              f"model.name '{self.model.name}'")
+        if not own and self.metrics is not None:
+            raise ValueError(f"metrics.factory measures a module of the user's own (model.name 'module'); "
+                             f"model.name '{self.model.name}' is validated by its loss and perplexity")
+        validates = self.eval.every_n_steps is not None
+        if self.metrics is not None and not validates:
+            raise ValueError("metrics.factory is computed at validation: set eval.every_n_steps and "
+                             "data.validation_options")
+        if own and validates != (self.data.validation_options is not None):
+            raise ValueError("eval.every_n_steps validates a task of the user's own on data.validation_options "
+                             "(data.factory's options for the validation split): set both, or neither")
 
     def _check_parameter_server(self) -> None:
         slots, batch = self.scaling.world_sizes[-1], self.batch

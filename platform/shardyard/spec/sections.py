@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
@@ -36,6 +36,9 @@ class DataSpec(Section):
     collate: str | None = Field(
         None, description="`factory`: 'package.module:function' making a batch of a list of samples (default: "
         "torch's default_collate, which stacks tensors and numbers and keeps tuples and dicts)")
+    validation_options: dict[str, Any] | None = Field(
+        None, description="`factory`: the validation split, data.factory called with these over data.options "
+        "({split: val}, {seed: 1}); eval.every_n_steps validates on it")
 
     @model_validator(mode="after")
     def _shards_have_a_path(self, info: ValidationInfo) -> DataSpec:
@@ -43,8 +46,9 @@ class DataSpec(Section):
             raise ValueError("data.name 'shards' needs data.path: the directory `shardyard prepare` wrote")
         if (self.name == "factory") != (self.factory is not None):
             raise ValueError("data.factory names the dataset of data.name 'factory', and only of it")
-        if self.collate is not None and self.name != "factory":
-            raise ValueError("data.collate applies to data.name 'factory' only")
+        for key in ("collate", "validation_options"):
+            if getattr(self, key) is not None and self.name != "factory":
+                raise ValueError(f"data.{key} applies to data.name 'factory' only")
         if not read_from_storage(info):
             for key, reference in (("data.factory", self.factory), ("data.collate", self.collate)):
                 if reference is not None:
@@ -52,17 +56,33 @@ class DataSpec(Section):
         return self
 
 
-class LossSpec(Section):
+class FunctionSection(Section):
+    """A section naming a function of the user's: `factory`, called with `options`, imported when the
+    spec is validated to check it (never for a spec read from a run directory, which names code)."""
+
+    key: ClassVar[str]
+    factory: str
+    options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments the factory is called with")
+
+    @model_validator(mode="after")
+    def _factory_exists(self, info: ValidationInfo) -> FunctionSection:
+        if not read_from_storage(info):
+            check_factory(f"{self.key}.factory", self.factory)
+        return self
+
+
+class LossSpec(FunctionSection):
+    key: ClassVar[str] = "loss"
     factory: str = Field(description="'package.module:function', called with loss.options, returning the loss: "
                          "a function of the model's output and the batch giving a scalar tensor, the mean over "
                          "the batch's samples (micro-batches are averaged as equal shares of the global batch)")
-    options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of loss.factory")
 
-    @model_validator(mode="after")
-    def _factory_exists(self, info: ValidationInfo) -> LossSpec:
-        if not read_from_storage(info):
-            check_factory("loss.factory", self.factory)
-        return self
+
+class MetricsSpec(FunctionSection):
+    key: ClassVar[str] = "metrics"
+    factory: str = Field(description="'package.module:function', called with metrics.options, returning a "
+                         "function of the model's output and a validation batch giving {name: scalar}, each the "
+                         "mean over the batch's samples; logged as val_<name> beside val_loss")
 
 
 class OptimSpec(Section):

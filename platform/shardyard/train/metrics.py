@@ -75,8 +75,9 @@ class Progress:
                 f" | world {metrics['world_size']}")
         if "mfu" in metrics:
             text += f" | MFU {metrics['mfu']:.1%}"
-        if "val_loss" in metrics:
-            text += f" | val loss {metrics['val_loss']:.4f}"
+        for name, value in metrics.items():  # val_loss, and a task of the user's own's metrics
+            if name.startswith("val_") and name != "val_perplexity":
+                text += f" | {name.replace('_', ' ')} {value:.4f}"
         if self._bar is None:
             print(text, flush=True)
         else:
@@ -177,7 +178,7 @@ def summarize(run_dir: str | Path, title: str, wall_s: float) -> dict[str, Any]:
     # The first interval includes start-up and warm-up; leave it out of the steady-state rate.
     steady = rows[1:] or rows
     validated = [r for r in rows if "val_loss" in r]
-    last_validation = {"val_loss": validated[-1]["val_loss"], "val_perplexity": validated[-1]["val_perplexity"],
+    last_validation = {**{k: v for k, v in validated[-1].items() if k.startswith("val_")},
                        "best_val_loss": min(r["val_loss"] for r in validated)} if validated else {}
     return {
         "steps": rows[-1]["step"],

@@ -26,8 +26,6 @@ from shardyard.spec import JobSpec
 TENSORBOARD_DIR = "tensorboard"
 SCALARS = ("loss", "lr", "tokens_per_s", "samples_per_s", "step_time_s", "world_size", "model_tflops_per_s",
            "mfu", "peak_memory_gib", "grad_norm")
-VALIDATION = ("val_loss", "val_perplexity")
-
 
 class Tracker(Protocol):
     def log(self, row: dict[str, Any]) -> None: ...
@@ -38,7 +36,9 @@ class Tracker(Protocol):
 def scalars(row: dict[str, Any]) -> dict[str, float]:
     """A metrics row's numbers, named as every tracker shows them: train/... and validation/..."""
     out = {f"train/{key}": float(row[key]) for key in SCALARS if isinstance(row.get(key), (int, float))}
-    out |= {f"validation/{key.removeprefix('val_')}": float(row[key]) for key in VALIDATION if key in row}
+    # val_loss, a language model's val_perplexity, a task of the user's own's metrics.factory values
+    out |= {f"validation/{key.removeprefix('val_')}": float(value) for key, value in row.items()
+            if key.startswith("val_") and isinstance(value, (int, float))}
     return out
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from shardyard.data import (Dataset, GlobalSampleOrder, SequentialOrder, build_dataset, build_validation,
                             micro_batch_ids)
-from shardyard.models import build_for_job
+from shardyard.models import build_for_job, metrics_fn_for
 from shardyard.parallel import Engine, build_engine
 from shardyard.layout.world_size import at_world_size
 from shardyard.planner import ModelShape
@@ -71,6 +71,10 @@ class Trainer:
         self.engine = engine
         self.dataset = dataset
         self.validation = validation  # evaluated every eval.every_n_steps, when given
+        self.metrics = metrics_fn_for(spec)
+        if validation is not None and len(validation) < spec.batch.global_batch_size:  # shards: said by preflight
+            raise ValueError(f"eval.every_n_steps: the validation split holds {len(validation)} samples, fewer "
+                             f"than one global batch ({spec.batch.global_batch_size})")
         self.checkpoints = checkpoints
         self.rank, self.world_size = rank, world_size
         self.callbacks = list(callbacks)
@@ -224,22 +228,29 @@ class Trainer:
         return checkpoint_scheduled(self.spec, step)
 
     def evaluate(self) -> dict[str, float]:
-        """Collective: the mean loss over the first `eval.batches` global batches of validation
-        samples (as many whole ones as there are, if fewer), dealt to ranks as training batches
-        are; the same samples at every evaluation and any world size."""
+        """Collective: the mean loss (and metrics.factory's values) over the first `eval.batches`
+        global batches of validation samples (as many whole ones as there are, if fewer), dealt
+        to ranks as training batches are; the same samples at every evaluation and any world size."""
         micro = self.spec.batch.micro_batch_size
         accum = self.global_batch // (micro * self.engine.dp_size)
         batches = min(self.spec.eval.batches, len(self.validation) // self.global_batch)
         order = SequentialOrder(len(self.validation))
-        total = torch.zeros((), device=self.engine.device)
+        totals: dict[str, torch.Tensor] = {}
         for batch in range(batches):
             ids = micro_batch_ids(order, batch * self.global_batch, self.engine.dp_rank, self.engine.dp_size,
                                   micro, accum)
-            total += self.engine.eval_loss([self.validation.batch(i) for i in ids])
+            values = self.engine.validate([self.validation.batch(i) for i in ids], self.metrics)
+            for name, value in values.items():
+                totals[name] = totals.get(name, 0) + value
+        names = sorted(totals)  # the same on every rank: one all-reduce of them all
+        summed = torch.stack([totals[name] for name in names])
         if dist.is_initialized():
-            dist.all_reduce(total)
-        loss = total.item() / (batches * self.engine.loss_ranks)
-        return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0))}
+            dist.all_reduce(summed)
+        means = dict(zip(names, (summed / (batches * self.engine.loss_ranks)).tolist()))
+        out = {f"val_{name}": value for name, value in means.items()}
+        if isinstance(self.spec.model, LANGUAGE_MODELS):
+            out["val_perplexity"] = math.exp(min(means["loss"], 700.0))
+        return out
 
     def _efficiency(self, tokens_per_s: float) -> dict[str, Any]:
         """Achieved model FLOP/s, MFU (where the device's peak is known), the most memory any rank
