@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardyard.data import GlobalSampleOrder, build_dataset, micro_batch_ids
+from shardyard.data import build_dataset, micro_batch_ids, sample_order
 from shardyard.layout.world_size import grad_accum_steps
 from shardyard.models import build_model
 from shardyard.parallel import single_process
@@ -59,7 +59,7 @@ def steps(engine, spec, start: int, stop: int, grad_norms: list[float] | None = 
     every step): train from step `start` to `stop`, return the global mean loss of each step
     (and append each step's gradient norm to `grad_norms`)."""
     dataset = build_dataset(spec)
-    order = GlobalSampleOrder(len(dataset), spec.run.seed)
+    order = sample_order(dataset, spec.run.seed)
     accum = grad_accum_steps(spec, dist.get_world_size() if dist.is_initialized() else 1)
     losses = []
     for step in range(start, stop):

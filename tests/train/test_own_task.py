@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import re
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from shardyard.checkpoint.loaders import find_latest, load_model
 from shardyard.checkpoint.record import checkpoint_name
-from shardyard.data import build_dataset, build_validation
+from shardyard.data import UserStream, build_dataset, build_validation
+from shardyard.data.ledger import audit
 from shardyard.localdist import run_distributed
 from shardyard.serve.resolved import load_config
 from shardyard.models import build_model, metrics_fn_for
@@ -25,19 +28,21 @@ from shardyard.parallel.engine import measured
 from shardyard.spec import JobSpec, SpecError, parse_spec, validate
 from shardyard.train.efficiency import module_flops_per_sample
 from shardyard.train.metrics import read_metrics
+from shardyard.train.callbacks import LedgerCallback, group_attempt
 from shardyard.train.trainer import Trainer
 from helpers.oracle import PARAM_TOL, SGD, steps
+from jobs.vision import SyntheticImages
 
 STEPS = 4
 VALIDATION = 40  # 2 whole global batches of 16 are validated, the 8 left over never
 STRATEGIES = ("ddp", "fsdp", "zero2")
 
 
-def vision_job(strategy: str, world: int, storage: Path | None = None, steps_: int = STEPS) -> dict:
+def vision_job(strategy: str, world: int, storage: Path | None = None, steps_: int = STEPS,
+               dataset: str = "jobs.vision:SyntheticImages", num_samples: int = 96) -> dict:
     return {
         "model": {"name": "module", "factory": "jobs.vision:small_cnn", "options": {"channels": 4, "size": 8}},
-        "data": {"name": "factory", "factory": "jobs.vision:SyntheticImages",
-                 "options": {"num_samples": 96, "size": 8, "seed": 3},
+        "data": {"name": "factory", "factory": dataset, "options": {"num_samples": num_samples, "size": 8, "seed": 3},
                  "validation_options": {"num_samples": VALIDATION, "split": "validation"}},
         "loss": {"factory": "jobs.vision:cross_entropy"},
         "metrics": {"factory": "jobs.vision:accuracy"},
@@ -51,15 +56,15 @@ def vision_job(strategy: str, world: int, storage: Path | None = None, steps_: i
     }
 
 
-def oracle() -> dict[str, torch.Tensor]:
+def oracle(**data: Any) -> dict[str, torch.Tensor]:
     """STEPS steps in one process on the whole global batch of 16."""
-    return oracle_run()[0]
+    return oracle_run(**data)[0]
 
 
-def oracle_run() -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+def oracle_run(**data: Any) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """The parameters after STEPS steps in one process on the whole global batch of 16, and its
     validation then: the loss and accuracy over the first 32 validation samples in one pass."""
-    raw = vision_job("ddp", 1)
+    raw = vision_job("ddp", 1, **data)
     raw["batch"] = {"global_batch_size": 16, "micro_batch_size": 16}
     raw["scaling"] = {"num_workers": 1}
     spec = parse_spec(raw)
@@ -85,7 +90,9 @@ def train_each_strategy(rank: int, world: int, out: str) -> dict[str, str | None
 
 
 def train_until(rank: int, world: int, raw: dict, until: int | None) -> None:
-    Trainer.build(parse_spec(raw), rank, world, torch.device("cpu")).train(until)
+    spec = parse_spec(raw)
+    callbacks = [LedgerCallback(spec.run_uri, rank, group_attempt())] if spec.run.sample_ledger else []
+    Trainer.build(spec, rank, world, torch.device("cpu"), callbacks=callbacks).train(until)
 
 
 @pytest.mark.timeout(600)
@@ -112,14 +119,62 @@ def build_reference_start() -> dict[str, torch.Tensor]:
     return build_model(spec.model).state_dict()
 
 
+class ImageStream(torch.utils.data.IterableDataset):
+    """The example's images as a stream of the user's, read in order from `start`."""
+
+    def __init__(self, start: int = 0, **images: Any) -> None:
+        self.start, self.images = start, images
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        images = SyntheticImages(**self.images)
+        return (images[i] for i in range(self.start, len(images)))
+
+
+class SkippingImageStream(ImageStream):
+    """A stream that starts n samples later when asked, as Hugging Face's streams do."""
+
+    def skip(self, n: int) -> SkippingImageStream:
+        return SkippingImageStream(self.start + n, **self.images)
+
+
+def image_generator(**images: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """A generator of the images: a stream without skip(), read past to resume."""
+    yield from ImageStream(**images)
+
+
+@pytest.mark.parametrize("factory", [SkippingImageStream, image_generator])
+def test_a_stream_gives_the_sample_at_each_position_across_its_passes(factory) -> None:
+    images = SyntheticImages(num_samples=24, size=8, seed=3).images
+
+    def read(stream: UserStream, positions: list[int]) -> torch.Tensor:
+        return stream.batch(torch.tensor(positions))[0]
+
+    stream = UserStream(lambda: factory(num_samples=24, size=8, seed=3))
+    # Forward across a pass's end, back (a new stream), then passes ahead.
+    for positions in ([0, 1, 2], [22, 23, 24, 25], [5, 6], [60, 61], [100, 101]):
+        assert torch.equal(read(stream, positions), images[[p % 24 for p in positions]]), positions
+    assert stream.length == 24
+    # Opened first in the second pass: a skip() past the end is read again from the start.
+    assert torch.equal(read(UserStream(lambda: factory(num_samples=24, size=8, seed=3)), [32]), images[[8]])
+    with pytest.raises(ValueError, match="yielded no samples"):
+        read(UserStream(lambda: iter(())), [0])
+
+
 @pytest.mark.timeout(300)
-def test_own_task_stopped_on_two_ranks_resumes_on_one_and_is_not_served(tmp_path: Path) -> None:
-    raw = vision_job("ddp", 1, tmp_path)
+@pytest.mark.parametrize("data", [{}, {"dataset": f"{__name__}:SkippingImageStream", "num_samples": 24}],
+                         ids=["map-style", "stream"])
+def test_own_task_stopped_on_two_ranks_resumes_on_one_and_is_not_served(tmp_path: Path, data: dict) -> None:
+    """The stream's 24 samples end within a step: 4 steps of 16 read 64 positions over 3 passes,
+    and the launch on 1 rank opens it at position 32, in its second pass."""
+    raw = vision_job("ddp", 1, tmp_path, **data)
+    raw["run"]["sample_ledger"] = True
     run_distributed(train_until, 2, raw, 2)
     run_distributed(train_until, 1, raw, None)
     final = load_model(find_latest(tmp_path / "run"), trust_factory="jobs.vision:small_cnn").state_dict()
-    for name, value in oracle().items():
+    for name, value in oracle(**data).items():
         torch.testing.assert_close(final[name], value, rtol=0, atol=PARAM_TOL, msg=name)
+    report = audit(tmp_path / "run", STEPS * 16 if data else 96)
+    assert report.exact and report.world_sizes == [2, 2, 1, 1], report
     # The second launch resumed from the first one's checkpoint of step 2 (it saved at 2 only).
     saved = sorted(p.name for p in (tmp_path / "run").glob("checkpoint_step_*"))
     assert saved == [checkpoint_name(2), checkpoint_name(STEPS)], saved

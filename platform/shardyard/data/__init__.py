@@ -10,7 +10,7 @@ from shardyard.data.corpus import corpus_windows
 from shardyard.data.sampler import GlobalSampleOrder, SequentialOrder, micro_batch_ids
 from shardyard.data.shards import open_split, validation_source
 from shardyard.data.synthetic import SyntheticRegression, SyntheticTokens
-from shardyard.data.user_dataset import user_dataset
+from shardyard.data.user_dataset import UserStream, user_dataset
 from shardyard.spec import LANGUAGE_MODELS, JobSpec
 
 
@@ -22,7 +22,7 @@ class Dataset(Protocol):
         the built-in data, the user's own batch for data.factory (data/user_dataset.py)."""
 
 
-def build_dataset(spec: JobSpec) -> Dataset:
+def build_dataset(spec: JobSpec) -> Dataset | UserStream:
     model, data = spec.model, spec.data
     if data.name == "corpus":
         tokenizer = None
@@ -40,7 +40,7 @@ def build_dataset(spec: JobSpec) -> Dataset:
     return SyntheticRegression(data.num_samples, model.in_dim, model.out_dim, spec.run.seed)
 
 
-def build_validation(spec: JobSpec) -> Dataset | None:
+def build_validation(spec: JobSpec) -> Dataset | UserStream | None:
     """The validation samples (`eval.every_n_steps`), or None when the run does not validate."""
     data = spec.data
     if spec.eval.every_n_steps is None:
@@ -51,5 +51,15 @@ def build_validation(spec: JobSpec) -> Dataset | None:
     return open_split(path, split, spec.model.block_size, data.cache_dir, data.cache_bytes)
 
 
-__all__ = ["Dataset", "GlobalSampleOrder", "SequentialOrder", "build_dataset", "build_validation",
-           "micro_batch_ids"]
+def sample_order(dataset: Dataset | UserStream, seed: int) -> GlobalSampleOrder | SequentialOrder:
+    """Training's order: a map-style dataset shuffled afresh each epoch, a stream in its own order."""
+    return SequentialOrder(None) if isinstance(dataset, UserStream) else GlobalSampleOrder(len(dataset), seed)
+
+
+def validation_order(dataset: Dataset | UserStream) -> SequentialOrder:
+    """Validation's: the first samples, the same at every evaluation."""
+    return SequentialOrder(None if isinstance(dataset, UserStream) else len(dataset))
+
+
+__all__ = ["Dataset", "GlobalSampleOrder", "SequentialOrder", "UserStream", "build_dataset", "build_validation",
+           "micro_batch_ids", "sample_order", "validation_order"]

@@ -64,13 +64,15 @@ class GlobalSampleOrder:
 
 
 class SequentialOrder:
-    """Validation: samples 0, 1, 2, ... in order, the same ones at every evaluation."""
+    """Samples 0, 1, 2, ... in order: validation's, the same ones at every evaluation, and a
+    stream's own order (`num_samples` None: positions without end)."""
 
-    def __init__(self, num_samples: int) -> None:
+    def __init__(self, num_samples: int | None) -> None:
         self.num_samples = num_samples
 
     def ids(self, start: int, count: int) -> torch.Tensor:
-        return torch.arange(start, start + count) % self.num_samples
+        ids = torch.arange(start, start + count)
+        return ids if self.num_samples is None else ids % self.num_samples
 
 
 def micro_batch_ids(order: GlobalSampleOrder | SequentialOrder, samples_seen: int, rank: int, world_size: int,

@@ -31,7 +31,8 @@ class DataSpec(Section):
     cache_bytes: int = Field(2 << 30, ge=1 << 20, description="`shards` in object storage: local cache cap per rank")
     factory: str | None = Field(
         None, description="`factory`: 'package.module:function', called with data.options, returning a map-style "
-        "dataset (len() and [i], any sample type) that is the same on every worker (make it from a seed)")
+        "dataset (len() and [i]) or an iterable one (read in its order, again from its start when it ends), any "
+        "sample type, the same on every worker (make it from a seed)")
     options: dict[str, Any] = Field(default_factory=dict, description="`factory`: keyword arguments of data.factory")
     collate: str | None = Field(
         None, description="`factory`: 'package.module:function' making a batch of a list of samples (default: "

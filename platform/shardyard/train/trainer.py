@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from shardyard.data import (Dataset, GlobalSampleOrder, SequentialOrder, build_dataset, build_validation,
-                            micro_batch_ids)
+from shardyard.data import (Dataset, UserStream, build_dataset, build_validation, micro_batch_ids, sample_order,
+                            validation_order)
 from shardyard.models import build_for_job, metrics_fn_for
 from shardyard.parallel import Engine, build_engine
 from shardyard.layout.world_size import at_world_size
@@ -61,10 +61,10 @@ class Callback:
 
 
 class Trainer:
-    def __init__(self, spec: JobSpec, written: JobSpec, engine: Engine, dataset: Dataset,
+    def __init__(self, spec: JobSpec, written: JobSpec, engine: Engine, dataset: Dataset | UserStream,
                  checkpoints: CheckpointManager, rank: int, world_size: int,
                  callbacks: Sequence[Callback] = (), progress_bar: bool = False,
-                 validation: Dataset | None = None, fence: Fence | None = None,
+                 validation: Dataset | UserStream | None = None, fence: Fence | None = None,
                  node_drained: Callable[[], bool] | None = None) -> None:
         self.spec = spec            # the spec as it runs at this world size
         self.written = written      # the spec as the user wrote it: what checkpoints record
@@ -72,14 +72,14 @@ class Trainer:
         self.dataset = dataset
         self.validation = validation  # evaluated every eval.every_n_steps, when given
         self.metrics = metrics_fn_for(spec)
-        if validation is not None and len(validation) < spec.batch.global_batch_size:  # shards: said by preflight
+        if isinstance(validation, Sized) and len(validation) < spec.batch.global_batch_size:  # shards: by preflight
             raise ValueError(f"eval.every_n_steps: the validation split holds {len(validation)} samples, fewer "
                              f"than one global batch ({spec.batch.global_batch_size})")
         self.checkpoints = checkpoints
         self.rank, self.world_size = rank, world_size
         self.callbacks = list(callbacks)
         self.progress_bar = progress_bar
-        self.order = GlobalSampleOrder(len(dataset), spec.run.seed)
+        self.order = sample_order(dataset, spec.run.seed)
         self.state = TrainState(world_size=world_size)
         self.restored: TrainState | None = None  # what train() resumed from, if anything
         self.restore_s = 0.0
@@ -203,7 +203,7 @@ class Trainer:
                 continue
             metrics = {**self._mean_loss(cadence.since_row(step)), "lr": self.engine.lr, "world_size": self.world_size,
                        "global_batch": self.global_batch, "samples_seen": self.state.samples_seen,
-                       "epoch": self.state.samples_seen / len(self.dataset), **cadence.rate()}
+                       **self._epoch(), **cadence.rate()}
             metrics |= self._efficiency(metrics["tokens_per_s"])
             if due.evaluate:
                 metrics |= self.evaluate()
@@ -233,8 +233,10 @@ class Trainer:
         to ranks as training batches are; the same samples at every evaluation and any world size."""
         micro = self.spec.batch.micro_batch_size
         accum = self.global_batch // (micro * self.engine.dp_size)
-        batches = min(self.spec.eval.batches, len(self.validation) // self.global_batch)
-        order = SequentialOrder(len(self.validation))
+        batches = self.spec.eval.batches  # a stream has as many as it is asked for
+        if isinstance(self.validation, Sized):
+            batches = min(batches, len(self.validation) // self.global_batch)
+        order = validation_order(self.validation)
         totals: dict[str, torch.Tensor] = {}
         for batch in range(batches):
             ids = micro_batch_ids(order, batch * self.global_batch, self.engine.dp_rank, self.engine.dp_size,
@@ -251,6 +253,10 @@ class Trainer:
         if isinstance(self.spec.model, LANGUAGE_MODELS):
             out["val_perplexity"] = math.exp(min(means["loss"], 700.0))
         return out
+
+    def _epoch(self) -> dict[str, float]:
+        """Passes over a map-style dataset so far (a stream's length is not known)."""
+        return {"epoch": self.state.samples_seen / len(self.dataset)} if isinstance(self.dataset, Sized) else {}
 
     def _efficiency(self, tokens_per_s: float) -> dict[str, Any]:
         """Achieved model FLOP/s, MFU (where the device's peak is known), the most memory any rank

@@ -11,7 +11,7 @@ import ray
 import torch
 from torch import nn
 
-from shardyard.data import GlobalSampleOrder, build_dataset, micro_batch_ids
+from shardyard.data import build_dataset, micro_batch_ids, sample_order
 from shardyard.data.ledger import SampleLedger
 from shardyard.checkpoint.pretrained import pretrained_weights
 from shardyard.models import build_model
@@ -249,7 +249,7 @@ class PSWorker:
         # The single-process engine's forward/backward and clipping; its optimizer stays unused.
         self.engine = single_process(self.spec, model, torch.device("cpu"))
         self.dataset = build_dataset(self.spec)
-        self.order = GlobalSampleOrder(len(self.dataset), self.spec.run.seed)
+        self.order = sample_order(self.dataset, self.spec.run.seed)
         self.accum = worker_batch(self.spec) // self.spec.batch.micro_batch_size
         self.ledger = SampleLedger(self.spec.run_uri, f"ps-{name}", attempt) if self.spec.run.sample_ledger else None
 
