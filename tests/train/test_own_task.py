@@ -1,5 +1,5 @@
 """A task of the user's own (jobs/vision.py: a CNN, synthetic images, cross-entropy) through the
-real Trainer on torch.distributed gloo ranks: under DDP, FSDP2 and ZeRO-2 it ends where one
+real Trainer on torch.distributed gloo ranks: under DDP, FSDP2, ZeRO-2 and ZeRO-3 it ends where one
 process trained on the whole global batch ends (plain SGD, no clipping: a wrong gradient scale
 would show), a run stopped at step 2 on 2 ranks and resumed on 1 ends there too with every
 sample used once, and the spec refuses what such a task cannot do, before any worker starts
@@ -35,7 +35,7 @@ from jobs.vision import SyntheticImages
 
 STEPS = 4
 VALIDATION = 40  # 2 whole global batches of 16 are validated, the 8 left over never
-STRATEGIES = ("ddp", "fsdp", "zero2")
+STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
 
 
 def vision_job(strategy: str, world: int, storage: Path | None = None, steps_: int = STEPS,
