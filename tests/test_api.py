@@ -11,7 +11,7 @@ import pytest
 from shardyard.api import job, with_functions
 from shardyard.spec import SpecError
 from helpers.repo import REPO
-from jobs.vision import SyntheticImages, cross_entropy, small_cnn
+from jobs.vision import SyntheticImages, accuracy, cross_entropy, small_cnn
 
 
 def test_a_job_from_a_file_or_a_dict_is_validated_with_its_overrides() -> None:
@@ -38,8 +38,9 @@ def test_functions_become_the_factories_workers_import() -> None:
     assert (spec.model.name, spec.model.factory) == ("module", "jobs.vision:small_cnn")
     assert (spec.data.name, spec.data.factory, spec.loss.factory) == (
         "factory", "jobs.vision:SyntheticImages", "jobs.vision:cross_entropy")
-    kept = with_functions(job(REPO / "jobs" / "configs" / "vision_ddp.yaml"), small_cnn, None, None)
+    kept = with_functions(job(REPO / "jobs" / "configs" / "vision_ddp.yaml"), small_cnn, None, None, accuracy)
     assert kept.model.options == {"channels": 16, "classes": 10, "size": 16}  # a module's options stay
+    assert kept.metrics.factory == "jobs.vision:accuracy" and kept.data.validation_options is not None
 
 
 def make_inner():

@@ -40,28 +40,33 @@ def _named_factories(raw: dict[str, Any]) -> dict[str, Any]:
             for key, section in raw.items()}
 
 
-def fit(spec: JobSpec, *, model: Callable[..., Any] | None = None, data: Callable[..., Any] | None = None,
-        loss: Callable[..., Any] | None = None, take_over: bool = False) -> RunResult:
+Function = Callable[..., Any]
+
+
+def fit(spec: JobSpec, *, model: Function | None = None, data: Function | None = None, loss: Function | None = None,
+        metrics: Function | None = None, take_over: bool = False) -> RunResult:
     """Train `spec` to run.steps on Ray, resuming the run's newest good checkpoint, and return the
-    run's directory, last checkpoint and summary. `model`, `data` and `loss` replace the spec's
-    model.factory, data.factory and loss.factory (a task of your own: model.name 'module').
-    Raises SpecError (the spec or a function cannot run), train.job.NothingToTrain (the run is
-    already at run.steps), and the outcomes `shardyard train` exits with (train/outcomes.py)."""
+    run's directory, last checkpoint and summary. `model`, `data`, `loss` and `metrics` replace
+    the spec's model.factory, data.factory, loss.factory and metrics.factory (a task of your own:
+    model.name 'module'). Raises SpecError (the spec or a function cannot run),
+    train.job.NothingToTrain (the run is already at run.steps), and the outcomes `shardyard
+    train` exits with (train/outcomes.py)."""
     from shardyard.train.job import train_job  # imports Ray only when training
 
-    return train_job(with_functions(spec, model, data, loss), attach_to_running=True, take_over=take_over)
+    return train_job(with_functions(spec, model, data, loss, metrics), attach_to_running=True, take_over=take_over)
 
 
-def with_functions(spec: JobSpec, model: Callable[..., Any] | None, data: Callable[..., Any] | None,
-                   loss: Callable[..., Any] | None) -> JobSpec:
+def with_functions(spec: JobSpec, model: Function | None, data: Function | None, loss: Function | None,
+                   metrics: Function | None = None) -> JobSpec:
     """`spec` with the factories these functions name (validated again: each is imported)."""
     raw = spec.model_dump(mode="json")
     if model is not None:
         raw["model"] = {"name": "module", "options": {}, **_without_kind(raw["model"]), "factory": reference(model, "model")}
     if data is not None:
         raw["data"] = {**raw["data"], "name": "factory", "factory": reference(data, "data")}
-    if loss is not None:
-        raw["loss"] = {"options": {}, **(raw.get("loss") or {}), "factory": reference(loss, "loss")}
+    for key, function in (("loss", loss), ("metrics", metrics)):
+        if function is not None:
+            raw[key] = {"options": {}, **(raw.get(key) or {}), "factory": reference(function, key)}
     return parse_spec(raw)
 
 
