@@ -5,6 +5,7 @@ local Ray instance with this machine's CPUs. Only the run's length and storage a
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -170,13 +171,14 @@ def test_a_task_of_the_users_own_trains_from_their_directory_and_python_continue
     directory, run there without PYTHONPATH (the spec's check on the driver and the Ray Train
     workers of the local Ray started for it import it from there): `shardyard train` with DDP on 2
     workers to step 2, then the same run continued from Python (`shardyard.api.fit`, the functions
-    passed as objects) under FSDP on 1 worker to step 4. Every sample once (the ledger), and the
-    parameters those of one process trained on the whole batch (plain SGD)."""
+    passed as objects) under FSDP on 1 worker to step 4, then exported with `shardyard export`.
+    Every sample once (the ledger), and the exported parameters those of one process trained on
+    the whole batch (plain SGD)."""
     import shutil
 
     import torch
 
-    from shardyard.checkpoint.loaders import load_model
+    from safetensors.torch import load_file
     from shardyard.data.ledger import audit
     from shardyard.models import build_model
     from shardyard.parallel import single_process
@@ -220,6 +222,17 @@ def test_a_task_of_the_users_own_trains_from_their_directory_and_python_continue
     torch.manual_seed(spec.run.seed)
     oracle = single_process(spec, build_model(spec.model), torch.device("cpu"))
     steps(oracle, spec, 0, 4)
-    trained = load_model(find_latest(run_dir), trust_factory="vision:small_cnn").state_dict()
+    # Exported at the end as the user would, from their directory: the weights as one file, the
+    # factory imported only once named.
+    exported = tmp_path / "model.safetensors"
+    environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    export = [SHARDYARD, "export", str(run_dir), str(exported)]
+    refused = subprocess.run(export, cwd=project, env=environment, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--trust-factory vision:small_cnn" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr and not exported.exists(), refused.stderr
+    done = subprocess.run([*export, "--trust-factory", "vision:small_cnn"], cwd=project, env=environment,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    trained = load_file(exported)
     for name, value in oracle.model.state_dict().items():
         torch.testing.assert_close(trained[name], value, rtol=0, atol=2e-5, msg=name)
