@@ -24,7 +24,7 @@ from shardyard.storage.events import read_events
 from shardyard.train.metrics import read_metrics
 
 from helpers.oracle import steps
-from helpers.repo import DEFAULT_JOB, RAY
+from helpers.repo import DEFAULT_JOB, RAY, VISION_JOB
 
 SLOT = "elastic_test_slot"
 
@@ -75,10 +75,18 @@ def events(run_dir: Path) -> list[dict]:
     return read_events(run_dir)
 
 
-def job(storage: Path, name: str, strategy: str, steps: int) -> list[str]:
-    return ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
-            "data.name=synthetic", f"data.num_samples={NUM_SAMPLES}",
-            f"batch.global_batch_size={GLOBAL_BATCH}", "batch.micro_batch_size=4",
+# The job file each task's runs start from: README's GPT, or the example of a task of the user's own.
+CONFIGS = {"gpt": DEFAULT_JOB, "vision": VISION_JOB}
+SHAPES = {
+    "gpt": ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16", "data.name=synthetic",
+            f"data.num_samples={NUM_SAMPLES}"],
+    "vision": ["model.options={channels: 4, size: 8}", f"data.options={{num_samples: {NUM_SAMPLES}, size: 8}}",
+               "eval.every_n_steps=null", "data.validation_options=null", "metrics=null"],
+}
+
+
+def job(storage: Path, name: str, strategy: str, steps: int, task: str = "gpt") -> list[str]:
+    return [*SHAPES[task], f"batch.global_batch_size={GLOBAL_BATCH}", "batch.micro_batch_size=4",
             "optim.schedule=constant", f"run.steps={steps}", f"run.log_every={EVERY}",
             f"checkpoint.every_n_steps={EVERY}", "run.sample_ledger=true",
             f"parallelism.strategy={strategy}",
@@ -88,7 +96,7 @@ def job(storage: Path, name: str, strategy: str, steps: int) -> list[str]:
             f"checkpoint.storage_path={storage}", f"run.name={name}"]
 
 
-def check_run(run_dir: Path, world_sizes: list[int], total_steps: int) -> None:
+def check_run(run_dir: Path, world_sizes: list[int], total_steps: int, task: str = "gpt") -> None:
     """Shared checks: resize history, exact data, constant global batch, close to one process."""
     starts = [e for e in events(run_dir) if e["event"] == "start"]
     assert [e["world_size"] for e in starts] == world_sizes, events(run_dir)
@@ -102,11 +110,11 @@ def check_run(run_dir: Path, world_sizes: list[int], total_steps: int) -> None:
     assert report.steps == total_steps and report.exact, report
     assert sorted(set(report.world_sizes)) == sorted(set(world_sizes))
     assert report.complete_epochs == total_steps * GLOBAL_BATCH // NUM_SAMPLES
-    assert_matches_single_process(run_dir, total_steps)
+    assert_matches_single_process(run_dir, total_steps, task=task)
 
 
-def assert_matches_single_process(run_dir: Path, total_steps: int, loss_rtol: float = 1e-5) -> None:
-    spec = load_spec(DEFAULT_JOB, job(run_dir.parent, "oracle", "ddp", total_steps) + [
+def assert_matches_single_process(run_dir: Path, total_steps: int, loss_rtol: float = 1e-5, task: str = "gpt") -> None:
+    spec = load_spec(CONFIGS[task], job(run_dir.parent, "oracle", "ddp", total_steps, task) + [
         "scaling.min_workers=null", "scaling.max_workers=null", "scaling.num_workers=1",
         f"batch.micro_batch_size={GLOBAL_BATCH}"])
     torch.manual_seed(spec.run.seed)
@@ -114,6 +122,6 @@ def assert_matches_single_process(run_dir: Path, total_steps: int, loss_rtol: fl
     oracle_losses = steps(oracle, spec, 0, total_steps)
     last = [m for m in read_metrics(run_dir) if m["step"] == total_steps][-1]
     assert last["loss"] == pytest.approx(sum(oracle_losses[-EVERY:]) / EVERY, rel=loss_rtol)
-    trained = load_model(find_latest(run_dir)).state_dict()
+    trained = load_model(find_latest(run_dir), trust_factory=getattr(spec.model, "factory", None)).state_dict()
     for name, value in oracle.model.state_dict().items():
         torch.testing.assert_close(trained[name], value, rtol=0, atol=1e-5, msg=name)

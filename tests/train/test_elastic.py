@@ -1,5 +1,6 @@
 """Elastic training on a real multi-node Ray cluster: worker nodes join and die mid-run; and the
-hot path, where the surviving replicas train on through a failure.
+hot path, where the surviving replicas train on through a failure. The elastic run trains a
+task of the user's own (jobs/vision.py's image classifier), the hot one the default GPT.
 
 Extra nodes join the session's cluster with `ray start --address` and carry a custom resource
 that only these jobs ask for (one unit per worker), so the number of live nodes decides the world
@@ -28,16 +29,17 @@ from helpers.fake_cluster import wait_for
 from shardyard.data.ledger import audit
 from shardyard.train.callbacks import HOLD_ENV, release
 from shardyard.train.callbacks import held_at as held
-from helpers.repo import DEFAULT_JOB, SHARDYARD
-from helpers.elastic import NUM_SAMPLES, WorkerNode, assert_matches_single_process, check_run, events, job
+from helpers.repo import SHARDYARD
+from helpers.elastic import (CONFIGS, NUM_SAMPLES, WorkerNode, assert_matches_single_process, check_run, events,
+                             job)
 
 HOT_STEPS, HOT_KILL, HOT_HOLD = 600, 26, 99  # no checkpoint step between the last two
 
 
-def start_run(ray_cluster, tmp_path: Path, strategy: str, steps: int,
-              extra: tuple[str, ...] = (), hold_at: tuple[int, ...] = ()) -> subprocess.Popen:
-    command = [SHARDYARD, "train", str(DEFAULT_JOB)]
-    for item in [*job(tmp_path, strategy, strategy, steps), *extra]:
+def start_run(ray_cluster, tmp_path: Path, strategy: str, steps: int, extra: tuple[str, ...] = (),
+              hold_at: tuple[int, ...] = (), task: str = "gpt") -> subprocess.Popen:
+    command = [SHARDYARD, "train", str(CONFIGS[task])]
+    for item in [*job(tmp_path, strategy, strategy, steps, task), *extra]:
         command += ["--set", item]
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.gcs_address, HOLD_ENV: ",".join(map(str, hold_at))}
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -51,6 +53,8 @@ def assert_succeeds(proc: subprocess.Popen, timeout_s: float) -> None:
 def clean_up(proc: subprocess.Popen, *nodes: WorkerNode | None) -> None:
     if proc.poll() is None:
         proc.kill()
+        output, _ = proc.communicate(timeout=60)
+        print(f"the run's output until it was killed:\n{output[-6000:]}")  # pytest shows it with a failure
     for node in nodes:
         if node:
             node.stop()
@@ -58,16 +62,17 @@ def clean_up(proc: subprocess.Popen, *nodes: WorkerNode | None) -> None:
 
 @pytest.mark.timeout(600)
 def test_sharded_run_grows_when_a_node_joins_and_reshards_when_one_dies(ray_cluster, tmp_path: Path) -> None:
-    """ZeRO-2 workers: 2 on a node with room for 2; a one-worker node joins and the run grows to 3,
-    then that node and its worker die and it goes on at 2, each time from the newest checkpoint,
-    its sharded state resharded through DeepSpeed's universal checkpoint. (FSDP's DCP resharding
-    is the same code on Ray as off it: test_resharding.py and the matrix in test_strategies.py;
-    DDP grows and shrinks in test_autoscaling.py.)"""
+    """ZeRO-2 workers training a task of the user's own (the example's image classifier): 2 on a
+    node with room for 2; a one-worker node joins and the run grows to 3, then that node and its
+    worker die and it goes on at 2, each time from the newest checkpoint, its sharded state
+    resharded through DeepSpeed's universal checkpoint. (FSDP's DCP resharding is the same code on
+    Ray as off it: test_resharding.py and the matrix in test_strategies.py; a language model
+    grows and shrinks under DDP in test_autoscaling.py.)"""
     first = WorkerNode(ray_cluster.gcs_address, 2, tmp_path / "node_a.log")
     second = None
     # The run waits at the checkpoints of steps 25 and 50 until released: whatever this
     # machine's speed, the node joins and dies while the run is in flight.
-    proc = start_run(ray_cluster, tmp_path, "zero2", 75, hold_at=(25, 50))
+    proc = start_run(ray_cluster, tmp_path, "zero2", 75, hold_at=(25, 50), task="vision")
     run_dir = tmp_path / "zero2"
     try:
         # min 2, max 4 on a cluster with room for 2: starts at 2 ...
@@ -97,14 +102,15 @@ def test_sharded_run_grows_when_a_node_joins_and_reshards_when_one_dies(ray_clus
     assert sizes[:2] == [2, 3] and set(sizes[2:-1]) <= {3} and sizes[-1] == 2, events(run_dir)
     assert starts[1]["restored_step"] == 25
     assert starts[-1]["restored_step"] == 50 and starts[-1]["downtime_s"] > 0  # failure -> this start
-    check_run(run_dir, sizes, 75)
+    check_run(run_dir, sizes, 75, task="vision")
 
 
 @pytest.mark.timeout(360)
 def test_hot_recovery_survivors_train_on_and_the_replacement_heals_from_a_peer(
         ray_cluster, tmp_path: Path) -> None:
-    """scaling.recovery=hot (TorchFT): kill rank 0 of 3 DDP replicas (the one that writes the
-    checkpoints and logs the group's start). No worker-group restart: the two survivors go on
+    """scaling.recovery=hot (TorchFT) on a task of the user's own (the example's image
+    classifier): kill rank 0 of 3 DDP replicas (the one that writes the checkpoints and logs the
+    group's start). No worker-group restart: the two survivors go on
     (splitting the global batch between them until the replacement joins), and Ray Train's
     replacement copies its state from a live peer and says it replaced a replica. Data stays
     exact; the model equals one process's."""
