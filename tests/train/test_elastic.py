@@ -1,6 +1,6 @@
 """Elastic training on a real multi-node Ray cluster: worker nodes join and die mid-run; and the
-hot path, where the surviving replicas train on through a failure. The elastic run trains a
-task of the user's own (jobs/vision.py's image classifier), the hot one the default GPT.
+hot path, where the surviving replicas train on through a failure. Both train a task of the
+user's own (jobs/vision.py's image classifier): nothing in either path knows the model's kind.
 
 Extra nodes join the session's cluster with `ray start --address` and carry a custom resource
 that only these jobs ask for (one unit per worker), so the number of live nodes decides the world
@@ -121,7 +121,7 @@ def test_hot_recovery_survivors_train_on_and_the_replacement_heals_from_a_peer(
     # Held after step HOT_KILL while rank 0 is killed, and after HOT_HOLD until Ray Train's
     # replacement has started (its manager heartbeats: from then on every quorum waits for it), so
     # it rejoins before the end however slow its start, and behind the survivors however fast.
-    proc = start_run(ray_cluster, tmp_path, "ddp", HOT_STEPS, hot, hold_at=(HOT_KILL, HOT_HOLD))
+    proc = start_run(ray_cluster, tmp_path, "ddp", HOT_STEPS, hot, hold_at=(HOT_KILL, HOT_HOLD), task="vision")
     run_dir = tmp_path / "ddp"
     try:
         wait_for(lambda: held(run_dir, HOT_KILL) is not None or proc.poll() is not None, 180, "no hold")
@@ -157,4 +157,4 @@ def test_hot_recovery_survivors_train_on_and_the_replacement_heals_from_a_peer(
     # others go on without a replica that is not back within the Lighthouse's join timeout) and
     # healed, it skipped some of the window's steps, so the loss is compared loosely (at step 600
     # one skipped step moves it 1.4%); the parameters are not.
-    assert_matches_single_process(run_dir, HOT_STEPS, loss_rtol=3e-2)
+    assert_matches_single_process(run_dir, HOT_STEPS, loss_rtol=3e-2, task="vision")

@@ -141,8 +141,8 @@ class CrashAtCheckpoint(Callback):
 
 class HoldAtSteps(Callback):
     """For tests that act on a run mid-flight: after a listed step (once its checkpoint is written,
-    at a checkpoint step) rank 0 logs a `held` event and waits until the file `<run>/release_<step>`
-    exists (the other ranks wait for it in their next collective). A worker group that resumes from
+    at a checkpoint step; or once it healed past it) rank 0 logs a `held` event and waits until the
+    file `<run>/release_<step>` exists (the other ranks wait for it in their next collective). A worker group that resumes from
     a checkpoint holds again at a listed step past it, unless that step was released."""
 
     def __init__(self, steps: list[int]) -> None:
@@ -156,8 +156,14 @@ class HoldAtSteps(Callback):
         if trainer.checkpoint_scheduled(trainer.state.step):  # else held at the step's end already
             self._hold(trainer, checkpoint=checkpoint_name(trainer.state.step))
 
-    def _hold(self, trainer: Trainer, checkpoint: str | None) -> None:
-        step = trainer.state.step
+    def on_healed(self, trainer: Trainer, from_step: int) -> None:
+        # A replica that copied a live peer's state past a listed step (hot recovery: it joined
+        # late) reached that step by healing instead of training: it holds there now.
+        for step in sorted(s for s in self.steps if from_step < s <= trainer.state.step):
+            self._hold(trainer, checkpoint=None, step=step)
+
+    def _hold(self, trainer: Trainer, checkpoint: str | None, step: int | None = None) -> None:
+        step = trainer.state.step if step is None else step
         if trainer.rank != 0 or step not in self.steps:
             return
         storage = RunStorage(trainer.spec.run_uri)
