@@ -10,8 +10,8 @@ object, your model, dataset and loss as functions, and `fit`, which trains it on
     print(result.checkpoint)
 
 `fit` trains on the cluster RAY_ADDRESS names, or the one this process is connected to (a
-notebook after `ray.init("ray://...")`), or the one running on this machine, else on a local Ray
-it starts. Workers import your functions by name, so each must live in a module they can import
+notebook on a cluster's node after `ray.init(address="auto")`), or the one running on this
+machine, else on a local Ray it starts. Workers import your functions by name, so each must live in a module they can import
 (the directory you run in, an installed package, or Ray's runtime environment: `working_dir`,
 `py_modules`), not in `__main__` or a notebook cell.
 """
