@@ -39,7 +39,7 @@ class DataSpec(Section):
         "torch's default_collate, which stacks tensors and numbers and keeps tuples and dicts)")
     validation_options: dict[str, Any] | None = Field(
         None, description="`factory`: the validation split, data.factory called with these over data.options "
-        "({split: val}, {seed: 1}); eval.every_n_steps validates on it")
+        "({split: val}, a held-out path); eval.every_n_steps validates on it")
 
     @model_validator(mode="after")
     def _shards_have_a_path(self, info: ValidationInfo) -> DataSpec:

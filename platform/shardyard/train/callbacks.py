@@ -142,8 +142,9 @@ class CrashAtCheckpoint(Callback):
 class HoldAtSteps(Callback):
     """For tests that act on a run mid-flight: after a listed step (once its checkpoint is written,
     at a checkpoint step; or once it healed past it) rank 0 logs a `held` event and waits until the
-    file `<run>/release_<step>` exists (the other ranks wait for it in their next collective). A worker group that resumes from
-    a checkpoint holds again at a listed step past it, unless that step was released."""
+    file `<run>/release_<step>` exists (the other ranks wait for it in their next collective). A
+    worker group that resumes from a checkpoint holds again at a listed step past it, unless that
+    step was released."""
 
     def __init__(self, steps: list[int]) -> None:
         self.steps = set(steps)
