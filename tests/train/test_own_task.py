@@ -244,3 +244,29 @@ def test_a_modules_flops_are_counted_on_one_sample_or_not_reported() -> None:
     assert module_flops_per_sample(spec.model, dataset) == 3 * forward
     unreadable = spec.model.model_copy(update={"factory": f"{__name__}:reads_a_value", "options": {}})
     assert module_flops_per_sample(unreadable, dataset) is None
+
+
+class CountedStream(SkippingImageStream):
+    """A skipping stream that counts the samples it yields."""
+
+    yielded = 0
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for sample in super().__iter__():
+            CountedStream.yielded += 1
+            yield sample
+
+    def skip(self, n: int) -> CountedStream:
+        return CountedStream(self.start + n, **self.images)
+
+
+def test_a_streams_flops_are_counted_without_moving_where_a_resumed_run_reads() -> None:
+    """The FLOPs are counted on a first sample read from a stream of its own: a run resumed at
+    position 600 then opens its stream there with skip(), not by reading the 600 before it."""
+    spec = parse_spec(vision_job("ddp", 2))
+    images = {"num_samples": 1000, "size": 8, "seed": 3}
+    stream = UserStream(lambda: CountedStream(**images))
+    assert module_flops_per_sample(spec.model, stream) == module_flops_per_sample(spec.model, build_dataset(spec))
+    CountedStream.yielded = 0
+    assert torch.equal(stream.batch(torch.tensor([600, 601]))[0], SyntheticImages(**images).images[[600, 601]])
+    assert CountedStream.yielded == 2

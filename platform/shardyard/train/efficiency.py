@@ -18,7 +18,7 @@ import sys
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from shardyard.data import Dataset
+from shardyard.data.user_dataset import UserDataset, UserStream
 from shardyard.models import build_model
 from shardyard.parallel.engine import to_device
 from shardyard.spec import ModuleSpec
@@ -33,7 +33,7 @@ def flops_per_token(parameters: int, layers: int, width: int, context: int) -> f
     return 6.0 * parameters + 12.0 * layers * width * context
 
 
-def module_flops_per_sample(spec: ModuleSpec, dataset: Dataset) -> float | None:
+def module_flops_per_sample(spec: ModuleSpec, dataset: UserDataset | UserStream) -> float | None:
     """Model FLOPs to train on one sample of a module of the user's own, where no formula knows
     its layers: torch's FlopCounterMode counts a forward of one sample, run on the meta device
     (shapes only), and training is three forwards' worth (the backward computes two gradients).
@@ -41,7 +41,7 @@ def module_flops_per_sample(spec: ModuleSpec, dataset: Dataset) -> float | None:
     control flow): the run then reports no FLOP/s or MFU rather than a wrong one."""
     with torch.device("meta"):
         model = build_model(spec)
-    inputs, _ = dataset.batch(torch.tensor([0]))
+    inputs, _ = dataset.first_batch()
     try:
         with FlopCounterMode(display=False) as counter:
             model(to_device(inputs, torch.device("meta")))
