@@ -33,10 +33,6 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 # 8000): these modules run one after another, on one worker (each checks that the ports are free).
 ON_DEFAULT_PORTS = frozenset({"tests/test_quick_start.py", "tests/test_gpu_check.py", "tests/cluster/test_job_submit.py",
                               "tests/cli/test_serve_command.py", "tests/serve/test_serve_run.py", "tests/pool/test_pool.py"})
-# vLLM's own test session (a Ray cluster and vLLM's engine of its own, both cores busy for minutes)
-# joins them: beside it, a README command's local Ray start twice outwaited Ray's fixed 30 s for
-# its raylet to register ("The current node timed out during startup").
-ONE_AFTER_ANOTHER = ON_DEFAULT_PORTS | {"tests/serve/engine/test_vllm_client.py"}
 
 
 def module_of(nodeid: str) -> str:
@@ -76,13 +72,13 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """The suite runs on pytest-xdist's workers (`-n`), each a session with a Ray cluster of its
     own. A module is one unit of work, so that its module-scoped runs and apps are made once; the
-    modules on README's default ports, and vLLM's test session, are one unit together."""
+    modules on README's default ports are one unit together."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ByModule(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = module_of(nodeid)
-            return "one after another" if module in ONE_AFTER_ANOTHER else module
+            return "on default ports" if module in ON_DEFAULT_PORTS else module
 
     return ByModule(config, log)
 
