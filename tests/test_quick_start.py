@@ -26,18 +26,22 @@ from helpers.repo import REPO, SHARDYARD
 @pytest.mark.timeout(900)
 def test_readme_default_job_trains_on_a_local_ray_it_starts_and_continues_twice_after_pruning(
         tmp_path: Path, ray_cluster) -> None:
-    """The quick start (beside another Ray on the machine: the session's), then the same command launched again longer, twice: the default job's
-    `checkpoint.keep: 2` prunes on every launch, and each launch goes on where the last ended
+    """The quick start (beside another Ray on the machine: the session's), then the same command
+    launched again longer, twice, the second time with README's spec override (`--set
+    optim.lr=3e-4 --set scaling.num_workers=4`: 4 workers on this machine's 2 cores): the default
+    job's `checkpoint.keep: 2` prunes on every launch, and each launch goes on where the last ended
     (a pruned run once could not be launched again). Then `shardyard export` of the run."""
-    def default_job(steps: int) -> list[str]:
-        return [SHARDYARD, "train", "jobs/configs/gpt_ddp.yaml", "--set", f"run.steps={steps}", "--set",
-                "run.log_every=4", "--set", "checkpoint.every_n_steps=4", "--set", f"checkpoint.storage_path={tmp_path}"]
+    def default_job(steps: int, *overrides: str) -> list[str]:
+        return [SHARDYARD, "train", "jobs/configs/gpt_ddp.yaml", *(a for o in overrides for a in ("--set", o)),
+                "--set", f"run.steps={steps}", "--set", "run.log_every=4", "--set", "checkpoint.every_n_steps=4",
+                "--set", f"checkpoint.storage_path={tmp_path}"]
 
     run_dir = tmp_path / "gpt_ddp"
-    for previous, steps in ((None, 12), (12, 16), (16, 20)):
+    readme_override = ("optim.lr=3e-4", "scaling.num_workers=4")
+    for previous, steps, overrides in ((None, 12, ()), (12, 16, ()), (16, 20, readme_override)):
         with ray_files_of_their_own() as ray_tmp:
-            done = subprocess.run(default_job(steps), cwd=REPO, env=user_environment(ray_tmp), capture_output=True,
-                                  text=True, timeout=400)
+            done = subprocess.run(default_job(steps, *overrides), cwd=REPO, env=user_environment(ray_tmp),
+                                  capture_output=True, text=True, timeout=400)
         output = done.stdout + done.stderr
         assert done.returncode == 0, output[-4000:]
         assert f"step {steps}/{steps}" in output and "shardyard run 'gpt_ddp'" in output, output[-4000:]
@@ -48,8 +52,10 @@ def test_readme_default_job_trains_on_a_local_ray_it_starts_and_continues_twice_
         if previous is None:
             assert "resumes from" not in output, output[-4000:]
         else:
+            changed = "; optim.lr 0.001 -> 0.0003" if overrides else ""
+            changed += f"; run.steps {previous} -> {steps}" + ("; scaling.num_workers 2 -> 4" if overrides else "")
             assert (f"shardyard: run 'gpt_ddp' resumes from {run_dir / checkpoint_name(previous)} "
-                    f"(step {previous}, ddp on 2 workers); run.steps {previous} -> {steps}\n") in output, output[-4000:]
+                    f"(step {previous}, ddp on 2 workers){changed}\n") in output, output[-4000:]
         assert "Ray Train Controller actor state" not in output, output[-4000:]
         # The session's cluster runs beside the command's own Ray (`ray_cluster`): Ray Train's
         # placement-group cleaner once asked that one about the run's controller, found none, quit.
@@ -68,7 +74,8 @@ def test_readme_default_job_trains_on_a_local_ray_it_starts_and_continues_twice_
         in again.stderr, again.stdout + again.stderr
     assert [e for e in read_events(run_dir) if e["event"] == "launch"] == launches
     rows = read_metrics(run_dir)
-    assert [row["step"] for row in rows] == [4, 8, 12, 16, 20] and {row["world_size"] for row in rows} == {2}
+    assert [(row["step"], row["world_size"]) for row in rows] == [(4, 2), (8, 2), (12, 2), (16, 2), (20, 4)], rows
+    assert rows[-1]["lr"] <= 3e-4
     assert (run_dir / LOSS_PLOT).stat().st_size > 0
     export = subprocess.run([SHARDYARD, "export", str(run_dir), str(tmp_path / "model.safetensors")], cwd=REPO,
                             capture_output=True, text=True, timeout=300)
@@ -129,20 +136,6 @@ def test_readme_data_commands_prepare_shards_and_train_on_them(tmp_path: Path) -
     assert "step 4/4" in output, output[-4000:]
     run_name = next((tmp_path / "runs").iterdir()).name
     assert find_latest(tmp_path / "runs" / run_name).name == "checkpoint_step_00000004"
-
-
-@pytest.mark.ray
-@pytest.mark.timeout(420)
-def test_readme_spec_override_runs_four_workers_on_a_two_core_machine(tmp_path: Path) -> None:
-    """README's job-spec example, `--set optim.lr=3e-4 --set scaling.num_workers=4`, on this
-    machine's own CPUs (4 workers on 2 cores): it trains at world size 4."""
-    with ray_files_of_their_own() as ray_tmp:
-        output = run_as_user([SHARDYARD, "train", "jobs/configs/gpt_ddp.yaml", "--set", "optim.lr=3e-4",
-                              "--set", "scaling.num_workers=4", "--set", "run.steps=4", "--set", "run.log_every=2",
-                              "--set", f"checkpoint.storage_path={tmp_path}"], ray_tmp)
-    assert "step 4/4" in output, output[-4000:]
-    rows = read_metrics(tmp_path / "gpt_ddp")
-    assert {row["world_size"] for row in rows} == {4} and rows[-1]["lr"] <= 3e-4
 
 
 @pytest.mark.ray
