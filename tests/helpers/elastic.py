@@ -126,5 +126,7 @@ def assert_matches_single_process(run_dir: Path, total_steps: int, loss_rtol: fl
     last = [m for m in read_metrics(run_dir) if m["step"] == total_steps][-1]
     assert last["loss"] == pytest.approx(sum(oracle_losses[-EVERY:]) / EVERY, rel=loss_rtol)
     trained = load_model(find_latest(run_dir), trust_factory=getattr(spec.model, "factory", None)).state_dict()
-    for name, value in oracle.model.state_dict().items():
-        torch.testing.assert_close(trained[name], value, rtol=0, atol=1e-5, msg=name)
+    expected = oracle.model.state_dict()
+    print(f"largest difference from one process: {max((trained[n] - v).abs().max().item() for n, v in expected.items()):.2e}")
+    for name, value in expected.items():
+        torch.testing.assert_close(trained[name], value, rtol=0, atol=1e-5, msg=lambda message: f"{name}: {message}")
