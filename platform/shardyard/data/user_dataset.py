@@ -15,10 +15,6 @@ from shardyard.spec import DataSpec
 from shardyard.spec.factories import load_factory
 
 
-EMPTY_STREAM = "data.factory's iterable dataset yielded no samples"
-_NOTHING = object()
-
-
 class UserDataset:
     def __init__(self, samples: Any, collate: Callable[[list[Any]], Any] = default_collate) -> None:
         if not (hasattr(samples, "__len__") and hasattr(samples, "__getitem__")):
@@ -64,11 +60,7 @@ class UserStream:
         """The first sample as a batch of one (what FLOPs are counted on), read from a stream of its
         own: the training stream stays unopened, so that a resumed run opens it where it resumes
         (with skip() where the stream has one) rather than reading on from the first sample."""
-        sample = next(iter(self.make()), _NOTHING)
-        if sample is _NOTHING:
-            raise ValueError(EMPTY_STREAM)
-        batch = self.collate([sample])
-        return model_input(batch), batch
+        return UserStream(self.make, self.collate).batch(torch.tensor([0]))
 
     def _sample_at(self, position: int) -> Any:
         if self._next is None or position < self._next:  # behind (a resumed run, each validation)
@@ -99,7 +91,7 @@ class UserStream:
                     self._iterator, self._next, self._skipped = iter(self.make()), self._pass_start, False
                     continue
                 if self._next == self._pass_start:
-                    raise ValueError(EMPTY_STREAM) from None
+                    raise ValueError("data.factory's iterable dataset yielded no samples") from None
                 self.length = self._next - self._pass_start
                 self._iterator, self._pass_start = iter(self.make()), self._next
                 continue
