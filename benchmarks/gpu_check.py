@@ -21,8 +21,9 @@ stage that would start past it is skipped and said so):
 - train_compiled: `shardyard train` with `parallelism.compile`;
 - train_float8: with `run.precision: float8` and compile (compute capability 8.9+).
 
-Everything lands in $OUT/summary.json (the device, the date, each stage's status, seconds and
-figures) and the stages' output in $OUT/log.txt. Copy summary.json to benchmarks/results/gpu/
+The training stages' jobs are validated before the first stage starts: a stage whose job does not
+validate is not run and its status says why. Everything lands in $OUT/summary.json (the device,
+the date, each stage's status, seconds, job and figures) and the stages' output in $OUT/log.txt. Copy summary.json to benchmarks/results/gpu/
 and its figures to docs/benchmarks.md.
 
 Without CUDA the same stages run on a small model and the GPU-only ones are skipped: the suite runs
@@ -126,11 +127,9 @@ def loop() -> dict[str, Any]:
     from shardyard.parallel.compile import apply_compile
     from shardyard.parallel.float8 import apply_float8, float8_unsupported
     from shardyard.planner import ModelShape
-    from shardyard.spec import load_spec
     from shardyard.train.efficiency import device_peak_flops, flops_per_token
 
-    args = mfu_job("loop", Path(tempfile.gettempdir()), 1)
-    spec = load_spec(REPO / args[0], [a for a in args[1:] if a != "--set"])
+    spec = job_of(mfu_job("loop", Path(tempfile.gettempdir()), 1))
     device = torch.device("cuda" if CUDA else "cpu")
     shape = ModelShape.of(spec)
     per_token = flops_per_token(shape.total, shape.n_layer, shape.n_embd, spec.model.block_size)
@@ -183,30 +182,48 @@ def own_ray() -> dict[str, str]:
     return {"RAY_TMPDIR": tempfile.mkdtemp(prefix="sy-", dir=os.environ.get("RAY_TMPDIR", "/tmp"))}
 
 
+MFU_STEPS = 12 if CUDA else 4
+# The `shardyard train` arguments of each stage that trains through the command, by stage: check()
+# validates them all before the first stage starts, so a job that no longer validates costs no
+# device time and is named in the summary.
+TRAINING_JOBS: dict[str, Callable[[Path], list[str]]] = {
+    "train": lambda work: mfu_job("mfu", work, MFU_STEPS),
+    "relaunch": lambda work: mfu_job("mfu", work, MFU_STEPS + 2),
+    "readme": lambda work: ["jobs/configs/gpt_ddp.yaml", "--set", "run.steps=4", "--set",
+                            f"checkpoint.storage_path={work / 'readme'}", "--set", "run.name=gpt_ddp"],
+    "train_compiled": lambda work: mfu_job("mfu_compiled", work, MFU_STEPS, "parallelism.compile=true"),
+    "train_float8": lambda work: mfu_job("mfu_float8", work, 12, "parallelism.compile=true", "run.precision=float8"),
+}
+
+
+def job_of(args: list[str]) -> Any:
+    """The spec `shardyard train ARGS` would train, validated as the command validates it."""
+    from shardyard.spec import load_spec
+
+    return load_spec(REPO / args[0], [a for a in args[1:] if a != "--set"])
+
+
 def train(work: Path) -> dict[str, Any]:
     """`shardyard train` on the MFU model, eager (its checkpoint is what the relaunch loads)."""
-    return shardyard_train(mfu_job("mfu", work, 12 if CUDA else 4), own_ray())
+    return shardyard_train(TRAINING_JOBS["train"](work), own_ray())
 
 
 def train_compiled(work: Path) -> dict[str, Any]:
-    return shardyard_train(mfu_job("mfu_compiled", work, 12 if CUDA else 4, "parallelism.compile=true"), own_ray())
+    return shardyard_train(TRAINING_JOBS["train_compiled"](work), own_ray())
 
 
 def relaunch(work: Path) -> dict[str, Any]:
     """The eager run again, 2 steps longer, from the command as a user types it (a local Ray of
     its own): time to the first step, phase by phase. Without the train stage's run, one is
     trained first (not timed)."""
-    steps = 12 if CUDA else 4
     if not (work / "mfu").exists():
-        shardyard_train(mfu_job("mfu", work, steps), own_ray())
-    return shardyard_train(mfu_job("mfu", work, steps + 2), own_ray())
+        shardyard_train(TRAINING_JOBS["train"](work), own_ray())
+    return shardyard_train(TRAINING_JOBS["relaunch"](work), own_ray())
 
 
 def readme(work: Path) -> dict[str, Any]:
     """README's default job as written (4 steps, its own storage) on this machine."""
-    return shardyard_train(["jobs/configs/gpt_ddp.yaml", "--set", "run.steps=4", "--set",
-                            f"checkpoint.storage_path={work / 'readme'}", "--set", "run.name=gpt_ddp"],
-                           own_ray(), timeout_s=300)
+    return shardyard_train(TRAINING_JOBS["readme"](work), own_ray(), timeout_s=300)
 
 
 def pytest_gpu(work: Path) -> dict[str, Any]:
@@ -289,8 +306,7 @@ def serving(work: Path) -> dict[str, Any]:
 
 
 def train_float8(work: Path) -> dict[str, Any]:
-    return shardyard_train(mfu_job("mfu_float8", work, 12, "parallelism.compile=true", "run.precision=float8"),
-                           own_ray())
+    return shardyard_train(TRAINING_JOBS["train_float8"](work), own_ray())
 
 
 def float8_gpu() -> bool:
@@ -320,6 +336,23 @@ def run_stage(name: str, work: Path) -> None:
     (work / f"{name}.json").write_text(json.dumps(figures, indent=2))
 
 
+def checked_jobs(stages: list[str], work: Path) -> dict[str, dict[str, Any]]:
+    """For each training stage asked for: its job in brief, or why it does not validate."""
+    from shardyard.spec import SpecError
+
+    jobs: dict[str, dict[str, Any]] = {}
+    for name in (s for s in stages if s in TRAINING_JOBS):
+        args = TRAINING_JOBS[name](work)
+        try:
+            spec = job_of(args)
+        except SpecError as error:
+            jobs[name] = {"invalid": str(error)}
+            continue
+        jobs[name] = {"config": args[0], "model": spec.model.name, "strategy": spec.parallelism.strategy,
+                      "workers": spec.scaling.num_workers, "steps": spec.run.steps}
+    return jobs
+
+
 def check(out: Path, stages: list[str], budget_s: float) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     log = (out / "log.txt").open("a")
@@ -327,18 +360,23 @@ def check(out: Path, stages: list[str], budget_s: float) -> dict[str, Any]:
     summary: dict[str, Any] = {"date": datetime.date.today().isoformat(),
                                "device": torch.cuda.get_device_name() if CUDA else "cpu (no CUDA)",
                                "torch": torch.__version__, "budget_s": budget_s, "stages": {}}
+    jobs = checked_jobs(stages, work)
     for name in stages:
         _, cap, possible = STAGES[name]
+        job = {"job": jobs[name]} if name in jobs else {}
+        if "invalid" in job.get("job", {}):
+            summary["stages"][name] = {"status": f"invalid job: {jobs[name]['invalid']}"}
+            continue
         # The caps are the GPU machine's device-time plan; a 2-core CPU machine starts Ray and its
         # workers several times slower, and there no device time is spent.
         cap = cap if CUDA else 2 * cap
         left = budget_s - (time.monotonic() - began)
         if not possible():
             summary["stages"][name] = {"status": "skipped: needs a GPU" + (" of compute capability 8.9+"
-                                                                           if name == "train_float8" else "")}
+                                                                           if name == "train_float8" else ""), **job}
             continue
         if left < 20:
-            summary["stages"][name] = {"status": f"skipped: the budget of {budget_s:g} s was spent"}
+            summary["stages"][name] = {"status": f"skipped: the budget of {budget_s:g} s was spent", **job}
             continue
         log.write(f"\n===== {name} (cap {min(cap, left):.0f} s)\n")
         log.flush()
@@ -351,6 +389,7 @@ def check(out: Path, stages: list[str], budget_s: float) -> dict[str, Any]:
             status = f"timed out after {min(cap, left):.0f} s"
         result = work / f"{name}.json"
         summary["stages"][name] = {"status": status, "seconds": round(time.monotonic() - stage_began, 1),
+                                   **job,
                                    **(json.loads(result.read_text()) if result.exists() else {})}
         (out / "summary.json").write_text(json.dumps(summary, indent=2))  # what is known so far survives a kill
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

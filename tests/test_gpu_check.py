@@ -1,6 +1,6 @@
 """The GPU check (benchmarks/gpu_check.sh) run here as on a GPU machine, its stages on the
 small model a machine without CUDA gets and the GPU-only ones skipped, so the script cannot rot
-between GPU runs. Four calls, each under two minutes."""
+between GPU runs. Three calls, each under two minutes, and one that only validates the jobs."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from helpers.user_shell import ray_files_of_their_own, user_environment
 from helpers.repo import REPO
 
 
-def device_check(out: Path, stages: str, ray_tmp: str | None = None) -> dict:
+def device_check(out: Path, stages: str, ray_tmp: str | None = None, budget_s: float = 250) -> dict:
     """The one call, limited to `stages`; their results, checked to have run or been skipped."""
     env = user_environment(ray_tmp) if ray_tmp else dict(os.environ)
-    done = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--stages", stages, "--budget", "250"], cwd=REPO,
+    done = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--stages", stages, "--budget", str(budget_s)], cwd=REPO,
                           env={**env, "OUT": str(out), "PYTHON": sys.executable},
                           capture_output=True, text=True, timeout=260)
     log = (out / "log.txt").read_text() if (out / "log.txt").exists() else ""
@@ -63,9 +63,15 @@ def test_the_eager_training_stage_runs_and_its_relaunch_is_timed_in_phases(tmp_p
     assert relaunched["startup"]["load_s"] > 0  # it resumed from the first launch's checkpoint
 
 
-@pytest.mark.ray
-@pytest.mark.timeout(300)
-def test_the_readme_stage_runs_readmes_default_job(tmp_path: Path) -> None:
-    with ray_files_of_their_own() as ray_tmp:
-        stages = device_check(tmp_path, "readme", ray_tmp)
-    assert stages["readme"]["exit_code"] == 0 and stages["readme"]["tokens_per_s"] > 0
+@pytest.mark.timeout(120)
+def test_every_training_stages_job_is_validated_before_any_stage_runs(tmp_path: Path) -> None:
+    """With no budget nothing runs, yet each training stage's job was validated as `shardyard
+    train` validates it (README's default job itself trains in tests/test_quick_start.py)."""
+    stages = device_check(tmp_path, "train,relaunch,readme,train_compiled,train_float8", budget_s=0)
+    assert {name: stage["job"]["config"] for name, stage in stages.items()} == {
+        "train": "jobs/configs/llama_fsdp.yaml", "relaunch": "jobs/configs/llama_fsdp.yaml",
+        "readme": "jobs/configs/gpt_ddp.yaml", "train_compiled": "jobs/configs/llama_fsdp.yaml",
+        "train_float8": "jobs/configs/llama_fsdp.yaml"}
+    assert stages["readme"]["job"] == {"config": "jobs/configs/gpt_ddp.yaml", "model": "gpt", "strategy": "ddp",
+                                       "workers": 2, "steps": 4}, stages["readme"]
+    assert stages["relaunch"]["job"]["steps"] == stages["train"]["job"]["steps"] + 2
