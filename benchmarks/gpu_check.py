@@ -23,8 +23,8 @@ stage that would start past it is skipped and said so):
 
 The training stages' jobs are validated before the first stage starts: a stage whose job does not
 validate is not run and its status says why. Everything lands in $OUT/summary.json (the device,
-the date, each stage's status, seconds, job and figures) and the stages' output in $OUT/log.txt. Copy summary.json to benchmarks/results/gpu/
-and its figures to docs/benchmarks.md.
+the date, each stage's status, seconds, job and figures) and the stages' output in $OUT/log.txt.
+Copy summary.json to benchmarks/results/gpu/ and its figures to docs/benchmarks.md.
 
 Without CUDA the same stages run on a small model and the GPU-only ones are skipped: the suite runs
 them so (tests/test_gpu_check.py), and the script cannot rot between GPU runs.
@@ -363,10 +363,11 @@ def check(out: Path, stages: list[str], budget_s: float) -> dict[str, Any]:
     jobs = checked_jobs(stages, work)
     for name in stages:
         _, cap, possible = STAGES[name]
-        job = {"job": jobs[name]} if name in jobs else {}
-        if "invalid" in job.get("job", {}):
-            summary["stages"][name] = {"status": f"invalid job: {jobs[name]['invalid']}"}
+        brief = jobs.get(name, {})
+        if "invalid" in brief:
+            summary["stages"][name] = {"status": f"invalid job: {brief['invalid']}"}
             continue
+        job = {"job": brief} if brief else {}
         # The caps are the GPU machine's device-time plan; a 2-core CPU machine starts Ray and its
         # workers several times slower, and there no device time is spent.
         cap = cap if CUDA else 2 * cap
