@@ -155,7 +155,7 @@ def train_with_ledger(rank: int, world: int, raw: dict, attempt: float, until: i
     from shardyard.train.trainer import Trainer
 
     spec = parse_spec(raw)
-    callbacks = [LedgerCallback(spec.run_uri, rank, attempt)]
+    callbacks = [LedgerCallback(spec.run_uri, f"rank{rank}", attempt)]
     Trainer.build(spec, rank, world, torch.device("cpu"), callbacks=callbacks).train(until)
 
 

@@ -185,7 +185,7 @@ def train_ranks(rank: int, world: int, raw: dict, attempt: float, until: int | N
     from shardyard.train.trainer import Trainer
 
     spec = parse_spec(raw)
-    ledger = LedgerCallback(spec.run_uri, rank, attempt)
+    ledger = LedgerCallback(spec.run_uri, f"rank{rank}", attempt)
     Trainer.build(spec, rank, world, torch.device("cpu"), callbacks=[ledger]).train(until)
 
 

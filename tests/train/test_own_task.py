@@ -91,7 +91,7 @@ def train_each_strategy(rank: int, world: int, out: str) -> dict[str, str | None
 
 def train_until(rank: int, world: int, raw: dict, until: int | None) -> None:
     spec = parse_spec(raw)
-    callbacks = [LedgerCallback(spec.run_uri, rank, group_attempt())] if spec.run.sample_ledger else []
+    callbacks = [LedgerCallback(spec.run_uri, f"rank{rank}", group_attempt())] if spec.run.sample_ledger else []
     Trainer.build(spec, rank, world, torch.device("cpu"), callbacks=callbacks).train(until)
 
 

@@ -249,6 +249,10 @@ class CheckpointManager:
     def close(self) -> None:
         self.wait()
 
+    def group_ended(self) -> None:
+        """The default process group ended (an elastic group changed): so did the writes' group."""
+        self._group = None
+
     def _writing_generation(self) -> int:
         return self.generation if self.generation is not None else Lineage.of(self.storage).generation
 

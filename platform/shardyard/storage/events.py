@@ -106,6 +106,7 @@ class Event(StrEnum):
     FAILURE = "failure"
     REPLICA_START = "replica_start"  # hot recovery: a replica joined its peers
     HEALED = "healed"  # hot recovery: a replica caught up from a peer
+    REGROUPED = "regrouped"  # an elastic group changed at a step boundary: members, world size
     INJECTED_CRASH = "injected_crash"
     HELD = "held"  # a hold point reached (run.hold_at_steps)
     SKIPPED_NONFINITE = "skipped_nonfinite"

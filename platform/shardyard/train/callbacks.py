@@ -73,10 +73,10 @@ def _failures_since_last_start(events: list[dict]) -> tuple[int, list[dict]]:
 class LedgerCallback(Callback):
     """Records each step's sample ids per data-owning rank (`run.sample_ledger`): the ids before
     the step's gradients leave the rank, a commit line once it is applied. `attempt` names this
-    worker group (the same on every rank)."""
+    worker group (the same on every rank); `writer` this worker (its rank, in a fixed group)."""
 
-    def __init__(self, run_uri: str, rank: int, attempt: float) -> None:
-        self.ledger = SampleLedger(run_uri, f"rank{rank}", attempt)
+    def __init__(self, run_uri: str, writer: str, attempt: float) -> None:
+        self.ledger = SampleLedger(run_uri, writer, attempt)
 
     def on_step_start(self, trainer: Trainer, ids: list[torch.Tensor]) -> None:
         if trainer.engine.data_owner:

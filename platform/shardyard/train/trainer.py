@@ -6,7 +6,8 @@ newest committed checkpoint and runs steps until `run.steps`, logging and checkp
 spec's intervals. It needs an initialised torch.distributed process group and nothing else: Ray
 Train's workers build it (train/ray_train/worker.py), and tests build it in plain torch.distributed
 processes. What varies between runs attaches as callbacks (train/callbacks.py): the sample
-ledger, the event log, fault injection.
+ledger, the event log, fault injection. In an elastic group (train/elastic_group.py) the group
+may change at a step boundary: workers leave and join, and the loop goes on at the new size.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from shardyard.checkpoint.layout import TrainState
 from shardyard.checkpoint.lease import LeaseLost
 from shardyard.checkpoint.pretrained import pretrained_weights
 from shardyard.train.efficiency import device_peak_flops, flops_per_token, module_flops_per_sample, peak_memory_bytes
-from shardyard.train.cadence import Cadence, checkpoint_scheduled
-from shardyard.train.step_guard import Diverged, StepGuard
+from shardyard.train.cadence import Cadence, Due, checkpoint_scheduled
+from shardyard.train.elastic_group import Held, Roster, hand_over, take_over
+from shardyard.train.step_guard import Diverged, StepGuard, Verdict
 
 
 class Callback:
@@ -65,7 +67,7 @@ class Trainer:
                  checkpoints: CheckpointManager, rank: int, world_size: int,
                  callbacks: Sequence[Callback] = (), progress_bar: bool = False,
                  validation: Dataset | UserStream | None = None, fence: Fence | None = None,
-                 node_drained: Callable[[], bool] | None = None) -> None:
+                 node_drained: Callable[[], bool] | None = None, roster: Roster | None = None) -> None:
         self.spec = spec            # the spec as it runs at this world size
         self.written = written      # the spec as the user wrote it: what checkpoints record
         self.engine = engine
@@ -88,10 +90,14 @@ class Trainer:
         # Summed on the device between reports: reading a loss each step would sync a GPU.
         self._loss_sum = torch.zeros((), device=engine.device)
         self._last_loss = torch.zeros((), device=engine.device)
-        self.guard = StepGuard(spec.run_uri, rank, engine.device, fence, spec.checkpoint.lease_ttl_s / 3, node_drained)
+        self.roster = roster  # this worker's view of its elastic group; None in a fixed one
+        self.guard = StepGuard(spec.run_uri, rank, engine.device, fence, spec.checkpoint.lease_ttl_s / 3, node_drained,
+                               newest_generation=roster.newest if roster is not None else None)
         self.preempted = False  # set when a preemption notice ended train() early, after a checkpoint
+        self.left = False  # set when this worker left its elastic group (train() ended there)
+        self.cadence: Cadence | None = None  # train()'s rhythm of rows and checkpoints
         self._drain_saved = False  # the drain under way of a worker's node has its checkpoint
-        engine.skip_nonfinite = spec.run.on_nonfinite == "skip"
+        self._adopt(engine)
         self.tokens_per_sample = spec.model.block_size if isinstance(spec.model, LANGUAGE_MODELS) else 1
         if isinstance(spec.model, ModuleSpec):
             self.flops_per_token = module_flops_per_sample(spec.model, dataset)
@@ -101,15 +107,23 @@ class Trainer:
                                                    self.tokens_per_sample if shape.n_embd else 0)
         self.peak_flops = device_peak_flops(engine.device, spec.run.peak_tflops)
 
+    def _adopt(self, engine: Engine) -> None:
+        """`engine` trains from now on (a new one each time an elastic group changes)."""
+        self.engine = engine
+        engine.skip_nonfinite = self.spec.run.on_nonfinite == "skip"
+        if self.roster is not None:  # the sample ledger tells the generations apart
+            engine.step_round = self.roster.current.number
+
     @classmethod
     def build(cls, written: JobSpec, rank: int, world_size: int, device: torch.device, *,
               callbacks: Sequence[Callback] = (), checkpoint_writer: bool = True,
               fence: Fence | None = None, node_drained: Callable[[], bool] | None = None, replica_id: str = "",
-              progress_bar: bool = False) -> Trainer:
+              progress_bar: bool = False, roster: Roster | None = None) -> Trainer:
         """`written` is the validated spec; at this world size the pipeline mesh may be re-planned
         and (if the spec allows it) the global batch changed. `fence` raises once this launch no
         longer holds the run's lease (checkpoint/lease.py); `node_drained`, collective, says whether
-        a worker's node is about to be reclaimed (the run then checkpoints at once and trains on)."""
+        a worker's node is about to be reclaimed (the run then checkpoints at once and trains on).
+        `roster`: this worker's elastic group, its process group already formed."""
         start = time.perf_counter()
         spec = at_world_size(written, world_size)
         # Same seed on every rank: identical initial weights, as a single process would build them
@@ -121,7 +135,7 @@ class Trainer:
                                         writer=checkpoint_writer, load_optimizer=spec.checkpoint.load_optimizer,
                                         fence=fence, spec=written)
         trainer = cls(spec, written, engine, build_dataset(spec), checkpoints, rank, world_size, callbacks,
-                      progress_bar, build_validation(spec), fence, node_drained)
+                      progress_bar, build_validation(spec), fence, node_drained, roster)
         trainer.timings["build_s"] = time.perf_counter() - start
         return trainer
 
@@ -161,20 +175,27 @@ class Trainer:
             if self.rank == 0:
                 log_event(self.spec.run_uri, Event.SKIPPED_NONFINITE, step=self.state.step + 1)
         else:
-            self._loss_sum += loss
+            self._loss_sum += loss / self.engine.loss_ranks  # a step's mean over the ranks of its group
         self.state.step += 1
         self.state.samples_seen += self.global_batch
         for callback in self.callbacks:
             callback.on_step_end(self)
         return True
 
-    def train(self, until: int | None = None) -> TrainState:
+    def train(self, until: int | None = None, join: bool = False) -> TrainState:
         """Collective: restore, then train to `run.steps`, or stop after step `until` as if
-        interrupted there (the schedule still spans `run.steps`)."""
-        self.restore()
+        interrupted there (the schedule still spans `run.steps`). `join`: this worker joins a
+        running elastic group, taking its state from a live peer instead of storage."""
+        last_row = None  # where the group's last metrics row was, for a worker that joins it
+        if join:
+            last_row = self._take_state(None)
+        else:
+            self.restore()
         for callback in self.callbacks:
             callback.on_train_start(self)
-        cadence = Cadence(self.spec, self.state.step, self.rank == 0, self.progress_bar)
+        self.cadence = cadence = Cadence(self.spec, self.state.step, self.rank == 0, self.progress_bar)
+        if last_row is not None:
+            cadence.last_row = last_row
         last = self.spec.run.steps if until is None else min(until, self.spec.run.steps)
         first_step = time.perf_counter()
         while self.state.step < last:
@@ -199,30 +220,89 @@ class Trainer:
                 log_event(self.spec.run_uri, Event.DRAIN_CHECKPOINT, step=step)
             due = cadence.due(step, checkpoint_now=self.preempted or drain_save,
                               can_evaluate=self.validation is not None)
-            if not due.row:
-                continue
-            metrics = {**self._mean_loss(cadence.since_row(step)), "lr": self.engine.lr, "world_size": self.world_size,
-                       "global_batch": self.global_batch, "samples_seen": self.state.samples_seen,
-                       **self._epoch(), **cadence.rate()}
-            metrics |= self._efficiency(metrics["tokens_per_s"])
-            if due.evaluate:
-                metrics |= self.evaluate()
-                cadence.pause_clock()
-            cadence.record(metrics)
-            if due.checkpoint:
-                for callback in self.callbacks:
-                    callback.on_checkpoint_start(self)
-                self.checkpoints.save(self.engine, self.state, self.written)
-                for callback in self.callbacks:
-                    callback.on_checkpoint_end(self)
+            if due.row:
+                self._row(cadence, due)
             if self.preempted:
                 break
+            if self._group_changes(verdict):
+                if not self._regroup(verdict.generation):
+                    break
+                cadence = self.cadence  # a member that became rank 0 writes the rows from here on
         self.checkpoints.close()
         self.engine.close()
         for callback in self.callbacks:
             callback.on_train_end(self)
         cadence.close()
         return self.state
+
+    def _row(self, cadence: Cadence, due: Due) -> None:
+        """Collective: the step's metrics row; its evaluation and checkpoint when due."""
+        step = self.state.step
+        metrics = {**self._mean_loss(cadence.since_row(step)), "lr": self.engine.lr, "world_size": self.world_size,
+                   "global_batch": self.global_batch, "samples_seen": self.state.samples_seen,
+                   **self._epoch(), **cadence.rate()}
+        metrics |= self._efficiency(metrics["tokens_per_s"])
+        if due.evaluate:
+            metrics |= self.evaluate()
+            cadence.pause_clock()
+        cadence.record(metrics)
+        if due.checkpoint:
+            for callback in self.callbacks:
+                callback.on_checkpoint_start(self)
+            self.checkpoints.save(self.engine, self.state, self.written)
+            for callback in self.callbacks:
+                callback.on_checkpoint_end(self)
+
+    def _group_changes(self, verdict: Verdict) -> bool:
+        return verdict.generation is not None and verdict.generation != self.roster.current.number
+
+    def _regroup(self, number: int) -> bool:
+        """Collective over the old group, then over the new: the elastic group becomes generation
+        `number` at this step boundary. The first member that stays holds the state (gathered from
+        the shards); every old member ends the old process group; the new generation's members form
+        theirs, build the engine at the new size and take the state from its rank 0 (that member).
+        False: this worker is not in the new generation and stops here."""
+        began = time.perf_counter()
+        old, new = self.roster.current, self.roster.generation(number)
+        holder = next(rank for rank, name in enumerate(old.members) if name in new.members)
+        backend = dist.get_backend()
+        self.checkpoints.wait()  # a write under way commits in the group that made it
+        held = hand_over(self.engine, holder)
+        dist.all_reduce(self._loss_sum)  # the losses of the row under way: kept by the holder alone
+        if self.rank != holder:
+            self._loss_sum.zero_()
+        self.engine.close()
+        dist.destroy_process_group()
+        self.checkpoints.group_ended()
+        if self.roster.name not in new.members:
+            self.left = True
+            return False
+        self.roster.form(new, backend)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.spec = at_world_size(self.written, self.world_size)
+        self.guard.rank = self.rank
+        torch.manual_seed(self.spec.run.seed)  # weights drawn only to be replaced by the holder's
+        self._adopt(build_engine(self.spec, build_for_job(self.spec, None), self.engine.device))
+        self._take_state(held)
+        if self.rank == 0 and self.cadence.log is None:  # the old rank 0 left: this member writes now
+            writer = Cadence(self.spec, self.state.step, True, self.progress_bar)
+            writer.last_row, writer.throughput = self.cadence.last_row, self.cadence.throughput
+            self.cadence = writer
+        if self.rank == 0:
+            log_event(self.spec.run_uri, Event.REGROUPED, generation=number, members=list(new.members),
+                      world_size=self.world_size, step=self.state.step, seconds=time.perf_counter() - began)
+        return True
+
+    def _take_state(self, held: Held | None) -> int:
+        """Collective over a newly formed group: rank 0's model, optimizer, schedule and position
+        (`held`, its state from the old group; None on the other ranks) into every rank. Returns
+        the step of the group's last metrics row (the mean loss of the next one spans from there)."""
+        take_over(self.engine, held)
+        position = [(self.state.step, self.state.samples_seen, self.cadence.last_row if self.rank == 0 else 0)]
+        dist.broadcast_object_list(position, src=0)
+        self.state.step, self.state.samples_seen, last_row = position[0]
+        self.state.world_size = self.world_size
+        return last_row
 
     def checkpoint_scheduled(self, step: int) -> bool:
         return checkpoint_scheduled(self.spec, step)
@@ -279,6 +359,6 @@ class Trainer:
         """The global mean loss of the last `steps` steps: one small all-reduce per report."""
         if dist.is_initialized():
             dist.all_reduce(self._loss_sum)
-        loss = self._loss_sum.item() / (steps * self.engine.loss_ranks)
+        loss = self._loss_sum.item() / steps
         self._loss_sum.zero_()
         return {"step": self.state.step, "loss": loss}

@@ -61,7 +61,7 @@ def train_worker(config: dict[str, Any]) -> None:
     if spec.run.sample_ledger:
         # Hot-recovery replicas are not one group, and replacements join a running step
         # sequence: one attempt id for all of them.
-        callbacks.append(LedgerCallback(spec.run_uri, rank, 0.0 if hot else group_attempt()))
+        callbacks.append(LedgerCallback(spec.run_uri, f"rank{rank}", 0.0 if hot else group_attempt()))
     if config["crash_at_checkpoint"] is not None:
         callbacks.append(CrashAtCheckpoint(config["crash_at_checkpoint"]))
     if config["hold_at"]:
