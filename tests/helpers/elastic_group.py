@@ -68,6 +68,15 @@ class LocalGroup:
         self.keeper.change(leave=leave, join=join)
         release(self.run, step)
 
+    def lose_at_hold(self, step: int, name: str) -> None:
+        """Once the run holds at `step`: kill worker `name` (SIGKILL), as the driver would publish
+        the generation without it, then let the run go on (its survivors' next collective fails)."""
+        wait_for(lambda: held_at(self.run, step) is not None, f"the run to hold at step {step}")
+        self.processes[name].kill()
+        self.processes[name].join()
+        self.keeper.change(leave=[name])
+        release(self.run, step)
+
     def finish(self, timeout_s: float = 120) -> dict[str, int]:
         """Every worker's exit code, once all have ended."""
         for process in self.processes.values():

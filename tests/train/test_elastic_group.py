@@ -1,6 +1,7 @@
 """Workers leave and join a running group at step boundaries, without a restart or a checkpoint:
 three leaves (rank 0 among them) and three joins, under DDP and FSDP2, end on the parameters one
-process trains with plain SGD on the same global batches, and the sample ledger is exact."""
+process trains with plain SGD on the same global batches, and the sample ledger is exact; under
+DDP a worker killed mid-run is left out and the survivors go on, a replacement joining later."""
 
 from __future__ import annotations
 
@@ -65,6 +66,26 @@ def test_three_leaves_and_three_joins_train_as_one_process(strategy: str, tmp_pa
     assert report.world_sizes == WORLD_SIZES and report.attempts == 1, report
     assert report.exact and report.complete_epochs == 1, report
 
+    final = torch.load(tmp_path / FINAL)
+    expected = one_process(raw)
+    worst = max((final[k] - expected[k]).abs().max().item() for k in expected)
+    assert worst <= TOLERANCE, f"parameters differ from one process's by up to {worst:.2e}"
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_ddp_worker_is_left_out_and_a_replacement_joins(tmp_path: Path) -> None:
+    raw = elastic_job("ddp", tmp_path / "runs")
+    group = LocalGroup(["a", "b", "c"], raw, [3, 5, 9], tmp_path)
+    group.lose_at_hold(3, "a")  # rank 0: the survivors' collective with it fails, and b holds the state
+    group.at_hold(5, join=["d"])
+    group.lose_at_hold(9, "d")
+    codes = group.finish()
+    assert codes == {"a": -9, "b": 0, "c": 0, "d": -9}, codes
+
+    assert [(e["step"], e["members"]) for e in group.regroups()] == [(3, ["b", "c"]), (5, ["b", "c", "d"]),
+                                                                   (9, ["b", "c"])]
+    report = audit(tmp_path / "runs" / "run", SAMPLES)
+    assert report.world_sizes == [3, 3, 3, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2, 2] and report.exact, report
     final = torch.load(tmp_path / FINAL)
     expected = one_process(raw)
     worst = max((final[k] - expected[k]).abs().max().item() for k in expected)

@@ -250,8 +250,8 @@ class CheckpointManager:
         self.wait()
 
     def group_ended(self) -> None:
-        """The default process group ended (an elastic group changed): so did the writes' group."""
-        self._group = None
+        """The default group ended (an elastic group changed): a write it left is never committed."""
+        self._group, self._pending = None, None
 
     def _writing_generation(self) -> int:
         return self.generation if self.generation is not None else Lineage.of(self.storage).generation

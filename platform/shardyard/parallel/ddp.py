@@ -21,6 +21,8 @@ def apply_ddp(model: nn.Module, device: torch.device,
 
 
 class DDPEngine(Engine):
+    whole_replicas = True
+
     @property
     def module(self) -> nn.Module:
         return self.model.module

@@ -52,6 +52,9 @@ class Engine:
     skipped = False
     grad_norm: torch.Tensor | None = None  # the last step's global gradient norm, where it was measured
     checkpoint_format = "dcp"  # how the checkpoint manager stores this engine's state (checkpoint/)
+    # Every rank holds the whole model and optimizer state (DDP): one that survives the others
+    # can hand the state over alone.
+    whole_replicas = False
 
     def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
                  schedulers: list[torch.optim.lr_scheduler.LRScheduler], loss_fn: LossFn,

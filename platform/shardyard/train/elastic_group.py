@@ -55,6 +55,10 @@ class Generation:
         return self.members.index(name)
 
 
+def read_generation(store: dist.Store, number: int) -> Generation:
+    return Generation(number, tuple(json.loads(store.get(members_key(number)))))
+
+
 class RosterKeeper:
     """The driver's side: hosts the store and publishes each change of the group."""
 
@@ -75,6 +79,12 @@ class RosterKeeper:
     def wait_ready(self, name: str, timeout_s: float = FORM_TIMEOUT.total_seconds()) -> None:
         """Until the worker `name` has started and can join (its Roster said so)."""
         self.store.wait([ready_key(name)], timedelta(seconds=timeout_s))
+
+    def is_ready(self, name: str) -> bool:
+        return self.store.check([ready_key(name)])
+
+    def generation(self, number: int) -> Generation:
+        return read_generation(self.store, number)
 
     def change(self, leave: Sequence[str] = (), join: Sequence[str] = (),
                timeout_s: float = FORM_TIMEOUT.total_seconds()) -> Generation:
@@ -110,7 +120,18 @@ class Roster:
         return int(self.store.get(GENERATION_KEY))
 
     def generation(self, number: int) -> Generation:
-        return Generation(number, tuple(json.loads(self.store.get(members_key(number)))))
+        return read_generation(self.store, number)
+
+    def wait_for_change(self, after: int, timeout_s: float = FORM_TIMEOUT.total_seconds(),
+                        poll_s: float = 0.05) -> int | None:
+        """The first generation newer than `after` (the driver publishes one without a member it
+        lost); None if none comes within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while (newest := self.newest()) == after:
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(poll_s)
+        return newest
 
     def wait_for_membership(self, poll_s: float = 0.05) -> Generation:
         """Say this worker is ready, then wait until a generation names it (at once for a member
@@ -146,14 +167,18 @@ class Held:
     checkpointed: dict[str, Any]  # the state of what the engine checkpoints beside them (the schedule)
 
 
-def hand_over(engine: Engine, holder: int) -> Held | None:
+def hand_over(engine: Engine, holder: int, alone: bool = False) -> Held | None:
     """Collective over the old group: the engine's whole state (the model's and optimizer's
-    gathered from the ranks' shards where they are sharded) on rank `holder`; None elsewhere."""
+    gathered from the ranks' shards where they are sharded) on rank `holder`; None elsewhere.
+    `alone`: the old group is broken (a member was lost) and each rank holds the whole state
+    (Engine.whole_replicas): the holder reads its own, with no collective."""
     if len(engine.parts) != 1 or engine.checkpoint_format != "dcp":
         raise ValueError("an elastic group changes size in place under ddp and fsdp only")
+    if alone and dist.get_rank() != holder:
+        return None
     # torch gathers a full state to rank 0 alone (cpu_offload) or to every rank: the latter only
     # when rank 0 is leaving.
-    options = StateDictOptions(full_state_dict=True, cpu_offload=holder == 0)
+    options = StateDictOptions() if alone else StateDictOptions(full_state_dict=True, cpu_offload=holder == 0)
     model, optimizer = get_state_dict(engine.model, engine.optimizers, options=options)
     if dist.get_rank() != holder:
         return None

@@ -35,7 +35,7 @@ from shardyard.checkpoint.pretrained import pretrained_weights
 from shardyard.train.efficiency import device_peak_flops, flops_per_token, module_flops_per_sample, peak_memory_bytes
 from shardyard.train.cadence import Cadence, Due, checkpoint_scheduled
 from shardyard.train.elastic_group import Held, Roster, hand_over, take_over
-from shardyard.train.step_guard import Diverged, StepGuard, Verdict
+from shardyard.train.step_guard import Diverged, StepGuard
 
 
 class Callback:
@@ -193,47 +193,54 @@ class Trainer:
             self.restore()
         for callback in self.callbacks:
             callback.on_train_start(self)
-        self.cadence = cadence = Cadence(self.spec, self.state.step, self.rank == 0, self.progress_bar)
+        self.cadence = Cadence(self.spec, self.state.step, self.rank == 0, self.progress_bar)
         if last_row is not None:
-            cadence.last_row = last_row
+            self.cadence.last_row = last_row
         last = self.spec.run.steps if until is None else min(until, self.spec.run.steps)
-        first_step = time.perf_counter()
+        self._first_step_at = time.perf_counter()
         while self.state.step < last:
-            if not self.train_step():
-                continue
-            if "first_step_s" not in self.timings:
-                self.timings["first_step_s"] = time.perf_counter() - first_step
-                for callback in self.callbacks:
-                    callback.on_first_step(self)
-            cadence.stepped(self.global_batch, self.global_batch * self.tokens_per_sample)
-            step = self.state.step
-            verdict = self.guard.check(self._last_loss, self.engine.grad_norm)
-            if verdict.lease_lost is not None:
-                raise LeaseLost(verdict.lease_lost)
-            if verdict.nonfinite and not self.engine.skipped:
-                raise Diverged.at(step, "the loss or gradient norm is", can_skip=True)
-            self.preempted = verdict.preempt
-            drain_save = bool(verdict.drained) and not self._drain_saved
-            if verdict.drained is not None:  # the cluster was asked at this step
-                self._drain_saved = verdict.drained
-            if drain_save and self.rank == 0:
-                log_event(self.spec.run_uri, Event.DRAIN_CHECKPOINT, step=step)
-            due = cadence.due(step, checkpoint_now=self.preempted or drain_save,
-                              can_evaluate=self.validation is not None)
-            if due.row:
-                self._row(cadence, due)
-            if self.preempted:
-                break
-            if self._group_changes(verdict):
-                if not self._regroup(verdict.generation):
+            try:
+                if self._advance():
                     break
-                cadence = self.cadence  # a member that became rank 0 writes the rows from here on
+            except RuntimeError as err:  # a collective failed: a member of an elastic group may be lost
+                if not self._regroup_after_loss(err):
+                    raise
         self.checkpoints.close()
         self.engine.close()
         for callback in self.callbacks:
             callback.on_train_end(self)
-        cadence.close()
+        self.cadence.close()
         return self.state
+
+    def _advance(self) -> bool:
+        """Collective: one step and what follows it at its boundary. True: the loop stops here."""
+        cadence = self.cadence
+        if not self.train_step():
+            return False
+        if "first_step_s" not in self.timings:
+            self.timings["first_step_s"] = time.perf_counter() - self._first_step_at
+            for callback in self.callbacks:
+                callback.on_first_step(self)
+        cadence.stepped(self.global_batch, self.global_batch * self.tokens_per_sample)
+        step = self.state.step
+        verdict = self.guard.check(self._last_loss, self.engine.grad_norm)
+        if verdict.lease_lost is not None:
+            raise LeaseLost(verdict.lease_lost)
+        if verdict.nonfinite and not self.engine.skipped:
+            raise Diverged.at(step, "the loss or gradient norm is", can_skip=True)
+        self.preempted = verdict.preempt
+        drain_save = bool(verdict.drained) and not self._drain_saved
+        if verdict.drained is not None:  # the cluster was asked at this step
+            self._drain_saved = verdict.drained
+        if drain_save and self.rank == 0:
+            log_event(self.spec.run_uri, Event.DRAIN_CHECKPOINT, step=step)
+        due = cadence.due(step, checkpoint_now=self.preempted or drain_save, can_evaluate=self.validation is not None)
+        if due.row:
+            self._row(cadence, due)
+        if self.preempted:
+            return True
+        changed = verdict.generation is not None and verdict.generation != self.roster.current.number
+        return changed and not self._regroup(verdict.generation)
 
     def _row(self, cadence: Cadence, due: Due) -> None:
         """Collective: the step's metrics row; its evaluation and checkpoint when due."""
@@ -253,23 +260,34 @@ class Trainer:
             for callback in self.callbacks:
                 callback.on_checkpoint_end(self)
 
-    def _group_changes(self, verdict: Verdict) -> bool:
-        return verdict.generation is not None and verdict.generation != self.roster.current.number
+    def _regroup_after_loss(self, err: RuntimeError) -> bool:
+        """After a failed collective in an elastic group whose members each hold the whole state
+        (DDP): once the driver has left the lost member out of a new generation, the survivors go
+        on in it from the first survivor's state. False where that cannot be (the error stands)."""
+        if self.roster is None or not self.engine.whole_replicas:
+            return False
+        number = self.roster.wait_for_change(after=self.roster.current.number)
+        if number is None:  # no member was lost: the error was something else
+            return False
+        reason = str(err).splitlines()[0].split("] ", 1)[-1][:120]  # gloo's message, past its source location
+        print(f"shardyard: a collective failed ({reason}); going on in generation {number}", flush=True)
+        return self._regroup(number, lost=True)
 
-    def _regroup(self, number: int) -> bool:
-        """Collective over the old group, then over the new: the elastic group becomes generation
-        `number` at this step boundary. The first member that stays holds the state (gathered from
-        the shards); every old member ends the old process group; the new generation's members form
-        theirs, build the engine at the new size and take the state from its rank 0 (that member).
-        False: this worker is not in the new generation and stops here."""
+    def _regroup(self, number: int, lost: bool = False) -> bool:
+        """Collective over the old group (unless a member was `lost`: it is broken), then over the
+        new: the elastic group becomes generation `number` at this step boundary. The first member
+        that stays holds the state; every old member ends the old process group; the new
+        generation's members form theirs, build the engine at the new size and take the state from
+        its rank 0 (that member). False: this worker is not in the new generation and stops here."""
         began = time.perf_counter()
         old, new = self.roster.current, self.roster.generation(number)
         holder = next(rank for rank, name in enumerate(old.members) if name in new.members)
         backend = dist.get_backend()
-        self.checkpoints.wait()  # a write under way commits in the group that made it
-        held = hand_over(self.engine, holder)
-        dist.all_reduce(self._loss_sum)  # the losses of the row under way: kept by the holder alone
-        if self.rank != holder:
+        if not lost:
+            self.checkpoints.wait()  # a write under way commits in the group that made it
+            dist.all_reduce(self._loss_sum)  # the losses of the row under way: kept by the holder alone
+        held = hand_over(self.engine, holder, alone=lost)
+        if self.rank != holder:  # (after a loss the holder's share alone: that row's loss is approximate)
             self._loss_sum.zero_()
         self.engine.close()
         dist.destroy_process_group()
