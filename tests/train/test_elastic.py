@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,7 @@ from helpers.elastic import (CONFIGS, NUM_SAMPLES, WorkerNode, assert_matches_si
                              job)
 
 HOT_STEPS, HOT_KILL, HOT_HOLD = 600, 26, 99  # no checkpoint step between the last two
+IN_PLACE_STEPS, IN_PLACE_KILL, IN_PLACE_JOIN = 150, 26, 60
 
 
 def start_run(ray_cluster, tmp_path: Path, strategy: str, steps: int, extra: tuple[str, ...] = (),
@@ -48,6 +50,27 @@ def start_run(ray_cluster, tmp_path: Path, strategy: str, steps: int, extra: tup
 def assert_succeeds(proc: subprocess.Popen, timeout_s: float) -> None:
     output, _ = proc.communicate(timeout=timeout_s)
     assert proc.returncode == 0, output[-4000:]
+
+
+def kill_then_release(proc: subprocess.Popen, run_dir: Path, kill_step: int, hold_step: int,
+                      replaced: Callable[[dict], bool], what: str) -> float:
+    """Once the run holds at `kill_step`, SIGKILL the worker holding it (rank 0) and let the others
+    go on; once an event that says it is `replaced` follows, let it go on from `hold_step` too; the
+    run must then succeed. Returns when the worker was killed."""
+    try:
+        wait_for(lambda: held(run_dir, kill_step) is not None or proc.poll() is not None, 180, "no hold")
+        assert proc.poll() is None, "the run ended before a worker could be killed"
+        killed_at = time.time()
+        os.kill(held(run_dir, kill_step)["pid"], signal.SIGKILL)
+        release(run_dir, kill_step)
+        wait_for(lambda: any(replaced(e) and e["time"] > killed_at for e in events(run_dir))
+                 or proc.poll() is not None, 240, what)
+        release(run_dir, hold_step)
+        assert_succeeds(proc, 300)
+    finally:
+        release(run_dir, kill_step, hold_step)
+        clean_up(proc)
+    return killed_at
 
 
 def clean_up(proc: subprocess.Popen, *nodes: WorkerNode | None) -> None:
@@ -123,19 +146,8 @@ def test_hot_recovery_survivors_train_on_and_the_replacement_heals_from_a_peer(
     # it rejoins before the end however slow its start, and behind the survivors however fast.
     proc = start_run(ray_cluster, tmp_path, "ddp", HOT_STEPS, hot, hold_at=(HOT_KILL, HOT_HOLD), task="vision")
     run_dir = tmp_path / "ddp"
-    try:
-        wait_for(lambda: held(run_dir, HOT_KILL) is not None or proc.poll() is not None, 180, "no hold")
-        assert proc.poll() is None, "the run ended before a replica could be killed"
-        killed_at = time.time()
-        os.kill(held(run_dir, HOT_KILL)["pid"], signal.SIGKILL)  # rank 0 holds the run there
-        release(run_dir, HOT_KILL)
-        wait_for(lambda: any(e["event"] == "replica_start" and e["time"] > killed_at for e in events(run_dir))
-                 or proc.poll() is not None, 240, "no replacement replica started")
-        release(run_dir, HOT_HOLD)
-        assert_succeeds(proc, 300)
-    finally:
-        release(run_dir, HOT_KILL, HOT_HOLD)
-        clean_up(proc)
+    killed_at = kill_then_release(proc, run_dir, HOT_KILL, HOT_HOLD, lambda e: e["event"] == "replica_start",
+                                  "no replacement replica started")
 
     history = events(run_dir)
     assert any(e["event"] == "failure" for e in history), history
@@ -158,3 +170,33 @@ def test_hot_recovery_survivors_train_on_and_the_replacement_heals_from_a_peer(
     # healed, it skipped some of the window's steps, so the loss is compared loosely (at step 600
     # one skipped step moves it 1.4%); the parameters are not.
     assert_matches_single_process(run_dir, HOT_STEPS, loss_rtol=3e-2, task="vision")
+
+
+@pytest.mark.timeout(300)
+def test_in_place_a_killed_worker_is_left_out_and_its_replacement_joins_from_a_peer(
+        ray_cluster, tmp_path: Path) -> None:
+    """scaling.resize=in_place (DDP, the image classifier): kill rank 0 of 3 workers. No restart
+    and no checkpoint read: the survivors' collective with it fails, the driver publishes the
+    next generation without it and the two go on from the first survivor's state; the driver
+    starts a replacement, which joins at a step boundary taking its state from a live peer. Data
+    exact; the model equals one process's."""
+    extra = ("scaling.min_workers=null", "scaling.max_workers=null", "scaling.num_workers=3",
+             "scaling.resize=in_place", "scaling.resources_per_worker={CPU: 0.5}", "checkpoint.every_n_steps=100")
+    proc = start_run(ray_cluster, tmp_path, "ddp", IN_PLACE_STEPS, extra, hold_at=(IN_PLACE_KILL, IN_PLACE_JOIN),
+                     task="vision")
+    run_dir = tmp_path / "ddp"
+    # Held again until the replacement is ready and its joining published: it joins by that step.
+    kill_then_release(proc, run_dir, IN_PLACE_KILL, IN_PLACE_JOIN,
+                      lambda e: e["event"] == "group_change" and e["joining"], "no replacement joined")
+
+    history = events(run_dir)
+    assert [e["world_size"] for e in history if e["event"] == "start"] == [3], history  # never restarted
+    assert any(e["event"] == "failure" for e in history), history
+    lost, joined = [e for e in history if e["event"] == "regrouped"]
+    assert (lost["step"], lost["world_size"], joined["world_size"]) == (IN_PLACE_KILL, 2, 3), history
+    assert IN_PLACE_KILL < joined["step"] <= IN_PLACE_JOIN, joined  # the hold keeps it from missing the run
+    report = audit(run_dir, NUM_SAMPLES)
+    assert report.steps == IN_PLACE_STEPS and report.exact and report.attempts == 1, report
+    assert report.world_sizes == [3] * IN_PLACE_KILL + [2] * (joined["step"] - IN_PLACE_KILL) + \
+        [3] * (IN_PLACE_STEPS - joined["step"]), report
+    assert_matches_single_process(run_dir, IN_PLACE_STEPS, task="vision")

@@ -92,6 +92,7 @@ class JobSpec(Section):
         if read_from_storage(info):  # checked when it was launched; checking again may run its factory
             return self
         self._check_hot_recovery()
+        self._check_in_place()
         self._check_float8()
         # What the model can be split into, and the run at every size it may train at: asked of the
         # model family's own rules (layout/capabilities.py) and the mesh planner (parallel/).
@@ -139,6 +140,17 @@ class JobSpec(Section):
         if self.scaling.recovery != "restart" or self.checkpoint.async_write:
             raise ValueError("parallelism.strategy 'parameter_server' runs its own actors: scaling.recovery "
                              "'hot' and checkpoint.async_write are for Ray Train strategies")
+
+    def _check_in_place(self) -> None:
+        par = self.parallelism
+        if self.scaling.resize != "in_place":
+            return
+        if par.strategy not in ("ddp", "fsdp") or par.pp > 1 or par.tp > 1 or self.scaling.recovery == "hot":
+            hot = " under scaling.recovery hot" if self.scaling.recovery == "hot" else ""
+            raise ValueError(f"scaling.resize 'in_place' hands the whole model between group sizes: built for ddp and "
+                             f"fsdp without pipeline or tensor parallelism, not strategy '{par.strategy}' with pp "
+                             f"{par.pp} and tp {par.tp}{hot}; leave scaling.resize at 'restart' (a checkpoint and a "
+                             f"restart at the new size)")
 
     def _check_float8(self) -> None:
         par = self.parallelism

@@ -202,6 +202,10 @@ class ScalingSpec(Section):
         "restart", description="restart: a failure restarts the worker group from the last "
                                "checkpoint; hot (ddp): survivors keep training and a replacement "
                                "heals from a live peer (TorchFT)")
+    resize: Literal["restart", "in_place"] = Field(
+        "restart", description="restart: a change of size restarts the worker group from a checkpoint (Ray "
+                               "Train); in_place (ddp, fsdp): workers leave and join the running group at a "
+                               "step boundary, joiners taking their state from a live peer")
     worker_start_timeout_s: float = Field(
         60.0, gt=0, description="how long a worker group may take to start before Ray Train "
                                 "gives up on it and retries, elastic: at the size resources allow")

@@ -106,6 +106,7 @@ class Event(StrEnum):
     FAILURE = "failure"
     REPLICA_START = "replica_start"  # hot recovery: a replica joined its peers
     HEALED = "healed"  # hot recovery: a replica caught up from a peer
+    GROUP_CHANGE = "group_change"  # an in-place group's driver published a change: who leaves, who joins
     REGROUPED = "regrouped"  # an elastic group changed at a step boundary: members, world size
     INJECTED_CRASH = "injected_crash"
     HELD = "held"  # a hold point reached (run.hold_at_steps)

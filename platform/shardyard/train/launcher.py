@@ -2,7 +2,8 @@
 
 The launch holds the run's lease for its whole length, checks what needs this machine, the
 cluster or the run's storage (train/preflight.py), connects to Ray, then runs the job as a Ray
-Train worker group (train/ray_train/, the one Ray Train adapter) or as parameter-server actors.
+Train worker group (train/ray_train/, the one Ray Train adapter), as a group that changes size in
+place (train/in_place/, `scaling.resize: in_place`) or as parameter-server actors.
 
 Ray Train is told nothing about checkpoints: shardyard's commit records alone say which a run has
 (checkpoint/record.py), and Ray Train's own files live apart, under `<run>/ray_train/`, holding
@@ -15,6 +16,7 @@ eviction, `ray job stop`) asks the workers to checkpoint at the next step bounda
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from shardyard.checkpoint.lease import LeaseLost, RunLease
 from shardyard.cluster import connect_ray
@@ -32,11 +34,12 @@ from shardyard.train.step_guard import Diverged
 
 
 def launch(spec: JobSpec, attach_to_running: bool = False, take_over: bool = False,
-           began_at: float | None = None) -> RunResult:
+           began_at: float | None = None, allotment: Callable[[], int] | None = None) -> RunResult:
     """Train `spec` to its end (resuming its newest good checkpoint), holding the run's lease
-    throughout: a second launch of the same run is refused (`take_over`: see checkpoint/lease.py)."""
+    throughout: a second launch of the same run is refused (`take_over`: see checkpoint/lease.py).
+    `allotment`: the size an in-place group trains at, asked again and again (the pool's)."""
     with RunLease(spec.run_uri, spec.run.name, ttl_s=spec.checkpoint.lease_ttl_s).held(take_over) as lease:
-        return _launch(spec, attach_to_running, lease, began_at)
+        return _launch(spec, attach_to_running, lease, began_at, allotment)
 
 
 def _launch_parameter_servers(spec: JobSpec, lease: RunLease) -> RunResult:
@@ -62,7 +65,8 @@ def _launch_parameter_servers(spec: JobSpec, lease: RunLease) -> RunResult:
     return result
 
 
-def _launch(spec: JobSpec, attach_to_running: bool, lease: RunLease, began_at: float | None) -> RunResult:
+def _launch(spec: JobSpec, attach_to_running: bool, lease: RunLease, began_at: float | None,
+            allotment: Callable[[], int] | None) -> RunResult:
     stop_if_terminated()
     preflight(spec)
     stop_if_terminated()
@@ -74,4 +78,9 @@ def _launch(spec: JobSpec, attach_to_running: bool, lease: RunLease, began_at: f
     ray_start_s = time.time() - ray_started_at
     if spec.parallelism.strategy == "parameter_server":  # its own actors, not a Ray Train group
         return _launch_parameter_servers(spec, lease)
-    return fit(spec, lease, can_grow, driver_marks(ray_started_at, ray_start_s, began_at), fault_injection)
+    marks = driver_marks(ray_started_at, ray_start_s, began_at)
+    if spec.scaling.resize == "in_place":  # its own actors: Ray Train restarts its group on every change
+        from shardyard.train.in_place.run import fit_in_place
+
+        return fit_in_place(spec, lease, can_grow, marks, fault_injection, allotment)
+    return fit(spec, lease, can_grow, marks, fault_injection)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardyard.storage.events import Event
+from shardyard.spec import JobSpec
+from shardyard.storage.events import Event, launch_end, read_events
+from shardyard.train.metrics import RunResult, finish_run
+from shardyard.train.startup import report
 
 
 class RunGaveUp(RuntimeError):
@@ -53,3 +56,17 @@ def failure_summary(err: Exception) -> str:
         return str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
     return "; ".join(f"rank {rank}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
                      for rank, e in sorted(failures.items()))
+
+
+def launch_result(spec: JobSpec, launch_id: str, notice_by: str | None, title: str, started: float) -> RunResult:
+    """How launch `launch_id` ended, read from its events once its workers are done: the run's
+    result (its start-up phases and end-of-run table printed), or RunGaveUp or Preempted.
+    `notice_by`: the signal that gave a preemption notice, if one did."""
+    ended = launch_end(read_events(spec.run_uri), launch_id)
+    startup = report(ended.first_step)
+    if ended.stopped is not None:
+        raise RunGaveUp(f"run '{spec.run.name}' stopped: {ended.stopped['reason']}")
+    if ended.preempted_at is not None:
+        raise Preempted(f"run '{spec.run.name}' stopped on {notice_by or 'a preemption notice'} after committing "
+                        f"step {ended.preempted_at}; launch it again to continue from there", notice_by)
+    return finish_run(spec, title, started, startup)

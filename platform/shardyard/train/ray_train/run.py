@@ -16,16 +16,15 @@ from ray.train.torch import TorchTrainer
 from shardyard.checkpoint.lease import RunLease
 from shardyard.checkpoint.record import newest_step
 from shardyard.spec import JobSpec
-from shardyard.storage.events import Event, launch_end, log_event, read_events
+from shardyard.storage.events import Event, log_event
 from shardyard.storage.store import RunStorage
 from shardyard.train.early_sigterm import stop_if_terminated
-from shardyard.train.metrics import RunResult, finish_run
-from shardyard.train.outcomes import Preempted, RunGaveUp, failure_summary
+from shardyard.train.metrics import RunResult
+from shardyard.train.outcomes import RunGaveUp, failure_summary, launch_result
 from shardyard.train.preemption import StoppedAtOnce, preemption_notice, stopped_at_once
 from shardyard.train.ray_train.config import FailureLog, scaling_config, torch_config, tune_ray_train
 from shardyard.train.ray_train.worker import train_worker
 from shardyard.train.restart_lines import restart_lines, restarts_allowed
-from shardyard.train.startup import report
 
 
 def fit(spec: JobSpec, lease: RunLease, can_grow: bool, startup: dict[str, float],
@@ -67,14 +66,8 @@ def fit(spec: JobSpec, lease: RunLease, can_grow: bool, startup: dict[str, float
             raise RunGaveUp(f"run '{spec.run.name}' stopped: {failure_summary(err)}; scaling.max_failures "
                             f"({restarts_allowed(spec.scaling.max_failures)}) restarts were used. Launching it again "
                             f"resumes from step {newest_step(RunStorage(spec.run_uri))}") from None
-    ended = launch_end(read_events(spec.run_uri), launch_id)
-    startup = report(ended.first_step)
-    if ended.stopped is not None:
-        raise RunGaveUp(f"run '{spec.run.name}' stopped: {ended.stopped['reason']}")
-    if ended.preempted_at is not None:
-        raise Preempted(f"run '{spec.run.name}' stopped on {notice.by or 'a preemption notice'} after committing "
-                        f"step {ended.preempted_at}; launch it again to continue from there", notice.by)
-    return finish_run(spec, f"shardyard run '{spec.run.name}' ({spec.parallelism.strategy})", start, startup)
+    return launch_result(spec, launch_id, notice.by, f"shardyard run '{spec.run.name}' ({spec.parallelism.strategy})",
+                         start)
 
 
 def fit_in_background(trainer: TorchTrainer) -> None:
