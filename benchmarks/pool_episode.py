@@ -1,13 +1,16 @@
 """One episode of the elastic pool (`shardyard pool`): serving load rises past the SLO, training
 lends a worker, a second replica serves; load falls, Serve lets the replica go, training takes the
-device back. Side by side with the same pool under `priority: training` (the two fleets split
-once: the run never shrinks), over the same load schedule, on two model shapes.
+device back. Three pools side by side over the same load schedule, on two model shapes: the run
+resized in place (`scaling.resize: in_place`, jobs/configs/pool.yaml's: a worker leaves, one
+joins), the run resized by a checkpoint and a restart (`scaling.resize: restart`), and the static
+split (`priority: training`: the two fleets split once, the run never shrinks).
 
 Measured: time to lend (the breach's start to the new replica serving, from the run's
-`lend_serving` event), time to return (the decision to training at full size again,
-`return_training`), the training samples the episode kept (against the static split's over the
-same time), request latency per phase (calm, peak, after) and failed requests (any answer but
-200). The load generator's clients each send one completion at a time.
+`lend_serving` event), each decision to training at the new size (the lend's and the return's),
+how long the in-place group took to change (its `regrouped` events), the training samples the
+episode kept (against the static split's over the same time), request latency per phase (calm,
+peak, after) and failed requests (any answer but 200). The load generator's clients each send one
+completion at a time.
 
     python benchmarks/pool_episode.py [--shapes tiny small] [--out docs/images/pool_episode.png] [--pool-only]
 
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from common import print_table, write_json
+from shardyard.pool.arbiter import training_size
 from shardyard.storage.events import read_events
 from shardyard.train.metrics import read_metrics
 from helpers.repo import REPO
@@ -47,10 +51,12 @@ def figures(episode: dict[str, Any]) -> dict[str, Any]:
     events = read_events(run_dir)
     out: dict[str, Any] = {"failed_requests": sum(r["status"] != 200 for r in episode["requests"]),
                            "requests": len(episode["requests"])}
-    for kind, key, measure in (("lend_serving", "time_to_lend_s", "since_breach_s"),
-                               ("return_training", "time_to_return_s", "since_decision_s")):
-        found = [e for e in events if e["event"] == kind]
-        out[key] = found[0][measure] if found else None
+    found = [e for e in events if e["event"] == "lend_serving"]
+    out["time_to_lend_s"] = found[0]["since_breach_s"] if found else None
+    for kind in ("lend", "return"):
+        out[f"{kind}_to_training_s"] = to_new_size(events, kind)
+    regroups = [e for e in events if e["event"] == "regrouped"]
+    out["regroup_s"] = max(e["seconds"] for e in regroups) if regroups else None
     for phase, end in (("calm", "peak"), ("peak", "after"), ("lent", "after"), ("after", "end")):
         times = [r["end"] - r["start"] for r in episode["requests"] if p[phase] <= r["start"] < p[end]]
         out[f"{phase}_p50_ms"] = 1000 * percentile(times, 0.5) if times else None
@@ -61,6 +67,19 @@ def figures(episode: dict[str, Any]) -> dict[str, Any]:
     out["training_down_s"] = sum(b["now"] - a["now"] for a, b in zip(watched, watched[1:]) if a["training_size"] is None)
     out["episode_s"] = p["end"] - p["calm"]
     return out
+
+
+def to_new_size(events: list[dict[str, Any]], kind: str) -> float | None:
+    """Seconds from the first `kind` decision (lend, return) to the run training at the size it
+    names, as the pool's arbiter reads the run's size from its events."""
+    at = next((i for i, e in enumerate(events) if e["event"] == kind), None)
+    if at is None:
+        return None
+    wanted = events[at]["to_workers"]
+    for i in range(at + 1, len(events)):
+        if training_size(events[:i + 1]) == wanted:
+            return events[i]["time"] - events[at]["time"]
+    return None
 
 
 def plot(episode: dict[str, Any], path: Path, title: str) -> None:
@@ -125,13 +144,17 @@ def main() -> None:
             p = pooled["phases"]
             schedule = {"calm": p["peak"] - p["calm"], "peak": p["after"] - p["peak"], "lent": p["lent"] - p["peak"],
                         "after": p["end"] - p["after"]}
+            restarted = run_episode(Path(tmp), f"restart_{shape}", SHAPES[shape], schedule=schedule, resize="restart")
             static = run_episode(Path(tmp), f"static_{shape}", SHAPES[shape], priority="training", schedule=schedule)
-            a, b = figures(pooled), figures(static)
-            rows.append({"shape": shape, "policy": "pool (serving first)", **a})
+            a, r, b = figures(pooled), figures(restarted), figures(static)
+            rows.append({"shape": shape, "policy": "pool, in place", **a})
+            rows.append({"shape": shape, "policy": "pool, restart", **r})
             rows.append({"shape": shape, "policy": "static split", **b})
-            rows.append({"shape": shape, "policy": "pool / static", "peak_p90_ms": ratio(a["peak_p90_ms"], b["peak_p90_ms"]),
-                         "lent_p90_ms": ratio(a["lent_p90_ms"], b["lent_p90_ms"]),
-                         "samples_trained": ratio(a["samples_trained"], b["samples_trained"])})
+            for name, x in (("in place", a), ("restart", r)):
+                rows.append({"shape": shape, "policy": f"{name} / static",
+                             "peak_p90_ms": ratio(x["peak_p90_ms"], b["peak_p90_ms"]),
+                             "lent_p90_ms": ratio(x["lent_p90_ms"], b["lent_p90_ms"]),
+                             "samples_trained": ratio(x["samples_trained"], b["samples_trained"])})
     print_table("pool episode: lend under load, return after (ratios: pool over the static split)", rows)
     write_json("pool_episode", {"rows": rows})
 

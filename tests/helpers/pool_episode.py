@@ -66,20 +66,21 @@ class Load:
         return sum(1 for r in list(self.requests) if r["start"] >= t and r["status"] == 200)
 
 
-def episode_job(storage: Path, name: str, shape: list[str]) -> list[str]:
+def episode_job(storage: Path, name: str, shape: list[str], resize: str = "in_place") -> list[str]:
     """The pool's training job: trained until stopped, on synthetic data (an epoch of 4 steps, so
-    the sample ledger sees many), with plain SGD (what the test's oracle can check exactly)."""
+    the sample ledger sees many), with plain SGD (what the test's oracle can check exactly);
+    `resize`: how the run changes size (scaling.resize)."""
     return [f"run.name={name}", f"checkpoint.storage_path={storage}", "run.steps=100000", "data.name=synthetic",
             "data.num_samples=192", f"batch.global_batch_size={GLOBAL_BATCH}", "batch.micro_batch_size=8",
             "checkpoint.every_n_steps=20", "checkpoint.keep=3", "run.log_every=10", "run.sample_ledger=true",
             "optim.name=sgd", "optim.grad_clip=0", "optim.schedule=constant", "optim.lr=0.02",
             "scaling.num_workers=null", "scaling.min_workers=1", "scaling.max_workers=2",
-            "scaling.resources_per_worker={CPU: 0.5}", *shape]
+            "scaling.resources_per_worker={CPU: 0.5}", f"scaling.resize={resize}", *shape]
 
 
 def start_pool(storage: Path, name: str, shape: list[str], priority: str, port: int, signal_: str,
-               above: float, cool_down_s: float, log: Path) -> subprocess.Popen:
-    overrides = [f"training.set={json.dumps(episode_job(storage, name, shape))}", f"serving.port={port}",
+               above: float, cool_down_s: float, log: Path, resize: str) -> subprocess.Popen:
+    overrides = [f"training.set={json.dumps(episode_job(storage, name, shape, resize))}", f"serving.port={port}",
                  f"policy.priority={priority}",
                  f"policy.lend_when.signal={signal_}", f"policy.lend_when.above={above}",
                  "policy.lend_when.for_s=2", f"policy.cool_down_s={cool_down_s}",
@@ -109,13 +110,14 @@ def stop(pool: subprocess.Popen, log: Path, timeout_s: float = 120) -> int:
 def run_episode(storage: Path, name: str, shape: list[str], port: int = 8000, priority: str = "serving",
                 schedule: dict[str, float] | None = None, peak_clients: int = 6, timeout_s: float = 300,
                 signal_: str = "queue_length", above: float = 3.0, cool_down_s: float = 3.0,
-                calm_s: float = 10.0, lent_s: float = 20.0) -> dict[str, Any]:
+                calm_s: float = 10.0, lent_s: float = 20.0, resize: str = "in_place") -> dict[str, Any]:
     """Run one episode; with `schedule` (phase lengths of an earlier episode), the same load by the
     clock instead of by the pool's events. The calm phase lasts at least `calm_s`, and the peak at
-least `lent_s` once the lent replica serves (phase lengths for the figures, not for correctness).
+least `lent_s` once the lent replica serves (phase lengths for the figures, not for correctness);
+`resize`: the run's scaling.resize.
     Returns the run directory, the phases, the requests and the app's /metrics text at the end."""
     log = storage / f"{name}.log"
-    pool = start_pool(storage, name, shape, priority, port, signal_, above, cool_down_s, log)
+    pool = start_pool(storage, name, shape, priority, port, signal_, above, cool_down_s, log, resize)
     run_dir = storage / name
     load = Load(f"http://127.0.0.1:{port}/v1/completions")
     load.start(peak_clients)

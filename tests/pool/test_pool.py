@@ -218,10 +218,12 @@ def test_an_episode_lends_under_load_and_takes_back_after_losing_nothing(tmp_pat
     events = read_events(run_dir)
     decisions = [e["event"] for e in events if e["event"] in ("lend", "lend_serving", "return", "return_training")]
     assert decisions == ["lend", "lend_serving", "return", "return_training"], events
-    starts = [e for e in events if e["event"] == "start"]
-    assert [e["world_size"] for e in starts] == [2, 1, 2], starts
+    # In place (jobs/configs/pool.yaml's scaling.resize): one group start, a worker leaving and one
+    # joining at step boundaries; the only stop is the SIGTERM's, and no step ran twice.
+    assert [e["world_size"] for e in events if e["event"] == "start"] == [2], events
+    assert [e["world_size"] for e in events if e["event"] == "regrouped"] == [1, 2], events
     stops = [e["step"] for e in events if e["event"] == "preempted"]
-    assert [e["restored_step"] for e in starts[1:]] == stops[:2]  # a checkpoint at once: nothing recomputed
+    assert len(stops) == 1, stops
     assert all(r["status"] == 200 for r in episode["requests"]), [r for r in episode["requests"] if r["status"] != 200]
     assert "ray_shardyard_pool_lends" in episode["metrics"] and "ray_shardyard_pool_returns" in episode["metrics"]
     assert json.loads((run_dir / "pool" / "timeline.json").read_text())
@@ -238,7 +240,7 @@ def test_an_episode_lends_under_load_and_takes_back_after_losing_nothing(tmp_pat
     steps(oracle, oracle_spec, 0, final)
     trained = load_model(find_latest(run_dir)).state_dict()
     for name, value in oracle.model.state_dict().items():
-        torch.testing.assert_close(trained[name], value, rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(trained[name], value, rtol=0, atol=1e-6, msg=name)
 
 
 

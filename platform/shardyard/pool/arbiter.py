@@ -38,7 +38,7 @@ def arbiter_name(run_name: str) -> str:
 
 def training_size(events: list[dict[str, Any]]) -> int | None:
     """The run's world size while it trains: that of its newest worker group once it has taken a
-    step; None while it stops, restarts or has not begun."""
+    step, or that an in-place group changed to; None while it stops, restarts or has not begun."""
     size = starting = None
     for event in events:
         kind = event["event"]
@@ -46,6 +46,8 @@ def training_size(events: list[dict[str, Any]]) -> int | None:
             starting = event["world_size"]
         elif kind == Event.FIRST_STEP:
             size = starting
+        elif kind == Event.REGROUPED:
+            size = starting = event["world_size"]
         elif kind in (Event.PREEMPTED, Event.LAUNCH, Event.FAILURE, Event.DRAIN_CHECKPOINT):
             size = starting = None
     return size

@@ -2,10 +2,11 @@
 
 The driver starts (or joins) Ray, starts the arbiter (pool/arbiter.py), trains the run at the
 size the arbiter allots, and deploys the app once the run has a checkpoint to serve. When the
-allotment changes, the run is asked to checkpoint at its next step boundary and stop (the
+allotment changes, a run with `scaling.resize: in_place` changes size at its next step boundary
+(a lend is its newest worker leaving, a return a new worker joining and taking its state from a
+live peer); any other run is asked to checkpoint at its next step boundary and stop (the
 preemption notice's path: `<run>/PREEMPT`), then launched again at the new size from that
-checkpoint; the sample ledger carries the data position across, so no sample is repeated or
-skipped. Serve places the replicas it is waiting for on the devices the run let go; a replica
+checkpoint. Either way the sample order carries across, so no sample is repeated or skipped. Serve places the replicas it is waiting for on the devices the run let go; a replica
 Serve stops finishes the requests it holds first. The pool ends with its run (or on SIGTERM,
 which checkpoints the run first): the app is deleted and the arbiter's timeline is written to
 `<run>/pool/timeline.json`.
@@ -122,11 +123,17 @@ class Pool:
 
     # ------------------------------------------------------------ training
 
+    def allotment(self) -> int:
+        return ray.get(self.arbiter.allotment.remote())
+
     def follow_allotment(self) -> None:
-        """While the run trains: when the arbiter allots another size, ask the run to checkpoint and
-        stop (again each poll until it has: a launch starting deletes a notice left before it)."""
+        """While a run that restarts to resize trains: when the arbiter allots another size, ask it
+        to checkpoint and stop (again each poll until it has: a launch starting deletes a notice
+        left before it). An in-place group follows the allotment itself (launch's `allotment`)."""
+        if self.job.scaling.resize == "in_place":
+            return
         while not self.ended.wait(self.pool.policy.poll_interval_s):
-            allotted = ray.get(self.arbiter.allotment.remote())
+            allotted = self.allotment()
             with self.lock:
                 if allotted != self.size:
                     self.resize_asked = True
@@ -137,7 +144,8 @@ class Pool:
         began_at = None  # the first launch began with the command; each relaunch, when it is asked for
         while True:
             try:
-                launch(at_size(self.job, self.size), began_at=began_at)
+                in_place = self.job.scaling.resize == "in_place"
+                launch(at_size(self.job, self.size), began_at=began_at, allotment=self.allotment if in_place else None)
                 return exit_codes.DONE
             except Preempted as err:
                 with self.lock:
