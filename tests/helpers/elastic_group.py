@@ -64,7 +64,7 @@ class LocalGroup:
         wait_for(lambda: held_at(self.run, step) is not None, f"the run to hold at step {step}")
         for name in join:
             self.processes[name] = self._start(name)
-            self.keeper.wait_ready(name)
+            wait_for(lambda: self.keeper.is_ready(name), f"worker {name} to start")
         self.keeper.change(leave=leave, join=join)
         release(self.run, step)
 

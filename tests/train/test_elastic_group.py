@@ -10,14 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.elastic_group import FINAL, LocalGroup
-from helpers.oracle import job
+from helpers.oracle import ADAMW, ADAMW_PARAM_TOL, job
+from helpers.oracle import steps as oracle_steps
 
 from shardyard.data.ledger import audit
 from shardyard.models import build_model
 from shardyard.parallel import single_process
 from shardyard.spec import parse_spec
-
-from helpers.oracle import steps as oracle_steps
 
 STEPS, GLOBAL_BATCH, SAMPLES = 14, 12, 96
 # Plain SGD without clipping: its update is linear in the gradient, so a wrong gradient scale, a
@@ -49,9 +48,11 @@ def one_process(raw: dict) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_three_leaves_and_three_joins_train_as_one_process(strategy: str, tmp_path: Path) -> None:
-    raw = elastic_job(strategy, tmp_path / "runs")
+@pytest.mark.parametrize("strategy, optimizer", [("ddp", SGD), ("fsdp", SGD), ("fsdp", ADAMW)],
+                         ids=["ddp-sgd", "fsdp-sgd", "fsdp-adamw"])
+def test_three_leaves_and_three_joins_train_as_one_process(strategy: str, optimizer: dict, tmp_path: Path) -> None:
+    """AdamW besides: its state (FSDP's shards of it) is gathered and dealt again at each change."""
+    raw = elastic_job(strategy, tmp_path / "runs") | {"optim": optimizer}
     group = LocalGroup(["a", "b", "c"], raw, [step for step, _, _ in CHANGES], tmp_path)
     for step, leave, join in CHANGES:
         group.at_hold(step, leave=leave, join=join)
@@ -69,7 +70,8 @@ def test_three_leaves_and_three_joins_train_as_one_process(strategy: str, tmp_pa
     final = torch.load(tmp_path / FINAL)
     expected = one_process(raw)
     worst = max((final[k] - expected[k]).abs().max().item() for k in expected)
-    assert worst <= TOLERANCE, f"parameters differ from one process's by up to {worst:.2e}"
+    limit = TOLERANCE if optimizer is SGD else ADAMW_PARAM_TOL  # see helpers/oracle.py on AdamW's
+    assert worst <= limit, f"parameters differ from one process's by up to {worst:.2e}"
 
 
 @pytest.mark.timeout(240)

@@ -76,11 +76,8 @@ class RosterKeeper:
         self.store.set(members_key(generation.number), json.dumps(list(generation.members)))
         self.store.set(GENERATION_KEY, str(generation.number))  # last: whoever sees it finds the members
 
-    def wait_ready(self, name: str, timeout_s: float = FORM_TIMEOUT.total_seconds()) -> None:
-        """Until the worker `name` has started and can join (its Roster said so)."""
-        self.store.wait([ready_key(name)], timedelta(seconds=timeout_s))
-
     def is_ready(self, name: str) -> bool:
+        """Whether the worker `name` has started and can join (its Roster said so)."""
         return self.store.check([ready_key(name)])
 
     def generation(self, number: int) -> Generation:

@@ -106,6 +106,7 @@ class InPlaceGroup:
                 ended = ray.get(ref)
             except RayError as err:
                 members = self.keeper.current.members
+                self._end(name)
                 raise WorkerFailed(name, members.index(name) if name in members else None, err) from None
             self._end(name)
             if not ended["left"]:  # the run ended: a worker named by no generation it formed never will be
@@ -119,11 +120,18 @@ class InPlaceGroup:
         self.running = {ref: n for ref, n in self.running.items() if n != name}
 
     def leave_out(self, lost: WorkerFailed) -> bool:
-        """Go on without a lost member where every member holds the whole state (DDP) and its process
-        or node was lost (not an error of the training code, which would come back): the survivors
-        form the next generation without it. False: the group must restart."""
-        members = self.keeper.current.members
-        if lost.from_code or lost.rank is None or len(members) < 2 or self.spec.parallelism.strategy != "ddp":
+        """Go on without a worker whose process or node was lost (an error of the training code
+        would come back: False, the group must restart): one not yet joined or already gone is
+        dropped (the growth starts another); a member, where every member holds the whole state
+        (DDP), is left out of the next generation, which the survivors form without it."""
+        if lost.from_code:
+            return False
+        if lost.name in self.joining:
+            self.joining.remove(lost.name)
+            return True
+        if lost.rank is None:
+            return True
+        if len(self.keeper.current.members) < 2 or self.spec.parallelism.strategy != "ddp":
             return False
         self._change(leave=[lost.name])
         return True
