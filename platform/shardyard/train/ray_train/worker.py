@@ -13,11 +13,10 @@ from shardyard.checkpoint.lease import LeaseFence, LeaseLost
 from shardyard.runtime import select_device
 from shardyard.spec import JobSpec
 from shardyard.storage.events import Event, log_event, read_events
-from shardyard.train.callbacks import CrashAtCheckpoint, HoldAtSteps, LedgerCallback, RunEvents, group_attempt
+from shardyard.train.callbacks import group_attempt
 from shardyard.train.outcomes import repeated_failure
-from shardyard.train.startup import StartupPhases
-from shardyard.train.step_guard import Diverged
-from shardyard.train.trainer import Callback, Trainer
+from shardyard.train.trainer import Trainer
+from shardyard.train.worker_run import launch_callbacks, train_to_end
 
 
 def node_drained() -> bool:
@@ -57,31 +56,13 @@ def train_worker(config: dict[str, Any]) -> None:
         if dist.is_initialized():
             dist.broadcast_object_list(group_fence, src=0)
         fence = group_fence[0]
-    callbacks: list[Callback] = [RunEvents(), StartupPhases(launch_id, config["startup"], entered_at)]
-    if spec.run.sample_ledger:
-        # Hot-recovery replicas are not one group, and replacements join a running step
-        # sequence: one attempt id for all of them.
-        callbacks.append(LedgerCallback(spec.run_uri, f"rank{rank}", 0.0 if hot else group_attempt()))
-    if config["crash_at_checkpoint"] is not None:
-        callbacks.append(CrashAtCheckpoint(config["crash_at_checkpoint"]))
-    if config["hold_at"]:
-        callbacks.append(HoldAtSteps(config["hold_at"]))
-    if spec.checkpoint.publish_to is not None:
-        from shardyard.train.publish import WeightsPublisher  # Serve, for runs that publish only
-
-        callbacks.append(WeightsPublisher(spec.checkpoint.publish_to,
-                                          spec.checkpoint.publish_every_n_steps or spec.checkpoint.every_n_steps))
+    # Hot-recovery replicas are not one group, and replacements join a running step sequence: one
+    # ledger attempt id for all of them.
+    ledger = (f"rank{rank}", 0.0 if hot else group_attempt()) if spec.run.sample_ledger else None
+    callbacks = launch_callbacks(spec, config, entered_at, ledger)
     device = select_device(context.get_local_rank(), config["use_gpu"])
     trainer = Trainer.build(spec, rank, world_size, device, callbacks=callbacks,
                             checkpoint_writer=not hot or rank == 0, fence=fence,
                             node_drained=None if hot else node_drained,
                             replica_id=f"{spec.run.name}_{rank}", progress_bar=config["progress_bar"])
-    try:
-        trainer.train()
-    except (LeaseLost, Diverged) as err:  # every rank raised it at the same step: end the group here
-        if rank == 0:
-            kind = Event.LEASE_LOST if isinstance(err, LeaseLost) else Event.DIVERGED
-            log_event(spec.run_uri, kind, launch=launch_id, reason=str(err), step=trainer.state.step)
-        return
-    if trainer.preempted and rank == 0:
-        log_event(spec.run_uri, Event.PREEMPTED, launch=launch_id, step=trainer.state.step)
+    train_to_end(trainer, launch_id)
