@@ -17,6 +17,15 @@ completion at a time.
 Each run prints a table, writes benchmarks/results/pool_episode.json and plots the first shape's
 episode (load, replicas, training workers and throughput over time): into docs/images/ for the
 full comparison, into the current directory for `--pool-only`.
+
+    python benchmarks/pool_episode.py --from-zero [--shapes tiny small]
+
+Serving down to zero instead (benchmarks/results/pool_wake.json): an app at no replica, training
+on every device, woken twice by a streamed request; beside it, the same app woken on a device no
+one holds (Serve's own cold start, nothing lent), and the replica once awake. Measured: the first
+token's time after zero, and where it went: Serve asking for a replica and the arbiter lending
+(request to lend), the run's worker leaving (the lend to training at its new size), the replica
+starting (the lend to the replica serving); and the return (decision to training at full size).
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from shardyard.pool.arbiter import training_size
 from shardyard.storage.events import read_events
 from shardyard.train.metrics import read_metrics
 from helpers.repo import REPO
-from helpers.pool_episode import GLOBAL_BATCH, SHAPES, run_episode
+from helpers.pool_episode import FREE_DEVICE, FROM_ZERO, GLOBAL_BATCH, SHAPES, run_episode, run_wakes
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -122,6 +131,39 @@ def plot(episode: dict[str, Any], path: Path, title: str) -> None:
     print(f"wrote {path}")
 
 
+def wake_rows(wakes: dict[str, Any], shape: str, device: str) -> list[dict[str, Any]]:
+    """One row a request: its first token's time and, for a request that woke the app on a lent
+    device, the steps between."""
+    events = read_events(wakes["run_dir"])
+    rows = []
+    for r in wakes["requests"]:
+        row = {"shape": shape, "woken on": "(awake)" if r["warm"] else device, "wake": r["wake"] + 1,
+               "status": r["status"], "first_token_s": r["first_token_s"]}
+        lend = next((e for e in events if e["event"] == "lend" and e["time"] >= r["start"]), None)
+        if not r["warm"] and lend is not None and lend["time"] <= r["end"]:
+            after = [e for e in events if e["time"] >= lend["time"]]
+            regrouped = next(e for e in after if e["event"] == "regrouped")
+            serving = next(e for e in after if e["event"] == "lend_serving")
+            back = next((e for e in after if e["event"] == "return"), None)
+            row.update(request_to_lend_s=lend["time"] - r["start"], lend_to_training_s=regrouped["time"] - lend["time"],
+                       lend_to_serving_s=serving["since_decision_s"],
+                       return_to_training_s=to_new_size([e for e in after if e["time"] >= back["time"]], "return")
+                       if back else None)
+        rows.append(row)
+    return rows
+
+
+def from_zero(shapes: list[str]) -> None:
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in shapes:
+            lent = run_wakes(Path(tmp), f"zero_{shape}", SHAPES[shape])
+            free = run_wakes(Path(tmp), f"free_{shape}", SHAPES[shape], wakes=1, pool_overrides=FREE_DEVICE)
+            rows += wake_rows(lent, shape, "a lent device") + wake_rows(free, shape, "a free device")
+    print_table("serving down to zero: a streamed request's first token after zero (seconds)", rows)
+    write_json("pool_wake", {"rows": rows, "pools": {"lent": list(FROM_ZERO), "free": list(FREE_DEVICE)}})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -129,7 +171,12 @@ def main() -> None:
                         "with --pool-only pool_episode.png in the current directory)")
     parser.add_argument("--pool-only", action="store_true", help="one episode of the pool, without the static "
                         "split beside it (the first shape; about 2 minutes here)")
+    parser.add_argument("--from-zero", action="store_true", help="serving down to zero: the first token's time "
+                        "after zero on a lent device and on a free one (about 3 minutes a shape here)")
     args = parser.parse_args()
+    if args.from_zero:
+        from_zero(args.shapes)
+        return
     if args.out is None:  # a quick look never overwrites the figure the docs show
         args.out = Path("pool_episode.png") if args.pool_only else REPO / "docs" / "images" / "pool_episode.png"
     rows: list[dict[str, Any]] = []

@@ -79,7 +79,7 @@ def episode_job(storage: Path, name: str, shape: list[str], resize: str = "in_pl
 
 
 def start_pool(storage: Path, name: str, shape: list[str], priority: str, port: int, signal_: str,
-               above: float, cool_down_s: float, log: Path, resize: str) -> subprocess.Popen:
+               above: float, cool_down_s: float, log: Path, resize: str, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     overrides = [f"training.set={json.dumps(episode_job(storage, name, shape, resize))}", f"serving.port={port}",
                  f"policy.priority={priority}",
                  f"policy.lend_when.signal={signal_}", f"policy.lend_when.above={above}",
@@ -87,10 +87,22 @@ def start_pool(storage: Path, name: str, shape: list[str], priority: str, port: 
                  # One lend and one return, timed: the bounds against flapping (a breach as long as a
                  # resize, dwell, budget) would only add their waits (tests/pool/test_pool.py holds them).
                  "policy.resize_cost_s=0", "policy.min_dwell_s=0", "serving.args.autoscaling.downscale_delay_s=3",
-                 "serving.args.autoscaling.upscale_delay_s=1", "serving.args.autoscaling.look_back_period_s=11", "serving.args.batching.max_batch_size=2"]
+                 "serving.args.autoscaling.upscale_delay_s=1", "serving.args.autoscaling.look_back_period_s=11", "serving.args.batching.max_batch_size=2",
+                 *extra]
     command = [SHARDYARD, "pool", str(CONFIG)] + [a for o in overrides for a in ("--set", o)]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a local instance with the pool's devices
     return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+
+def waiter(pool: subprocess.Popen, log: Path, timeout_s: float) -> Any:
+    """`until(condition, message, limit=timeout_s)`: wait for the condition while the pool runs."""
+    def alive() -> None:
+        if pool.poll() is not None:
+            raise RuntimeError(f"the pool exited ({pool.returncode}); see {log}:\n{log.read_text()[-3000:]}")
+
+    def until(condition: Any, message: str, limit: float = timeout_s) -> None:
+        wait_for(lambda: alive() or condition(), limit, f"{message}; see {log}")
+    return until
 
 
 def event(run_dir: Path, kind: str, after: float = 0.0) -> dict[str, Any] | None:
@@ -124,13 +136,7 @@ least `lent_s` once the lent replica serves (phase lengths for the figures, not 
     phases: dict[str, float] = {}
     shown = {"metrics": ""}
 
-    def alive() -> None:
-        if pool.poll() is not None:
-            raise RuntimeError(f"the pool exited ({pool.returncode}); see {log}:\n{log.read_text()[-3000:]}")
-
-    def until(condition: Any, message: str, limit: float = timeout_s) -> None:
-        wait_for(lambda: alive() or condition(), limit, f"{message}; see {log}")
-
+    until = waiter(pool, log, timeout_s)
     try:
         until(lambda: event(run_dir, "first_step") and served(port), "serving never came up")
         phases["calm"] = time.time()
@@ -181,3 +187,61 @@ def served(port: int) -> bool:
             return answer.status == 200
     except OSError:
         return False
+
+
+# A pool that serves down to zero: 2 devices, training on both while no one asks; a request wakes
+# one replica on a device the run lends (its newest worker leaving), and once Serve has let the
+# replica go (3 s idle) and 3 s have passed calm, the run takes the device back.
+FROM_ZERO = ("pool.units=2", "serving.args.autoscaling.min_replicas=0", "serving.args.autoscaling.max_replicas=1")
+# The same app scaled to zero beside a device no one holds (3 devices, training on at most 2):
+# Serve's own cold start, with no lend.
+FREE_DEVICE = ("pool.units=3", "serving.args.autoscaling.min_replicas=0", "serving.args.autoscaling.max_replicas=1")
+
+
+def streamed(url: str, timeout_s: float = 120) -> dict[str, Any]:
+    """One streamed completion: its status, when its answer began and its first token came."""
+    body = json.dumps({"prompt": "def main():", "max_tokens": 8, "temperature": 0, "stream": True}).encode()
+    began = time.time()
+    record: dict[str, Any] = {"start": began, "status": 0, "first_token_s": None, "text": ""}
+    request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+            record["status"] = answer.status
+            for line in answer:
+                if line.startswith(b"data: {"):
+                    record["first_token_s"] = record["first_token_s"] or time.time() - began
+                    record["text"] += json.loads(line[6:])["choices"][0]["text"]
+    except urllib.error.HTTPError as err:
+        record["status"] = err.code
+    record["end"] = time.time()
+    return record
+
+
+def run_wakes(storage: Path, name: str, shape: list[str], port: int = 8000, wakes: int = 2,
+              pool_overrides: tuple[str, ...] = FROM_ZERO, timeout_s: float = 240) -> dict[str, Any]:
+    """Wake an app scaled to zero `wakes` times: one streamed request (timed), then one more to the
+    replica it woke; then, the device lent, wait until the run has it back (Serve let the replica
+    go, so the app is at zero again). Returns the run directory, the
+    requests ({"wake": n, "warm": bool, ...}) and the pool's exit code. Beside a free device
+    (FREE_DEVICE) nothing is lent or returned, so only one wake is seen to begin at zero."""
+    if wakes > 1 and pool_overrides != FROM_ZERO:
+        raise ValueError("only a lend's return shows the app back at zero: one wake beside a free device")
+    log = storage / f"{name}.log"
+    pool = start_pool(storage, name, shape, "serving", port, "queue_length", 3.0, 3.0, log, "in_place",
+                      extra=pool_overrides)
+    run_dir, url = storage / name, f"http://127.0.0.1:{port}/v1/completions"
+    requests: list[dict[str, Any]] = []
+
+    until = waiter(pool, log, timeout_s)
+    try:
+        until(lambda: event(run_dir, "first_step") and "shardyard pool: serving app" in log.read_text(),
+              "the app was never deployed")
+        for wake in range(wakes):
+            requests.append({"wake": wake, "warm": False, **streamed(url)})
+            requests.append({"wake": wake, "warm": True, **streamed(url)})
+            if pool_overrides == FROM_ZERO:  # at zero again: the replica let go, the device back in training
+                after = requests[-1]["end"]
+                until(lambda: event(run_dir, "return_training", after), "serving never went back to zero")
+    finally:
+        code = stop(pool, log) if pool.poll() is None else pool.returncode
+    return {"run_dir": run_dir, "requests": requests, "exit_code": code, "log": log}

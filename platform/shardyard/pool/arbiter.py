@@ -126,11 +126,12 @@ class Arbiter:
     def _tick(self) -> None:
         now = time.time()
         running, wanted = self._serve_replicas()
-        free = ray.available_resources().get(self.pool.pool.resource, 0.0)
+        resource = self.pool.pool.resource
+        free, devices = ray.available_resources().get(resource, 0.0), ray.cluster_resources().get(resource, 0.0)
         size = training_size(read_events(self.run_uri))
         with self.lock:
             signal = self.loads.signal(self.pool.policy.lend_when.signal, now)
-        observation = Observation(now, signal, running, wanted, free, size)
+        observation = Observation(now, signal, running, wanted, free, size, devices)
         decision = self.arbitration.observe(observation)
         with self.lock:
             self.rows.append({**asdict(observation), "allotment": self.arbitration.allotment,
@@ -141,7 +142,7 @@ class Arbiter:
 
     def _announce(self, decision: Decision, signal: float | None, running: int) -> None:
         log_event(self.run_uri, decision.kind, from_workers=decision.from_workers, to_workers=decision.to_workers,
-                  reason=decision.reason, signal=signal, breach_since=self.arbitration.breach_since)
+                  reason=decision.reason, signal=signal, breach_since=self.arbitration.breach_since, wake=decision.wake)
         (self.lends if decision.kind == Event.LEND else self.returns).inc()
         self.workers.set(decision.to_workers)
         self.lent.set(self.arbitration.lent)
@@ -158,7 +159,7 @@ class Arbiter:
             decision, at, running_then, breach_began = item
             if decision.kind == Event.LEND and o.replicas_running > running_then:
                 log_event(self.run_uri, Event.LEND_SERVING, replicas=o.replicas_running, since_decision_s=o.now - at,
-                          since_breach_s=o.now - breach_began)
+                          since_breach_s=o.now - breach_began, wake=decision.wake)
             elif decision.kind == Event.RETURN and o.training_size == decision.to_workers:
                 log_event(self.run_uri, Event.RETURN_TRAINING, world_size=decision.to_workers, since_decision_s=o.now - at)
             else:

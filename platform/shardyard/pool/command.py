@@ -83,6 +83,10 @@ class Pool:
         if self.size < job.scaling.min_workers:
             raise SpecError(f"the pool's {devices:g} {pool.pool.resource} devices cannot hold training's min_workers "
                             f"({job.scaling.min_workers}) beside serving's autoscaling.min_replicas ({replicas})")
+        if replicas == 0 and pool.policy.priority == "training" and self.size >= devices:
+            raise SpecError(f"serving.args.autoscaling.min_replicas 0 with policy.priority training: the run holds "
+                            f"all {devices:g} devices and never lends one, so a request would wait for a replica "
+                            "forever; use policy.priority serving, or a scaling.max_workers that leaves a device free")
         self.storage = RunStorage(job.run_uri)
         self.name = arbiter_name(job.run.name)
         try:
@@ -189,6 +193,8 @@ def summary(events: list[dict[str, Any]]) -> str:
     for e in rows:
         if e["event"] in (Event.LEND, Event.RETURN):
             detail = f"training {e['from_workers']} -> {e['to_workers']} workers: {e['reason']}"
+        elif e["event"] == Event.LEND_SERVING and e.get("wake"):
+            detail = f"{e['replicas']} replica serves, woken from zero {e['since_decision_s']:.1f} s after the lend"
         elif e["event"] == Event.LEND_SERVING:
             detail = f"{e['replicas']} replicas serve, {e['since_breach_s']:.1f} s after the breach began"
         else:

@@ -59,6 +59,8 @@ from shardyard.spec import LANGUAGE_MODELS, SpecError
 # took the cores from Serve's proxy, which Ray keeps at 15 (docs/benchmarks.md, "Serving against
 # vLLM", has both measurements).
 SERVING_PRIORITY = {"env_vars": {"RAY_worker_niceness": "0"}}
+# How often an app that scales to zero reports its load to Serve (see woken_promptly).
+ZERO_METRICS_INTERVAL_S = 1.0
 # How often the replica re-publishes its gauges: Ray's exporter drops a gauge not set lately.
 PUBLISH_EVERY_S = 1.0
 
@@ -207,6 +209,19 @@ def _check_room(bundles: list[dict[str, float]], cfg: Any, what: str) -> None:
         raise SpecError(f"invalid serve config: {err}") from None
 
 
+def woken_promptly(autoscaling: dict[str, Any]) -> dict[str, Any]:
+    """Serve's autoscaling options; an app that scales to zero hears of a request within a second.
+    Serve's router tells its controller of a request waiting at zero replicas at once, but with the
+    queue it last sampled (before that request), so Serve asks for a replica only at the router's
+    next report, `metrics_interval_s` later (10 s by default): a request at zero waited that long
+    before anything started."""
+    if autoscaling.get("min_replicas", 1) == 0 and "metrics_interval_s" not in autoscaling:
+        # Under look_back_period_s, as Serve requires.
+        interval = min(ZERO_METRICS_INTERVAL_S, autoscaling.get("look_back_period_s", 30.0) / 2)
+        return {**autoscaling, "metrics_interval_s": interval}
+    return autoscaling
+
+
 def build_app(args: dict[str, Any]) -> "serve.Application":
     """The Serve application for `args` (ServeConfig keys), validated before anything starts."""
     cfg = served_config(args)
@@ -229,7 +244,7 @@ def build_app(args: dict[str, Any]) -> "serve.Application":
         options["num_replicas"] = cfg.config.num_replicas or 1
     else:  # Serve's options as given; by default it scales on requests in flight, a replica busy at one full batch
         options["autoscaling_config"] = {"target_ongoing_requests": cfg.batching.max_batch_size,
-                                         **cfg.config.autoscaling}
+                                         **woken_promptly(cfg.config.autoscaling)}
     if generates and (decodes_in_core(cfg) or engine.num_shards > 1):
         # The replica's own bundle, then the model's (its engine core's, or one per shard): Serve
         # reserves them together.
