@@ -8,6 +8,9 @@ size. A node dies when its `ray start --block` process is signalled, taking its 
 training worker with it. Ray Train V2 notices, restarts the worker group at the size the cluster
 can now hold, and the loop resumes from the newest complete checkpoint, resharded.
 
+Resized in place (`scaling.resize: in_place`), the group grows when a node joins and goes on
+without a killed worker, with no restart: its new workers take their state from a live peer.
+
 Checked: the world sizes the run went through (event log and sample ledger); every sample of
 each epoch used exactly once on the final trajectory; the global batch unchanged; and the final
 model equal to single-process training on the same data within 1e-5 on parameters and 1e-5
@@ -31,11 +34,11 @@ from shardyard.data.ledger import audit
 from shardyard.train.callbacks import HOLD_ENV, release
 from shardyard.train.callbacks import held_at as held
 from helpers.repo import SHARDYARD
-from helpers.elastic import (CONFIGS, NUM_SAMPLES, WorkerNode, assert_matches_single_process, check_run, events,
-                             job)
+from helpers.elastic import (CONFIGS, NUM_SAMPLES, SLOT, WorkerNode, assert_matches_single_process, check_run,
+                             events, job)
 
 HOT_STEPS, HOT_KILL, HOT_HOLD = 600, 26, 99  # no checkpoint step between the last two
-IN_PLACE_STEPS, IN_PLACE_KILL, IN_PLACE_JOIN = 150, 26, 60
+IN_PLACE_STEPS, IN_PLACE_GROW, IN_PLACE_KILL, IN_PLACE_JOIN = 150, 5, 26, 60
 
 
 def start_run(ray_cluster, tmp_path: Path, strategy: str, steps: int, extra: tuple[str, ...] = (),
@@ -173,30 +176,44 @@ def test_hot_recovery_survivors_train_on_and_the_replacement_heals_from_a_peer(
 
 
 @pytest.mark.timeout(300)
-def test_in_place_a_killed_worker_is_left_out_and_its_replacement_joins_from_a_peer(
+def test_in_place_grows_when_a_node_joins_leaves_out_a_killed_worker_and_its_replacement_joins(
         ray_cluster, tmp_path: Path) -> None:
-    """scaling.resize=in_place (DDP, the image classifier): kill rank 0 of 3 workers. No restart
-    and no checkpoint read: the survivors' collective with it fails, the driver publishes the
-    next generation without it and the two go on from the first survivor's state; the driver
-    starts a replacement, which joins at a step boundary taking its state from a live peer. Data
-    exact; the model equals one process's."""
-    extra = ("scaling.min_workers=null", "scaling.max_workers=null", "scaling.num_workers=3",
-             "scaling.resize=in_place", "scaling.resources_per_worker={CPU: 0.5}", "checkpoint.every_n_steps=100")
-    proc = start_run(ray_cluster, tmp_path, "ddp", IN_PLACE_STEPS, extra, hold_at=(IN_PLACE_KILL, IN_PLACE_JOIN),
-                     task="vision")
+    """scaling.resize=in_place (DDP, the image classifier), elastic 2..3 on a node with room for 2:
+    a one-worker node joins and a third worker joins the running group; then rank 0 is killed. No
+    restart and no checkpoint read: the survivors' collective with it fails, the driver publishes
+    the next generation without it and the two go on from the first survivor's state; its freed
+    room takes a replacement, which joins at a step boundary taking its state from a live peer.
+    Data exact; the model equals one process's."""
+    extra = ("scaling.max_workers=3", "scaling.resize=in_place", f"scaling.resources_per_worker={{CPU: 0.5, {SLOT}: 1}}",
+             "checkpoint.every_n_steps=100")
+    first = WorkerNode(ray_cluster.gcs_address, 2, tmp_path / "node_a.log")
+    second = None
+    proc = start_run(ray_cluster, tmp_path, "ddp", IN_PLACE_STEPS, extra,
+                     hold_at=(IN_PLACE_GROW, IN_PLACE_KILL, IN_PLACE_JOIN), task="vision")
     run_dir = tmp_path / "ddp"
-    # Held again until the replacement is ready and its joining published: it joins by that step.
-    kill_then_release(proc, run_dir, IN_PLACE_KILL, IN_PLACE_JOIN,
-                      lambda e: e["event"] == "group_change" and e["joining"], "no replacement joined")
+    try:
+        # Held at IN_PLACE_GROW until the node's worker is ready and its joining published.
+        wait_for(lambda: held(run_dir, IN_PLACE_GROW) or proc.poll() is not None, 180, "the run never got going")
+        second = WorkerNode(ray_cluster.gcs_address, 1, tmp_path / "node_b.log")
+        wait_for(lambda: any(e["event"] == "group_change" and e["joining"] for e in events(run_dir))
+                 or proc.poll() is not None, 120, "no worker joined from the new node")
+        release(run_dir, IN_PLACE_GROW)
+        # Held again after the kill until the replacement is ready and its joining published.
+        kill_then_release(proc, run_dir, IN_PLACE_KILL, IN_PLACE_JOIN,
+                          lambda e: e["event"] == "group_change" and e["joining"], "no replacement joined")
+    finally:
+        release(run_dir, IN_PLACE_GROW)
+        clean_up(proc, first, second)
 
     history = events(run_dir)
-    assert [e["world_size"] for e in history if e["event"] == "start"] == [3], history  # never restarted
+    assert [e["world_size"] for e in history if e["event"] == "start"] == [2], history  # never restarted
     assert any(e["event"] == "failure" for e in history), history
-    lost, joined = [e for e in history if e["event"] == "regrouped"]
-    assert (lost["step"], lost["world_size"], joined["world_size"]) == (IN_PLACE_KILL, 2, 3), history
-    assert IN_PLACE_KILL < joined["step"] <= IN_PLACE_JOIN, joined  # the hold keeps it from missing the run
+    grown, lost, joined = [e for e in history if e["event"] == "regrouped"]
+    assert (grown["world_size"], lost["step"], lost["world_size"], joined["world_size"]) == (3, IN_PLACE_KILL, 2, 3), \
+        history
+    assert IN_PLACE_GROW <= grown["step"] < IN_PLACE_KILL < joined["step"] <= IN_PLACE_JOIN, history
     report = audit(run_dir, NUM_SAMPLES)
     assert report.steps == IN_PLACE_STEPS and report.exact and report.attempts == 1, report
-    assert report.world_sizes == [3] * IN_PLACE_KILL + [2] * (joined["step"] - IN_PLACE_KILL) + \
-        [3] * (IN_PLACE_STEPS - joined["step"]), report
+    assert report.world_sizes == [2] * grown["step"] + [3] * (IN_PLACE_KILL - grown["step"]) + \
+        [2] * (joined["step"] - IN_PLACE_KILL) + [3] * (IN_PLACE_STEPS - joined["step"]), report
     assert_matches_single_process(run_dir, IN_PLACE_STEPS, task="vision")

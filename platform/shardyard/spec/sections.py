@@ -195,7 +195,8 @@ class ScalingSpec(Section):
     max_failures: int = Field(3, ge=-1, description="worker-group restarts allowed after a worker fails, each "
                                                     "from the last checkpoint; 0: none; -1: forever")
     resize_check_interval_s: float = Field(
-        10.0, gt=0, description="elastic: how often Ray Train looks for room to grow the group")
+        10.0, gt=0, description="elastic: how often Ray Train (or, resized in place, the driver) looks for room "
+                                "to grow the group")
     health_check_interval_s: float = Field(
         2.0, gt=0, description="how often Ray Train polls workers (failure detection delay)")
     recovery: Literal["restart", "hot"] = Field(

@@ -5,6 +5,9 @@ boundary (their actors end and their resources go back to Ray); a growth starts 
 waits until they are ready, and lets them join there, taking their state from a live peer. No
 checkpoint is read or written for a change.
 
+Without a pool, an elastic run grows when room appears (a node joins): the new workers join as
+any joiner does.
+
 A worker lost under DDP (its process or node; every member holds the whole state) is left out:
 the survivors' next collective fails, they form the next generation without it and go on from
 the first survivor's state, and a replacement joins as any new member does. Any other failure
@@ -146,13 +149,36 @@ class InPlaceGroup:
             self._end(name)
 
 
+def room_for(placement: WorkerPlacement, available: dict[str, float]) -> int:
+    """How many more workers Ray's free resources hold."""
+    return min((math.floor(available.get(key, 0.0) / need) for key, need in placement.resources.items() if need > 0),
+               default=1 << 30)
+
+
 def starting_size(spec: JobSpec, placement: WorkerPlacement, available: dict[str, float]) -> int:
     """scaling.num_workers; in an elastic range, the most workers the cluster has room for now (at
     least min_workers: the rest wait for room)."""
     sizes = spec.scaling.world_sizes
-    room = min((math.floor(available.get(key, 0.0) / need) for key, need in placement.resources.items() if need > 0),
-               default=sizes[-1])
-    return max(sizes[0], min(sizes[-1], room))
+    return max(sizes[0], min(sizes[-1], room_for(placement, available)))
+
+
+class RoomToGrow:
+    """The size an elastic group of `shardyard train` is asked to have: the workers it has and is
+    starting, and as many more as Ray's free resources hold (a node joined, a lost worker's
+    resources freed), up to max_workers; looked at every scaling.resize_check_interval_s. Never
+    less than it has: workers leave only when lost."""
+
+    def __init__(self, spec: JobSpec, placement: WorkerPlacement) -> None:
+        self.spec, self.placement = spec, placement
+        self.looked_at, self.wanted = -math.inf, 0
+
+    def __call__(self, group: InPlaceGroup) -> int:
+        now = time.monotonic()
+        if now - self.looked_at >= self.spec.scaling.resize_check_interval_s:
+            self.looked_at = now
+            have = group.size + len(group.joining)
+            self.wanted = min(self.spec.scaling.world_sizes[-1], have + room_for(self.placement, ray.available_resources()))
+        return max(group.size, self.wanted)
 
 
 def follow(spec: JobSpec, placement: WorkerPlacement, config: dict[str, Any], size: int,
@@ -165,9 +191,11 @@ def follow(spec: JobSpec, placement: WorkerPlacement, config: dict[str, Any], si
                             workers)
 
     group, failures = start(size), 0
+    elastic = len(spec.scaling.world_sizes) > 1
+    room = RoomToGrow(spec, placement)
     try:
         while True:
-            wanted = allotment() if allotment is not None else size
+            wanted = allotment() if allotment is not None else room(group) if elastic else size
             try:
                 if group.wait(POLL_S):
                     return
