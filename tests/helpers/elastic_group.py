@@ -14,22 +14,36 @@ import torch.distributed as dist
 from shardyard.localdist import PRELOAD
 from shardyard.spec import parse_spec
 from shardyard.storage.events import Event, read_events
-from shardyard.train.callbacks import HoldAtSteps, LedgerCallback, held_at, release
+from shardyard.train.callbacks import Callback, HoldAtSteps, LedgerCallback, held_at, release
 from shardyard.train.elastic_group import Roster, RosterKeeper
 from shardyard.train.trainer import Trainer
 
 FINAL = "final.pt"  # the final group's rank 0 writes the whole model's weights here
 
 
-def worker(name: str, address: str, raw: dict[str, Any], holds: list[int], out: str) -> None:
+class FailsAt(Callback):
+    """The training code's own error (a RuntimeError, as most of torch's are) after a step."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, trainer: Trainer) -> None:
+        if trainer.state.step == self.step:
+            raise RuntimeError(f"the training code failed at step {self.step}")
+
+
+def worker(name: str, address: str, raw: dict[str, Any], holds: list[int], out: str,
+           fail_at: int | None = None) -> None:
     """One worker's life: wait to be named in a generation, form its group, train (joining a
-    running group if it is not in the first), and end when it leaves or the run ends."""
+    running group if it is not in the first), and end when it leaves or the run ends; with
+    `fail_at`, its training code fails after that step."""
     torch.set_num_threads(1)  # several processes share the machine's cores
     roster = Roster(address, name)
     generation = roster.wait_for_membership()
     roster.form(generation, "gloo")
     spec = parse_spec(raw)
     callbacks = [LedgerCallback(spec.run_uri, name, roster.attempt), HoldAtSteps(holds)]
+    callbacks += [FailsAt(fail_at)] if fail_at is not None else []
     trainer = Trainer.build(spec, dist.get_rank(), dist.get_world_size(), torch.device("cpu"),
                             callbacks=callbacks, roster=roster)
     trainer.train(join=generation.number > 0)
@@ -43,8 +57,9 @@ def worker(name: str, address: str, raw: dict[str, Any], holds: list[int], out: 
 class LocalGroup:
     """The test's side: the keeper, and the workers' processes by name."""
 
-    def __init__(self, members: list[str], raw: dict[str, Any], holds: list[int], out: Path) -> None:
-        self.raw, self.holds, self.out = raw, holds, out
+    def __init__(self, members: list[str], raw: dict[str, Any], holds: list[int], out: Path,
+                 fail_at: dict[str, int] | None = None) -> None:
+        self.raw, self.holds, self.out, self.fail_at = raw, holds, out, fail_at or {}
         self.run = Path(raw["checkpoint"]["storage_path"], raw["run"]["name"])
         self.keeper = RosterKeeper(members)
         # Forked from a server that imported torch and the Trainer once, as localdist's ranks are.
@@ -54,7 +69,8 @@ class LocalGroup:
 
     def _start(self, name: str) -> mp.Process:
         process = self.context.Process(target=worker, name=name,
-                                       args=(name, self.keeper.address, self.raw, self.holds, str(self.out)))
+                                       args=(name, self.keeper.address, self.raw, self.holds, str(self.out),
+                                             self.fail_at.get(name)))
         process.start()
         return process
 

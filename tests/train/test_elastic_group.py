@@ -1,15 +1,17 @@
 """Workers leave and join a running group at step boundaries, without a restart or a checkpoint:
 three leaves (rank 0 among them) and three joins, under DDP and FSDP2, end on the parameters one
 process trains with plain SGD on the same global batches, and the sample ledger is exact; under
-DDP a worker killed mid-run is left out and the survivors go on, a replacement joining later."""
+DDP a worker killed mid-run is left out and the survivors go on, a replacement joining later; an
+error of the training code is not taken for a lost worker."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers.elastic_group import FINAL, LocalGroup
+from helpers.elastic_group import FINAL, LocalGroup, wait_for
 from helpers.oracle import ADAMW, ADAMW_PARAM_TOL, job
 from helpers.oracle import steps as oracle_steps
 
@@ -17,6 +19,7 @@ from shardyard.data.ledger import audit
 from shardyard.models import build_model
 from shardyard.parallel import single_process
 from shardyard.spec import parse_spec
+from shardyard.train.callbacks import held_at, release
 
 STEPS, GLOBAL_BATCH, SAMPLES = 14, 12, 96
 # Plain SGD without clipping: its update is linear in the gradient, so a wrong gradient scale, a
@@ -92,3 +95,18 @@ def test_a_killed_ddp_worker_is_left_out_and_a_replacement_joins(tmp_path: Path)
     expected = one_process(raw)
     worst = max((final[k] - expected[k]).abs().max().item() for k in expected)
     assert worst <= TOLERANCE, f"parameters differ from one process's by up to {worst:.2e}"
+
+
+@pytest.mark.timeout(120)
+def test_an_error_of_the_training_code_stands_at_once(tmp_path: Path) -> None:
+    """A RuntimeError of one worker's training code looks like a failed collective (gloo's are
+    RuntimeErrors too): the worker hears every member's beat, so none was lost, and the error
+    ends it within seconds, not after the two minutes a new generation is waited for."""
+    group = LocalGroup(["a", "b"], elastic_job("ddp", tmp_path / "runs"), [2], tmp_path, fail_at={"b": 3})
+    wait_for(lambda: held_at(group.run, 2) is not None, "the run to hold at step 2")
+    released = time.monotonic()
+    release(group.run, 2)
+    group.processes["b"].join(60)
+    ended_after = time.monotonic() - released
+    codes = group.finish(timeout_s=0)
+    assert codes["b"] == 1 and ended_after < 30, (codes, ended_after)

@@ -9,11 +9,17 @@ next step boundary every member of the old group gives its state to the first me
 the old process group is ended, and the new generation's members form a new one (a store prefix of
 its own per generation). A leaver stops there; a joiner, started beforehand and ready, takes the
 model, the optimizer, the schedule and the data position from that peer (train/trainer.py).
+
+Each worker also beats in the store twice a second, from a thread of its own. After a failed
+collective, a member that hears every member's beat for a few seconds knows none was lost: the
+error was the training code's, and it stands at once instead of waiting for a generation that
+will not come.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +38,10 @@ ATTEMPT_KEY = "attempt"
 # How long members wait for each other while a new generation forms (a joiner's store connection,
 # the new process group's rendezvous) before the change fails.
 FORM_TIMEOUT = timedelta(seconds=120)
+BEAT_S = 0.5  # how often a worker says it is alive
+# A member whose beat has not moved for this long may be lost (its process or node); one that
+# beat is not. Seconds beyond a beat's period: a loaded machine delays a thread's wake-ups.
+SILENT_S = 3.0
 
 
 def members_key(number: int) -> str:
@@ -40,6 +50,10 @@ def members_key(number: int) -> str:
 
 def ready_key(name: str) -> str:
     return f"ready/{name}"
+
+
+def beat_key(name: str) -> str:
+    return f"beat/{name}"
 
 
 def formed_key(number: int) -> str:
@@ -112,6 +126,21 @@ class Roster:
         self.name = name
         self.attempt = float(self.store.get(ATTEMPT_KEY))
         self.current: Generation | None = None  # the generation whose process group this worker is in
+        threading.Thread(target=self._beat, args=(host, int(port)), name="shardyard-beat", daemon=True).start()
+
+    def _beat(self, host: str, port: int) -> None:
+        """Say this worker is alive every BEAT_S, on a store connection of this thread's own, until
+        the keeper's store is gone (the run ended)."""
+        store = dist.TCPStore(host, port, is_master=False, timeout=FORM_TIMEOUT)
+        try:
+            while True:
+                store.add(beat_key(self.name), 1)
+                time.sleep(BEAT_S)
+        except RuntimeError:  # the store's connection closed
+            return
+
+    def beats(self, members: Sequence[str]) -> dict[str, int]:
+        return {name: self.store.add(beat_key(name), 0) for name in members}
 
     def newest(self) -> int:
         return int(self.store.get(GENERATION_KEY))
@@ -119,14 +148,22 @@ class Roster:
     def generation(self, number: int) -> Generation:
         return read_generation(self.store, number)
 
-    def wait_for_change(self, after: int, timeout_s: float = FORM_TIMEOUT.total_seconds(),
-                        poll_s: float = 0.05) -> int | None:
+    def wait_for_change(self, after: int, members: Sequence[str] = (),
+                        timeout_s: float = FORM_TIMEOUT.total_seconds(), poll_s: float = 0.05) -> int | None:
         """The first generation newer than `after` (the driver publishes one without a member it
-        lost); None if none comes within `timeout_s`."""
+        lost); None if none comes within `timeout_s`, or as soon as every one of `members` has
+        beaten within SILENT_S (none of them was lost)."""
         deadline = time.monotonic() + timeout_s
+        heard, since = self.beats(members), time.monotonic()
         while (newest := self.newest()) == after:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 return None
+            if members and now - since >= SILENT_S:
+                beats = self.beats(members)
+                if all(beats[name] > heard[name] for name in members):
+                    return None
+                heard, since = beats, now  # one was silent: it may be lost, the driver will say
             time.sleep(poll_s)
         return newest
 

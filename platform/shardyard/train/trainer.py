@@ -266,7 +266,7 @@ class Trainer:
         on in it from the first survivor's state. False where that cannot be (the error stands)."""
         if self.roster is None or not self.engine.whole_replicas:
             return False
-        number = self.roster.wait_for_change(after=self.roster.current.number)
+        number = self.roster.wait_for_change(after=self.roster.current.number, members=self.roster.current.members)
         if number is None:  # no member was lost: the error was something else
             return False
         reason = str(err).splitlines()[0].split("] ", 1)[-1][:120]  # gloo's message, past its source location
