@@ -152,8 +152,9 @@ class ModelServer:
         return http_app(guard, self.answering, Admin(self.follower))
 
     def __del__(self) -> None:
-        """Serve calls this as it stops the replica: vLLM's engine process goes with it."""
-        if getattr(self, "engine", None) is not None and self.engine.name == "vllm":
+        """Serve calls this as it stops the replica: the engine's processes go with it (vLLM's, or
+        the engine core, whose end is then not taken for a crash to recover from)."""
+        if getattr(self, "engine", None) is not None:
             self.engine.close()
 
     def start_tasks(self) -> None:
