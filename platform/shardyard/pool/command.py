@@ -24,6 +24,7 @@ from typing import Any
 
 import ray
 from ray import serve
+from ray.exceptions import RayError
 
 from shardyard import exit_codes
 from shardyard.storage.events import Event, read_events
@@ -100,6 +101,7 @@ class Pool:
         self.ended = threading.Event()
         self.serving = False
         self.serving_error: str | None = None
+        self.allotted = self.size
 
     # ------------------------------------------------------------ serving
 
@@ -128,7 +130,13 @@ class Pool:
     # ------------------------------------------------------------ training
 
     def allotment(self) -> int:
-        return ray.get(self.arbiter.allotment.remote())
+        """The arbiter's allotment; the last one heard once the arbiter is gone (a signal to the
+        pool's whole process group, as `timeout` sends, ends Ray's workers with the driver)."""
+        try:
+            self.allotted = ray.get(self.arbiter.allotment.remote())
+        except RayError:
+            pass
+        return self.allotted
 
     def follow_allotment(self) -> None:
         """While a run that restarts to resize trains: when the arbiter allots another size, ask it
@@ -153,7 +161,7 @@ class Pool:
                 return exit_codes.DONE
             except Preempted as err:
                 with self.lock:
-                    allotted = ray.get(self.arbiter.allotment.remote())
+                    allotted = self.allotment()
                     if err.signalled or not self.resize_asked or self.serving_error is not None:
                         print(f"shardyard pool: {self.serving_error or err}", file=sys.stderr, flush=True)
                         return exit_codes.GAVE_UP if self.serving_error else exit_codes.PREEMPTED
@@ -175,11 +183,15 @@ class Pool:
             self.finish()
 
     def finish(self) -> None:
-        timeline = ray.get(self.arbiter.timeline.remote())
-        self.storage.write_bytes(json.dumps(timeline).encode(), *TIMELINE)
-        self.arbiter.stop.remote()
-        if self.serving:
-            serve.delete(self.pool.serving.app)  # replicas finish the requests they hold
+        try:
+            timeline = ray.get(self.arbiter.timeline.remote())
+            self.storage.write_bytes(json.dumps(timeline).encode(), *TIMELINE)
+            self.arbiter.stop.remote()
+            if self.serving:
+                serve.delete(self.pool.serving.app)  # replicas finish the requests they hold
+        except RayError as err:  # Ray's workers were stopped under the pool
+            print(f"shardyard pool: the pool's Ray actors were stopped from outside ({type(err).__name__}): no "
+                  f"timeline written", file=sys.stderr, flush=True)
         print(summary(read_events(self.job.run_uri)), flush=True)
 
 
