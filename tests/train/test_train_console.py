@@ -1,5 +1,6 @@
 """The training command's console filter (train/console.py), fed the lines Ray's driver prints
-for a worker that failed: what stays on the console, what goes to the run's Ray log."""
+for a worker that failed: what stays on the console, what goes to the run's Ray log; and Ray
+Train's last error put in the line the console ends with (train/outcomes.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from shardyard.train.console import RayConsole, RayLog
+from shardyard.train.outcomes import failure_summary
 
 WORKER, CONTROLLER = "\x1b[36m(RayTrainWorker pid=11)\x1b[0m ", "\x1b[36m(TrainController pid=7)\x1b[0m "
 
@@ -47,3 +49,16 @@ def test_a_failures_tracebacks_go_to_the_log_and_the_console_keeps_shardyards_an
     for gone in ("PreemptionWatcher", "Traceback", "Connection closed by peer", "Graceful shutdown", "ActorDiedError"):
         assert gone in logged and gone not in shown
     assert "\x1b[" not in logged and "(TrainController pid=7) ray.exceptions.ActorDiedError" in logged
+
+
+@pytest.mark.timeout(30)
+def test_ray_trains_last_error_in_a_line_names_a_controllers_cause() -> None:
+    """Ray Train's ControllerError says on its first line only that the controller failed; the
+    cause is its second (a CI run's summary read `controller error:` and nothing more)."""
+    from ray.train import ControllerError, WorkerGroupError
+
+    stopped = ControllerError(TimeoutError("the State API did not answer\nin 10 s"))
+    assert failure_summary(stopped) == "Ray Train's controller failed: TimeoutError: the State API did not answer"
+    workers = WorkerGroupError("2 workers failed", {1: RuntimeError("Connection closed by peer\n..."),
+                                                   0: ValueError("bad batch")})
+    assert failure_summary(workers) == "rank 0: ValueError: bad batch; rank 1: RuntimeError: Connection closed by peer"

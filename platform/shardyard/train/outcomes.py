@@ -50,8 +50,13 @@ def repeated_failure(events: list[dict[str, Any]], launch_id: str) -> str | None
 
 
 def failure_summary(err: Exception) -> str:
-    """Ray Train's final error in a line: each failed rank's error, first line only."""
+    """Ray Train's final error in a line: each failed rank's error, first line only; or the error
+    that stopped Ray Train's controller (its own message says only that on its first line)."""
     failures = getattr(err, "worker_failures", None) or {}
+    cause = getattr(err, "controller_failure", None)
+    if cause is not None:
+        first = (str(cause).strip().splitlines() or [""])[0][:240]
+        return f"Ray Train's controller failed: {type(cause).__name__}: {first}"
     if not failures:
         return str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
     return "; ".join(f"rank {rank}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"

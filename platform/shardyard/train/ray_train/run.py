@@ -62,9 +62,11 @@ def fit(spec: JobSpec, lease: RunLease, can_grow: bool, startup: dict[str, float
             fit_in_background(trainer)
         except StoppedAtOnce:
             raise StoppedAtOnce(stopped_at_once(spec)) from None
-        except TrainingFailedError as err:  # Ray Train's restarts ran out: its tracebacks are in the run's Ray log
-            raise RunGaveUp(f"run '{spec.run.name}' stopped: {failure_summary(err)}; scaling.max_failures "
-                            f"({restarts_allowed(spec.scaling.max_failures)}) restarts were used. Launching it again "
+        except TrainingFailedError as err:  # Ray Train gave up: its tracebacks are in the run's Ray log
+            # Its restarts ran out, or its controller failed with an error it does not retry.
+            why = ("" if getattr(err, "controller_failure", None) is not None else
+                   f"; scaling.max_failures ({restarts_allowed(spec.scaling.max_failures)}) restarts were used")
+            raise RunGaveUp(f"run '{spec.run.name}' stopped: {failure_summary(err)}{why}. Launching it again "
                             f"resumes from step {newest_step(RunStorage(spec.run_uri))}") from None
     return launch_result(spec, launch_id, notice.by, f"shardyard run '{spec.run.name}' ({spec.parallelism.strategy})",
                          start)
