@@ -49,18 +49,20 @@ def repeated_failure(events: list[dict[str, Any]], launch_id: str) -> str | None
             f"retried again (scaling.max_failures): {'; '.join(errors)}")
 
 
+def first_line(err: BaseException, limit: int) -> str:
+    return (str(err).strip().splitlines() or [""])[0][:limit]
+
+
 def failure_summary(err: Exception) -> str:
     """Ray Train's final error in a line: each failed rank's error, first line only; or the error
     that stopped Ray Train's controller (its own message says only that on its first line)."""
     failures = getattr(err, "worker_failures", None) or {}
     cause = getattr(err, "controller_failure", None)
     if cause is not None:
-        first = (str(cause).strip().splitlines() or [""])[0][:240]
-        return f"Ray Train's controller failed: {type(cause).__name__}: {first}"
+        return f"Ray Train's controller failed: {type(cause).__name__}: {first_line(cause, 240)}"
     if not failures:
-        return str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
-    return "; ".join(f"rank {rank}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
-                     for rank, e in sorted(failures.items()))
+        return first_line(err, 300) or type(err).__name__
+    return "; ".join(f"rank {rank}: {type(e).__name__}: {first_line(e, 160)}" for rank, e in sorted(failures.items()))
 
 
 def launch_result(spec: JobSpec, launch_id: str, notice_by: str | None, title: str, started: float) -> RunResult:
