@@ -8,6 +8,7 @@ machine.
 from __future__ import annotations
 
 import fcntl
+import itertools
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,38 +110,19 @@ class RayCluster:
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory):
     import ray
 
-    port, dashboard = free_port(), free_port()
-    log = tmp_path_factory.mktemp("ray") / "ray_start.log"
     # With token auth on, `ray start` needs a token and makes none (a fresh machine has none):
     # the command Ray's own error message gives creates ~/.ray/auth_token once, if missing. One
     # worker at a time: two making it at once on a fresh machine would start clusters whose tokens differ.
     with open(Path(tempfile.gettempdir()) / "shardyard-tests-ray-token.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         subprocess.run([RAY, "get-auth-token", "--generate"], check=True, capture_output=True, timeout=60)
-    # Every port Ray would otherwise take at a fixed default (the client server's 10001, the
-    # dashboard agent's 52365) is a free one: README's `ray start --head` runs beside this cluster.
-    proc = subprocess.Popen(
-        [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-         f"--port={port}", f"--dashboard-port={dashboard}", f"--ray-client-server-port={free_port()}",
-         f"--dashboard-agent-listen-port={free_port()}", "--include-dashboard=true",
-         "--dashboard-host=127.0.0.1", "--disable-usage-stats"],
-        # No --num-cpus: Ray counts this machine's cores, as `ray start --head` does for a user (2
-        # on CI). Tests that train and serve at once size workers and shards to fit, as a user must.
-        stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-        # As for a user with the venv activated: jobs' `python` is this interpreter.
-        env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"},
-    )
-    cluster = RayCluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard}")
+    proc, port, cluster = _start_head(tmp_path_factory.mktemp("ray") / "ray_start.log")
     try:
-        _wait_for_dashboard(cluster.dashboard_url, proc, log)
         ray.init(address=cluster.gcs_address, log_to_driver=True)
         yield cluster
     finally:
         ray.shutdown()
-        # Every process the cluster started, at once: on SIGTERM the head node drains for up to
-        # 30 s, and nothing of the session's work is left to drain.
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
+        _kill_head(proc)
         # What `ray stop` does besides: forget the cluster's address, which `ray.init()` without
         # one (`shardyard serve` after README's test command) would otherwise wait for. By port:
         # the record may name the node's own IP. (Imported here: shardyard.cluster imports Ray, which
@@ -149,6 +132,45 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory):
         record = cluster_record()
         if record.exists() and record.read_text().strip().rpartition(":")[2] == str(port):
             record.unlink()
+
+
+def _start_head(log: Path, tries: int = 2) -> tuple[subprocess.Popen, int, RayCluster]:
+    """`ray start --head` on free ports, up when its dashboard answers. A free port can be taken
+    between free_port() and Ray's bind (three sessions start clusters at once in CI: this one's
+    workers and the vLLM tests' own): a head that exits early is started again, once, on new ports."""
+    for attempt in itertools.count(1):
+        port, dashboard = free_port(), free_port()
+        # Every port Ray would otherwise take at a fixed default (the client server's 10001, the
+        # dashboard agent's 52365) is a free one: README's `ray start --head` runs beside this cluster.
+        proc = subprocess.Popen(
+            [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+             f"--port={port}", f"--dashboard-port={dashboard}", f"--ray-client-server-port={free_port()}",
+             f"--dashboard-agent-listen-port={free_port()}", "--include-dashboard=true",
+             "--dashboard-host=127.0.0.1", "--disable-usage-stats"],
+            # No --num-cpus: Ray counts this machine's cores, as `ray start --head` does for a user (2
+            # on CI). Tests that train and serve at once size workers and shards to fit, as a user must.
+            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+            # As for a user with the venv activated: jobs' `python` is this interpreter.
+            env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"},
+        )
+        cluster = RayCluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard}")
+        try:
+            _wait_for_dashboard(cluster.dashboard_url, proc, log)
+            return proc, port, cluster
+        except RuntimeError:  # it exited early: its log is in the error
+            _kill_head(proc)
+            if attempt == tries:
+                raise
+            print(f"ray start exited early; starting it again on other ports:\n{log.read_text()}", flush=True)
+
+
+def _kill_head(proc: subprocess.Popen) -> None:
+    """Every process the cluster started, at once: on SIGTERM the head node drains for up to 30 s,
+    and nothing of the session's work is left to drain. (Its session may be gone already: a head
+    that exited early took its processes with it.)"""
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
 
 
 def _wait_for_dashboard(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 90) -> None:

@@ -65,6 +65,14 @@ def test_a_pruned_run_launches_again_and_again_across_strategies_and_world_sizes
     assert all(torch.isfinite(v).all() for v in load_model(find_latest(run)).state_dict().values())
 
 
+def _story(run: Path) -> str:
+    """What a failed assertion about a run's end shows: its events, and its metrics file's last
+    lines as written (restart markers included)."""
+    events = [{k: e[k] for k in ("event", "step", "restored_step", "launch") if k in e} for e in read_events(run)]
+    tail = (run / "metrics.jsonl").read_text().splitlines()[-6:]
+    return "events: " + "\n".join(map(str, events)) + "\nmetrics.jsonl ends:\n" + "\n".join(tail) + "\n"
+
+
 def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout_s: float = 300) -> None:
     """Until the run has logged `step` (an event the run emits, not a guess at its speed)."""
     deadline = time.monotonic() + timeout_s
@@ -102,7 +110,8 @@ def test_sigterm_checkpoints_at_the_next_step_and_the_next_launch_loses_nothing(
     assert err.count("SIGTERM: checkpointing") == 1, err
     logged = max(row["step"] for row in read_metrics(run))
     stopped_at = int(find_latest(run).name[-8:])
-    assert 3 <= stopped_at and stopped_at == logged  # the step it stopped at is the one checkpointed
+    # The step it stopped at is the one checkpointed.
+    assert 3 <= stopped_at and stopped_at == logged, _story(run) + err[-3000:]
     launch(load_spec(None, job(tmp_path, stopped_at + 2, "checkpoint.every_n_steps=50000")))
     assert restored_steps(run)[-1] == stopped_at
     assert [row["step"] for row in read_metrics(run)] == list(range(1, stopped_at + 3))
