@@ -30,10 +30,10 @@ def train_and_save(rank: int, world: int, out: str, strategies: tuple[str, ...] 
         train(rank, world, with_storage(job({"strategy": strategy}, 2, 4), Path(out, strategy)), until=2)
 
 
-def save_default_job_checkpoint(rank: int, world: int, run_dir: str) -> None:
+def save_default_job_checkpoint(rank: int, world: int, run_dir: str, overrides: tuple[str, ...] = ()) -> None:
     """What README's default training job leaves in runs/gpt_ddp (untrained weights: serving
-    does not care how good they are)."""
-    spec = load_spec(REPO / "jobs" / "configs" / "gpt_ddp.yaml")
+    does not care how good they are), with `overrides` (`--set` pairs) applied to its spec."""
+    spec = load_spec(REPO / "jobs" / "configs" / "gpt_ddp.yaml", overrides)
     torch.manual_seed(spec.run.seed)
     engine = build_engine(spec, build_model(spec.model), torch.device("cpu"))
     CheckpointManager(run_dir, keep=1).save(engine, TrainState(0, 0, world), spec)

@@ -195,6 +195,32 @@ def test_paged_attention_reads_a_shared_prefix_block_for_both_sequences() -> Non
         cache.begin(CacheStep(((3, 5), (1, 3)), (6, 7)), 1, cpu)
 
 
+@pytest.mark.timeout(60)
+def test_an_idle_engine_has_let_go_of_what_finished_and_what_was_abandoned(ddp_checkpoint: Path) -> None:
+    """Requests that finished or were abandoned leave as the engine goes idle, not when the next
+    request comes: once nothing decodes, the numbers the replica publishes (requests running,
+    cache blocks held) read zero. An abandoned stream used to count as running, holding its blocks,
+    until another request arrived."""
+    engine = engine_for(CachedModel(load_model(ddp_checkpoint).eval(), 2))
+    finished, abandoned = fresh()[:2]
+
+    async def serve_then_idle() -> None:
+        async for _ in engine.tokens(engine.submit(finished)):
+            pass
+        seq = engine.submit(abandoned)
+        async for _ in engine.tokens(seq):
+            seq.abandoned = True  # its client left after one token
+            break
+        for _ in range(500):  # the loop's next turn finds no work
+            if engine.stats.running == 0:
+                return
+            await asyncio.sleep(0.01)
+
+    asyncio.run(serve_then_idle())
+    assert (engine.stats.running, engine.stats.waiting, engine.stats.cache_blocks_used) == (0, 0, 0)
+    assert engine.pool.used == 0 and not engine.scheduler.has_work
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("rows", [2, 8])
 @pytest.mark.parametrize("packs", [False, True])

@@ -159,6 +159,10 @@ class DecodingEngine:
             await self._pause_here()
             return
         if not self.scheduler.has_work:
+            # Idle: what finished or was abandoned leaves now, and the numbers say so (a stream
+            # abandoned mid-way held its blocks, and counted as running, until the next request).
+            self.scheduler.settle()
+            self._record_state()
             self._wake.clear()
             await self._wake.wait()
             return
@@ -179,6 +183,10 @@ class DecodingEngine:
         self.scheduler.budget.observe(elapsed, prefilled)
         self.stats.phases["schedule"] += max(0.0, elapsed - self._outside)
         self.stats.iterations += 1
+        self._record_state()
+
+    def _record_state(self) -> None:
+        """The requests, blocks and budget as they stand, into the numbers the replica publishes."""
         self.stats.waiting, self.stats.running = len(self.scheduler.waiting), len(self.scheduler.running)
         self.stats.cache_blocks_used, self.stats.prefix_hit_rate = self.pool.used, self.pool.hit_rate
         self.stats.prefill_budget = self.scheduler.budget.tokens

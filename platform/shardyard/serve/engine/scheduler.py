@@ -225,6 +225,12 @@ class Scheduler:
                 self.pool.release(seq.table)
         self.running = [s for s in self.running if not s.leaving]
 
+    def settle(self) -> None:
+        """With no work left (has_work false): the requests that finished or were abandoned since
+        the last decision leave now, giving their blocks back, instead of at the next request's."""
+        self._release_leaving()
+        self.waiting = deque(s for s in self.waiting if not s.leaving)
+
     def start_over(self, failed: Exception | None = None) -> None:
         """The cache's contents are gone (a shard died, the group was replaced) or can no longer
         be trusted (`failed`: an unexpected error mid-step): forget every block, then put every

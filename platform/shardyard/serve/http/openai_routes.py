@@ -232,8 +232,11 @@ async def answer(a: Answering, prompts: list[list[int]], body: oa.CompletionRequ
     try:
         gens = [a.engine.generate(r) for r in requests]
         choices = [ChoiceText(r, a.codec, body.stop, chat) for r in requests]
-        await asyncio.wait_for(asyncio.gather(*(_collect(g, c) for g, c in zip(gens, choices))),
-                               a.cfg.limits.request_timeout_s)
+        # Awaited here, not through wait_for: a disconnect's cancellation ends the gather in this
+        # task, which takes its CancelledError (wait_for left it unretrieved: a traceback in the
+        # replica's log for every client that stopped waiting).
+        async with asyncio.timeout(a.cfg.limits.request_timeout_s):
+            await asyncio.gather(*(_collect(g, c) for g, c in zip(gens, choices)))
     except asyncio.TimeoutError:
         raise ClientError(408, f"not answered within {a.cfg.limits.request_timeout_s} s") from None
     except (*SHARD_LOST, LostTwice):
