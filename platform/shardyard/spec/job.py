@@ -147,10 +147,13 @@ class JobSpec(Section):
             return
         if par.strategy not in ("ddp", "fsdp") or par.pp > 1 or par.tp > 1 or self.scaling.recovery == "hot":
             hot = " under scaling.recovery hot" if self.scaling.recovery == "hot" else ""
+            # DeepSpeed makes an optimizer's state at its first step and reshards ZeRO's state to
+            # another data-parallel size only through a checkpoint: a new group has none to take in.
+            zero = " (DeepSpeed reshards ZeRO's state only through a checkpoint)" if par.strategy in ZERO_STAGES else ""
             raise ValueError(f"scaling.resize 'in_place' hands the whole model between group sizes: built for ddp and "
                              f"fsdp without pipeline or tensor parallelism, not strategy '{par.strategy}' with pp "
-                             f"{par.pp} and tp {par.tp}{hot}; leave scaling.resize at 'restart' (a checkpoint and a "
-                             f"restart at the new size)")
+                             f"{par.pp} and tp {par.tp}{hot}{zero}; leave scaling.resize at 'restart' (a checkpoint "
+                             f"and a restart at the new size)")
 
     def _check_float8(self) -> None:
         par = self.parallelism
