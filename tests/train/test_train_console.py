@@ -62,3 +62,19 @@ def test_ray_trains_last_error_in_a_line_names_a_controllers_cause() -> None:
     workers = WorkerGroupError("2 workers failed", {1: RuntimeError("Connection closed by peer\n..."),
                                                    0: ValueError("bad batch")})
     assert failure_summary(workers) == "rank 0: ValueError: bad batch; rank 1: RuntimeError: Connection closed by peer"
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_actor_lost_under_ray_trains_controller_is_launched_again_and_nothing_else_is() -> None:
+    """Ray Train's controller does not retry a worker actor that died while it started the group
+    (its placement-group cleaner removed a live run's group once Ray's state API missed the
+    controller: the run's workers died with it); the launch starts the group again. The training
+    code's errors and the controller's own are not retried."""
+    from ray.exceptions import ActorDiedError
+    from ray.train import ControllerError, WorkerGroupError
+
+    from shardyard.train.ray_train.run import lost_a_worker_actor
+
+    assert lost_a_worker_actor(ControllerError(ActorDiedError()))
+    assert not lost_a_worker_actor(ControllerError(TimeoutError("the State API did not answer")))
+    assert not lost_a_worker_actor(WorkerGroupError("1 worker failed", {0: ValueError("bad batch")}))
