@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import requests
@@ -48,12 +48,23 @@ def metric(url: str, series: str, app: str, until: Callable[[float], bool] = lam
            timeout_s: float = 90) -> float:
     """An app's series in /metrics (Ray's export: `ray_` + the name), summed over its replicas,
     once `until` holds for it. Ray's agents publish every few seconds: the value is waited for."""
-    pattern = re.compile(rf'^{re.escape(series)}\{{([^}}]*)\}} (\S+)$', re.M)
+    return metrics(url, [series], app, lambda values: until(values[series]), timeout_s)[series]
+
+
+def metrics(url: str, series: Sequence[str], app: str, until: Callable[[dict[str, float]], bool],
+            timeout_s: float = 90) -> dict[str, float]:
+    """Several of an app's series, each summed over its replicas, from one scrape of /metrics (a
+    replica publishes its numbers together, so one scrape's describe one moment), once every one
+    is there and `until` holds for them."""
+    pattern = re.compile(r'^(\w+)\{([^}]*)\} (\S+)$', re.M)
     deadline = time.monotonic() + timeout_s
     while True:
         text = requests.get(f"{url}/metrics", headers=HEADERS, timeout=30).text
-        values = [float(v) for labels, v in pattern.findall(text) if f'application="{app}"' in labels]
-        if values and until(sum(values)):
-            return sum(values)
-        assert time.monotonic() < deadline, f"{series} of {app}: {values or 'absent'}"
+        values: dict[str, float] = {}
+        for name, labels, value in pattern.findall(text):
+            if name in series and f'application="{app}"' in labels:
+                values[name] = values.get(name, 0.0) + float(value)
+        if len(values) == len(series) and until(values):
+            return values
+        assert time.monotonic() < deadline, f"{', '.join(series)} of {app}: {values or 'absent'}"
         time.sleep(1)

@@ -6,9 +6,7 @@ them goes on to its end with the tokens it gets alone."""
 from __future__ import annotations
 
 import json
-import re
 import threading
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -16,7 +14,7 @@ import requests
 
 from shardyard.checkpoint.loaders import find_latest
 from shardyard.localdist import free_port, run_distributed
-from helpers.serving import save_default_job_checkpoint
+from helpers.serving import metrics, save_default_job_checkpoint
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -73,22 +71,13 @@ def timed_out_by_its_client(url: str) -> None:
         requests.post(f"{url}/v1/completions", json=body(LONG), timeout=(30, 1.0))
 
 
-def engine_numbers(url: str, until: Callable[[dict[str, float]], bool], timeout_s: float = 90) -> dict[str, float]:
-    """The app's tokens decoded, requests running and cache blocks held, read from one scrape of
-    /metrics (the replica publishes them together, so they describe one moment), once `until`
-    holds for them. Ray's agents export every few seconds: the moment is waited for."""
+def engine_numbers(url: str, until: Callable[[dict[str, float]], bool]) -> dict[str, float]:
+    """The app's tokens decoded, requests running and cache blocks held at one moment (one scrape),
+    once `until` holds for them. Ray's agents export every few seconds: the moment is waited for."""
     names = {"ray_shardyard_generated_tokens_total": "tokens", "ray_shardyard_running_requests": "running",
              "ray_shardyard_kv_cache_blocks_used": "blocks"}
-    pattern = re.compile(r'^(\w+)\{([^}]*)\} (\S+)$', re.M)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        text = requests.get(f"{url}/metrics", timeout=30).text
-        numbers = {names[name]: float(value) for name, labels, value in pattern.findall(text)
-                   if name in names and f'application="{APP}"' in labels}
-        if len(numbers) == len(names) and until(numbers):
-            return numbers
-        assert time.monotonic() < deadline, numbers
-        time.sleep(1)
+    values = metrics(url, list(names), APP, lambda got: until({names[k]: v for k, v in got.items()}))
+    return {names[k]: v for k, v in values.items()}
 
 
 def test_abandoned_requests_stop_decoding_and_free_their_cache_while_a_stream_beside_them_ends_whole(
