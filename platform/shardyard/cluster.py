@@ -14,6 +14,7 @@ from typing import Any
 import ray
 
 from shardyard.ports import quiet_free_port
+from shardyard.spec.base import SpecError
 
 # torchft's Lighthouse (hot recovery) logs every quorum at INFO, several lines per step.
 QUIET = {"env_vars": {"RUST_LOG": os.environ.get("RUST_LOG", "warn")}}
@@ -26,10 +27,10 @@ def connect_ray(min_cpus: float, attach_to_running: bool = False) -> bool:
     if ray.is_initialized():
         return True
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=QUIET)
+        join(os.environ["RAY_ADDRESS"], runtime_env=QUIET)
         return True
     if attach_to_running and (address := running_cluster()) is not None:
-        ray.init(address=address, runtime_env=QUIET)
+        join(address, runtime_env=QUIET)
         return True
     # address="local": a new instance even if an earlier cluster left its address behind. At
     # least `min_cpus` logical CPUs, so a 4-worker job still runs (oversubscribed, slower) on a
@@ -38,6 +39,32 @@ def connect_ray(min_cpus: float, attach_to_running: bool = False) -> bool:
     # time; its cost was not measurable (benchmarks/ddp_overhead.py, docs/benchmarks.md).
     start_local_ray(num_cpus=max(os.cpu_count() or 1, math.ceil(min_cpus)))
     return False
+
+
+class RayUnreachable(SpecError):
+    """The cluster a command was told to join (RAY_ADDRESS) cannot be joined: a user's setting to
+    fix, said at once, before anything starts."""
+
+
+def join(address: str, **options: Any) -> None:
+    """`ray.init` on the running cluster at `address` ("auto", "host:port", "ray://host:port"), or
+    RayUnreachable saying why: no process listening there (Ray itself retries that for many
+    minutes before it says so), or Ray refusing the connection (a missing token, for one)."""
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    if host and port.isdigit():
+        try:
+            with socket.create_connection((host, int(port)), timeout=5):
+                pass
+        except OSError as err:
+            raise RayUnreachable(
+                f"no Ray cluster answers at {address} ({err.strerror or err}): start one there "
+                "(`ray start --head`), or unset RAY_ADDRESS to run on a Ray instance started for this command"
+            ) from None
+    try:
+        ray.init(address=address, **options)
+    except ConnectionError as err:  # Ray's reason is the last line of its cause's traceback
+        reason = str(err.__cause__ or err).strip().splitlines()[-1]
+        raise RayUnreachable(f"could not join the Ray cluster at {address}: {reason}") from None
 
 
 def start_local_ray(**options: Any) -> None:

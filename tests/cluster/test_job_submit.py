@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -25,7 +26,7 @@ from shardyard.checkpoint.loaders import find_latest
 from shardyard.storage.events import read_events
 from shardyard.train.metrics import read_metrics
 from shardyard.storage.store import RunStorage
-from helpers.repo import RAY, REPO
+from helpers.repo import RAY, REPO, SHARDYARD
 
 pytestmark = pytest.mark.ray
 
@@ -146,6 +147,31 @@ def test_a_job_with_a_relative_storage_path_is_refused_with_the_fix(cluster) -> 
     assert re.search(r"failed", status, re.IGNORECASE), f"{status}\n{logs[-3000:]}"
     assert "checkpoint.storage_path 'runs' is relative" in logs, logs[-3000:]
     assert "--set checkpoint.storage_path=$PWD/runs" in logs and "Traceback" not in logs, logs[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_cluster_that_cannot_be_joined_is_refused_at_once_with_the_reason(cluster, tmp_path: Path) -> None:
+    """`shardyard train` told to join a cluster it cannot: in a shell without README's
+    `export RAY_AUTH_MODE=token`, refused with Ray's reason (the token); at an address nothing
+    answers at, refused at once (Ray itself retried such an address for over ten minutes). Exit
+    status 2 and no traceback, nothing trained."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        unanswered = f"127.0.0.1:{closed.getsockname()[1]}"
+    no_token = {**cluster, "RAY_ADDRESS": "127.0.0.1:6379", "RAY_AUTH_MODE": "disabled",
+                "RAY_NUM_REDIS_GET_RETRIES": "1"}  # Ray's tries at a refusing cluster: 20, a second apart
+    errors = []
+    for env in (no_token, {**cluster, "RAY_ADDRESS": unanswered}):
+        started = time.monotonic()
+        answer = subprocess.run([SHARDYARD, "train", "jobs/configs/gpt_ddp.yaml", "--set",
+                                 f"checkpoint.storage_path={tmp_path}"], cwd=REPO, env=env, capture_output=True,
+                                text=True, timeout=90)
+        assert answer.returncode == 2 and "Traceback" not in answer.stderr, answer.stderr[-3000:]
+        assert time.monotonic() - started < 60
+        errors.append(answer.stderr)
+    assert "could not join the Ray cluster at 127.0.0.1:6379: " in errors[0] and "token" in errors[0], errors[0]
+    assert f"no Ray cluster answers at {unanswered}" in errors[1], errors[1]
+    assert list(tmp_path.rglob("checkpoint_step_*")) == []
 
 
 USERS_SCRIPT = '''"""A user's training script: their model from a package of theirs, their data and loss

@@ -83,7 +83,7 @@ def uses_gpus(device: str, num_shards: int) -> bool:
     if device != "auto":
         return device == "cuda"
     if not ray.is_initialized():  # `serve run` builds the app before it connects
-        from shardyard.cluster import address_to_join
+        from shardyard.cluster import address_to_join, join
 
-        ray.init(address=address_to_join())
+        join(address_to_join())
     return ray.cluster_resources().get("GPU", 0) >= num_shards
