@@ -30,7 +30,7 @@ from shardyard import exit_codes
 from shardyard.storage.events import Event, read_events
 from shardyard.checkpoint.record import newest_good
 from shardyard.storage.store import RunStorage
-from shardyard.cluster import QUIET, start_local_ray
+from shardyard.cluster import QUIET, join, start_local_ray
 from shardyard.pool.arbiter import RemoteArbiter, arbiter_name
 from shardyard.pool.spec import PoolSpec, check_serving, load_pool, replica_bounds
 from shardyard.serve.app.logs import serve_log_levels
@@ -61,7 +61,7 @@ def connect(pool: PoolSpec, job: JobSpec) -> float:
         if devices.units is not None:
             raise SpecError(f"pool.units: on a cluster (RAY_ADDRESS) the pool is every {devices.resource} its nodes "
                             "carry; leave pool.units out")
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=QUIET)
+        join(os.environ["RAY_ADDRESS"], runtime_env=QUIET)
         return ray.cluster_resources().get(devices.resource, 0.0)
     if devices.resource == "GPU":
         raise SpecError("pool.resource GPU: a local Ray instance pools the GPUs of a cluster it joins; set "
