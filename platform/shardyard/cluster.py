@@ -53,7 +53,7 @@ def join(address: str, **options: Any) -> None:
     host, _, port = address.split("://", 1)[-1].rpartition(":")
     if host and port.isdigit():
         try:
-            with socket.create_connection((host, int(port)), timeout=5):
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=5):  # "[::1]:6379" too
                 pass
         except OSError as err:
             raise RayUnreachable(
