@@ -50,21 +50,28 @@ def join(address: str, **options: Any) -> None:
     """`ray.init` on the running cluster at `address` ("auto", "host:port", "ray://host:port"), or
     RayUnreachable saying why: no process listening there (Ray itself retries that for many
     minutes before it says so), or Ray refusing the connection (a missing token, for one)."""
-    host, _, port = address.split("://", 1)[-1].rpartition(":")
-    if host and port.isdigit():
-        try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=5):  # "[::1]:6379" too
-                pass
-        except OSError as err:
-            raise RayUnreachable(
-                f"no Ray cluster answers at {address} ({err.strerror or err}): start one there "
-                "(`ray start --head`), or unset RAY_ADDRESS to run on a Ray instance started for this command"
-            ) from None
+    try:
+        answer_at(address, timeout_s=5)
+    except ValueError:
+        pass  # no port in it ("auto"): Ray finds the cluster
+    except OSError as err:
+        raise RayUnreachable(
+            f"no Ray cluster answers at {address} ({err.strerror or err}): start one there "
+            "(`ray start --head`), or unset RAY_ADDRESS to run on a Ray instance started for this command"
+        ) from None
     try:
         ray.init(address=address, **options)
     except ConnectionError as err:  # Ray's reason is the last line of its cause's traceback
         reason = str(err.__cause__ or err).strip().splitlines()[-1]
         raise RayUnreachable(f"could not join the Ray cluster at {address}: {reason}") from None
+
+
+def answer_at(address: str, timeout_s: float) -> None:
+    """Connects to `address` ("host:port", a scheme before it, an IPv6 host in brackets) and leaves:
+    OSError when nothing takes the connection, ValueError when it names no port."""
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+        pass
 
 
 def start_local_ray(**options: Any) -> None:
@@ -150,9 +157,8 @@ def running_cluster() -> str | None:
         return None
     try:
         address = record.read_text().strip()
-        host, _, port = address.rpartition(":")
-        with socket.create_connection((host, int(port)), timeout=2):
-            return address
+        answer_at(address, timeout_s=2)
+        return address
     except (OSError, ValueError):
         if record.exists():
             print(f"shardyard: the Ray cluster recorded in {record} does not answer (stopped without "

@@ -148,9 +148,7 @@ def test_bad_serve_arguments_are_a_message_and_status_2(run_dir: Path, monkeypat
         main(["serve", str(run_dir), "--api-key", "k", "--api-key-file", "f"])  # argparse: one or the other
     with pytest.raises(SystemExit):
         main(["serve", str(run_dir), "--header-timeout", "0"])
-    with socket.socket() as closed:  # a RAY_ADDRESS nothing answers at: said at once (Ray retries for minutes)
-        closed.bind(("127.0.0.1", 0))
-        unanswered = f"127.0.0.1:{closed.getsockname()[1]}"
+    unanswered = f"127.0.0.1:{free_port()}"  # a RAY_ADDRESS nothing answers at: said at once (Ray retries for minutes)
     monkeypatch.setenv("RAY_ADDRESS", unanswered)
     assert main(["serve", str(run_dir)]) == 2
     assert f"no Ray cluster answers at {unanswered}" in capsys.readouterr().err

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from helpers.user_shell import readme_ray_cluster
 from shardyard.checkpoint.record import newest_name
 from shardyard.train.callbacks import HOLD_ENV
 from shardyard.checkpoint.loaders import find_latest
+from shardyard.localdist import free_port
 from shardyard.storage.events import read_events
 from shardyard.train.metrics import read_metrics
 from shardyard.storage.store import RunStorage
@@ -155,9 +155,7 @@ def test_a_cluster_that_cannot_be_joined_is_refused_at_once_with_the_reason(clus
     `export RAY_AUTH_MODE=token`, refused with Ray's reason (the token); at an address nothing
     answers at, refused at once (Ray itself retried such an address for over ten minutes). Exit
     status 2 and no traceback, nothing trained."""
-    with socket.socket() as closed:
-        closed.bind(("127.0.0.1", 0))
-        unanswered = f"127.0.0.1:{closed.getsockname()[1]}"
+    unanswered = f"127.0.0.1:{free_port()}"
     no_token = {**cluster, "RAY_ADDRESS": "127.0.0.1:6379", "RAY_AUTH_MODE": "disabled",
                 "RAY_NUM_REDIS_GET_RETRIES": "1"}  # Ray's tries at a refusing cluster: 20, a second apart
     errors = []

@@ -117,8 +117,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from shardyard.cluster import (RayUnreachable, address_to_join, join, keep_ray_token_private, local_runtime_env,
-                                   quiet_token_notice)
+    from shardyard.cluster import address_to_join, join, keep_ray_token_private, local_runtime_env, quiet_token_notice
     from shardyard.serve.app.deployment import build_app
     from shardyard.serve.app.ingress import haproxy_ingress
     from shardyard.serve.app.port_holder import claim
@@ -132,20 +131,15 @@ def run(args: argparse.Namespace) -> int:
     with ExitStack() as instance:
         if own:
             instance.enter_context(haproxy_ingress(args.header_timeout))
-        if own:
-            keep_ray_token_private()
-            quiet_token_notice()
-        if own:
-            ray.init(address=address, log_to_driver=True, runtime_env=local_runtime_env())
-            keep_ray_token_private()  # Ray makes it at the umask when there was none
-        else:
-            try:
-                join(address, log_to_driver=True)
-            except RayUnreachable as err:
-                print(f"shardyard: {err}", file=sys.stderr)
-                return exit_codes.REFUSED
-        instance.callback(ray.shutdown)
         try:
+            if own:
+                keep_ray_token_private()
+                quiet_token_notice()
+                ray.init(address=address, log_to_driver=True, runtime_env=local_runtime_env())
+                keep_ray_token_private()  # Ray makes it at the umask when there was none
+            else:
+                join(address, log_to_driver=True)  # a cluster that cannot be joined: a SpecError
+            instance.callback(ray.shutdown)
             app = build_app(config)
         except SpecError as err:
             print(f"shardyard: {err}", file=sys.stderr)
