@@ -15,8 +15,9 @@ bfloat16 by default, which is what `vllm serve` takes for `auto` on an x86 CPU (
 directory included), so vLLM runs at its own defaults; `--dtype float32` compares both in float32.
 shardyard serves each through README's own path, `shardyard serve DIRECTORY` run as a user runs
 it (its own local Ray of the machine's CPUs, Serve behind HAProxy, one replica, continuous
-batching, 16 requests at once, one shard in the replica's process: `shardyard`;
-`shardyard-two-shards`: two pipeline shards, as README's config did until 2026-11-29), with its
+batching, 16 requests at once, one shard in its engine core's process: `shardyard`;
+`shardyard-two-shards`: two pipeline shards, as README's config did until 2026-11-29;
+`shardyard-one-thread`: the engine core on one OpenMP thread, `engine.cpu_threads: 1`), with its
 built-in engine and with `engine: vllm`; then `vllm serve` (its CPU build, 2 GiB of KV cache, prefix caching on, its
 default) serves it alone. `engine: vllm` is given vLLM's own limits (`max_num_seqs` 128, the same
 2 GiB of KV cache): it is measured against the same engine, configured alike, behind shardyard's
@@ -43,7 +44,7 @@ by process. What separates its row from `shardyard`'s is the serving path.
 product instead of oneDNN's over packed weights, serve/executor/packed_linear.py);
 `shardyard-in-process-compiled`: with its decode steps compiled (serve/executor/compiled_decode.py), timed
 after one load that compiled them. `-one-thread` after either: on one OpenMP thread instead of the
-replica's (what a step of each size costs on one core against two).
+engine core's two (what a step of each size costs on one core against two).
 """
 
 from __future__ import annotations
@@ -191,10 +192,12 @@ def loads(server: str, url: str, directory: Path, out: Path, concurrencies: list
 
 
 def shardyard_rows(directory: Path, out: Path, concurrencies: list[int], prompts: int, dtype: str,
-                   prefix_caching: bool = True, engine: str = "builtin", shards: int = 1) -> list[dict]:
+                   prefix_caching: bool = True, engine: str = "builtin", shards: int = 1,
+                   threads: int | None = None) -> list[dict]:
     """The loads against README's serving path as a user runs it: `shardyard serve DIRECTORY`
     (its own local Ray, Serve behind HAProxy with the header deadline, one replica, the app's
-    defaults), stopped with Ctrl-C after."""
+    defaults), stopped with Ctrl-C after. `threads`: the engine core's OpenMP threads
+    (`engine.cpu_threads`) instead of the default."""
     from shardyard.localdist import free_port
 
     port = free_port()
@@ -202,6 +205,8 @@ def shardyard_rows(directory: Path, out: Path, concurrencies: list[int], prompts
     limits = vllm_limits(directory, dtype) if engine == "vllm" else {}
     if shards > 1:  # as serve_apps/config.yaml split it before 2026-11-29: pipeline shards of 0.75 CPUs
         limits.update({"engine.num_shards": shards, "engine.cpus_per_shard": 1.5 / shards})
+    if threads:
+        limits["engine.cpu_threads"] = threads
     settings = {"limits.max_tokens_limit": 256, "limits.max_prompt_chars": 65536, "limits.max_body_bytes": 262144,
                 "engine.prefix_caching": prefix_caching, **limits, **APP_SETTINGS}
     command = [str(SHARDYARD), "serve", str(directory), "--port", str(port), "--dtype", dtype, "--engine", engine,
@@ -218,6 +223,9 @@ def shardyard_rows(directory: Path, out: Path, concurrencies: list[int], prompts
             return loads("shardyard, engine: vllm", url, directory, out, concurrencies, prompts)
         if shards > 1:
             return loads(f"shardyard, {shards} pipeline shards", url, directory, out, concurrencies, prompts)
+        if threads:
+            return loads(f"shardyard, engine core on {threads} thread{'s' if threads > 1 else ''}", url, directory,
+                         out, concurrencies, prompts)
         if prefix_caching:
             return loads("shardyard", url, directory, out, concurrencies, prompts)
         return loads("shardyard, no prefix caching", url, directory, out, concurrencies, prompts,
@@ -249,15 +257,14 @@ def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompt
     linear weights packed for oneDNN, as the app serves them on a CPU (else multiplied by the BLAS
     from the plain weights, `SHARDYARD_PACKED_LINEAR=0`); `compiled`: its decode steps compiled
     (`enforce_eager: false`), measured after a load that compiles them; `threads`: its OpenMP threads
-    (default: the replica's, as the app sets them)."""
+    (default: the engine core's, as the app sets them)."""
     import asyncio
-    import math
     import random
     from unittest.mock import patch
 
     import torch
 
-    from shardyard.serve.engine.builtin import REPLICA_CPUS
+    from shardyard.serve.engine.builtin import model_threads
     from shardyard.serve.engine.batching import prefill_budget
     from shardyard.serve.engine.decoding import DecodingEngine
     from shardyard.serve.generation import Completion
@@ -267,7 +274,7 @@ def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompt
     from shardyard.serve.sampling import Sampling
 
     cfg = load_config({"checkpoint": str(directory), "batching.max_batch_size": 16}, use_gpu=False)
-    torch.set_num_threads(threads or max(1, math.ceil(REPLICA_CPUS + cfg.engine.cpus_per_shard)))  # the replica's
+    torch.set_num_threads(threads or model_threads(cfg))  # the engine core's
     with patch.dict(os.environ, {ENV: "1" if packed else "0"}):  # read as the model loads
         model = LocalModel(cfg.checkpoint, False, cfg.cache_blocks, dtype=getattr(torch, dtype),
                            compile_for=cfg.batching.max_batch_size if compiled else 0)
@@ -343,6 +350,7 @@ SERVERS = {"shardyard": shardyard_rows,
            "shardyard-no-prefix-caching": lambda *a: shardyard_rows(*a, prefix_caching=False),
            "shardyard-vllm-engine": lambda *a: shardyard_rows(*a, engine="vllm"),
            "shardyard-two-shards": lambda *a: shardyard_rows(*a, shards=2),
+           "shardyard-one-thread": lambda *a: shardyard_rows(*a, threads=1),
            "shardyard-in-process": in_process_rows,
            "shardyard-in-process-plain-linears": lambda *a: in_process_rows(*a, packed=False),
            "shardyard-in-process-compiled": lambda *a: in_process_rows(*a, compiled=True),

@@ -9,6 +9,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers.followed_run import PROMPT, alone, commit
 from shardyard.checkpoint.layout import read_spec
@@ -16,7 +17,7 @@ from shardyard.checkpoint.reader_holds import live_holds
 from shardyard.checkpoint.record import checkpoint_name
 from shardyard.storage.store import RunStorage
 from shardyard.serve.engine.backend import EngineBackend, WeightsRefused
-from shardyard.serve.engine.builtin import BuiltinEngine
+from shardyard.serve.engine.builtin import BuiltinEngine, model_threads
 from shardyard.serve.resolved import load_config
 from shardyard.serve.generation import Completion, decode, encode
 from shardyard.serve.engine.golden import GoldenPrompt
@@ -47,6 +48,27 @@ async def answer(engine: EngineBackend) -> tuple[str, str]:
     """PROMPT's greedy answer from `engine`, and the fingerprint of the weights that decoded it."""
     generation = engine.generate(Completion(encode(PROMPT), TOKENS))
     return decode([t async for t in generation.tokens]), generation.weights()
+
+
+@pytest.mark.timeout(60)
+def test_one_shard_decodes_on_the_replicas_cpus_and_its_own_as_threads_unless_told(run_dir: Path) -> None:
+    """The replica's half CPU and the shard's, rounded up (README's 2-core default: 2 threads);
+    `engine.cpu_threads` says otherwise, and the engine then decodes on that many."""
+    def threads(**settings: object) -> int:
+        return model_threads(load_config({"checkpoint": str(run_dir / checkpoint_name(10)), **settings}, use_gpu=False))
+
+    assert threads() == 2
+    assert threads(**{"engine.cpus_per_shard": 0.5}) == 1
+    assert threads(**{"engine.cpus_per_shard": 2.5}) == 3
+    assert threads(**{"engine.cpu_threads": 1}) == 1
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = started(run_dir, 10, **{"engine.cpu_threads": 1})
+        assert torch.get_num_threads() == 1
+        assert run_closing(engine, lambda: answer(engine)) == (alone(run_dir / checkpoint_name(10)), "gpt_ddp@10")
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.timeout(120)

@@ -50,6 +50,17 @@ REPLICA_CPUS = 0.5
 HEALTH_REUSE_S = 1.0
 
 
+def model_threads(cfg: ResolvedConfig) -> int:
+    """The OpenMP threads one shard's passes run on, on a CPU: `engine.cpu_threads`, else the
+    replica's CPUs and the shard's, rounded up (2 by default). Neither count wins everywhere: a
+    pass waits at each of its operations for its slowest thread, so a team as large as the machine
+    stalls whenever the replica's streaming, HAProxy, Ray's own processes or a client take a core,
+    while a team of one leaves the second core's bandwidth and compute unused. Through `shardyard
+    serve` on a 2-core AMD EPYC, one thread gave a lower time per token at one stream and two more
+    tokens/s at 16 (docs/benchmarks.md, "The engine core's threads")."""
+    return cfg.engine.cpu_threads or max(1, math.ceil(REPLICA_CPUS + cfg.engine.cpus_per_shard))
+
+
 class BuiltinEngine:
     name = "builtin"
 
@@ -94,11 +105,7 @@ class BuiltinEngine:
     def _model(self, use_gpu: bool) -> ModelExecutor:
         cfg, dtype = self.cfg, serving_dtype(self.cfg.engine.dtype, use_gpu, self.cfg.checkpoint)
         if cfg.engine.num_shards == 1:  # decoded in this process: its bundle holds the shard's CPUs
-            # The replica's CPUs and the shard's as threads, rounded up, in the replica or its
-            # engine core alike: the model is what they are spent on (the replica's HTTP and
-            # streaming kept under a tenth of a core busy at 16 streams beside an engine core, and
-            # on 2 cores a core of 1 thread served fewer tokens/s than one of 2).
-            torch.set_num_threads(max(1, math.ceil(REPLICA_CPUS + cfg.engine.cpus_per_shard)))
+            torch.set_num_threads(model_threads(cfg))
             return LocalModel(self.source, use_gpu, cfg.cache_blocks, cfg.trust_factory, dtype,
                               compile_for=cfg.batching.max_batch_size if cfg.compiles(use_gpu) else 0,
                               paged=cfg.engine.paged_attention(use_gpu))
@@ -127,6 +134,7 @@ class BuiltinEngine:
               f"{'on' if cfg.engine.prefix_caching else 'off'}; attention "
               f"{'paged' if paged else 'over lanes'}), prefill budget {budget.tokens} tokens per iteration, "
               f"decode steps {'compiled' if getattr(self.model, 'decode', None) else 'eager'}"
+              + ("" if cfg.use_gpu or cfg.engine.num_shards > 1 else f" on {model_threads(cfg)} CPU thread(s)")
               + (f"; memory {memory}" if memory else ""), flush=True)
 
     def _start_static(self) -> None:
