@@ -17,7 +17,8 @@ shardyard serves each through README's own path, `shardyard serve DIRECTORY` run
 it (its own local Ray of the machine's CPUs, Serve behind HAProxy, one replica, continuous
 batching, 16 requests at once, one shard in its engine core's process: `shardyard`;
 `shardyard-two-shards`: two pipeline shards, as README's config did until 2026-11-29;
-`shardyard-one-thread`: the engine core on one OpenMP thread, `engine.cpu_threads: 1`), with its
+`shardyard-one-thread` and `-two-threads`: the engine core on one or two OpenMP threads for every
+pass, `engine.cpu_threads`), with its
 built-in engine and with `engine: vllm`; then `vllm serve` (its CPU build, 2 GiB of KV cache, prefix caching on, its
 default) serves it alone. `engine: vllm` is given vLLM's own limits (`max_num_seqs` 128, the same
 2 GiB of KV cache): it is measured against the same engine, configured alike, behind shardyard's
@@ -274,10 +275,11 @@ def in_process_rows(directory: Path, out: Path, concurrencies: list[int], prompt
     from shardyard.serve.sampling import Sampling
 
     cfg = load_config({"checkpoint": str(directory), "batching.max_batch_size": 16}, use_gpu=False)
-    torch.set_num_threads(threads or model_threads(cfg))  # the engine core's
+    team, one_row = (threads, threads) if threads else model_threads(cfg)  # the engine core's
+    torch.set_num_threads(team)
     with patch.dict(os.environ, {ENV: "1" if packed else "0"}):  # read as the model loads
         model = LocalModel(cfg.checkpoint, False, cfg.cache_blocks, dtype=getattr(torch, dtype),
-                           compile_for=cfg.batching.max_batch_size if compiled else 0)
+                           compile_for=cfg.batching.max_batch_size if compiled else 0, one_row_threads=one_row)
     name = ("shardyard engine, in process" + ("" if packed else ", plain linears") + (", compiled" if compiled else "")
             + (f", {threads} thread{'s' if threads > 1 else ''}" if threads else ""))
     budget = prefill_budget(model.forward, CONTEXT, cfg.batching.max_batch_size, cfg.batching.token_latency_target_ms / 1000)
@@ -351,6 +353,7 @@ SERVERS = {"shardyard": shardyard_rows,
            "shardyard-vllm-engine": lambda *a: shardyard_rows(*a, engine="vllm"),
            "shardyard-two-shards": lambda *a: shardyard_rows(*a, shards=2),
            "shardyard-one-thread": lambda *a: shardyard_rows(*a, threads=1),
+           "shardyard-two-threads": lambda *a: shardyard_rows(*a, threads=2),
            "shardyard-in-process": in_process_rows,
            "shardyard-in-process-plain-linears": lambda *a: in_process_rows(*a, packed=False),
            "shardyard-in-process-compiled": lambda *a: in_process_rows(*a, compiled=True),

@@ -42,10 +42,10 @@ class EngineSettings(Section):
     cpus_per_shard: float = Field(1.0, gt=0, description="Ray CPUs each shard's bundle reserves (beside a GPU "
                                   "each on GPUs); the replica's own bundle reserves 0.5")
     cpu_threads: int | None = Field(
-        None, ge=1, description="one shard on a CPU: the OpenMP threads its passes run on (in the engine core, or the "
-        "replica for static batches); default: the replica's CPUs and the shard's, rounded up (2). Fewer leave the "
-        "replica's streaming and Ray's processes a core: on 2 cores, 1 thread gave a lower time per token at one "
-        "stream, 2 more tokens/s at 16")
+        None, ge=1, description="one shard on a CPU: the OpenMP threads every pass runs on (in the engine core, or the "
+        "replica for static batches); default: the replica's CPUs and the shard's, rounded up (2), and an eager "
+        "one-row decode step on the shard's own (1): on 2 cores one thread gave a lower time per token at one "
+        "stream, two more tokens/s at 16")
     device_resources: dict[str, float] = Field(
         default_factory=dict, description="custom Ray resources a replica that decodes in its own process "
         "(num_shards 1) reserves beside its CPUs (and GPU): a pool's device")

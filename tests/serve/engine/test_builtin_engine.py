@@ -51,22 +51,33 @@ async def answer(engine: EngineBackend) -> tuple[str, str]:
 
 
 @pytest.mark.timeout(60)
-def test_one_shard_decodes_on_the_replicas_cpus_and_its_own_as_threads_unless_told(run_dir: Path) -> None:
-    """The replica's half CPU and the shard's, rounded up (README's 2-core default: 2 threads);
-    `engine.cpu_threads` says otherwise, and the engine then decodes on that many."""
-    def threads(**settings: object) -> int:
+def test_one_shard_decodes_one_row_on_its_own_cpus_and_the_rest_on_the_replicas_too(run_dir: Path) -> None:
+    """The team: the replica's half CPU and the shard's, rounded up (README's 2-core default: 2
+    threads); a one-row decode step on the shard's own (1). `engine.cpu_threads` sets both."""
+    def threads(**settings: object) -> tuple[int, int]:
         return model_threads(load_config({"checkpoint": str(run_dir / checkpoint_name(10)), **settings}, use_gpu=False))
 
-    assert threads() == 2
-    assert threads(**{"engine.cpus_per_shard": 0.5}) == 1
-    assert threads(**{"engine.cpus_per_shard": 2.5}) == 3
-    assert threads(**{"engine.cpu_threads": 1}) == 1
+    assert threads() == (2, 1)
+    assert threads(**{"engine.cpus_per_shard": 0.5}) == (1, 1)
+    assert threads(**{"engine.cpus_per_shard": 2.5}) == (3, 2)
+    assert threads(**{"engine.cpu_threads": 2}) == (2, 2)
     before = torch.get_num_threads()
-    torch.set_num_threads(2)
     try:
-        engine = started(run_dir, 10, **{"engine.cpu_threads": 1})
-        assert torch.get_num_threads() == 1
+        engine = started(run_dir, 10)
+        assert torch.get_num_threads() == 2
+        ran = []
+        threads_of = engine.model.step_threads
+        entered = threads_of.enter
+        threads_of.enter = lambda tokens: (entered(tokens), ran.append((tuple(tokens.shape), torch.get_num_threads())))
         assert run_closing(engine, lambda: answer(engine)) == (alone(run_dir / checkpoint_name(10)), "gpt_ddp@10")
+        prompt, *steps = ran
+        assert prompt[0][1] > 1 and prompt[1] == 2, ran  # the prompt's pass on the team
+        assert steps and all(shape == (1, 1) and count == 1 for shape, count in steps), ran
+        fixed = started(run_dir, 10, **{"engine.cpu_threads": 2})
+        try:
+            assert fixed.model.step_threads is None  # one count: no switching
+        finally:
+            fixed.close()
     finally:
         torch.set_num_threads(before)
 

@@ -50,15 +50,17 @@ REPLICA_CPUS = 0.5
 HEALTH_REUSE_S = 1.0
 
 
-def model_threads(cfg: ResolvedConfig) -> int:
-    """The OpenMP threads one shard's passes run on, on a CPU: `engine.cpu_threads`, else the
-    replica's CPUs and the shard's, rounded up (2 by default). Neither count wins everywhere: a
-    pass waits at each of its operations for its slowest thread, so a team as large as the machine
-    stalls whenever the replica's streaming, HAProxy, Ray's own processes or a client take a core,
-    while a team of one leaves the second core's bandwidth and compute unused. Through `shardyard
-    serve` on a 2-core AMD EPYC, one thread gave a lower time per token at one stream and two more
-    tokens/s at 16 (docs/benchmarks.md, "The engine core's threads")."""
-    return cfg.engine.cpu_threads or max(1, math.ceil(REPLICA_CPUS + cfg.engine.cpus_per_shard))
+def model_threads(cfg: ResolvedConfig) -> tuple[int, int]:
+    """The OpenMP threads one shard's passes run on, on a CPU: the team, and the threads of a
+    one-row decode step. `engine.cpu_threads` sets both; else the team is the replica's CPUs and the
+    shard's, rounded up (2 by default), and a one-row step runs on the shard's own, whole (1).
+    A pass waits at each of its operations for its slowest thread, so a team as large as the
+    machine stalls whenever the replica's streaming, HAProxy, Ray's own processes or a client take
+    a core: through `shardyard serve` on a 2-core AMD EPYC, one thread gave a lower time per token
+    at one stream and two more tokens/s at 16 (docs/benchmarks.md, "The engine core's threads")."""
+    if cfg.engine.cpu_threads:
+        return cfg.engine.cpu_threads, cfg.engine.cpu_threads
+    return max(1, math.ceil(REPLICA_CPUS + cfg.engine.cpus_per_shard)), max(1, int(cfg.engine.cpus_per_shard))
 
 
 class BuiltinEngine:
@@ -105,10 +107,11 @@ class BuiltinEngine:
     def _model(self, use_gpu: bool) -> ModelExecutor:
         cfg, dtype = self.cfg, serving_dtype(self.cfg.engine.dtype, use_gpu, self.cfg.checkpoint)
         if cfg.engine.num_shards == 1:  # decoded in this process: its bundle holds the shard's CPUs
-            torch.set_num_threads(model_threads(cfg))
+            team, one_row = model_threads(cfg)
+            torch.set_num_threads(team)
             return LocalModel(self.source, use_gpu, cfg.cache_blocks, cfg.trust_factory, dtype,
                               compile_for=cfg.batching.max_batch_size if cfg.compiles(use_gpu) else 0,
-                              paged=cfg.engine.paged_attention(use_gpu))
+                              paged=cfg.engine.paged_attention(use_gpu), one_row_threads=one_row)
         return ShardedModel(self.source, cfg.engine.num_shards, use_gpu, cfg.engine.multi_node, cfg.engine.sharding,
                             cpus_per_shard=cfg.engine.cpus_per_shard, cache_blocks=cfg.cache_blocks,
                             trust_factory=cfg.trust_factory, dtype=dtype, paged=cfg.engine.paged_attention(use_gpu))
@@ -134,8 +137,15 @@ class BuiltinEngine:
               f"{'on' if cfg.engine.prefix_caching else 'off'}; attention "
               f"{'paged' if paged else 'over lanes'}), prefill budget {budget.tokens} tokens per iteration, "
               f"decode steps {'compiled' if getattr(self.model, 'decode', None) else 'eager'}"
-              + ("" if cfg.use_gpu or cfg.engine.num_shards > 1 else f" on {model_threads(cfg)} CPU thread(s)")
+              + ("" if cfg.use_gpu or cfg.engine.num_shards > 1 else f" on {self._threads_said()}")
               + (f"; memory {memory}" if memory else ""), flush=True)
+
+    def _threads_said(self) -> str:
+        """The CPU threads the model's passes run on, as the replica's log says them."""
+        threads = getattr(self.model, "step_threads", None)
+        team = torch.get_num_threads()
+        said = f"{team} CPU thread{'s' if team > 1 else ''}"
+        return said + (f" ({threads.one_row} for a one-row decode step)" if threads is not None else "")
 
     def _start_static(self) -> None:
         """Static batches from the config, or (adaptive) measured on each candidate device."""

@@ -19,7 +19,7 @@ from shardyard.models.kv_cache import KVCache
 from shardyard.models.kv_layout import CacheStep
 from shardyard.runtime import select_device
 from shardyard.serve.executor.compiled_decode import CompiledDecode
-from shardyard.serve.executor.model_thread import ModelThread, one_intra_op_thread
+from shardyard.serve.executor.model_thread import ModelThread, StepThreads, one_intra_op_thread
 from shardyard.serve.executor.packed_linear import pack_linears
 from shardyard.serve.executor.precision import cast_for_serving
 from shardyard.serve.sampling import Outcome
@@ -32,13 +32,15 @@ from shardyard.spec import LANGUAGE_MODELS
 class LocalModel:
     def __init__(self, source: str, use_gpu: bool = False, cache_blocks: int = 0,
                  trust_factory: str | None = None, dtype: torch.dtype = torch.float32,
-                 compile_for: int = 0, paged: bool = False) -> None:
+                 compile_for: int = 0, paged: bool = False, one_row_threads: int = 0) -> None:
         """`source`: a checkpoint, a model directory, or a run directory (its newest committed
         checkpoint, held while served). `cache_blocks`: blocks (of BLOCK_TOKENS positions) the KV
         cache holds (0: none). `dtype`: the weights' (and so the KV cache's) dtype
         (serve/executor/precision.py). `compile_for`: decode steps of up to this many requests run compiled
         (serve/executor/compiled_decode.py; 0: every pass eager). `paged`: attention reads the KV
-        cache's blocks in place (models/kv_cache.py)."""
+        cache's blocks in place (models/kv_cache.py). `one_row_threads`: on a CPU, eager one-row
+        decode steps run on that many OpenMP threads, the other passes on the caller's (0: all on
+        the caller's; a compiled step keeps the count it was compiled with)."""
         found = servable(source)
         if found is None:
             raise ValueError(f"no checkpoint at {source!r}")
@@ -72,6 +74,10 @@ class LocalModel:
             self.weights.serving = self.thread.run(pack_linears, self.weights.serving)
         if self.decode is not None:
             self.thread.run(self._warm_up)
+        team = self.thread.run(torch.get_num_threads)
+        self.step_threads = (StepThreads(team, one_row_threads)
+                        if one_row_threads and one_row_threads != team and self.device.type == "cpu"
+                        and self.decode is None else None)
         self.rebuilds = 0  # nothing here dies apart from the replica, which Serve replaces
         self.times = PassTimes()  # the passes' time, for the engine's per-step figures
         self._lock = threading.RLock()  # one forward pass at a time over the one cache
@@ -122,6 +128,8 @@ class LocalModel:
     def _forward(self, tokens: torch.Tensor, extra: Extra, draws: Draws) -> torch.Tensor | list[Outcome]:
         extra = extra.to(self.device) if isinstance(extra, torch.Tensor) else extra
         tokens = tokens.to(self.device)
+        if self.step_threads is not None:
+            self.step_threads.enter(tokens)
         started = time.perf_counter()
         attended = self.cache.attention_s if self.cache is not None else 0.0
         logits = None

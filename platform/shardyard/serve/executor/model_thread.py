@@ -55,3 +55,20 @@ class ModelThread:
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)
+
+
+class StepThreads:
+    """The OpenMP threads of each pass, set on the model's thread before it runs: a one-row decode
+    step (one stream's next token) on `one_row` threads, every other pass on the team the thread
+    started with. A pass waits at each of its operations for its slowest thread; at one row there
+    is little for a second thread to share, and the core it would take is the one the replica
+    streams the last token on meanwhile (docs/benchmarks.md, "The engine core's threads")."""
+
+    def __init__(self, team: int, one_row: int) -> None:
+        self.team, self.one_row, self.now = team, one_row, team
+
+    def enter(self, tokens: torch.Tensor) -> None:
+        wanted = self.one_row if tokens.numel() == 1 else self.team
+        if wanted != self.now:
+            torch.set_num_threads(wanted)
+            self.now = wanted
