@@ -76,8 +76,8 @@ class LocalModel:
             self.thread.run(self._warm_up)
         team = self.thread.run(torch.get_num_threads)
         self.step_threads = (StepThreads(team, one_row_threads)
-                        if one_row_threads and one_row_threads != team and self.device.type == "cpu"
-                        and self.decode is None else None)
+                             if one_row_threads and one_row_threads != team and self.device.type == "cpu"
+                             and self.decode is None else None)
         self.rebuilds = 0  # nothing here dies apart from the replica, which Serve replaces
         self.times = PassTimes()  # the passes' time, for the engine's per-step figures
         self._lock = threading.RLock()  # one forward pass at a time over the one cache
