@@ -142,10 +142,10 @@ class BuiltinEngine:
 
     def _threads_said(self) -> str:
         """The CPU threads the model's passes run on, as the replica's log says them."""
-        threads = getattr(self.model, "step_threads", None)
-        team = torch.get_num_threads()
+        team, one_row = model_threads(self.cfg)
         said = f"{team} CPU thread{'s' if team > 1 else ''}"
-        return said + (f" ({threads.one_row} for a one-row decode step)" if threads is not None else "")
+        switches = getattr(self.model, "step_threads", None) is not None  # not where decode steps compile
+        return said + (f" ({one_row} for a one-row decode step)" if switches else "")
 
     def _start_static(self) -> None:
         """Static batches from the config, or (adaptive) measured on each candidate device."""
