@@ -18,7 +18,8 @@ it (its own local Ray of the machine's CPUs, Serve behind HAProxy, one replica, 
 batching, 16 requests at once, one shard in its engine core's process: `shardyard`;
 `shardyard-two-shards`: two pipeline shards, as README's config did until 2026-11-29;
 `shardyard-one-thread` and `-two-threads`: the engine core on one or two OpenMP threads for every
-pass, `engine.cpu_threads`), with its
+pass, `engine.cpu_threads`; `shardyard-compiled`: its decode steps compiled, `engine.enforce_eager`
+false, timed after the graphs it compiles as it starts), with its
 built-in engine and with `engine: vllm`; then `vllm serve` (its CPU build, 2 GiB of KV cache, prefix caching on, its
 default) serves it alone. `engine: vllm` is given vLLM's own limits (`max_num_seqs` 128, the same
 2 GiB of KV cache): it is measured against the same engine, configured alike, behind shardyard's
@@ -194,11 +195,11 @@ def loads(server: str, url: str, directory: Path, out: Path, concurrencies: list
 
 def shardyard_rows(directory: Path, out: Path, concurrencies: list[int], prompts: int, dtype: str,
                    prefix_caching: bool = True, engine: str = "builtin", shards: int = 1,
-                   threads: int | None = None) -> list[dict]:
+                   threads: int | None = None, compiled: bool = False) -> list[dict]:
     """The loads against README's serving path as a user runs it: `shardyard serve DIRECTORY`
     (its own local Ray, Serve behind HAProxy with the header deadline, one replica, the app's
     defaults), stopped with Ctrl-C after. `threads`: the engine core's OpenMP threads
-    (`engine.cpu_threads`) instead of the default."""
+    (`engine.cpu_threads`) instead of the default; `compiled`: its decode steps compiled."""
     from shardyard.localdist import free_port
 
     port = free_port()
@@ -208,6 +209,8 @@ def shardyard_rows(directory: Path, out: Path, concurrencies: list[int], prompts
         limits.update({"engine.num_shards": shards, "engine.cpus_per_shard": 1.5 / shards})
     if threads:
         limits["engine.cpu_threads"] = threads
+    if compiled:
+        limits["engine.enforce_eager"] = False
     settings = {"limits.max_tokens_limit": 256, "limits.max_prompt_chars": 65536, "limits.max_body_bytes": 262144,
                 "engine.prefix_caching": prefix_caching, **limits, **APP_SETTINGS}
     command = [str(SHARDYARD), "serve", str(directory), "--port", str(port), "--dtype", dtype, "--engine", engine,
@@ -227,6 +230,8 @@ def shardyard_rows(directory: Path, out: Path, concurrencies: list[int], prompts
         if threads:
             return loads(f"shardyard, engine core on {threads} thread{'s' if threads > 1 else ''}", url, directory,
                          out, concurrencies, prompts)
+        if compiled:
+            return loads("shardyard, decode steps compiled", url, directory, out, concurrencies, prompts)
         if prefix_caching:
             return loads("shardyard", url, directory, out, concurrencies, prompts)
         return loads("shardyard, no prefix caching", url, directory, out, concurrencies, prompts,
@@ -354,6 +359,7 @@ SERVERS = {"shardyard": shardyard_rows,
            "shardyard-two-shards": lambda *a: shardyard_rows(*a, shards=2),
            "shardyard-one-thread": lambda *a: shardyard_rows(*a, threads=1),
            "shardyard-two-threads": lambda *a: shardyard_rows(*a, threads=2),
+           "shardyard-compiled": lambda *a: shardyard_rows(*a, compiled=True),
            "shardyard-in-process": in_process_rows,
            "shardyard-in-process-plain-linears": lambda *a: in_process_rows(*a, packed=False),
            "shardyard-in-process-compiled": lambda *a: in_process_rows(*a, compiled=True),

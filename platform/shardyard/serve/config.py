@@ -64,10 +64,10 @@ class EngineSettings(Section):
         "auto: paged on GPUs, lanes on CPUs, where they measured faster")
     enforce_eager: bool | None = Field(
         None, description="vLLM's setting: true: every pass eager; false: the engine's decode steps compiled "
-        "(torch.compile, one shard in one process; on GPUs replayed as CUDA graphs, on CPUs a frozen graph); "
-        "default: compiled on GPUs, eager on CPUs, where compiling adds tens of seconds to the start (and to a "
-        "swap's first steps) and pays at few streams (lower time per token), hardly at 16. A step that fails to compile "
-        "says so once and every step runs eagerly")
+        "(torch.compile, one shard in one process; on GPUs replayed as CUDA graphs, on CPUs a frozen graph whose "
+        "matrix products are autotuned); default: compiled on GPUs, eager on CPUs, where compiling adds minutes to "
+        "the start (and to a swap's first steps) and about halves the time per token at one stream. A step that "
+        "fails to compile says so once and every step runs eagerly")
 
     def paged_attention(self, use_gpu: bool) -> bool:
         """Whether attention reads the KV cache's blocks in place on these devices (`attention`)."""

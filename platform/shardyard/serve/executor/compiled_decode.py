@@ -8,14 +8,25 @@ where compiling fails: said once, then every step is eager.
 
 The same code path runs on a CPU (inductor's C++ kernels), so the CPU suite exercises it. There
 the graph is frozen: the served weights are its constants (they never change: a swap puts a new
-model in place, compiled again), so the compiler lays every linear weight out once for oneDNN's
-product and folds what depends on weights alone. Unfrozen, a compiled step multiplied through
-the BLAS over the plain weights and lost to the eager step over oneDNN-packed ones
-(serve/executor/packed_linear.py); frozen, a 16-row pass of benchmarks/serve_vs_vllm.py's Llama
-took 11.6 ms against the eager packed 14.7, a 1-row one 6.0 against 10.4 (2-core Xeon, float32).
-Freezing is the compiler's own setting (`torch._inductor.config.freezing`), set around each call
-rather than for the process: a graph is compiled (and recompiled) inside a call. `torch.compile`'s
+model in place, compiled again), so the compiler lays every linear weight out once and folds what
+depends on weights alone. Unfrozen, a compiled step multiplied through the BLAS over the plain
+weights and lost to the eager step over oneDNN-packed ones (serve/executor/packed_linear.py).
+Frozen, each product is also autotuned (`max_autotune`): the compiler writes its own C++ kernel
+for it (its GEMM template, over the weight blocked for it) beside oneDNN's, times both and keeps
+the faster. A one-row decode step is a matrix-vector product per weight, bound by reading the
+weights: oneDNN's read them at about 10 GB/s on this project's 2-core AMD EPYC, the compiler's at
+about 23, close to what summing them takes (27). benchmarks/serve_vs_vllm.py's Llama in
+bfloat16, in process on that machine: one stream at 4.0 ms a token against 7.2 compiled before
+(frozen, oneDNN's products, the guards below; 13 eager), 16 streams at 17.6 against 19.7. The
+timing costs start time: its six graphs compiled in 150-220 s instead of 120 (`gemms=""`
+skips it). These settings are the compiler's own config (`torch._inductor.config`), which is per thread,
+so they are set around each call on the thread that compiles; `torch.compile`'s
 `options={"freezing": True}` did not reach the pass that reads it.
+
+Dynamo checks its guards before every call of a compiled graph; those on the module's
+attributes and parameters took 0.7 ms a step (one stream's step: 4.7 ms with them). The served
+weights never change in place (a swap is another module, compiled anew), so those guards are
+skipped; the ones on the step's inputs, which pick the graph, stay.
 """
 
 from __future__ import annotations
@@ -29,14 +40,23 @@ from shardyard.models.kv_cache import KVCache
 from shardyard.models.kv_layout import LANE_POSITIONS, CacheStep, power_of_two
 from shardyard.serve.executor.model_pass import run_model
 
+# A CPU step's products: the compiler's C++ template ("CPP") or oneDNN's ("ATEN"), the faster of the two.
+GEMMS = "CPP,ATEN"
+
 
 class CompiledDecode:
-    def __init__(self, cache: KVCache, max_running: int, context: int, device: torch.device) -> None:
-        """Fixes `cache` (before its first pass) at `max_running` lanes of `context` positions."""
+    def __init__(self, cache: KVCache, max_running: int, context: int, device: torch.device,
+                 gemms: str = GEMMS) -> None:
+        """Fixes `cache` (before its first pass) at `max_running` lanes of `context` positions.
+        `gemms`: on a CPU, the kernels each product is timed on and chosen from, as the
+        compiler's `max_autotune_gemm_backends` names them ("": oneDNN's, untimed)."""
         cache.fix(max_running, context)
         self.cache = cache
-        self.mode = "reduce-overhead" if device.type == "cuda" else "default"
-        self.frozen = device.type == "cpu"
+        # On a GPU, CUDA graphs (mode "reduce-overhead"): a step replays its kernels.
+        graphs = torch._inductor.list_mode_options("reduce-overhead") if device.type == "cuda" else {}
+        self.compile_options = {**graphs, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        autotuned = {"max_autotune": True, "max_autotune_gemm_backends": gemms} if gemms else {}
+        self.config = {"freezing": True, **autotuned} if device.type == "cpu" else {}
         self.failed: str | None = None
         self.steps = 0  # decode steps run compiled
         self._compiled: tuple[torch.nn.Module, Callable] | None = None  # the model it is for, compiled
@@ -52,7 +72,7 @@ class CompiledDecode:
         self.cache.begin(step, 1, tokens.device, pad_to=padded.shape[0])
         try:
             # A graph's output is overwritten by its next replay: the rows are copied out.
-            with torch._inductor.config.patch(freezing=self.frozen):
+            with torch._inductor.config.patch(**self.config):
                 logits = self._for(model)(padded, cache=self.cache)[:rows].clone()
             self.steps += 1
             return logits
@@ -95,5 +115,5 @@ class CompiledDecode:
             # Shapes as the compiler's default takes them: the first step's exactly, then, once a
             # second bucket or width comes, one graph whatever the rows and width (a CUDA graph is
             # still recorded per shape, which costs a replay's time, not a compile's).
-            self._compiled = (model, torch.compile(model, mode=self.mode))
+            self._compiled = (model, torch.compile(model, options=self.compile_options))
         return self._compiled[1]

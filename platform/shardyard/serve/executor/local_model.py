@@ -18,7 +18,7 @@ from shardyard.checkpoint.published import Published, load_source_part
 from shardyard.models.kv_cache import KVCache
 from shardyard.models.kv_layout import CacheStep
 from shardyard.runtime import select_device
-from shardyard.serve.executor.compiled_decode import CompiledDecode
+from shardyard.serve.executor.compiled_decode import GEMMS, CompiledDecode
 from shardyard.serve.executor.model_thread import ModelThread, StepThreads, one_intra_op_thread
 from shardyard.serve.executor.packed_linear import pack_linears
 from shardyard.serve.executor.precision import cast_for_serving
@@ -32,7 +32,8 @@ from shardyard.spec import LANGUAGE_MODELS
 class LocalModel:
     def __init__(self, source: str, use_gpu: bool = False, cache_blocks: int = 0,
                  trust_factory: str | None = None, dtype: torch.dtype = torch.float32,
-                 compile_for: int = 0, paged: bool = False, one_row_threads: int = 0) -> None:
+                 compile_for: int = 0, paged: bool = False, one_row_threads: int = 0,
+                 gemms: str = GEMMS) -> None:
         """`source`: a checkpoint, a model directory, or a run directory (its newest committed
         checkpoint, held while served). `cache_blocks`: blocks (of BLOCK_TOKENS positions) the KV
         cache holds (0: none). `dtype`: the weights' (and so the KV cache's) dtype
@@ -40,7 +41,8 @@ class LocalModel:
         (serve/executor/compiled_decode.py; 0: every pass eager). `paged`: attention reads the KV
         cache's blocks in place (models/kv_cache.py). `one_row_threads`: on a CPU, eager one-row
         decode steps run on that many OpenMP threads, the other passes on the caller's (0: all on
-        the caller's; a compiled step keeps the count it was compiled with)."""
+        the caller's; a compiled step keeps the count it was compiled with). `gemms`: the kernels a
+        compiled CPU step's products are chosen from (CompiledDecode)."""
         found = servable(source)
         if found is None:
             raise ValueError(f"no checkpoint at {source!r}")
@@ -67,7 +69,7 @@ class LocalModel:
         # Paged attention inside a compiled CPU graph failed in Inductor's C++ FlexAttention kernel
         # (torch 2.13: a graph that does not build), so those decode steps stay eager there.
         compiles = compile_for and self.cache is not None and self.cache_attends
-        self.decode = (CompiledDecode(self.cache, compile_for, self.block_size, self.device)
+        self.decode = (CompiledDecode(self.cache, compile_for, self.block_size, self.device, gemms)
                        if compiles and not (paged and self.device.type == "cpu") else None)
         if self.decode is None and not self.packs:  # nothing compiles after all (a model attending itself)
             self.packs = True
