@@ -128,14 +128,13 @@ def run_closing(engine: EngineBackend, scenario: Callable[[], Coroutine[Any, Any
         engine.close()
 
 
-def decodes_as_without_a_cache(directory: str, dtype: torch.dtype, use_gpu: bool, compile_for: int = 0,
-                               gemms: str = "CPP") -> None:
-    """The check above, for `directory` served in `dtype` on the CPU or the GPU (`compile_for`,
-    `gemms`: its decode steps compiled, LocalModel's). On a CPU the compiled products are the
-    compiler's own C++ kernels by default, the ones autotuning picks for a model bound by reading
-    its weights: a model this small could be given oneDNN's, and those would go untested."""
+def decodes_as_without_a_cache(directory: str, dtype: torch.dtype, use_gpu: bool, compile_for: int = 0) -> None:
+    """The check above, for `directory` served in `dtype` on the CPU or the GPU (`compile_for`:
+    its decode steps compiled, LocalModel's). On a CPU the compiled products are the compiler's own
+    C++ kernels ("CPP"), the ones autotuning picks for a model bound by reading its weights: a
+    model this small could be given oneDNN's, and those would go untested."""
     local = LocalModel(directory, use_gpu=use_gpu, cache_blocks=5 * 2, dtype=dtype, compile_for=compile_for,
-                       gemms=gemms)
+                       gemms="CPP")
     try:
         assert {p.dtype for p in local.model.parameters()} == {dtype}
         reference = cast_for_serving(load_model(directory).eval(), dtype).to(local.device)

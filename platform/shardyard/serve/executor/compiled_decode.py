@@ -19,8 +19,8 @@ about 23, close to what summing them takes (27). benchmarks/serve_vs_vllm.py's L
 bfloat16, in process on that machine: one stream at 4.0 ms a token against 7.2 compiled before
 (frozen, oneDNN's products, the guards below; 13 eager), 16 streams at 17.6 against 19.7. The
 timing costs start time: its six graphs compiled in 150-220 s instead of 120 (`gemms=""`
-skips it). These settings are the compiler's own config (`torch._inductor.config`), which is per thread,
-so they are set around each call on the thread that compiles; `torch.compile`'s
+skips it). These settings are the compiler's own config (`torch._inductor.config`), which is
+per thread, so they are set around each call on the thread that compiles; `torch.compile`'s
 `options={"freezing": True}` did not reach the pass that reads it.
 
 Dynamo checks its guards before every call of a compiled graph; those on the module's
